@@ -1,0 +1,20 @@
+"""packed_encoders: a padding-free forward for live Hugging Face ModernBERT encoders.
+
+    import packed_encoders as pe
+    pe.pack(model)      # model: ModernBertModel, ModernBertFor*, SentenceTransformer, PyLate ColBERT
+    pe.unpack(model)
+
+Importing this package needs only torch; it compiles nothing and works without CUDA.
+"""
+
+from .api import describe, is_packed, pack, packed_forward, unpack
+from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
+from .model.params import ModernBertParams
+from .validation import ValidationReport, validate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModernBertParams", "PackedEncodersError", "UnsupportedTargetError", "ValidationError", "ValidationReport",
+    "describe", "is_packed", "pack", "packed_forward", "unpack", "validate",
+]

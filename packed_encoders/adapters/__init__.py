@@ -1,0 +1,1 @@
+"""Where the ModernBertModel sits, and the HF call convention around the packed forward."""

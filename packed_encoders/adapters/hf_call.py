@@ -1,0 +1,178 @@
+"""The patched ``ModernBertModel.forward``: HF's padded (or packed) call <-> PackedBatch <-> HF outputs.
+
+Accepted: ``input_ids`` or ``inputs_embeds`` ``[B, S]``, ``attention_mask`` ``[B, S]`` (padding on either
+side), ``position_ids``, ``return_dict``, ``output_hidden_states``, all-zero ``token_type_ids``, and the packed
+kwargs of HF v5 / sentence-transformers' flattening collator (``cu_seq_lens_q/k``, ``max_length_q/k``,
+``seq_idx``) or packed ``position_ids`` with batch 1 and no mask. Padded positions of the output are zeros.
+Anything the packed path cannot honour raises :class:`~packed_encoders.errors.PackedEncodersError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+from ..batch import PackedBatch, from_packed, unpad
+from ..errors import PackedEncodersError
+from ..model.forward import activation_dtype, encoder_forward, plan_attention
+
+# Keyword arguments that do not change the encoder's output, accepted and not used:
+# num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
+# meaning for a bidirectional encoder.
+IGNORED_KWARGS = frozenset({"num_items_in_batch", "use_cache"})
+# transformers v4's internal unpadding kwargs (passed by v4 heads under flash_attention_2).
+_V4_UNPADDED = ("sliding_window_mask", "indices", "cu_seqlens", "max_seqlen", "batch_size", "seq_len")
+_PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+@functools.lru_cache(maxsize=None)
+def _positional_names(cls: type) -> tuple[str, ...]:
+    sig = inspect.signature(cls.forward)
+    names = [p.name for p in sig.parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return tuple(names[1:])  # drop self
+
+
+@functools.lru_cache(maxsize=None)
+def _transformers_major() -> int:
+    try:
+        import transformers
+
+        return int(transformers.__version__.split(".")[0])
+    except Exception:  # pragma: no cover
+        return 5
+
+
+def _gradient_checkpointing(model: nn.Module) -> bool:
+    if getattr(model, "gradient_checkpointing", False):
+        return True
+    return any(getattr(layer, "gradient_checkpointing", False) for layer in model.layers)
+
+
+def _output(model, last, hidden, return_dict):
+    from transformers.modeling_outputs import BaseModelOutput
+
+    out = BaseModelOutput(last_hidden_state=last, hidden_states=hidden, attentions=None)
+    return out if return_dict else out.to_tuple()
+
+
+def hf_forward(model: nn.Module, *args, **kwargs):
+    """Drop-in for ``type(model).forward(model, *args, **kwargs)`` running the packed path."""
+    names = _positional_names(type(model))
+    if len(args) > len(names):
+        raise PackedEncodersError(f"{type(model).__name__}.forward takes {len(names)} positional arguments; got {len(args)}")
+    for name, value in zip(names, args):
+        if name in kwargs:
+            raise PackedEncodersError(f"forward got multiple values for argument {name!r}")
+        kwargs[name] = value
+    state = model._packed_encoders
+    config = model.config
+    input_ids = kwargs.pop("input_ids", None)
+    inputs_embeds = kwargs.pop("inputs_embeds", None)
+    attention_mask = kwargs.pop("attention_mask", None)
+    position_ids = kwargs.pop("position_ids", None)
+    token_type_ids = kwargs.pop("token_type_ids", None)
+    return_dict = kwargs.pop("return_dict", None)
+    return_dict = getattr(config, "return_dict", True) if return_dict is None else return_dict
+    output_hidden_states = kwargs.pop("output_hidden_states", None)
+    if output_hidden_states is None:
+        output_hidden_states = getattr(config, "output_hidden_states", False)
+    output_attentions = kwargs.pop("output_attentions", None)
+    if output_attentions is None:
+        output_attentions = getattr(config, "output_attentions", False)
+    packed_kw = {k: kwargs.pop(k) for k in _PACKED if kwargs.get(k) is not None}
+    for k in _PACKED:
+        kwargs.pop(k, None)
+    v4 = [k for k in _V4_UNPADDED if kwargs.pop(k, None) is not None]
+    for k in IGNORED_KWARGS:
+        kwargs.pop(k, None)
+
+    if output_attentions:
+        raise PackedEncodersError("output_attentions=True: the packed path never materialises attention "
+                                  "probabilities; call pe.unpack(model) or run the stock forward for them")
+    if not isinstance(output_hidden_states, bool):
+        raise PackedEncodersError(f"output_hidden_states={output_hidden_states!r}: only True/False are supported")
+    if v4:
+        raise PackedEncodersError(
+            f"{v4}: transformers v4's internal unpadding kwargs are not accepted by the packed path; load the "
+            "model with attn_implementation='sdpa' (the packed path unpads by itself)")
+    if kwargs:
+        raise PackedEncodersError(f"unsupported keyword argument(s) {sorted(kwargs)} for the packed ModernBERT forward")
+    if (input_ids is None) == (inputs_embeds is None):
+        raise PackedEncodersError("pass exactly one of input_ids or inputs_embeds")
+
+    params = state.params
+    src = input_ids if input_ids is not None else inputs_embeds
+    packed = bool(packed_kw) or (position_ids is not None and attention_mask is None and src.shape[0] == 1
+                                 and src.dim() == (2 if input_ids is not None else 3))
+    if packed or src.dim() == (1 if input_ids is not None else 2):
+        batch, squeeze = _packed_batch(params, input_ids, inputs_embeds, attention_mask, position_ids,
+                                       token_type_ids, packed_kw)
+    else:
+        batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                      position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=params.vocab_size)
+        squeeze = None
+
+    hidden = [] if output_hidden_states else None
+    if batch.total_tokens == 0:
+        dtype = activation_dtype(model)
+        out = torch.zeros(batch.total_tokens, params.hidden_size, device=src.device, dtype=dtype)
+        if hidden is not None:
+            hidden.extend([out] * (params.num_hidden_layers + 1))
+    else:
+        out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=_transformers_major() < 5)
+    reshape = batch.pad if squeeze is None else squeeze
+    last = reshape(out)
+    hidden_t = None if hidden is None else tuple(reshape(h) for h in hidden)
+    return _output(model, last, hidden_t, return_dict)
+
+
+def _packed_batch(params, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, packed_kw):
+    """Packed call: ``[1, T]`` (or ``[T]``) inputs with cu_seq_lens_* kwargs or restarting position_ids."""
+    src = input_ids if input_ids is not None else inputs_embeds
+    flat_dim = 1 if input_ids is not None else 2
+    batched = src.dim() == flat_dim + 1
+    if batched and src.shape[0] != 1:
+        raise PackedEncodersError(f"a packed call needs batch size 1 ([1, T] inputs); got shape {tuple(src.shape)}")
+    if attention_mask is not None:
+        raise PackedEncodersError("a packed call (cu_seq_lens_q / packed position_ids) takes no attention_mask")
+    ids = None if input_ids is None else (input_ids[0] if batched else input_ids)
+    embeds = None if inputs_embeds is None else (inputs_embeds[0] if batched else inputs_embeds)
+    cu_q, cu_k = packed_kw.get("cu_seq_lens_q"), packed_kw.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is not None:
+        cu_q = cu_k
+    if cu_k is not None and cu_k is not cu_q and (cu_k.shape != cu_q.shape or not torch.equal(cu_k.to(cu_q.device), cu_q)):
+        raise PackedEncodersError("cu_seq_lens_k differs from cu_seq_lens_q: an encoder attends within each sequence")
+    max_q, max_k = packed_kw.get("max_length_q"), packed_kw.get("max_length_k")
+    if max_q is not None and max_k is not None and int(max_q) != int(max_k):
+        raise PackedEncodersError(f"max_length_q={int(max_q)} differs from max_length_k={int(max_k)}")
+    max_len = max_q if max_q is not None else max_k
+    batch = from_packed(input_ids=ids, inputs_embeds=embeds, cu_seqlens=cu_q,
+                        max_seqlen=None if max_len is None else int(max_len),
+                        position_ids=position_ids, vocab_size=params.vocab_size,
+                        token_type_ids=token_type_ids)
+    if batched:
+        return batch, (lambda t: t[None])
+    return batch, (lambda t: t)
+
+
+def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: list | None = None,
+               hidden_pre_norm_last: bool = False, attention_backend: str | None = None) -> torch.Tensor:
+    """Run the packed encoder with ``state``'s options; records the attention plan for ``describe()``."""
+    params = state.params
+    grad = torch.is_grad_enabled()
+    dropout = model.training and params.attention_dropout > 0
+    requested = attention_backend or state.options.attention_backend
+    if dropout and requested == "auto":
+        requested = "sdpa"  # the only backend with attention-probability dropout; describe() reports it
+    plan = plan_attention(params, batch, requested, grad=grad, dtype=activation_dtype(model), dropout=dropout,
+                          policy=state.policy)
+    state.last_plan = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
+    state.last_fallbacks = [r for d in plan.values() for r in d.reasons]
+    out = encoder_forward(model, params, batch, attention=plan, ops=state.ops,
+                          gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
+                          hidden_pre_norm_last=hidden_pre_norm_last)
+    return out

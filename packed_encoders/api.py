@@ -1,0 +1,177 @@
+"""Public entry points: pack / unpack / describe / packed_forward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .adapters.locate import find_encoders
+from .adapters.state import PackOptions, PackState, get_state, install, restore
+from .attention.dispatch import CHOICES
+from .batch import from_packed
+from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
+from .model.params import ModernBertParams
+from .ops.select import select_ops
+
+
+def _params(model: nn.Module) -> ModernBertParams:
+    try:
+        return ModernBertParams.from_hf_config(model.config)
+    except ValueError as exc:
+        raise UnsupportedTargetError(f"ModernBERT config not supported by the packed path: {exc}") from exc
+
+
+def _device(model: nn.Module) -> torch.device:
+    return model.embeddings.tok_embeddings.weight.device
+
+
+def _make_state(model: nn.Module, options: PackOptions) -> PackState:
+    if options.attention_backend not in CHOICES:
+        raise PackedEncodersError(f"attention_backend={options.attention_backend!r} is not one of {CHOICES}")
+    params = _params(model)
+    ops, reason = select_ops(options.kernels, _device(model))
+    return PackState(params=params, options=options, ops=ops, ops_reason=reason)
+
+
+def _encoder_states(target, *, attention_backend=None, kernels=None):
+    """Yield ``(path, encoder, state)``: the installed state, or the one ``pack`` would install."""
+    for path, model in find_encoders(target):
+        state = get_state(model)
+        base = state.options if state is not None else PackOptions()
+        options = PackOptions(attention_backend=attention_backend or base.attention_backend,
+                              kernels=kernels or base.kernels, validate=base.validate, cuda_graph=base.cuda_graph)
+        if state is None or options != state.options:
+            state = _make_state(model, options)
+        yield path, model, state
+
+
+def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", validate: bool = True,
+         validation_lengths=None):
+    """Replace the forward of every ModernBertModel inside ``target`` (on the instance) with the packed one.
+
+    ``target`` may be a ``ModernBertModel``, any ``ModernBertFor*`` head, a SentenceTransformer, a PyLate
+    ColBERT, or any ``nn.Module`` holding them. Weights are not copied. Calling ``pack`` again with the same
+    options does nothing; with new options it reconfigures.
+
+    Args:
+        attention_backend: ``"auto"`` (policy per batch), ``"flash"`` (torch varlen_attn / FlashAttention-4),
+            ``"sdpa"``, or a concrete ``"varlen"``, ``"fa4"``, ``"triton"``.
+        kernels: ``"auto"`` or ``"torch"`` (see :mod:`packed_encoders.ops.select`).
+        validate: run :func:`packed_encoders.validate` on the selected path first.
+        validation_lengths: override the validation batch's lengths.
+
+    Returns:
+        ``target`` itself.
+
+    Raises:
+        UnsupportedTargetError: no ModernBERT encoder inside ``target``, or a config the path cannot run.
+        PackedEncodersError: an unknown option value.
+        ValidationError: the selected path disagrees with stock HF; the model is left as it was.
+    """
+    from .validation import ValidationReport, check_encoder
+
+    options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate)
+    encoders = find_encoders(target)
+    planned = []
+    for path, model in encoders:
+        current = get_state(model)
+        if current is not None and current.options == options:
+            continue
+        state = _make_state(model, options)
+        if validate:
+            report = check_encoder(model, state, path, validation_lengths)
+            state.report = report
+            if not report.passed:
+                result = ValidationReport([report])
+                raise ValidationError("pack(): the selected packed path failed validation; the model is "
+                                      "unchanged:\n" + result.summary(), result)
+        planned.append((model, state))
+    for model, state in planned:
+        install(model, state)
+    return target
+
+
+def unpack(target):
+    """Restore the stock forward of every packed ModernBertModel inside ``target``; returns ``target``.
+
+    Afterwards no instance attribute set by ``pack`` remains and ``type(model).forward`` runs again.
+    """
+    for _, model in find_encoders(target):
+        restore(model)
+    return target
+
+
+def is_packed(target) -> bool:
+    """True when every ModernBERT encoder inside ``target`` is packed."""
+    return all(get_state(m) is not None for _, m in find_encoders(target))
+
+
+def describe(target) -> dict:
+    """What is active for each encoder: backend requested and last chosen, kernels, device, validation.
+
+    Returns ``{"encoders": [ {...}, ... ]}``, one JSON-serialisable dict per ModernBERT encoder.
+    """
+    out = []
+    for path, model in find_encoders(target):
+        weight = model.embeddings.tok_embeddings.weight
+        state = get_state(model)
+        entry = {"path": path, "packed": state is not None, "device": str(weight.device),
+                 "dtype": str(weight.dtype).replace("torch.", "")}
+        if weight.device.type == "cuda":
+            entry["gpu"] = torch.cuda.get_device_name(weight.device)
+            entry["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(weight.device)
+        if state is not None:
+            entry.update({
+                "attention_backend": state.options.attention_backend,
+                "last_attention": dict(state.last_plan),
+                "attention_fallbacks": list(state.last_fallbacks),
+                "kernels": state.ops.name,
+                "kernels_reason": state.ops_reason,
+                "cuda_graph": state.options.cuda_graph,
+                "validated": None if state.report is None else state.report.passed,
+            })
+        out.append(entry)
+    return {"encoders": out}
+
+
+def _single_encoder(model) -> nn.Module:
+    encoders = find_encoders(model)
+    if len(encoders) != 1:
+        raise PackedEncodersError(f"packed_forward needs exactly one ModernBERT encoder; found {len(encoders)}")
+    return encoders[0][1]
+
+
+def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor, max_seqlen: int, position_ids: torch.Tensor | None = None, *,
+                   backend: str | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Encode an already packed batch: ``[T]`` ids -> ``[T, hidden_size]`` (after ``final_norm``).
+
+    Args:
+        model: a ``ModernBertModel`` or anything holding exactly one (packed or not).
+        params: ``ModernBertParams.from_hf_config(model.config)``; ``None`` reads it from the model.
+        packed_ids: int ``[T]``, the sequences concatenated with no padding.
+        cu_seqlens: int32 ``[N + 1]`` cumulative lengths, starting at 0 and ending at ``T``.
+        max_seqlen: host int, the longest sequence (checked).
+        position_ids: int ``[T]``; ``None`` means ``arange`` within each sequence.
+        backend: attention backend for this call (default: the model's pack option, else ``"auto"``).
+        inputs_embeds: ``[T, hidden_size]`` instead of ``packed_ids``.
+
+    Raises:
+        PackedEncodersError: inconsistent ``cu_seqlens`` / ``max_seqlen``, ids outside the vocabulary.
+    """
+    from .adapters.hf_call import run_packed
+
+    encoder = _single_encoder(model)
+    state = get_state(encoder) or _make_state(encoder, PackOptions())
+    if params is not None and params != state.params:
+        raise PackedEncodersError("params do not match the model's config (ModernBertParams.from_hf_config)")
+    if (packed_ids is None) == (inputs_embeds is None):
+        raise PackedEncodersError("pass exactly one of packed_ids or inputs_embeds")
+    if packed_ids is not None and packed_ids.dim() != 1:
+        raise PackedEncodersError(f"packed_ids must be 1-D [T]; got shape {tuple(packed_ids.shape)}")
+    batch = from_packed(input_ids=packed_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen, position_ids=position_ids, vocab_size=state.params.vocab_size)
+    if batch.total_tokens == 0:
+        return torch.zeros(0, state.params.hidden_size, device=batch.device,
+                           dtype=encoder.embeddings.tok_embeddings.weight.dtype)
+    return run_packed(encoder, state, batch, attention_backend=backend)

@@ -1,0 +1,7 @@
+"""Packed variable-length attention: reference, backends and dispatch. Never imports transformers."""
+
+from .backends import BACKENDS, Backend, Workload, register
+from .dispatch import CHOICES, Decision, Policy, resolve
+from .reference import attention_ref
+
+__all__ = ["BACKENDS", "Backend", "CHOICES", "Decision", "Policy", "Workload", "attention_ref", "register", "resolve"]

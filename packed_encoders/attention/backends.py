@@ -1,0 +1,78 @@
+"""Registry of packed attention backends and their envelopes.
+
+Every backend takes ``q, k, v`` ``[T, heads, head_dim]``, ``cu_seqlens`` int32 ``[N + 1]``, the host int
+``max_seqlen``, ``window`` (half window or ``None`` for global) and ``scale``; it returns ``[T, heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import flash, sdpa
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Host-visible description of one attention call (no device values)."""
+
+    num_seqs: int
+    total_tokens: int
+    max_seqlen: int
+    heads: int
+    head_dim: int
+    window: int | None
+    grad: bool
+    dtype: torch.dtype
+    device_type: str
+    dropout: bool = False
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    fn: Callable
+    has_backward: bool
+    supports_dropout: bool
+    availability: Callable[[], str | None]
+    envelope: Callable[[Workload], str | None]
+
+    def why_not(self, w: Workload) -> str | None:
+        """``None`` when this backend can run ``w``, else the reason it cannot."""
+        reason = self.availability()
+        if reason is None and w.grad and not self.has_backward:
+            reason = f"{self.name} has no backward (gradients are enabled)"
+        if reason is None and w.dropout and not self.supports_dropout:
+            reason = f"{self.name} cannot apply attention dropout (attention_dropout > 0 in train mode)"
+        return reason if reason is not None else self.envelope(w)
+
+
+def _flash_envelope(w: Workload) -> str | None:
+    if w.device_type != "cuda":
+        return f"flash attention needs CUDA tensors (got {w.device_type})"
+    if w.dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention needs fp16/bf16 activations (got {w.dtype}); fp32 runs on sdpa"
+    if w.head_dim % 8 or w.head_dim > 256:
+        return f"flash attention needs head_dim a multiple of 8 and <= 256 (got {w.head_dim})"
+    return None
+
+
+def _fa4_envelope(w: Workload) -> str | None:
+    reason = _flash_envelope(w)
+    if reason is None and w.head_dim not in (64, 96, 128, 192, 256):
+        return f"FlashAttention-4 compiles head_dim 64/96/128/192/256 (got {w.head_dim})"
+    return reason
+
+
+BACKENDS: dict[str, Backend] = {
+    "sdpa": Backend("sdpa", sdpa.sdpa_varlen, True, True, lambda: None, lambda w: None),
+    "varlen": Backend("varlen", flash.torch_varlen, True, False, flash.torch_varlen_status, _flash_envelope),
+    "fa4": Backend("fa4", flash.fa4_varlen, True, False, flash.fa4_status, _fa4_envelope),
+}
+
+
+def register(backend: Backend) -> None:
+    """Add a backend (the in-tree Triton kernel registers itself this way)."""
+    BACKENDS[backend.name] = backend

@@ -1,0 +1,66 @@
+"""FlashAttention backends: torch's ``varlen_attn`` (FlashAttention-2 inside torch >= 2.10) and
+FlashAttention-4 (``flash_attn.cute.flash_attn_varlen_func``). Both prune key tiles outside
+``window_size=(w, w)`` on local layers; both have a backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def torch_varlen_status() -> str | None:
+    """``None`` when torch's varlen_attn with ``window_size`` is usable, else the reason it is not."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        return f"torch.nn.attention.varlen is unavailable ({exc.__class__.__name__}: {exc})"
+    if "window_size" not in inspect.signature(varlen_attn).parameters:
+        return f"torch {torch.__version__} varlen_attn has no window_size (needs torch >= 2.10)"
+    if not torch.cuda.is_available():
+        return "torch varlen_attn needs CUDA"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def fa4_status() -> str | None:
+    """``None`` when FlashAttention-4 imports and the current GPU is sm_90 or newer, else why not."""
+    if not torch.cuda.is_available():
+        return "FlashAttention-4 needs CUDA"
+    major, _ = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"FlashAttention-4 needs sm_90 or newer (this GPU is sm_{major}x)"
+    try:
+        from flash_attn.cute import flash_attn_varlen_func  # noqa: F401
+    except Exception as exc:
+        return f"flash_attn.cute does not import ({exc.__class__.__name__}: {exc})"
+    return None
+
+
+def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
+                 dropout_p: float = 0.0) -> torch.Tensor:
+    """torch ``varlen_attn``; ``q, k, v`` ``[T, heads, head_dim]`` bf16/fp16 CUDA, ``cu_seqlens`` int32."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout_p:
+        raise ValueError("torch varlen_attn has no attention dropout")
+    ws = (-1, -1) if window is None else (int(window), int(window))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, int(max_seqlen), int(max_seqlen),
+                       scale=scale, window_size=ws)
+
+
+def fa4_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
+               dropout_p: float = 0.0) -> torch.Tensor:
+    """FlashAttention-4 varlen; same contract as :func:`torch_varlen`."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    if dropout_p:
+        raise ValueError("FlashAttention-4 has no attention dropout")
+    ws = (None, None) if window is None else (int(window), int(window))
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                 max_seqlen_q=int(max_seqlen), max_seqlen_k=int(max_seqlen),
+                                 softmax_scale=scale, causal=False, window_size=ws)
+    return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,69 @@
+"""Dependency-free attention backend on ``F.scaled_dot_product_attention``.
+
+Packed tokens are gathered into a per-sequence layout on the device (no host sync):
+global layers use ``[N, Smax]`` with a key-padding mask (``N x Smax`` booleans, never ``S x S``);
+local layers are blocked: each block of ``window`` queries attends the three neighbouring key blocks
+through one constant ``[window, 3 * window]`` band, so memory grows with tokens x window.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _token_coords(cu_seqlens: torch.Tensor, total: int):
+    """For each packed token: (sequence index, position within its sequence), int64 on device."""
+    cu = cu_seqlens.long()
+    t = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:], t, right=True)
+    return seq, t - cu[seq]
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
+
+
+def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
+                dropout_p: float = 0.0) -> torch.Tensor:
+    """``q, k, v``: ``[T, heads, head_dim]`` -> ``[T, heads, head_dim]`` (dtype of q)."""
+    total, heads, dim = q.shape
+    n = cu_seqlens.numel() - 1
+    if total == 0 or n == 0:
+        return q.new_zeros(q.shape)
+    cu = cu_seqlens.long()
+    lens = cu[1:] - cu[:-1]
+    seq, pos = _token_coords(cu_seqlens, total)
+    if window is None or window >= max_seqlen - 1:
+        s = max(int(max_seqlen), 1)
+        p = torch.arange(s, device=q.device)
+        valid = p[None, :] < lens[:, None]                              # [N, S]
+        idx = torch.where(valid, cu[:-1, None] + p[None, :], 0)
+        qp, kp, vp = (_gather(t, idx).transpose(1, 2) for t in (q, k, v))  # [N, heads, S, D]
+        key_ok = valid | ((lens == 0)[:, None] & (p[None, :] == 0))     # keep empty rows NaN-free
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_ok[:, None, None, :],
+                                             dropout_p=dropout_p, scale=scale)
+        out = out.transpose(1, 2).reshape(n * s, heads, dim)
+        return out.index_select(0, seq * s + pos)
+
+    w = int(window)
+    nb = -(-int(max_seqlen) // w)
+    sp = nb * w
+    qpos = torch.arange(sp, device=q.device).view(nb, w)                               # [nb, w]
+    kpos = (torch.arange(nb, device=q.device)[:, None] - 1) * w + torch.arange(3 * w, device=q.device)  # [nb, 3w]
+    q_ok = qpos[None] < lens[:, None, None]                                             # [N, nb, w]
+    k_ok = (kpos[None] >= 0) & (kpos[None] < lens[:, None, None])                      # [N, nb, 3w]
+    q_idx = torch.where(q_ok, cu[:-1, None, None] + qpos[None], 0)
+    k_idx = torch.where(k_ok, cu[:-1, None, None] + kpos.clamp(min=0)[None], 0)
+    r = torch.arange(w, device=q.device)[:, None]
+    c = torch.arange(3 * w, device=q.device)[None, :]
+    band = (w + r - c).abs() <= w                                                      # [w, 3w], constant
+    mask = band[None, None] & k_ok[:, :, None, :]                                       # [N, nb, w, 3w]
+    mask = mask | ~mask.any(-1, keepdim=True)                                           # rows past the end
+    qb = _gather(q, q_idx).view(n * nb, w, heads, dim).transpose(1, 2)
+    kb = _gather(k, k_idx).view(n * nb, 3 * w, heads, dim).transpose(1, 2)
+    vb = _gather(v, k_idx).view(n * nb, 3 * w, heads, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.view(n * nb, 1, w, 3 * w),
+                                         dropout_p=dropout_p, scale=scale)
+    out = out.transpose(1, 2).reshape(n * sp, heads, dim)
+    return out.index_select(0, seq * sp + pos)

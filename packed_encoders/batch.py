@@ -1,0 +1,230 @@
+"""`PackedBatch`: a padding-free batch, and the exact index work between padded and packed layouts.
+
+Conventions (flash-attn names): ``cu_seqlens`` int32 ``[N + 1]``, ``max_seqlen`` a host int,
+``position_ids`` int64 ``[T]`` restarting at 0 for every sequence whatever the padding side.
+Building a batch from padded inputs costs exactly one device-to-host transfer (lengths plus the
+input checks); nothing else reads device values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import PackedEncodersError
+
+
+@dataclass
+class PackedBatch:
+    """A batch of ``N`` sequences flattened into ``T`` real tokens.
+
+    Attributes:
+        input_ids: int64 ``[T]`` or ``None`` when ``inputs_embeds`` is given.
+        inputs_embeds: ``[T, hidden_size]`` or ``None``.
+        cu_seqlens: int32 ``[N + 1]``; sequence ``s`` owns tokens ``cu_seqlens[s]:cu_seqlens[s+1]``.
+        max_seqlen: host int, the longest sequence.
+        position_ids: int64 ``[T]``.
+        max_position: host int, an upper bound (exclusive) on ``position_ids`` (sizes the RoPE tables).
+        indices: int64 ``[T]`` flat positions of the tokens in the padded ``[B * S]`` layout, or ``None``.
+        padded_shape: ``(B, S)`` of the padded call, or ``None``.
+    """
+
+    input_ids: torch.Tensor | None
+    inputs_embeds: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    position_ids: torch.Tensor
+    max_position: int
+    indices: torch.Tensor | None = None
+    padded_shape: tuple[int, int] | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        src = self.input_ids if self.input_ids is not None else self.inputs_embeds
+        return int(src.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    def pad(self, packed: torch.Tensor) -> torch.Tensor:
+        """Scatter ``[T, ...]`` back to ``[B, S, ...]`` with zeros at padded positions (differentiable)."""
+        if self.indices is None or self.padded_shape is None:
+            raise PackedEncodersError("this batch was built packed; it has no padded layout to scatter to")
+        b, s = self.padded_shape
+        out = packed.new_zeros((b * s, *packed.shape[1:]))
+        out = out.index_copy(0, self.indices, packed)
+        return out.view(b, s, *packed.shape[1:])
+
+
+def _token_coords(cu: torch.Tensor, total: int):
+    cu = cu.long()
+    t = torch.arange(total, device=cu.device)
+    seq = torch.searchsorted(cu[1:], t, right=True)
+    return seq, t - cu[seq]
+
+
+def _raise_if(count: int, message: str) -> None:
+    if count:
+        raise PackedEncodersError(message.format(count=count))
+
+
+def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+          attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
+          token_type_ids: torch.Tensor | None, vocab_size: int) -> PackedBatch:
+    """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
+
+    The attention mask may pad on either side; positions restart at 0 at each sequence's first real
+    token unless ``position_ids`` ``[B, S]`` (or ``[1, S]``, broadcast) is given, which is then read
+    at the real tokens.
+
+    Raises:
+        PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
+            a mask with holes inside a sequence, ids outside ``[0, vocab_size)`` at real tokens,
+            non-zero ``token_type_ids`` at real tokens, or negative ``position_ids``.
+    """
+    src = input_ids if input_ids is not None else inputs_embeds
+    if input_ids is not None and input_ids.dim() != 2:
+        raise PackedEncodersError(f"input_ids must be [batch, seq_len]; got shape {tuple(input_ids.shape)}")
+    if inputs_embeds is not None and inputs_embeds.dim() != 3:
+        raise PackedEncodersError(
+            f"inputs_embeds must be [batch, seq_len, hidden]; got shape {tuple(inputs_embeds.shape)}")
+    b, s = int(src.shape[0]), int(src.shape[1])
+    device = src.device
+    for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if t is not None and tuple(t.shape) != (b, s):
+            raise PackedEncodersError(f"{name} has shape {tuple(t.shape)}; expected {(b, s)} to match the inputs")
+    if position_ids is not None:
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        if position_ids.dim() != 2 or position_ids.shape[1] != s or position_ids.shape[0] not in (1, b):
+            raise PackedEncodersError(
+                f"position_ids has shape {tuple(position_ids.shape)}; expected {(b, s)} or {(1, s)}")
+        position_ids = position_ids.expand(b, s)
+
+    if attention_mask is None:
+        real = torch.ones(b, s, dtype=torch.bool, device=device)
+        bad_values = torch.zeros((), dtype=torch.long, device=device)
+    else:
+        attention_mask = attention_mask.to(device)
+        real = attention_mask != 0
+        bad_values = (real & (attention_mask != 1)).sum()
+    lens = real.sum(1)
+    ri = real.to(torch.int8)
+    first = ri.argmax(1)
+    last = s - 1 - ri.flip(1).argmax(1)
+    holes = ((lens > 0) & (last - first + 1 != lens)).sum()
+    checks = [bad_values, holes]
+    if input_ids is not None:
+        checks.append((real & ((input_ids < 0) | (input_ids >= vocab_size))).sum())
+    else:
+        checks.append(torch.zeros((), dtype=torch.long, device=device))
+    if token_type_ids is not None:
+        checks.append((real & (token_type_ids != 0)).sum())
+    else:
+        checks.append(torch.zeros((), dtype=torch.long, device=device))
+    if position_ids is not None:
+        big = torch.where(real, position_ids, 0)
+        checks += [(real & (position_ids < 0)).sum(), big.max() if big.numel() else big.sum()]
+    else:
+        checks += [torch.zeros((), dtype=torch.long, device=device)] * 2
+    stats = torch.cat([lens.long(), torch.stack([c.long() for c in checks])]).tolist()  # the one sync
+    host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
+    _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} other values at real tokens)")
+    _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): real tokens must be contiguous "
+                       "(padding on the left and/or right only)")
+    _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
+    _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
+    _raise_if(n_negpos, "position_ids has {count} negative entries")
+
+    total = sum(host_lens)
+    max_seqlen = max(host_lens, default=0)
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=device)
+    torch.cumsum(lens, 0, out=cu[1:])
+    seq, pos = _token_coords(cu, total)
+    indices = seq * s + first[seq] + pos
+    if position_ids is not None:
+        pos = position_ids.reshape(-1).index_select(0, indices)
+        max_position = int(max_pos) + 1
+    else:
+        max_position = max_seqlen
+    return PackedBatch(
+        input_ids=None if input_ids is None else input_ids.reshape(-1).index_select(0, indices),
+        inputs_embeds=None if inputs_embeds is None else inputs_embeds.reshape(b * s, -1).index_select(0, indices),
+        cu_seqlens=cu,
+        max_seqlen=int(max_seqlen),
+        position_ids=pos,
+        max_position=max(int(max_position), 1),
+        indices=indices,
+        padded_shape=(b, s),
+    )
+
+
+def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                cu_seqlens: torch.Tensor | None, max_seqlen: int | None,
+                position_ids: torch.Tensor | None, vocab_size: int,
+                token_type_ids: torch.Tensor | None = None) -> PackedBatch:
+    """Validate an already packed batch (one device-to-host transfer) and return it.
+
+    ``input_ids`` ``[T]`` (or ``inputs_embeds`` ``[T, H]``). Either ``cu_seqlens`` is given, or it is derived
+    from ``position_ids``: token 0 and every later 0 start a sequence. ``position_ids`` default to
+    ``arange`` within each sequence. ``max_seqlen`` is checked against ``cu_seqlens`` when given.
+
+    Raises:
+        PackedEncodersError: inconsistent shapes, ``cu_seqlens`` not starting at 0 / not non-decreasing /
+            not ending at ``T``, a wrong ``max_seqlen``, ids outside the vocabulary, non-zero
+            ``token_type_ids``, negative positions.
+    """
+    src = input_ids if input_ids is not None else inputs_embeds
+    total = int(src.shape[0])
+    device = src.device
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    for name, t in (("position_ids", position_ids), ("token_type_ids", token_type_ids)):
+        if t is not None and t.numel() != total:
+            raise PackedEncodersError(f"{name} has {t.numel()} entries for {total} tokens")
+    if position_ids is not None:
+        position_ids = position_ids.reshape(-1).to(device).long()
+    checks = [
+        zero if input_ids is None else ((input_ids < 0) | (input_ids >= vocab_size)).sum(),
+        zero if token_type_ids is None else (token_type_ids != 0).sum(),
+        zero if position_ids is None else (position_ids < 0).sum(),
+        zero if position_ids is None or total == 0 else position_ids.max(),
+    ]
+    checks = torch.stack([c.long() for c in checks])
+    if cu_seqlens is None:
+        if position_ids is None:
+            raise PackedEncodersError("a packed call needs cu_seqlens (cu_seq_lens_q) or restarting position_ids")
+        host = torch.cat([(position_ids == 0).long(), checks]).tolist()  # the one sync
+        starts = [t for t, f in enumerate(host[:total]) if f or t == 0]
+        host_cu = starts + [total] if total else [0, 0]
+        cu = torch.tensor(host_cu, dtype=torch.int32, device=device)
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int32).reshape(-1)
+        if cu.numel() < 2:
+            raise PackedEncodersError("cu_seqlens needs at least 2 entries ([0, T])")
+        host = torch.cat([cu.long(), checks]).tolist()  # the one sync
+        host_cu = host[:-4]
+    n_oov, n_tt, n_neg, max_pos = host[-4:]
+    host_lens = [b - a for a, b in zip(host_cu[:-1], host_cu[1:])]
+    if host_cu[0] != 0 or host_cu[-1] != total or min(host_lens) < 0:
+        raise PackedEncodersError(
+            f"cu_seqlens must start at 0, be non-decreasing and end at the token count {total}; got "
+            f"{host_cu[:8]}{'...' if len(host_cu) > 8 else ''}")
+    true_max = max(host_lens, default=0)
+    if max_seqlen is not None and int(max_seqlen) != true_max:
+        raise PackedEncodersError(f"max_seqlen={int(max_seqlen)} but the longest sequence in cu_seqlens has {true_max}")
+    _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
+    _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
+    _raise_if(n_neg, "position_ids has {count} negative entries")
+    if position_ids is None:
+        _, position_ids = _token_coords(cu, total)
+        max_position = true_max
+    else:
+        max_position = int(max_pos) + 1
+    return PackedBatch(input_ids=input_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu, max_seqlen=true_max,
+                       position_ids=position_ids, max_position=max(max_position, 1))

@@ -1,0 +1,22 @@
+"""Exception hierarchy of packed_encoders."""
+
+from __future__ import annotations
+
+
+class PackedEncodersError(RuntimeError):
+    """Base class: a request the packed path cannot honour, or bad input to it."""
+
+
+class UnsupportedTargetError(PackedEncodersError, TypeError):
+    """`pack()` found no ModernBERT encoder inside the object it was given."""
+
+
+class ValidationError(PackedEncodersError):
+    """`validate()` found the selected fast path out of tolerance against stock Hugging Face.
+
+    The message carries the measured numbers; `.report` holds the full :class:`ValidationReport`.
+    """
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report

@@ -1,0 +1,146 @@
+"""The packed ModernBERT forward: ``[T]`` token ids -> ``[T, hidden_size]``, HF semantics, no padding.
+
+Per layer (HF ``ModernBertEncoderLayer``): ``attn_norm`` (Identity on layer 0) -> ``Wqkv`` -> RoPE with
+the layer type's theta -> variable-length attention (local layers: ``|i - j| <= local_attention // 2``)
+-> ``Wo`` -> residual -> ``mlp_norm`` -> ``Wi`` -> GLU -> ``mlp.Wo`` -> residual; then ``final_norm``.
+Each layer's MLP residual is deferred into the next norm (residual + LayerNorm in one op).
+Weights are read from the live HF modules on every call; nothing is copied.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
+
+from ..attention.backends import BACKENDS, Workload
+from ..attention.dispatch import Decision, Policy, resolve
+from ..batch import PackedBatch
+from ..ops import TORCH_OPS, OpSet, rope_tables
+from .params import ModernBertParams
+
+
+def _linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+    return F.linear(x, m.weight, m.bias)
+
+
+def _norm_args(m: nn.Module):
+    return m.weight, getattr(m, "bias", None), m.eps
+
+
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype activations take in the packed forward (autocast's dtype when autocast is on)."""
+    weight = model.embeddings.tok_embeddings.weight
+    if weight.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    if weight.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return weight.dtype
+
+
+def plan_attention(params: ModernBertParams, batch: PackedBatch, requested: str, *, grad: bool,
+                   dtype: torch.dtype, dropout: bool, policy: Policy | None = None) -> dict[int | None, Decision]:
+    """Resolve the attention backend once per distinct window (global: ``None``) from host-visible shapes."""
+    plan: dict[int | None, Decision] = {}
+    for layer in range(params.num_hidden_layers):
+        window = params.layer_window(layer)
+        if window is not None and window >= batch.max_seqlen - 1:
+            window = None  # the band covers every sequence: a global layer in effect, and cheaper
+        if window in plan:
+            continue
+        w = Workload(num_seqs=batch.num_seqs, total_tokens=batch.total_tokens, max_seqlen=batch.max_seqlen,
+                     heads=params.num_attention_heads, head_dim=params.head_dim, window=window, grad=grad,
+                     dtype=dtype, device_type=batch.device.type, dropout=dropout)
+        plan[window] = resolve(requested, w, policy)
+    return plan
+
+
+def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBatch, *,
+                    attention: Mapping[int | None, Decision] | None = None, attention_backend: str = "auto",
+                    ops: OpSet = TORCH_OPS, gradient_checkpointing: bool = False,
+                    hidden_states: list | None = None, hidden_pre_norm_last: bool = False) -> torch.Tensor:
+    """Run the packed encoder on ``batch`` and return ``[T, hidden_size]`` (after ``final_norm``).
+
+    Args:
+        model: the live ``ModernBertModel`` whose parameters are read.
+        attention: a plan from :func:`plan_attention`; built here from ``attention_backend`` when ``None``.
+        ops: the per-token op implementations (plain PyTorch by default).
+        gradient_checkpointing: recompute each layer in backward (only when training with grad enabled).
+        hidden_states: when a list, receives HF v5's ``output_hidden_states`` entries as ``[T, H]`` tensors:
+            the embedding output, the output of every layer but the last, then the final normed output
+            (transformers v4 lists the last layer's output before ``final_norm``: ``hidden_pre_norm_last``).
+    """
+    training = model.training
+    grad = torch.is_grad_enabled()
+    dtype = activation_dtype(model)
+    attn_p = params.attention_dropout if training else 0.0
+    if attention is None:
+        attention = plan_attention(params, batch, attention_backend, grad=grad, dtype=dtype, dropout=attn_p > 0)
+    scale = params.scaling
+    nh, hd = params.num_attention_heads, params.head_dim
+    total = batch.total_tokens
+    device = batch.device
+
+    tables = {}
+    for theta in {params.rope_theta_global, params.rope_theta_local}:
+        tables[theta] = rope_tables(theta, hd, batch.max_position, device)
+
+    emb = model.embeddings
+    if batch.inputs_embeds is not None:
+        x = batch.inputs_embeds
+    else:
+        x = F.embedding(batch.input_ids, emb.tok_embeddings.weight)
+    x = ops.layer_norm(x, *_norm_args(emb.norm))
+    if training and params.embedding_dropout > 0:
+        x = F.dropout(x, params.embedding_dropout, training=True)
+    if hidden_states is not None:
+        hidden_states.append(x)
+
+    def run_layer(index: int, x: torch.Tensor, pending: torch.Tensor | None):
+        layer = model.layers[index]
+        if isinstance(layer.attn_norm, nn.Identity):
+            if pending is not None:
+                x = x + pending
+            normed = x
+        elif pending is not None:
+            x, normed = ops.residual_layer_norm(x, pending, *_norm_args(layer.attn_norm))
+        else:
+            normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
+        qkv = _linear(normed, layer.attn.Wqkv)
+        cos, sin = tables[params.layer_theta(index)]
+        q, k, v = ops.rope_qkv(qkv, cos, sin, batch.position_ids, nh, hd)
+        window = params.layer_window(index)
+        if window is not None and window >= batch.max_seqlen - 1:
+            window = None
+        backend = BACKENDS[attention[window].backend]
+        a = backend.fn(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=scale, dropout_p=attn_p)
+        o = _linear(a.reshape(total, nh * hd), layer.attn.Wo)
+        if attn_p > 0:
+            o = F.dropout(o, attn_p, training=True)
+        x, normed = ops.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
+        g = ops.glu(_linear(normed, layer.mlp.Wi), params.activation)
+        if training and params.mlp_dropout > 0:
+            g = F.dropout(g, params.mlp_dropout, training=True)
+        return x, _linear(g, layer.mlp.Wo)
+
+    use_ckpt = gradient_checkpointing and training and grad
+    pending = None
+    last = params.num_hidden_layers - 1
+    for index in range(params.num_hidden_layers):
+        if use_ckpt:
+            x, pending = _checkpoint(run_layer, index, x, pending, use_reentrant=False)
+        else:
+            x, pending = run_layer(index, x, pending)
+        if hidden_states is not None and index < last:
+            x, pending = x + pending, None
+            hidden_states.append(x)
+    if pending is None:
+        out = ops.layer_norm(x, *_norm_args(model.final_norm))
+    else:
+        x, out = ops.residual_layer_norm(x, pending, *_norm_args(model.final_norm))
+    if hidden_states is not None:
+        hidden_states.append(x if hidden_pre_norm_last else out)
+    return out

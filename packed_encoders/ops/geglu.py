@@ -1,0 +1,34 @@
+"""Gated linear unit of ModernBERT's MLP: ``act(a) * g`` with ``a, g = Wi(x).chunk(2, -1)``.
+
+``activation`` is ``"gelu"`` (exact erf), ``"gelu_tanh"`` (tanh approximation), ``"silu"`` or ``"relu"``,
+as mapped from HF's ``hidden_activation`` by :class:`~packed_encoders.model.params.ModernBertParams`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _act(a: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "gelu":
+        return F.gelu(a)
+    if activation == "gelu_tanh":
+        return F.gelu(a, approximate="tanh")
+    if activation == "silu":
+        return F.silu(a)
+    if activation == "relu":
+        return F.relu(a)
+    raise ValueError(f"unknown GLU activation {activation!r}")
+
+
+def geglu_ref(x: torch.Tensor, activation: str = "gelu") -> torch.Tensor:
+    """fp32 specification. ``x``: ``[T, 2I]`` -> ``[T, I]`` fp32."""
+    a, g = x.float().chunk(2, dim=-1)
+    return _act(a, activation) * g
+
+
+def geglu_torch(x: torch.Tensor, activation: str = "gelu") -> torch.Tensor:
+    """Plain PyTorch GLU in the activation dtype, rounding like HF's ``act(input) * gate``."""
+    a, g = x.chunk(2, dim=-1)
+    return _act(a, activation) * g

@@ -1,0 +1,206 @@
+"""`validate()`: check that the packed path actually selected reproduces stock Hugging Face.
+
+Gates, in order: architecture and config flags, module structure, device capability, the kernel
+toolchain (when fused kernels are selected), then numerics on one ragged padded batch that mixes right-
+and left-padded rows with lengths past the local window (``1, w+1, 2w+2, 8w+1, 32w+1`` for half window
+``w``; 1, 65, 130, 513, 2049 for ModernBERT; ``8w+1`` is the longest on CPU to keep it to seconds).
+The stock forward is run with ``position_ids`` restarting at each row's first real token, the packed
+convention. Per-token cosine over real tokens (min and mean) and ``max|fast - stock| / max|stock|``
+are reported; thresholds: bf16/fp16 min >= 0.995 and mean >= 0.999; fp32 max relative error <= 1e-4.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .errors import PackedEncodersError, ValidationError
+
+BF16_COS_MIN = 0.995
+BF16_COS_MEAN = 0.999
+FP32_MAX_REL = 1e-4
+
+
+@dataclass
+class EncoderReport:
+    path: str
+    model_type: str
+    device: str
+    dtype: str
+    kernels: str
+    attention: dict
+    lengths: tuple
+    cos_min: float = float("nan")
+    cos_mean: float = float("nan")
+    max_rel_err: float = float("nan")
+    checks: list = field(default_factory=list)
+    failures: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+@dataclass
+class ValidationReport:
+    """Result of :func:`validate`: one :class:`EncoderReport` per ModernBERT encoder found."""
+
+    encoders: list
+
+    @property
+    def passed(self) -> bool:
+        return all(e.passed for e in self.encoders)
+
+    def summary(self) -> str:
+        lines = []
+        for e in self.encoders:
+            status = "ok" if e.passed else "FAILED: " + "; ".join(e.failures)
+            lines.append(
+                f"[{e.path or 'encoder'}] {e.model_type} {e.dtype} on {e.device}, kernels={e.kernels}, "
+                f"attention={e.attention}, lengths={list(e.lengths)}: per-token cosine min {e.cos_min:.6f} "
+                f"mean {e.cos_mean:.6f}, max rel err {e.max_rel_err:.2e} ({e.seconds:.2f} s) -> {status}")
+        return "\n".join(lines)
+
+
+def _lengths(window: int, device: torch.device) -> tuple[int, ...]:
+    w = max(int(window), 1)
+    lengths = [1, w + 1, 2 * w + 2, 8 * w + 1]
+    if device.type == "cuda":
+        lengths.append(32 * w + 1)
+    return tuple(lengths)
+
+
+def check_structure(model: nn.Module, params) -> list[str]:
+    """Module shapes and flags against the config; returns the mismatches (empty when consistent)."""
+    problems = []
+    h, i3 = params.hidden_size, 3 * params.hidden_size
+    if len(model.layers) != params.num_hidden_layers:
+        problems.append(f"{len(model.layers)} layers but config.num_hidden_layers={params.num_hidden_layers}")
+    for idx, layer in enumerate(model.layers):
+        shapes = {
+            "attn.Wqkv": (layer.attn.Wqkv.weight.shape, (i3, h)),
+            "attn.Wo": (layer.attn.Wo.weight.shape, (h, h)),
+            "mlp.Wi": (layer.mlp.Wi.weight.shape, (2 * params.intermediate_size, h)),
+            "mlp.Wo": (layer.mlp.Wo.weight.shape, (h, params.intermediate_size)),
+        }
+        for name, (got, want) in shapes.items():
+            if tuple(got) != want:
+                problems.append(f"layers[{idx}].{name} weight {tuple(got)} != {want}")
+        if (layer.attn.Wqkv.bias is not None) != params.attention_bias:
+            problems.append(f"layers[{idx}].attn.Wqkv bias presence disagrees with attention_bias")
+        if (layer.mlp.Wi.bias is not None) != params.mlp_bias:
+            problems.append(f"layers[{idx}].mlp.Wi bias presence disagrees with mlp_bias")
+        attention_type = getattr(layer, "attention_type", None)
+        if attention_type is not None and (attention_type == "full_attention") != params.layer_is_global[idx]:
+            problems.append(f"layers[{idx}].attention_type={attention_type!r} disagrees with the config")
+        if idx == 0 and not isinstance(layer.attn_norm, nn.Identity) and not isinstance(layer.attn_norm, nn.LayerNorm):
+            problems.append("layers[0].attn_norm is neither Identity nor LayerNorm")
+    return problems
+
+
+def _stock_forward(model: nn.Module, **kwargs):
+    return type(model).forward(model, **kwargs)
+
+
+@torch.no_grad()
+def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: int = 0) -> EncoderReport:
+    """Run every gate on one encoder with the options in ``state`` (installed or not)."""
+    from .adapters.hf_call import run_packed
+    from .batch import unpad
+
+    params = state.params
+    weight = model.embeddings.tok_embeddings.weight
+    device, dtype = weight.device, weight.dtype
+    lengths = tuple(lengths) if lengths is not None else _lengths(params.window, device)
+    report = EncoderReport(path=path, model_type=params.model_type, device=str(device),
+                           dtype=str(dtype).replace("torch.", ""), kernels=state.ops.name, attention={},
+                           lengths=lengths)
+    report.checks.append("config: ModernBertParams read")
+    problems = check_structure(model, params)
+    report.failures += problems
+    report.checks.append("structure")
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        report.checks.append(f"device: {torch.cuda.get_device_name(device)} sm_{major}{minor}")
+        if dtype == torch.bfloat16 and major < 8:
+            report.failures.append(f"bf16 needs sm_80 or newer (got sm_{major}{minor})")
+    smoke = getattr(state.ops, "smoke", None)
+    if smoke is not None:
+        try:
+            smoke(device)
+            report.checks.append(f"toolchain: {state.ops.name} kernels compiled and ran")
+        except Exception as exc:  # a broken toolchain must not pass silently
+            report.failures.append(f"kernel toolchain ({state.ops.name}) failed: {exc.__class__.__name__}: {exc}")
+    if report.failures:
+        return report
+
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    b, s = len(lengths), max(lengths)
+    ids = torch.randint(0, params.vocab_size, (b, s), generator=gen)
+    mask = torch.zeros(b, s, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if row % 2:
+            mask[row, s - n:] = 1  # left padding
+        else:
+            mask[row, :n] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    was_training = model.training
+    model.eval()
+    try:
+        stock = _stock_forward(model, input_ids=ids, attention_mask=mask, position_ids=positions,
+                               return_dict=True).last_hidden_state
+        batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                      token_type_ids=None, vocab_size=params.vocab_size)
+        fast = batch.pad(run_packed(model, state, batch))
+    except PackedEncodersError as exc:
+        report.failures.append(f"packed path raised: {exc}")
+        return report
+    finally:
+        model.train(was_training)
+    report.attention = dict(state.last_plan)
+    real = mask.bool()
+    a, r = fast[real].float(), stock[real].float()
+    cos = torch.nn.functional.cosine_similarity(a, r, dim=-1, eps=1e-12)
+    report.cos_min = float(cos.min())
+    report.cos_mean = float(cos.mean())
+    report.max_rel_err = float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
+    report.seconds = time.perf_counter() - t0
+    if not bool(torch.isfinite(a).all()):
+        report.failures.append("non-finite values in the packed output")
+    if dtype == torch.float32:
+        if not report.max_rel_err <= FP32_MAX_REL:
+            report.failures.append(f"fp32 max relative error {report.max_rel_err:.3e} > {FP32_MAX_REL:.0e}")
+    else:
+        if not report.cos_min >= BF16_COS_MIN:
+            report.failures.append(f"per-token cosine min {report.cos_min:.6f} < {BF16_COS_MIN}")
+        if not report.cos_mean >= BF16_COS_MEAN:
+            report.failures.append(f"per-token cosine mean {report.cos_mean:.6f} < {BF16_COS_MEAN}")
+    report.checks.append(f"numerics on lengths {list(lengths)} (right and left padding)")
+    return report
+
+
+def validate(target, *, lengths=None, attention_backend: str | None = None, kernels: str | None = None,
+             raise_on_failure: bool = False) -> ValidationReport:
+    """Validate every ModernBERT encoder inside ``target`` on the path it runs (or would run after ``pack``).
+
+    Args:
+        lengths: real-token lengths of the rows of the check batch (default: past the local window, see
+            the module docstring).
+        attention_backend, kernels: check these options instead of the packed ones (or the defaults).
+        raise_on_failure: raise :class:`ValidationError` (with the numbers) instead of returning a failed report.
+    """
+    from .api import _encoder_states
+
+    reports = []
+    for path, model, state in _encoder_states(target, attention_backend=attention_backend, kernels=kernels):
+        reports.append(check_encoder(model, state, path, lengths))
+    result = ValidationReport(reports)
+    if raise_on_failure and not result.passed:
+        raise ValidationError("packed path failed validation against stock Hugging Face:\n" + result.summary(), result)
+    return result
