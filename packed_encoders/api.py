@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .adapters.late_interaction import ALWAYS, query_expansion_length
 from .adapters.locate import find_encoders
 from .adapters.state import PackOptions, PackState, get_state, install, restore
 from .attention.dispatch import CHOICES
@@ -25,12 +26,26 @@ def _device(model: nn.Module) -> torch.device:
     return model.embeddings.tok_embeddings.weight.device
 
 
-def _make_state(model: nn.Module, options: PackOptions) -> PackState:
+def _trailing_max_len(padded_outputs, target) -> int | None:
+    if padded_outputs == "auto":
+        return query_expansion_length(target) if target is not None else None
+    if padded_outputs == "zeros":
+        return None
+    if padded_outputs == "all":
+        return ALWAYS
+    if isinstance(padded_outputs, int) and not isinstance(padded_outputs, bool) and padded_outputs > 0:
+        return padded_outputs
+    raise PackedEncodersError(
+        f"padded_outputs={padded_outputs!r} is not 'auto', 'zeros', 'all' or a positive int (max padded width)")
+
+
+def _make_state(model: nn.Module, options: PackOptions, target=None) -> PackState:
     if options.attention_backend not in CHOICES:
         raise PackedEncodersError(f"attention_backend={options.attention_backend!r} is not one of {CHOICES}")
     params = _params(model)
     ops, reason = select_ops(options.kernels, _device(model))
-    return PackState(params=params, options=options, ops=ops, ops_reason=reason)
+    return PackState(params=params, options=options, ops=ops, ops_reason=reason,
+                     trailing_max_len=_trailing_max_len(options.padded_outputs, target))
 
 
 def _encoder_states(target, *, attention_backend=None, kernels=None):
@@ -39,14 +54,15 @@ def _encoder_states(target, *, attention_backend=None, kernels=None):
         state = get_state(model)
         base = state.options if state is not None else PackOptions()
         options = PackOptions(attention_backend=attention_backend or base.attention_backend,
-                              kernels=kernels or base.kernels, validate=base.validate, cuda_graph=base.cuda_graph)
+                              kernels=kernels or base.kernels, validate=base.validate, cuda_graph=base.cuda_graph,
+                              padded_outputs=base.padded_outputs)
         if state is None or options != state.options:
-            state = _make_state(model, options)
+            state = _make_state(model, options, target)
         yield path, model, state
 
 
 def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", validate: bool = True,
-         validation_lengths=None):
+         padded_outputs="auto", validation_lengths=None):
     """Replace the forward of every ModernBertModel inside ``target`` (on the instance) with the packed one.
 
     ``target`` may be a ``ModernBertModel``, any ``ModernBertFor*`` head, a SentenceTransformer, a PyLate
@@ -58,6 +74,10 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             ``"sdpa"``, or a concrete ``"varlen"``, ``"fa4"``, ``"triton"``.
         kernels: ``"auto"`` or ``"torch"`` (see :mod:`packed_encoders.ops.select`).
         validate: run :func:`packed_encoders.validate` on the selected path first.
+        padded_outputs: what the output holds at padded positions. ``"zeros"``; ``"all"``: trailing masked
+            positions (after each row's last real token) get HF's values, computed as query-only tokens;
+            an int ``N``: the same for calls of padded width ``<= N``; ``"auto"``: ``"zeros"``, or the query
+            length of a ColBERT target using masked query expansion (PyLate, sentence-transformers v6).
         validation_lengths: override the validation batch's lengths.
 
     Returns:
@@ -70,14 +90,15 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     """
     from .validation import ValidationReport, check_encoder
 
-    options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate)
+    options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate,
+                          padded_outputs=padded_outputs)
     encoders = find_encoders(target)
     planned = []
     for path, model in encoders:
         current = get_state(model)
         if current is not None and current.options == options:
             continue
-        state = _make_state(model, options)
+        state = _make_state(model, options, target)
         if validate:
             report = check_encoder(model, state, path, validation_lengths)
             state.report = report
@@ -128,6 +149,10 @@ def describe(target) -> dict:
                 "kernels": state.ops.name,
                 "kernels_reason": state.ops_reason,
                 "cuda_graph": state.options.cuda_graph,
+                "padded_outputs": ("zeros" if state.trailing_max_len is None else
+                                   "trailing masked positions computed" + (
+                                       "" if state.trailing_max_len >= ALWAYS else
+                                       f" for calls <= {state.trailing_max_len} wide")),
                 "validated": None if state.report is None else state.report.passed,
             })
         out.append(entry)

@@ -28,6 +28,9 @@ class PackedBatch:
         max_position: host int, an upper bound (exclusive) on ``position_ids`` (sizes the RoPE tables).
         indices: int64 ``[T]`` flat positions of the tokens in the padded ``[B * S]`` layout, or ``None``.
         padded_shape: ``(B, S)`` of the padded call, or ``None``.
+        key_lens: int32 ``[N]`` or ``None``. When set, only the first ``key_lens[s]`` tokens of sequence ``s``
+            are keys; the tokens after them are query-only (they attend, nobody attends to them): HF's
+            semantics for trailing positions with ``attention_mask == 0``, which ColBERT query expansion uses.
     """
 
     input_ids: torch.Tensor | None
@@ -38,6 +41,7 @@ class PackedBatch:
     max_position: int
     indices: torch.Tensor | None = None
     padded_shape: tuple[int, int] | None = None
+    key_lens: torch.Tensor | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -76,12 +80,14 @@ def _raise_if(count: int, message: str) -> None:
 
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
-          token_type_ids: torch.Tensor | None, vocab_size: int) -> PackedBatch:
+          token_type_ids: torch.Tensor | None, vocab_size: int,
+          trailing_query_only: bool = False) -> PackedBatch:
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
     token unless ``position_ids`` ``[B, S]`` (or ``[1, S]``, broadcast) is given, which is then read
-    at the real tokens.
+    at the real tokens. With ``trailing_query_only``, the padded positions after each non-empty row's last
+    real token join its sequence as query-only tokens (see ``PackedBatch.key_lens``), positions continuing.
 
     Raises:
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
@@ -120,8 +126,13 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     last = s - 1 - ri.flip(1).argmax(1)
     holes = ((lens > 0) & (last - first + 1 != lens)).sum()
     checks = [bad_values, holes]
+    if trailing_query_only:
+        seg = torch.where(lens > 0, s - first, 0)  # real tokens plus the trailing pads after them
+        used = (torch.arange(s, device=device)[None, :] >= first[:, None]) & (lens > 0)[:, None]
+    else:
+        seg, used = lens, real
     if input_ids is not None:
-        checks.append((real & ((input_ids < 0) | (input_ids >= vocab_size))).sum())
+        checks.append((used & ((input_ids < 0) | (input_ids >= vocab_size))).sum())
     else:
         checks.append(torch.zeros((), dtype=torch.long, device=device))
     if token_type_ids is not None:
@@ -129,11 +140,11 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     else:
         checks.append(torch.zeros((), dtype=torch.long, device=device))
     if position_ids is not None:
-        big = torch.where(real, position_ids, 0)
-        checks += [(real & (position_ids < 0)).sum(), big.max() if big.numel() else big.sum()]
+        big = torch.where(used, position_ids, 0)
+        checks += [(used & (position_ids < 0)).sum(), big.max() if big.numel() else big.sum()]
     else:
         checks += [torch.zeros((), dtype=torch.long, device=device)] * 2
-    stats = torch.cat([lens.long(), torch.stack([c.long() for c in checks])]).tolist()  # the one sync
+    stats = torch.cat([seg.long(), torch.stack([c.long() for c in checks])]).tolist()  # the one sync
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
     _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} other values at real tokens)")
     _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): real tokens must be contiguous "
@@ -145,7 +156,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     total = sum(host_lens)
     max_seqlen = max(host_lens, default=0)
     cu = torch.zeros(b + 1, dtype=torch.int32, device=device)
-    torch.cumsum(lens, 0, out=cu[1:])
+    torch.cumsum(seg, 0, out=cu[1:])
     seq, pos = _token_coords(cu, total)
     indices = seq * s + first[seq] + pos
     if position_ids is not None:
@@ -162,6 +173,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         max_position=max(int(max_position), 1),
         indices=indices,
         padded_shape=(b, s),
+        key_lens=lens.to(torch.int32) if trailing_query_only else None,
     )
 
 

@@ -3,7 +3,9 @@
 Accepted: ``input_ids`` or ``inputs_embeds`` ``[B, S]``, ``attention_mask`` ``[B, S]`` (padding on either
 side), ``position_ids``, ``return_dict``, ``output_hidden_states``, all-zero ``token_type_ids``, and the packed
 kwargs of HF v5 / sentence-transformers' flattening collator (``cu_seq_lens_q/k``, ``max_length_q/k``,
-``seq_idx``) or packed ``position_ids`` with batch 1 and no mask. Padded positions of the output are zeros.
+``seq_idx``) or packed ``position_ids`` with batch 1 and no mask. Padded positions of the output are zeros,
+except the trailing masked positions of query calls under ColBERT query expansion
+(:mod:`packed_encoders.adapters.late_interaction`), which get HF's values.
 Anything the packed path cannot honour raises :class:`~packed_encoders.errors.PackedEncodersError`.
 """
 
@@ -112,8 +114,11 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         batch, squeeze = _packed_batch(params, input_ids, inputs_embeds, attention_mask, position_ids,
                                        token_type_ids, packed_kw)
     else:
+        width = src.shape[1]
+        trailing = state.trailing_max_len is not None and attention_mask is not None and width <= state.trailing_max_len
         batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                      position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=params.vocab_size)
+                      position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=params.vocab_size,
+                      trailing_query_only=trailing)
         squeeze = None
 
     hidden = [] if output_hidden_states else None

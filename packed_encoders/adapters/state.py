@@ -26,6 +26,7 @@ class PackOptions:
     kernels: str = "auto"
     validate: bool = True
     cuda_graph: Any = None
+    padded_outputs: Any = "auto"
 
 
 @dataclass
@@ -34,6 +35,7 @@ class PackState:
     options: PackOptions
     ops: OpSet = TORCH_OPS
     ops_reason: str = ""
+    trailing_max_len: int | None = None  # padded calls this narrow compute trailing masked positions
     policy: Any = None
     previous_forward: Any = _NO_FORWARD
     report: Any = None

@@ -2,6 +2,8 @@
 
 Every backend takes ``q, k, v`` ``[T, heads, head_dim]``, ``cu_seqlens`` int32 ``[N + 1]``, the host int
 ``max_seqlen``, ``window`` (half window or ``None`` for global) and ``scale``; it returns ``[T, heads, head_dim]``.
+Backends with ``supports_key_lens`` also take ``key_lens`` int32 ``[N]``: only the first ``key_lens[s]`` tokens
+of each sequence are keys (the rest are query-only, see ``PackedBatch.key_lens``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Workload:
     dtype: torch.dtype
     device_type: str
     dropout: bool = False
+    query_only: bool = False  # some tokens attend without being attended to (key_lens)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Backend:
     supports_dropout: bool
     availability: Callable[[], str | None]
     envelope: Callable[[Workload], str | None]
+    supports_key_lens: bool = False
 
     def why_not(self, w: Workload) -> str | None:
         """``None`` when this backend can run ``w``, else the reason it cannot."""
@@ -46,6 +50,8 @@ class Backend:
             reason = f"{self.name} has no backward (gradients are enabled)"
         if reason is None and w.dropout and not self.supports_dropout:
             reason = f"{self.name} cannot apply attention dropout (attention_dropout > 0 in train mode)"
+        if reason is None and w.query_only and not self.supports_key_lens:
+            reason = f"{self.name} cannot mask query-only tokens out of the keys (ColBERT query expansion)"
         return reason if reason is not None else self.envelope(w)
 
 
@@ -67,7 +73,7 @@ def _fa4_envelope(w: Workload) -> str | None:
 
 
 BACKENDS: dict[str, Backend] = {
-    "sdpa": Backend("sdpa", sdpa.sdpa_varlen, True, True, lambda: None, lambda w: None),
+    "sdpa": Backend("sdpa", sdpa.sdpa_varlen, True, True, lambda: None, lambda w: None, supports_key_lens=True),
     "varlen": Backend("varlen", flash.torch_varlen, True, False, flash.torch_varlen_status, _flash_envelope),
     "fa4": Backend("fa4", flash.fa4_varlen, True, False, flash.fa4_status, _fa4_envelope),
 }

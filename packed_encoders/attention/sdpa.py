@@ -25,14 +25,18 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
-                dropout_p: float = 0.0) -> torch.Tensor:
-    """``q, k, v``: ``[T, heads, head_dim]`` -> ``[T, heads, head_dim]`` (dtype of q)."""
+                dropout_p: float = 0.0, key_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """``q, k, v``: ``[T, heads, head_dim]`` -> ``[T, heads, head_dim]`` (dtype of q).
+
+    ``key_lens`` (int ``[N]``, optional): only the first ``key_lens[s]`` tokens of sequence ``s`` are keys.
+    """
     total, heads, dim = q.shape
     n = cu_seqlens.numel() - 1
     if total == 0 or n == 0:
         return q.new_zeros(q.shape)
     cu = cu_seqlens.long()
     lens = cu[1:] - cu[:-1]
+    klens = lens if key_lens is None else key_lens.long()
     seq, pos = _token_coords(cu_seqlens, total)
     if window is None or window >= max_seqlen - 1:
         s = max(int(max_seqlen), 1)
@@ -40,9 +44,12 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sca
         valid = p[None, :] < lens[:, None]                              # [N, S]
         idx = torch.where(valid, cu[:-1, None] + p[None, :], 0)
         qp, kp, vp = (_gather(t, idx).transpose(1, 2) for t in (q, k, v))  # [N, heads, S, D]
-        key_ok = valid | ((lens == 0)[:, None] & (p[None, :] == 0))     # keep empty rows NaN-free
+        key_ok = p[None, :] < klens[:, None]
+        has_key = key_ok.any(-1)                                            # [N]
+        key_ok = key_ok | ~has_key[:, None]                                 # keep empty rows NaN-free
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_ok[:, None, None, :],
                                              dropout_p=dropout_p, scale=scale)
+        out = out * has_key[:, None, None, None].to(out.dtype)             # no key: zeros, as torch SDPA
         out = out.transpose(1, 2).reshape(n * s, heads, dim)
         return out.index_select(0, seq * s + pos)
 
@@ -52,18 +59,22 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sca
     qpos = torch.arange(sp, device=q.device).view(nb, w)                               # [nb, w]
     kpos = (torch.arange(nb, device=q.device)[:, None] - 1) * w + torch.arange(3 * w, device=q.device)  # [nb, 3w]
     q_ok = qpos[None] < lens[:, None, None]                                             # [N, nb, w]
-    k_ok = (kpos[None] >= 0) & (kpos[None] < lens[:, None, None])                      # [N, nb, 3w]
+    k_in = (kpos[None] >= 0) & (kpos[None] < lens[:, None, None])                      # [N, nb, 3w]
+    k_ok = k_in & (kpos[None] < klens[:, None, None])
     q_idx = torch.where(q_ok, cu[:-1, None, None] + qpos[None], 0)
-    k_idx = torch.where(k_ok, cu[:-1, None, None] + kpos.clamp(min=0)[None], 0)
+    k_idx = torch.where(k_in, cu[:-1, None, None] + kpos.clamp(min=0)[None], 0)
     r = torch.arange(w, device=q.device)[:, None]
     c = torch.arange(3 * w, device=q.device)[None, :]
     band = (w + r - c).abs() <= w                                                      # [w, 3w], constant
     mask = band[None, None] & k_ok[:, :, None, :]                                       # [N, nb, w, 3w]
-    mask = mask | ~mask.any(-1, keepdim=True)                                           # rows past the end
+    has_key = mask.any(-1)                                                              # [N, nb, w]
+    mask = mask | ~has_key[..., None]                                                   # keep NaN-free
     qb = _gather(q, q_idx).view(n * nb, w, heads, dim).transpose(1, 2)
     kb = _gather(k, k_idx).view(n * nb, 3 * w, heads, dim).transpose(1, 2)
     vb = _gather(v, k_idx).view(n * nb, 3 * w, heads, dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.view(n * nb, 1, w, 3 * w),
                                          dropout_p=dropout_p, scale=scale)
+    # A query with no key in its window (query-only tokens past the window) gets zeros, as torch SDPA gives HF.
+    out = out * has_key.view(n * nb, 1, w, 1).to(out.dtype)
     out = out.transpose(1, 2).reshape(n * sp, heads, dim)
     return out.index_select(0, seq * sp + pos)

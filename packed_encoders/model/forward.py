@@ -53,7 +53,8 @@ def plan_attention(params: ModernBertParams, batch: PackedBatch, requested: str,
             continue
         w = Workload(num_seqs=batch.num_seqs, total_tokens=batch.total_tokens, max_seqlen=batch.max_seqlen,
                      heads=params.num_attention_heads, head_dim=params.head_dim, window=window, grad=grad,
-                     dtype=dtype, device_type=batch.device.type, dropout=dropout)
+                     dtype=dtype, device_type=batch.device.type, dropout=dropout,
+                     query_only=batch.key_lens is not None)
         plan[window] = resolve(requested, w, policy)
     return plan
 
@@ -116,7 +117,9 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         if window is not None and window >= batch.max_seqlen - 1:
             window = None
         backend = BACKENDS[attention[window].backend]
-        a = backend.fn(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=scale, dropout_p=attn_p)
+        extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
+        a = backend.fn(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=scale, dropout_p=attn_p,
+                       **extra)
         o = _linear(a.reshape(total, nh * hd), layer.attn.Wo)
         if attn_p > 0:
             o = F.dropout(o, attn_p, training=True)

@@ -1,0 +1,220 @@
+"""pack / unpack / describe / validate behaviour and every refusal."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import packed_encoders as pe
+from packed_encoders.adapters.state import STATE_ATTR
+from tests.conftest import make_model, padded_batch, stock
+
+
+def _out(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def test_pack_patches_instance_only_and_unpack_restores():
+    model = make_model("base_like")
+    other = make_model("base_like")
+    cls_forward = type(model).forward
+    ids, mask = padded_batch([5, 9])
+    before = _out(model, ids, mask)
+    assert pe.pack(model) is model
+    assert "forward" in model.__dict__ and STATE_ATTR in model.__dict__
+    assert type(model).forward is cls_forward and "forward" not in other.__dict__
+    pe.unpack(model)
+    assert "forward" not in model.__dict__ and not hasattr(model, STATE_ATTR)
+    assert not [k for k in model.__dict__ if "packed" in k]
+    torch.testing.assert_close(_out(model, ids, mask), before, atol=0, rtol=0)
+
+
+def test_pack_is_idempotent_and_reconfigures():
+    model = make_model("base_like")
+    pe.pack(model)
+    state = model.__dict__[STATE_ATTR]
+    pe.pack(model)
+    assert model.__dict__[STATE_ATTR] is state
+    pe.pack(model, attention_backend="sdpa", kernels="torch")
+    new = model.__dict__[STATE_ATTR]
+    assert new is not state and new.options.attention_backend == "sdpa"
+    pe.unpack(model)
+    assert "forward" not in model.__dict__
+
+
+def test_previous_instance_forward_is_restored():
+    model = make_model("base_like")
+    sentinel = lambda *a, **k: "hooked"  # noqa: E731 - e.g. an accelerate hook
+    model.forward = sentinel
+    pe.pack(model)
+    pe.unpack(model)
+    assert model.forward is sentinel
+
+
+def test_state_dict_and_weights_untouched():
+    model = make_model("base_like")
+    before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}
+    pe.pack(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for k, v in after.items():
+        assert v.data_ptr() == before[k][0] and torch.equal(v, before[k][1])
+
+
+def test_deepcopy_runs_its_own_weights():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([7, 3])
+    twin = copy.deepcopy(model)
+    assert twin.forward.module is twin
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    assert (_out(twin, ids, mask) - _out(model, ids, mask)).abs().max() > 1e-3
+    expected = stock(twin, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(_out(twin, ids, mask)[mask.bool()], expected[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_pickle_roundtrip_keeps_packed_forward():
+    model = pe.pack(make_model("odd"))
+    ids, mask = padded_batch([4, 8])
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.forward.module is loaded and pe.is_packed(loaded)
+    torch.testing.assert_close(_out(loaded, ids, mask), _out(model, ids, mask), atol=0, rtol=0)
+
+
+def test_save_and_from_pretrained(tmp_path):
+    from transformers import ModernBertModel
+
+    model = pe.pack(make_model("base_like"))
+    model.save_pretrained(tmp_path)
+    loaded = ModernBertModel.from_pretrained(tmp_path).eval()
+    ids, mask = padded_batch([6, 2])
+    pe.pack(loaded)
+    torch.testing.assert_close(_out(loaded, ids, mask), _out(model, ids, mask), atol=1e-6, rtol=1e-6)
+
+
+def test_optimizer_step_changes_packed_output():
+    model = pe.pack(make_model("base_like"))
+    model.train()
+    ids, mask = padded_batch([6, 11])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    out[mask.bool()].pow(2).mean().backward()
+    opt.step()
+    model.eval()
+    after = _out(model, ids, mask)
+    expected = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(after[mask.bool()], expected[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_targets():
+    with pytest.raises(pe.UnsupportedTargetError, match="nn.Module"):
+        pe.pack(object())
+    with pytest.raises(pe.UnsupportedTargetError, match="no ModernBertModel.*Linear"):
+        pe.pack(nn.Sequential(nn.Linear(2, 2)))
+    model = make_model("base_like")
+    model.config.rope_parameters["sliding_attention"]["rope_type"] = "yarn"
+    with pytest.raises(pe.UnsupportedTargetError, match="rope_type"):
+        pe.pack(model)
+    assert isinstance(pe.UnsupportedTargetError("x"), pe.PackedEncodersError)
+
+
+def test_bad_options():
+    model = make_model("base_like")
+    with pytest.raises(pe.PackedEncodersError, match="attention_backend"):
+        pe.pack(model, attention_backend="magic")
+    with pytest.raises(pe.PackedEncodersError, match="kernels"):
+        pe.pack(model, kernels="magic")
+    with pytest.raises(pe.PackedEncodersError, match="varlen.*CUDA"):
+        pe.pack(model, attention_backend="varlen")  # explicit backend that cannot run here
+    assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(output_attentions=True), "output_attentions"),
+    (dict(foo=1), "foo"),
+    (dict(sliding_window_mask=torch.zeros(1)), "v4"),
+    (dict(indices=torch.zeros(1)), "v4"),
+    (dict(output_hidden_states=[1, 2]), "output_hidden_states"),
+])
+def test_refused_kwargs(kwargs, match):
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([4, 4])
+    with pytest.raises(pe.PackedEncodersError, match=match):
+        model(input_ids=ids, attention_mask=mask, **kwargs)
+
+
+def test_ignored_kwargs_are_the_documented_ones():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([4, 4])
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask, num_items_in_batch=3, use_cache=False).last_hidden_state
+    torch.testing.assert_close(a, _out(model, ids, mask), atol=0, rtol=0)
+
+
+def test_input_errors_through_the_model():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([4, 6])
+    with pytest.raises(pe.PackedEncodersError, match="exactly one"):
+        model(attention_mask=mask)
+    with pytest.raises(pe.PackedEncodersError, match="vocabulary"):
+        model(input_ids=ids + 1000, attention_mask=mask)
+    with pytest.raises(pe.PackedEncodersError, match="token_type_ids"):
+        model(input_ids=ids, attention_mask=mask, token_type_ids=torch.ones_like(ids))
+    with pytest.raises(pe.PackedEncodersError, match="positional"):
+        model(ids, mask, None, None, None, None)
+    ok = model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
+    assert ok.last_hidden_state.shape == (2, 6, model.config.hidden_size)
+
+
+def test_describe_and_validate_report():
+    model = make_model("base_like")
+    d = pe.describe(model)["encoders"][0]
+    assert d["packed"] is False
+    pe.pack(model)
+    d = pe.describe(model)["encoders"][0]
+    assert d["packed"] and d["attention_backend"] == "auto" and d["kernels"] == "torch" and d["validated"]
+    assert set(d["last_attention"].values()) == {"sdpa"}
+    assert any("CUDA" in r for r in d["attention_fallbacks"])
+    report = pe.validate(model)
+    assert report.passed and report.encoders[0].max_rel_err <= 1e-4
+    assert "cosine" in report.summary()
+
+
+def test_validation_failure_leaves_model_unchanged(monkeypatch):
+    from packed_encoders import ops
+    from packed_encoders.ops import select
+
+    broken = ops.OpSet("broken", ops.layer_norm_torch, ops.residual_layer_norm_torch, ops.rope_qkv_torch,
+                       lambda x, act: ops.geglu_torch(x.roll(1, -1), act))  # a plausible indexing bug
+    monkeypatch.setattr(select, "KERNEL_CHOICES", select.KERNEL_CHOICES + ("broken",))
+    original = select.select_ops
+
+    def fake_select(kernels, device):
+        return (broken, "test") if kernels == "broken" else original(kernels, device)
+
+    monkeypatch.setattr("packed_encoders.api.select_ops", fake_select)
+    model = make_model("base_like")
+    with pytest.raises(pe.ValidationError, match="relative error") as info:
+        pe.pack(model, kernels="broken")
+    assert not info.value.report.passed
+    assert "forward" not in model.__dict__
+    pe.pack(model)
+    with pytest.raises(pe.ValidationError):
+        pe.pack(model, kernels="broken")
+    assert model.__dict__[STATE_ATTR].ops.name == "torch"  # the earlier, valid packing is kept
+
+
+def test_structure_mismatch_fails_validation():
+    model = make_model("base_like")
+    model.layers[1].attention_type = "full_attention"  # disagrees with config.layer_types
+    with pytest.raises(pe.ValidationError, match="attention_type"):
+        pe.pack(model)

@@ -1,0 +1,77 @@
+"""SentenceTransformer (mean pooling) and sentence-transformers v6 multi-vector models, packed vs stock."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import packed_encoders as pe
+from tests.tiny_tokenizer import TEXTS, save_tiny_model
+
+st = pytest.importorskip("sentence_transformers")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_modernbert"))
+
+
+def test_sentence_transformer_encode_parity(model_dir):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    transformer = Transformer(model_dir)
+    model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
+                                device="cpu")
+    ref = model.encode(TEXTS, batch_size=3, convert_to_tensor=True)
+    pe.pack(model)
+    assert pe.describe(model)["encoders"][0]["packed"]
+    out = model.encode(TEXTS, batch_size=3, convert_to_tensor=True)
+    assert pe.describe(model)["encoders"][0]["last_attention"]  # the packed path really ran
+    cos = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
+    assert cos.min() > 0.99999
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    pe.unpack(model)
+    np.testing.assert_allclose(model.encode(TEXTS[:2]), ref[:2].numpy(), atol=1e-6)
+
+
+def test_multi_vector_encoder_parity(model_dir):
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.base.modules.dense import Dense
+
+    transformer = Transformer(model_dir)
+    dense = Dense(transformer.get_embedding_dimension(), 32, bias=False, activation_function=torch.nn.Identity(),
+                  module_input_name="token_embeddings", module_output_name="token_embeddings")
+    model = MultiVectorEncoder(modules=[transformer, dense], device="cpu")
+    ref = model.encode_document(TEXTS, batch_size=4)
+    pe.pack(model)
+    out = model.encode_document(TEXTS, batch_size=4)
+    assert pe.describe(model)["encoders"][0]["last_attention"]
+    assert len(out) == len(ref)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
+
+
+def test_multi_vector_query_expansion_parity(model_dir):
+    """Masked query expansion: expansion positions keep attention_mask 0 but their outputs are scored."""
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    transformer = Transformer(model_dir)
+    transformer.query_expansion = {"strategy": "fixed", "length": 12, "attend": False}
+    dense = Dense(transformer.get_embedding_dimension(), 16, bias=False, activation_function=torch.nn.Identity(),
+                  module_input_name="token_embeddings", module_output_name="token_embeddings")
+    model = MultiVectorEncoder(modules=[transformer, dense, MultiVectorMask()], device="cpu")
+    queries = TEXTS[:5]
+    ref = model.encode_query(queries, batch_size=5)
+    pe.pack(model)
+    assert "12 wide" in pe.describe(model)["encoders"][0]["padded_outputs"]
+    out = model.encode_query(queries, batch_size=5)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and a.shape[0] == 12
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
