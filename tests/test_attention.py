@@ -371,3 +371,20 @@ def test_from_sweep_cli_writes_a_loadable_policy(tmp_path, capsys):
     assert select_policy("NVIDIA H200", (9, 0), user_dir=tmp_path).name == policy.name
     md = calibrate.triton_speedup_markdown(synthetic_rows()).split("\n")
     assert "speed-up" in md[0] and len(md) > 2 and all(line.endswith("x |") for line in md[2:])
+
+
+def test_sweep_point_and_parity_check_run_on_cpu(monkeypatch):
+    # The sweep's per-point code (inputs, closures, grad, row shape) on the one backend CPU has; the clock
+    # is replaced by one call of the closure.
+    calls = []
+    monkeypatch.setattr(calibrate, "time_ms", lambda fn, **kw: (calls.append(fn()), 1.0)[1])
+    rows = calibrate._sweep_point(True, 2, 16, 4, 32, 96, torch.float32, torch.device("cpu"), "loop",
+                                  {"sdpa", "triton"}, ("bm16",), False)
+    assert [(r["backend"], r["ms"], r["error"]) for r in rows] == [("sdpa", 1.0, None)]
+    assert rows[0]["num_seqs"] >= 3 and rows[0]["total_tokens"] == 96 and len(calls) == 1
+    assert calls[0][0].shape == (96, 3, 2, 16)  # d(qkv) from the grad closure
+    rows = calibrate._sweep_point(False, 2, 16, None, 32, 96, torch.float32, torch.device("cpu"), "loop",
+                                  {"sdpa"}, (), False)
+    assert rows[0]["ms"] == 1.0 and rows[0]["grad"] is False
+    assert calibrate.parity_check(["sdpa"], [(2, 16)], [None, 64], torch.float32, "cpu") == {}
+    assert "torch" in calibrate.environment(None)
