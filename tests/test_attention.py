@@ -388,3 +388,30 @@ def test_sweep_point_and_parity_check_run_on_cpu(monkeypatch):
     assert rows[0]["ms"] == 1.0 and rows[0]["grad"] is False
     assert calibrate.parity_check(["sdpa"], [(2, 16)], [None, 64], torch.float32, "cpu") == {}
     assert "torch" in calibrate.environment(None)
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    # The interpreter accepts programs the compiler rejects (it once ran a kernel reading a non-constexpr
+    # global): compile the table's launch shapes for Hopper ahead of time, no driver needed.
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from packed_encoders.attention import triton_short_kernel
+
+    kernel = triton_short_kernel.packed_attn_fwd
+    jit = JITFunction(getattr(kernel, "fn", kernel))  # the plain program even when interpreting
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "CU": "*i32", "qk_scale": "fp32"}
+    seen = set()
+    for smax, local in ((64, False), (triton_short.MAX_SEQLEN, True)):
+        cfg = triton_short.tile_config(smax, 64, local)
+        const = {"HEAD_DIM": 64, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                 "HEADS_PER_PROGRAM": cfg.heads_per_program, "LOCAL": local, "PER_SEQ": cfg.grid == "seq",
+                 "DOT_F32": False}
+        sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in jit.arg_names}
+        compiled = triton.compile(ASTSource(jit, sig, const), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        assert "ex2.approx" in compiled.asm["ptx"]  # exp2 softmax
+        seen.add(cfg)
+    assert len(seen) == 2

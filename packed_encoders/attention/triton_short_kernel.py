@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 # Finite start for the running max: exp2(-inf - M0) == 0 and exp2(M0 - M0) == 1 for fully masked tiles.
-_M0 = -1.0e30
+_M0 = tl.constexpr(-1.0e30)
 
 
 @triton.jit(do_not_specialize=["T", "N", "LOG_N", "WINDOW", "TILES_PER_SEQ", "H"])
