@@ -173,7 +173,8 @@ def sweep(grid: Grid = FULL, *, dtype: torch.dtype = torch.bfloat16, timing: str
 
     Returns ``{"format", "meta", "rows"}``; a row is one (point, backend): ``grad, window, heads, head_dim,
     dtype, total_tokens, max_seqlen, num_seqs, backend, variant, in_envelope, ms`` (``None`` on error) and
-    ``error``. ``triton_variants`` names entries of ``triton_short.VARIANTS`` also timed at inference points;
+    ``error``. ``triton_variants`` names entries of ``triton_short.VARIANTS`` also timed at inference points
+    up to ``triton_short.VARIANT_MAX_SEQLEN``;
     ``beyond_envelope`` also times the Triton kernel past its envelope (rows with ``in_envelope: false``,
     never fitted).
     """
@@ -221,7 +222,7 @@ def _sweep_point(grad, heads, head_dim, window, smax, total, dtype, device, timi
         inside = triton_short.envelope(w) is None
         if not inside and beyond:
             jobs.append(("triton", None, None, False))
-        if inside or beyond:
+        if inside and smax <= triton_short.VARIANT_MAX_SEQLEN:
             for name in variants:
                 cfg = triton_short.VARIANTS[name](smax, head_dim, window is not None)
                 jobs.append(("triton", name, cfg, inside))
