@@ -415,3 +415,34 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
         assert "ex2.approx" in compiled.asm["ptx"]  # exp2 softmax
         seen.add(cfg)
     assert len(seen) == 2
+
+
+def test_triton_refuses_grad_and_custom_op_runs():
+    q, k, v, cu, smax = packed([9, 4])
+    with pytest.raises(ValueError, match="no backward"):
+        run(q.clone().requires_grad_(True), k, v, cu, smax, None)
+    with torch.no_grad():
+        run(q.clone().requires_grad_(True), k, v, cu, smax, None)
+    op = triton_short._custom_op()
+    out = op(q, k, v, cu, smax, 3, 64 ** -0.5)
+    assert torch.equal(out, run(q, k, v, cu, smax, 3))
+    fake = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake:
+        shaped = op(*(fake.from_tensor(t) for t in (q, k, v, cu)), smax, None, 0.125)
+    assert shaped.shape == q.shape and shaped.is_contiguous()
+
+
+def test_load_policy_by_device_and_refreshes(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("PACKED_ENCODERS_CACHE", str(tmp_path))
+    monkeypatch.delenv("PACKED_ENCODERS_POLICY", raising=False)
+    cuda = torch.device("cuda", 0)
+    assert dispatch.load_policy(cuda).match == {"device_name": "NVIDIA H200", "capability": [9, 0]}
+    mine = Policy("calibrated here", DEFAULT_POLICY.tables, {"device_name": "NVIDIA H200", "capability": [9, 0]})
+    mine.save(dispatch.user_policy_path("NVIDIA H200", (9, 0)))
+    assert dispatch.load_policy(cuda).name == "calibrated here"  # a new calibration is seen at the next pack
+    other = tmp_path / "other.json"
+    Policy("explicit", DEFAULT_POLICY.tables, {"device_name": "NVIDIA H200"}).save(other)
+    monkeypatch.setenv("PACKED_ENCODERS_POLICY", str(other))
+    assert dispatch.load_policy(cuda).name == "explicit"

@@ -11,6 +11,7 @@ package, or a file written by ``python -m packed_encoders.calibrate``). See ``do
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -261,8 +262,26 @@ def load_policy(device: torch.device | str | None = None) -> Policy:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type != "cuda":
         return DEFAULT_POLICY
-    return select_policy(torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)),
-                         explicit=os.environ.get(POLICY_ENV) or None)
+    name, cap = torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device))
+    explicit = os.environ.get(POLICY_ENV) or None
+    user_dir = cache_dir() / "policies"
+    # Cached by the files' names and modification times, so a new calibration is picked up by the next pack().
+    stamp = tuple(_stamps(Path(explicit)) if explicit else ()) + tuple(_stamps(user_dir)) + tuple(_stamps(SHIPPED_DIR))
+    return _select_cached(name, cap, explicit, str(user_dir), stamp)
+
+
+def _stamps(path: Path):
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    for f in files:
+        try:
+            yield str(f), f.stat().st_mtime_ns
+        except OSError:
+            yield str(f), None
+
+
+@functools.lru_cache(maxsize=16)
+def _select_cached(name: str, cap: tuple, explicit: str | None, user_dir: str, stamp: tuple) -> Policy:
+    return select_policy(name, cap, user_dir=Path(user_dir), explicit=explicit)
 
 
 @dataclass

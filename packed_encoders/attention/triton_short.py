@@ -150,8 +150,8 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         ``[T, heads, head_dim]`` contiguous, dtype of ``q``.
 
     Raises:
-        ValueError: attention dropout, a dtype/shape/layout outside the kernel's contract, or non-CUDA
-            tensors (CPU tensors run only under ``TRITON_INTERPRET=1``).
+        ValueError: attention dropout, inputs requiring grad (there is no backward), a dtype/shape/layout
+            outside the kernel's contract, or non-CUDA tensors (CPU tensors run only under ``TRITON_INTERPRET=1``).
     """
     if dropout_p:
         raise ValueError("the Triton attention kernel has no attention dropout")
@@ -171,18 +171,27 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise ValueError("the Triton attention kernel needs CUDA tensors (CPU only under TRITON_INTERPRET=1)")
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 or None (got {window})")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError("the Triton attention kernel has no backward; run it under torch.no_grad() or use a "
+                         "FlashAttention/sdpa backend for training")
+    if config is None and torch.compiler.is_compiling():
+        return _custom_op()(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale))
+    return _launch(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), config)
+
+
+def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: float, config: TileConfig | None):
+    total, heads, head_dim = q.shape
     out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
     n = cu_seqlens.numel() - 1
     if total == 0 or n <= 0:
         return out
-    max_seqlen = int(max_seqlen)
     local = window is not None and window < max_seqlen - 1  # a band covering every sequence is global
     cfg = config or tile_config(max_seqlen, head_dim, local)
     tiles_per_seq = triton_cdiv(max_seqlen, cfg.block_m)
     rows = n * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
     grid = (rows, triton_cdiv(heads, cfg.heads_per_program))
     _kernel()[grid](
-        q, k, v, out, cu_seqlens, float(scale) * _LOG2E,
+        q, k, v, out, cu_seqlens, scale * _LOG2E,
         total, n, max(0, math.ceil(math.log2(n))), int(window) if local else 0, tiles_per_seq, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_PER_PROGRAM=cfg.heads_per_program,
@@ -190,6 +199,26 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _custom_op():
+    """``torch.ops.packed_encoders.triton_short_attention``: one opaque node (with a fake implementation) for
+    ``torch.compile``. Eager calls launch directly: the dispatcher's overhead would be a large share of a
+    short batch's time."""
+    from torch.library import custom_op
+
+    @custom_op("packed_encoders::triton_short_attention", mutates_args=(),
+               schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int? window, float scale)"
+                      " -> Tensor")
+    def op(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return _launch(q, k, v, cu_seqlens, max_seqlen, window, scale, None)
+
+    @op.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape)  # contiguous, like the kernel's output
+
+    return op
 
 
 def triton_cdiv(a: int, b: int) -> int:
