@@ -384,7 +384,8 @@ def fit_policy(rows: Iterable[dict], *, tolerance: float = 0.05, name: str = "ca
             tables.append(Table(grad, kind, _fit_rows(combined, tolerance)))
     policy = Policy(name, tuple(tables), dict(match or {}), dict(meta or {}) | {"fitted": True, "tolerance": tolerance})
     report = evaluate(policy, rows, tolerance)
-    policy = Policy(policy.name, policy.tables, policy.match, policy.meta | {"fit_report": report})
+    summary = {k: report[k] for k in ("points", "worst_ratio", "violations")}  # the per-point picks stay out
+    policy = Policy(policy.name, policy.tables, policy.match, policy.meta | {"fit_report": summary})
     return policy, report
 
 
