@@ -8,8 +8,10 @@ Envelope (checked by :func:`envelope`, stated again in ``docs/attention.md``):
   ``[T, 3, heads, head_dim]`` projection;
 - ``max_seqlen <= MAX_SEQLEN``; global or any half window.
 
-Past ``MAX_SEQLEN`` the kernel still computes the right answer (the benchmark times it there), but it has
-no pipelining or warp specialisation and FlashAttention wins; dispatch never picks it there.
+Past ``MAX_SEQLEN`` the kernel still computes the right answer, but it has neither TMA nor warp
+specialisation and FlashAttention is expected to win there (``benchmarks/attention.py --beyond-envelope``
+measures it); dispatch never picks it there. ``MAX_SEQLEN`` is to be narrowed to where the H200 sweep shows
+the kernel winning.
 
 Nothing here imports triton at import time: the kernel module is loaded on the first call.
 """
@@ -141,7 +143,8 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         q, k, v: ``[T, heads, head_dim]`` fp16/bf16, same dtype, unit stride on the last dimension (any
             other strides, e.g. views of a fused ``[T, 3, heads, head_dim]`` projection).
         cu_seqlens: int32 ``[N + 1]`` on the same device, from 0 to ``T`` (empty sequences allowed).
-        max_seqlen: host int, at least the longest sequence (it sizes the launch, it is not read back).
+        max_seqlen: host int, at least the longest sequence (it picks the tile shape and sizes the ``"seq"``
+            grid; it is not read back from the device).
         window: half window (a query at i sees keys j with ``|i - j| <= window``) or ``None`` for global.
         scale: softmax scale.
         config: a launch shape; default :func:`tile_config`.
