@@ -446,3 +446,32 @@ def test_load_policy_by_device_and_refreshes(monkeypatch, tmp_path):
     Policy("explicit", DEFAULT_POLICY.tables, {"device_name": "NVIDIA H200"}).save(other)
     monkeypatch.setenv("PACKED_ENCODERS_POLICY", str(other))
     assert dispatch.load_policy(cuda).name == "explicit"
+
+
+def test_benchmark_report_from_a_synthetic_sweep(monkeypatch, tmp_path, capsys):
+    # benchmarks/attention.py's reporting (JSON, markdown, refitted policy) on synthetic timings; the GPU
+    # parts (sweep, headline) are replaced.
+    import pathlib
+    import runpy
+
+    bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "benchmarks" / "attention.py"))
+    meta = {"gpu": "NVIDIA H200", "capability": [9, 0], "torch": "x", "triton": "y", "flash_attn": "z",
+            "cutlass_dsl": None, "git_sha": None, "timing": "loop", "date": "2026-12-01", "left_out": {}}
+    fake_sweep = {"format": calibrate.SWEEP_FORMAT, "meta": meta, "rows": synthetic_rows()}
+    main = bench["main"]
+    g = main.__globals__
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(g, "headline", lambda timing, variants, log: [
+        {"workload": "8 queries <= 64", "heads": 12, "head_dim": 64, "window": None, "total_tokens": 250,
+         "max_seqlen": 64, "num_seqs": 8, "backend": b, "variant": v, "ms": ms, "error": None}
+        for b, v, ms in (("varlen", None, 0.057), ("triton", "table", 0.03))])
+    monkeypatch.setitem(g, "load_policy", lambda device: select_policy("NVIDIA H200", (9, 0), user_dir=tmp_path))
+    monkeypatch.setattr(calibrate, "sweep", lambda *a, **k: json.loads(json.dumps(fake_sweep)))
+    assert main(["--out-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "1.90x" in printed and "Refitted policy" in printed and "Shipped policy" in printed
+    (result,) = tmp_path.glob("attention-nvidia-h200-sm90-*.json")
+    data = json.loads(result.read_text())
+    assert data["refit_report"]["violations"] == [] and data["shipped_policy"]["report"]["points"] > 0
+    refit = Policy.load(tmp_path / "policy-nvidia-h200-sm90.json")
+    assert calibrate.policy_from_sweep(data)[0].tables == refit.tables  # the JSON refits to the same policy
