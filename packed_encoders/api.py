@@ -8,7 +8,7 @@ from torch import nn
 from .adapters.late_interaction import ALWAYS, query_expansion_length
 from .adapters.locate import find_encoders
 from .adapters.state import PackOptions, PackState, get_state, install, restore
-from .attention.dispatch import CHOICES
+from .attention.dispatch import CHOICES, load_policy
 from .batch import from_packed
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .model.params import ModernBertParams
@@ -44,7 +44,7 @@ def _make_state(model: nn.Module, options: PackOptions, target=None) -> PackStat
         raise PackedEncodersError(f"attention_backend={options.attention_backend!r} is not one of {CHOICES}")
     params = _params(model)
     ops, reason = select_ops(options.kernels, _device(model))
-    return PackState(params=params, options=options, ops=ops, ops_reason=reason,
+    return PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=load_policy(_device(model)),
                      trailing_max_len=_trailing_max_len(options.padded_outputs, target))
 
 
@@ -146,6 +146,7 @@ def describe(target) -> dict:
                 "attention_backend": state.options.attention_backend,
                 "last_attention": dict(state.last_plan),
                 "attention_fallbacks": list(state.last_fallbacks),
+                "attention_policy": None if state.policy is None else state.policy.name,
                 "kernels": state.ops.name,
                 "kernels_reason": state.ops_reason,
                 "cuda_graph": state.options.cuda_graph,

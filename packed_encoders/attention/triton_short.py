@@ -1,0 +1,232 @@
+"""In-tree Triton attention forward for packed short sequences (backend ``"triton"``, inference only).
+
+Envelope (checked by :func:`envelope`, stated again in ``docs/attention.md``):
+
+- CUDA tensors on sm_80 or newer, triton importable; no gradients, no attention dropout;
+- ``q, k, v`` fp16 or bf16, ``[T, heads, head_dim]`` with ``head_dim`` in :data:`HEAD_DIMS`, any head count,
+  unit stride on ``head_dim``; other strides are runtime arguments, so ``v`` may be a view of the fused
+  ``[T, 3, heads, head_dim]`` projection;
+- ``max_seqlen <= MAX_SEQLEN``; global or any half window.
+
+Past ``MAX_SEQLEN`` the kernel still computes the right answer, but it has neither TMA nor warp
+specialisation and FlashAttention is expected to win there (``benchmarks/attention.py --beyond-envelope``
+measures it); dispatch never picks it there. ``MAX_SEQLEN`` is to be narrowed to where the H200 sweep shows
+the kernel winning.
+
+Nothing here imports triton at import time: the kernel module is loaded on the first call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from .backends import Backend, Workload, register
+
+MAX_SEQLEN = 1024
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape. ``grid``: ``"stream"`` (tiles over the packed rows) or ``"seq"`` (tiles per sequence)."""
+
+    block_m: int
+    block_n: int
+    heads_per_program: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    grid: str = "stream"
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value}: tl.dot needs a power of two >= 16")
+        if self.grid not in ("stream", "seq"):
+            raise ValueError(f"grid={self.grid!r} is not 'stream' or 'seq'")
+        if self.heads_per_program < 1:
+            raise ValueError("heads_per_program must be >= 1")
+
+
+_SHORT = TileConfig(32, 64)          # <= 64 rows: a tile spans about two sequences; few key tiles each
+_MID = TileConfig(64, 64)            # <= 128
+_LONG_GLOBAL = TileConfig(128, 64, num_warps=8)
+_LONG_LOCAL = TileConfig(64, 64)     # key span per tile is block_m + 2 * window: keep block_m small
+
+# Keyed by max_seqlen bucket (upper edge) so a model compiles at most len(buckets) x {global, local} variants
+# per (dtype, head_dim), however its batch lengths vary. (bucket, global config, local config).
+TILE_TABLE: dict[int, tuple[tuple[int, TileConfig, TileConfig], ...]] = {
+    64: ((64, _SHORT, _SHORT), (128, _MID, _MID), (MAX_SEQLEN, _LONG_GLOBAL, _LONG_LOCAL)),
+    128: ((64, _SHORT, _SHORT), (128, _MID, _MID), (MAX_SEQLEN, _LONG_GLOBAL, _LONG_LOCAL)),
+}
+
+
+def tile_config(max_seqlen: int, head_dim: int, local: bool) -> TileConfig:
+    """The table's launch shape for a batch (the last bucket also serves lengths past the envelope)."""
+    rows = TILE_TABLE.get(head_dim)
+    if rows is None:
+        raise ValueError(f"no tile table for head_dim={head_dim} (supported: {HEAD_DIMS})")
+    for edge, glob, loc in rows:
+        if max_seqlen <= edge:
+            break
+    return loc if local else glob
+
+
+# Named alternatives the benchmark times against the table (same kernel, other launch shapes): the grid kind,
+# heads per program, pipelining, and fixed tile sizes from 16 to 128 rows.
+VARIANTS = {
+    "table": lambda s, d, local: tile_config(s, d, local),
+    "seq-grid": lambda s, d, local: replace(tile_config(s, d, local), grid="seq"),
+    "heads2": lambda s, d, local: replace(tile_config(s, d, local), heads_per_program=2),
+    "stages1": lambda s, d, local: replace(tile_config(s, d, local), num_stages=1),
+    "m16": lambda s, d, local: TileConfig(16, 32, num_warps=2),
+    "m32": lambda s, d, local: TileConfig(32, 64),
+    "m64": lambda s, d, local: TileConfig(64, 64),
+    "m128": lambda s, d, local: TileConfig(128, 64, num_warps=8),
+}
+# The benchmark times the variants only where they matter most (and compile time stays bounded).
+VARIANT_MAX_SEQLEN = 128
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    from .triton_short_kernel import packed_attn_fwd
+
+    return packed_attn_fwd
+
+
+@functools.lru_cache(maxsize=None)
+def triton_status() -> str | None:
+    """``None`` when the kernel can run on this machine's GPU, else why not."""
+    if not torch.cuda.is_available():
+        return "the Triton attention kernel needs CUDA"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"the Triton attention kernel needs sm_80 or newer (this GPU is sm_{major}{minor})"
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:
+        return f"triton does not import ({exc.__class__.__name__}: {exc})"
+    return None
+
+
+def envelope(w: Workload) -> str | None:
+    """``None`` when ``w`` is inside the kernel's envelope, else the reason it is not."""
+    if w.device_type != "cuda":
+        return f"the Triton attention kernel needs CUDA tensors (got {w.device_type})"
+    if w.dtype not in DTYPES:
+        return f"the Triton attention kernel runs fp16/bf16 (got {w.dtype})"
+    if w.head_dim not in HEAD_DIMS:
+        return f"the Triton attention kernel supports head_dim {HEAD_DIMS} (got {w.head_dim})"
+    if w.max_seqlen > MAX_SEQLEN:
+        return f"max_seqlen {w.max_seqlen} > {MAX_SEQLEN}, the Triton kernel's envelope (FlashAttention wins there)"
+    return None
+
+
+def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           max_seqlen: int, *, window: int | None, scale: float, dropout_p: float = 0.0,
+                           config: TileConfig | None = None) -> torch.Tensor:
+    """Packed bidirectional attention forward.
+
+    Args:
+        q, k, v: ``[T, heads, head_dim]`` fp16/bf16, same dtype, unit stride on the last dimension (any
+            other strides, e.g. views of a fused ``[T, 3, heads, head_dim]`` projection).
+        cu_seqlens: int32 ``[N + 1]`` on the same device, from 0 to ``T`` (empty sequences allowed).
+        max_seqlen: host int, at least the longest sequence (it picks the tile shape and sizes the ``"seq"``
+            grid; it is not read back from the device).
+        window: half window (a query at i sees keys j with ``|i - j| <= window``) or ``None`` for global.
+        scale: softmax scale.
+        config: a launch shape; default :func:`tile_config`.
+
+    Returns:
+        ``[T, heads, head_dim]`` contiguous, dtype of ``q``.
+
+    Raises:
+        ValueError: attention dropout, inputs requiring grad (there is no backward), a dtype/shape/layout
+            outside the kernel's contract, or non-CUDA tensors (CPU tensors run only under ``TRITON_INTERPRET=1``).
+    """
+    if dropout_p:
+        raise ValueError("the Triton attention kernel has no attention dropout")
+    if q.dim() != 3 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"q, k, v must share one [T, heads, head_dim] shape; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must be one of {DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    total, heads, head_dim = q.shape
+    if head_dim not in TILE_TABLE:
+        raise ValueError(f"head_dim {head_dim} is not one of {HEAD_DIMS}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k, v need unit stride on head_dim")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.stride(0) != 1:
+        raise ValueError("cu_seqlens must be a contiguous 1-D int32 tensor")
+    if not q.is_cuda and not _interpreting():
+        raise ValueError("the Triton attention kernel needs CUDA tensors (CPU only under TRITON_INTERPRET=1)")
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 or None (got {window})")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise ValueError("the Triton attention kernel has no backward; run it under torch.no_grad() or use a "
+                         "FlashAttention/sdpa backend for training")
+    if config is None and torch.compiler.is_compiling():
+        return _custom_op()(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale))
+    return _launch(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), config)
+
+
+def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: float, config: TileConfig | None):
+    total, heads, head_dim = q.shape
+    out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
+    n = cu_seqlens.numel() - 1
+    if total == 0 or n <= 0:
+        return out
+    local = window is not None and window < max_seqlen - 1  # a band covering every sequence is global
+    cfg = config or tile_config(max_seqlen, head_dim, local)
+    tiles_per_seq = triton_cdiv(max_seqlen, cfg.block_m)
+    rows = n * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
+    grid = (rows, triton_cdiv(heads, cfg.heads_per_program))
+    _kernel()[grid](
+        q, k, v, out, cu_seqlens, scale * _LOG2E,
+        total, n, max(0, math.ceil(math.log2(n))), int(window) if local else 0, tiles_per_seq, heads,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_PER_PROGRAM=cfg.heads_per_program,
+        LOCAL=local, PER_SEQ=cfg.grid == "seq", DOT_F32=not q.is_cuda and q.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _custom_op():
+    """``torch.ops.packed_encoders.triton_short_attention``: one opaque node (with a fake implementation) for
+    ``torch.compile``. Eager calls launch directly: the dispatcher's overhead would be a large share of a
+    short batch's time."""
+    from torch.library import custom_op
+
+    @custom_op("packed_encoders::triton_short_attention", mutates_args=(),
+               schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int? window, float scale)"
+                      " -> Tensor")
+    def op(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return _launch(q, k, v, cu_seqlens, max_seqlen, window, scale, None)
+
+    @op.register_fake
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
+        return q.new_empty(q.shape)  # contiguous, like the kernel's output
+
+    return op
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+register(Backend("triton", triton_short_attention, has_backward=False, supports_dropout=False,
+                 availability=triton_status, envelope=envelope))

@@ -1,0 +1,114 @@
+"""The Triton program behind :mod:`packed_encoders.attention.triton_short` (imported lazily: it imports triton).
+
+One program owns ``BLOCK_M`` query rows and ``HEADS_PER_PROGRAM`` heads. Two grid shapes:
+
+- ``PER_SEQ=False`` ("stream"): query tiles are consecutive rows of the packed stream, so a tile may hold the
+  tail of one sequence and the head of the next. Every program is dense (no tile is mostly padding, no
+  program exits empty) and the grid is ``cdiv(T, BLOCK_M)`` whatever the length mix: the shape for many
+  tiny sequences. Each row finds its sequence by a binary search over ``cu_seqlens``.
+- ``PER_SEQ=True`` ("seq"): ``TILES_PER_SEQ`` tiles per sequence aligned to its start; tiles past the
+  sequence's end do no work.
+
+Either way each query row ``t`` gets a key interval ``[lo, hi)``: its own sequence clipped to
+``|t - j| <= WINDOW`` on local layers. Positions within a sequence differ exactly as packed rows do, so the
+window needs no position ids. The key loop runs over the union of the tile's intervals only: it stops at the
+last sequence's end and never visits key tiles outside the window. Masked scores are ``-inf``; the running
+max starts finite so a row whose first key tiles are all masked stays NaN-free, and its masked keys add
+exact zeros (a sequence's output does not depend on its neighbours' values, bit for bit).
+"""
+
+import triton
+import triton.language as tl
+
+# Finite start for the running max: exp2(-inf - M0) == 0 and exp2(M0 - M0) == 1 for fully masked tiles.
+_M0 = tl.constexpr(-1.0e30)
+
+
+@triton.jit(do_not_specialize=["T", "N", "LOG_N", "WINDOW", "TILES_PER_SEQ", "H"])
+def packed_attn_fwd(
+    Q, K, V, O, CU,
+    qk_scale,  # softmax scale * log2(e): exp2 on pre-scaled scores
+    T, N, LOG_N, WINDOW, TILES_PER_SEQ, H,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    LOCAL: tl.constexpr, PER_SEQ: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    head_group = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    if PER_SEQ:
+        seq = pid // TILES_PER_SEQ
+        tile = pid % TILES_PER_SEQ
+        first = tl.load(CU + seq)
+        seq_end = tl.load(CU + seq + 1)
+        t = first + tile * BLOCK_M + offs_m
+        q_ok = t < seq_end
+        seq_start = tl.zeros([BLOCK_M], dtype=tl.int32) + first
+        seq_stop = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_end
+    else:
+        t = pid * BLOCK_M + offs_m
+        q_ok = t < T
+        # Largest s in [0, N-1] with cu[s] <= t: the sequence holding row t (empty sequences, whose
+        # cu[s] == cu[s+1], are skipped because the search keeps the last of equal bounds).
+        lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+        hi = lo + (N - 1)
+        step = 0
+        while step < LOG_N:  # a while loop: the interpreter cannot range() over a scalar argument
+            mid = (lo + hi + 1) // 2
+            go = tl.load(CU + mid) <= t
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid - 1)
+            step += 1
+        seq_start = tl.load(CU + lo)
+        seq_stop = tl.load(CU + lo + 1)
+
+    if LOCAL:
+        k_lo = tl.maximum(seq_start, t - WINDOW)
+        k_hi = tl.minimum(seq_stop, t + WINDOW + 1)
+    else:
+        k_lo = seq_start
+        k_hi = seq_stop
+    k_lo = tl.where(q_ok, k_lo, T)  # rows past the end take no keys and do not widen the loop
+    k_hi = tl.where(q_ok, k_hi, 0)
+    k_begin = tl.min(k_lo, axis=0)
+    k_end = tl.max(k_hi, axis=0)
+
+    # int64 row offsets: T * stride of the fused qkv (3 * hidden) passes 2**31 near 700k tokens.
+    t64 = t.to(tl.int64)
+    for hh in tl.static_range(HEADS_PER_PROGRAM):
+        h = head_group * HEADS_PER_PROGRAM + hh
+        h_ok = h < H
+        q = tl.load(Q + t64[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=q_ok[:, None] & h_ok, other=0.0)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _M0
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for start in range(k_begin, k_end, BLOCK_N):
+            kt = start + offs_n
+            kt_ok = kt < k_end
+            kt64 = kt.to(tl.int64)
+            k = tl.load(K + kt64[:, None] * sk_t + h * sk_h + offs_d[None, :], mask=kt_ok[:, None] & h_ok,
+                        other=0.0)
+            if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns as integers; same maths in fp32
+                s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32))
+            else:
+                s = tl.dot(q, tl.trans(k))
+            allowed = (kt[None, :] >= k_lo[:, None]) & (kt[None, :] < k_hi[:, None])
+            s = tl.where(allowed, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + kt64[:, None] * sv_t + h * sv_h + offs_d[None, :], mask=kt_ok[:, None] & h_ok,
+                        other=0.0)
+            p = p.to(v.dtype)  # bf16/fp16 probabilities into the MMA, fp32 accumulation (as FlashAttention)
+            if DOT_F32:
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(O + t64[:, None] * so_t + h * so_h + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=q_ok[:, None] & h_ok)

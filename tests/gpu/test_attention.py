@@ -1,0 +1,133 @@
+"""GPU tests of every attention backend against the fp32 per-sequence reference (skipped without CUDA).
+
+Tolerance rule (DESIGN.md): ``max|backend - ref_fp32| <= 2 * max|torch_same_dtype - ref_fp32| + eps``, for the
+forward output and, where a backend has a backward, for dq, dk, dv.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from packed_encoders import calibrate
+from packed_encoders.attention import BACKENDS, Workload, resolve
+from packed_encoders.attention import dispatch, triton_short
+from packed_encoders.attention.reference import attention_ref, attention_same_dtype, parity
+from packed_encoders.attention.triton_short import TileConfig, triton_short_attention
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+
+# 1..2049 with the window edges of ModernBERT (half window 64): 64, 65, 128, 129
+LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 130, 300, 511, 512, 513, 1000, 2049, 3, 1]
+GEOMETRIES = [(12, 64), (16, 64), (8, 128)]
+DTYPES = [torch.bfloat16, torch.float16]
+WINDOWS = [None, 64]
+
+
+def lengths_for(backend: str) -> list[int]:
+    if backend == "triton":  # its envelope, plus a many-short tail
+        return [n for n in LENGTHS if n <= triton_short.MAX_SEQLEN] + [5, 9, 31, 33] * 8 + [triton_short.MAX_SEQLEN]
+    return LENGTHS
+
+
+def available(name: str) -> bool:
+    b = BACKENDS.get(name)
+    return b is not None and b.availability() is None
+
+
+def inputs(lengths, heads, head_dim, dtype, grad=False, seed=0):
+    qkv, q, k, v, cu, smax = calibrate.make_inputs(lengths, heads, head_dim, dtype, "cuda", grad=grad, seed=seed)
+    return qkv, q, k, v, cu, smax
+
+
+@pytest.mark.parametrize("name", ["sdpa", "varlen", "fa4", "triton"])
+@pytest.mark.parametrize("heads,head_dim", GEOMETRIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_forward_matches_reference(name, heads, head_dim, dtype, window):
+    if not available(name):
+        pytest.skip(f"{name}: {BACKENDS[name].availability() if name in BACKENDS else 'not registered'}")
+    _, q, k, v, cu, smax = inputs(lengths_for(name), heads, head_dim, dtype)
+    w = Workload(cu.numel() - 1, q.shape[0], smax, heads, head_dim, window, False, dtype, "cuda")
+    if BACKENDS[name].envelope(w) is not None:
+        pytest.skip(BACKENDS[name].envelope(w))
+    out = BACKENDS[name].fn(q, k, v, cu, smax, window=window, scale=head_dim ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    err, allowed = parity(out, q, k, v, cu, window)
+    assert err <= allowed, f"{name}: max err {err:.4g} > {allowed:.4g}"
+
+
+def _grads(fn, qkv, dout):
+    qkv.grad = None
+    out = fn()
+    (g,) = torch.autograd.grad(out.float(), qkv, dout)
+    return g.float()
+
+
+@pytest.mark.parametrize("name", ["sdpa", "varlen", "fa4"])
+@pytest.mark.parametrize("heads,head_dim", GEOMETRIES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_backward_matches_reference(name, heads, head_dim, window):
+    if not available(name):
+        pytest.skip(f"{name} unavailable")
+    dtype = torch.bfloat16
+    lengths = [1, 64, 65, 128, 129, 300, 2049, 7]
+    qkv, q, k, v, cu, smax = inputs(lengths, heads, head_dim, dtype, grad=True)
+    dout = torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    scale = head_dim ** -0.5
+    got = _grads(lambda: BACKENDS[name].fn(q, k, v, cu, smax, window=window, scale=scale), qkv, dout)
+    leaf32 = qkv.detach().float().requires_grad_(True)
+    q32, k32, v32 = leaf32.unbind(1)
+    ref = _grads(lambda: attention_ref(q32, k32, v32, cu, window, scale), leaf32, dout)
+    same = _grads(lambda: attention_same_dtype(q, k, v, cu, window, scale), qkv, dout)
+    err = (got - ref).abs().amax(dim=(0, 2, 3))  # per q / k / v
+    allowed = 2 * (same - ref).abs().amax(dim=(0, 2, 3)) + 1e-3
+    assert bool((err <= allowed).all()), f"{name}: dq/dk/dv err {err.tolist()} > {allowed.tolist()}"
+
+
+def test_triton_isolation_determinism_and_tiles():
+    lengths = [7, 12, 9, 64, 65, 1, 128, 129, 40]
+    _, q, k, v, cu, smax = inputs(lengths, 12, 64, torch.bfloat16)
+    for cfg in [None, TileConfig(16, 16), TileConfig(64, 32, heads_per_program=5, grid="seq")] + [
+            make(smax, 64, True) for make in triton_short.VARIANTS.values()]:
+        for window in (None, 64, 3):
+            a = triton_short_attention(q, k, v, cu, smax, window=window, scale=0.125, config=cfg)
+            err, allowed = parity(a, q, k, v, cu, window)
+            assert err <= allowed, (cfg, window, err, allowed)
+            assert torch.equal(a, triton_short_attention(q, k, v, cu, smax, window=window, scale=0.125, config=cfg))
+    base = triton_short_attention(q, k, v, cu, smax, window=None, scale=0.125)
+    b = slice(7, 19)
+    q2, k2, v2 = q.clone(), k.clone(), v.clone()
+    for t in (q2, k2, v2):
+        t[b].normal_()
+    other = triton_short_attention(q2, k2, v2, cu, smax, window=None, scale=0.125)
+    assert torch.equal(base[:7], other[:7]) and torch.equal(base[19:], other[19:])
+
+
+def test_triton_compiled_variants_stay_few():
+    kernel = triton_short._kernel()
+    dev = torch.cuda.current_device()
+    if dev in kernel.device_caches:
+        kernel.device_caches[dev][0].clear()  # count this test's compilations only (triton internals)
+    before = 0
+    used = set()
+    for smax in [1, 2, 5, 16, 33, 64, 65, 100, 128, 129, 200, 511, 700, 1024]:
+        lengths = calibrate.lengths_for(max(smax * 3, 50), smax, seed=smax)
+        _, q, k, v, cu, s = inputs(lengths, 12, 64, torch.bfloat16)
+        for window in (None, 64):
+            triton_short_attention(q, k, v, cu, s, window=window, scale=0.125)
+            local = window is not None and window < s - 1
+            used.add((triton_short.tile_config(s, 64, local), local))
+    compiled = len(kernel.device_caches[dev][0]) - before
+    assert compiled <= len(used) <= 6, (compiled, used)
+
+
+def test_dispatch_on_this_card():
+    policy = dispatch.load_policy(torch.device("cuda"))
+    w = Workload(8, 250, 64, 12, 64, None, False, torch.bfloat16, "cuda")
+    decision = resolve("auto", w, policy)
+    assert decision.backend in BACKENDS and BACKENDS[decision.backend].why_not(w) is None
+    trained = resolve("auto", Workload(8, 250, 64, 12, 64, None, True, torch.bfloat16, "cuda"), policy)
+    assert BACKENDS[trained.backend].has_backward
+    if available("triton"):
+        assert resolve("triton", w).backend == "triton"

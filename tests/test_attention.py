@@ -1,0 +1,477 @@
+"""CPU tests of packed attention: the sdpa backend, the Triton kernel under TRITON_INTERPRET=1 (tiny shapes),
+the dispatch policy (synthetic shapes and files) and calibrate's fit (synthetic sweeps)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tests import _triton_interp_compat
+
+if not torch.cuda.is_available():
+    _triton_interp_compat.enable()  # before the kernel module is imported (triton.jit reads it then)
+
+from packed_encoders import calibrate  # noqa: E402
+from packed_encoders.attention import BACKENDS, Workload, attention_ref, resolve  # noqa: E402
+from packed_encoders.attention import dispatch, triton_short  # noqa: E402
+from packed_encoders.attention.dispatch import DEFAULT_POLICY, Cell, Policy, Table, select_policy  # noqa: E402
+from packed_encoders.attention.reference import parity  # noqa: E402
+from packed_encoders.attention.triton_short import TileConfig, triton_short_attention  # noqa: E402
+from packed_encoders.errors import PackedEncodersError  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def packed(lengths, heads=2, head_dim=64, dtype=torch.bfloat16, seed=0):
+    """q, k contiguous and v a strided view of a fused [T, 3, heads, head_dim] projection."""
+    _, q, k, v, cu, smax = calibrate.make_inputs(lengths, heads, head_dim, dtype, DEV, seed=seed)
+    return q, k, v, cu, smax
+
+
+def check(out, q, k, v, cu, window):
+    err, allowed = parity(out, q, k, v, cu, window)
+    assert err <= allowed, f"max err {err:.4g} > allowed {allowed:.4g}"
+
+
+# ------------------------------------------------------------------------------------------------ sdpa
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_matches_reference(window, dtype):
+    lengths = [4, 5, 8, 9, 0, 1, 23, 0, 2]  # window edges w, w+1, 2w, 2w+1 for w=4; empties inside
+    q, k, v, cu, smax = packed(lengths, heads=3, head_dim=16, dtype=dtype)
+    out = BACKENDS["sdpa"].fn(q, k, v, cu, smax, window=window, scale=16 ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    check(out, q, k, v, cu, window)
+
+
+def test_sdpa_all_length_one_and_single_sequence():
+    for lengths in ([1] * 7, [19]):
+        q, k, v, cu, smax = packed(lengths, heads=2, head_dim=8, dtype=torch.float32)
+        for window in (None, 3):
+            check(BACKENDS["sdpa"].fn(q, k, v, cu, smax, window=window, scale=8 ** -0.5), q, k, v, cu, window)
+
+
+# ------------------------------------------------------------------------------------------------ triton kernel
+
+SMALL = TileConfig(16, 16)  # small tiles: many tile boundaries on tiny inputs
+
+
+def run(q, k, v, cu, smax, window, config=None):
+    return triton_short_attention(q, k, v, cu, smax, window=window, scale=q.shape[-1] ** -0.5, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 8])
+def test_triton_ragged_window_edges_and_empties(dtype, window):
+    # w=8 stands for ModernBERT's 64: lengths w, w+1, 2w, 2w+1 are the 64/65/128/129 edges; tiles of 16 put
+    # the edges on tile boundaries; empty sequences sit inside cu_seqlens; one row spans a sequence change.
+    lengths = [8, 0, 9, 16, 17, 0, 0, 1, 33, 2]
+    q, k, v, cu, smax = packed(lengths, dtype=dtype)
+    check(run(q, k, v, cu, smax, window, SMALL), q, k, v, cu, window)
+
+
+@pytest.mark.parametrize("grid", ["stream", "seq"])
+def test_triton_one_long_among_many_short(grid):
+    lengths = [3, 1, 40, 5, 2]
+    q, k, v, cu, smax = packed(lengths, heads=3)
+    cfg = TileConfig(16, 16, heads_per_program=2, grid=grid)  # 3 heads, 2 per program: a masked head slot
+    for window in ((None, 5) if grid == "stream" else (5,)):
+        check(run(q, k, v, cu, smax, window, cfg), q, k, v, cu, window)
+
+
+def test_triton_single_sequence_all_ones_and_default_tiles():
+    for lengths in ([37], [1] * 21):
+        q, k, v, cu, smax = packed(lengths)
+        check(run(q, k, v, cu, smax, None), q, k, v, cu, None)  # tile table (32 x 64)
+    q, k, v, cu, smax = packed([37])
+    check(run(q, k, v, cu, smax, 6), q, k, v, cu, 6)
+
+
+def test_triton_head_dim_128_and_loose_max_seqlen():
+    q, k, v, cu, _ = packed([5, 20, 11], heads=1, head_dim=128, dtype=torch.float16)
+    out = run(q, k, v, cu, 64, 4)  # max_seqlen is an upper bound: 64 > 20 changes the launch, not the result
+    check(out, q, k, v, cu, 4)
+
+
+def test_triton_cross_sequence_isolation():
+    lengths = [7, 12, 9]  # tiles of 16 straddle A|B and B|C
+    q, k, v, cu, smax = packed(lengths)
+    before = run(q, k, v, cu, smax, None, SMALL)
+    b = slice(7, 19)
+    q2, k2 = q.clone(), k.clone()
+    q2[b].normal_()
+    k2[b].mul_(-3.0)
+    fused = v.new_empty(v.shape[0], 2, *v.shape[1:])
+    v2 = fused[:, 1]
+    v2.copy_(v)
+    v2[b].normal_()
+    after = run(q2, k2, v2, cu, smax, None, SMALL)
+    for keep in (slice(0, 7), slice(19, 28)):
+        assert torch.equal(before[keep], after[keep])
+    assert not torch.equal(before[b], after[b])
+
+
+def test_triton_deterministic():
+    q, k, v, cu, smax = packed([13, 30, 2])
+    a = run(q, k, v, cu, smax, 5, SMALL)
+    assert torch.equal(a, run(q, k, v, cu, smax, 5, SMALL))
+
+
+def test_triton_empty_batch_and_errors():
+    q, k, v, cu, smax = packed([3, 4])
+    empty = q[:0]
+    assert run(empty, empty, empty, torch.zeros(1, dtype=torch.int32), 0, None).shape == (0, 2, 64)
+    with pytest.raises(ValueError, match="dropout"):
+        triton_short_attention(q, k, v, cu, smax, window=None, scale=0.1, dropout_p=0.1)
+    with pytest.raises(ValueError, match="float16"):
+        run(q.float(), k.float(), v.float(), cu, smax, None)
+    with pytest.raises(ValueError, match="int32"):
+        run(q, k, v, cu.long(), smax, None)
+    with pytest.raises(ValueError, match="head_dim"):
+        run(q[..., :32], k[..., :32], v[..., :32], cu, smax, None)
+    with pytest.raises(ValueError, match="unit stride"):
+        run(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, cu, smax, None)
+    with pytest.raises(ValueError):
+        TileConfig(24, 16)
+
+
+def test_tile_table_keeps_compiled_variants_few():
+    for head_dim in triton_short.HEAD_DIMS:
+        per_kind = {local: {triton_short.tile_config(s, head_dim, local) for s in range(1, triton_short.MAX_SEQLEN + 1)}
+                    for local in (False, True)}
+        assert all(len(c) <= 3 for c in per_kind.values())
+        assert len(per_kind[False] | per_kind[True]) <= 4
+        for cfg in per_kind[False] | per_kind[True]:
+            assert cfg.grid in ("stream", "seq") and cfg.block_m >= 16
+    assert triton_short.tile_config(10 ** 6, 64, False) == triton_short.tile_config(triton_short.MAX_SEQLEN, 64, False)
+    for name, make in triton_short.VARIANTS.items():
+        assert isinstance(make(100, 64, True), TileConfig), name
+
+
+def _w(**kw):
+    base = dict(num_seqs=8, total_tokens=250, max_seqlen=64, heads=12, head_dim=64, window=None, grad=False,
+                dtype=torch.bfloat16, device_type="cuda")
+    return Workload(**(base | kw))
+
+
+def test_triton_envelope_and_registration():
+    assert BACKENDS["triton"].has_backward is False
+    env = triton_short.envelope
+    assert env(_w()) is None and env(_w(heads=7, head_dim=128, window=3)) is None
+    assert "CUDA" in env(_w(device_type="cpu"))
+    assert "fp16/bf16" in env(_w(dtype=torch.float32))
+    assert "head_dim" in env(_w(head_dim=96))
+    assert "envelope" in env(_w(max_seqlen=triton_short.MAX_SEQLEN + 1))
+    assert env(_w(max_seqlen=triton_short.MAX_SEQLEN)) is None
+
+
+def test_import_does_not_import_triton():
+    code = "import sys, packed_encoders; assert 'triton' in __import__('packed_encoders').attention.BACKENDS; " \
+           "assert 'triton' not in sys.modules, 'triton imported at import time'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ------------------------------------------------------------------------------------------------ policy
+
+def _cells(*pairs):
+    return tuple(Cell(t, tuple(o)) for t, o in pairs)
+
+
+def test_table_lookup_bounds():
+    t = Table(False, "global", ((64, _cells((1000, ["a"]), (None, ["b"]))), (512, _cells((4096, ["c"]))),))
+    assert t.order(_w(max_seqlen=64, total_tokens=1000)) == ("a",)
+    assert t.order(_w(max_seqlen=1, total_tokens=1001)) == ("b",)
+    assert t.order(_w(max_seqlen=65, total_tokens=10)) == ("c",)
+    assert t.order(_w(max_seqlen=4096, total_tokens=10 ** 6)) == ("c",)  # past every bound: last row and cell
+
+
+def test_policy_geometry_and_grad_tables():
+    def table(grad, kind, name, heads=None, head_dim=None):
+        return Table(grad, kind, ((None, _cells((None, [name]))),), heads, head_dim)
+
+    p = Policy("p", (table(False, "global", "g12", 12, 64), table(False, "global", "g16", 16, 64),
+                     table(False, "global", "generic"), table(False, "local", "l"), table(True, "global", "tg")))
+    assert p.order(_w(heads=16)) == ("g16",)
+    assert p.order(_w(heads=13)) == ("g12",)
+    assert p.order(_w(heads=8, head_dim=128)) == ("generic",)
+    assert p.order(_w(window=64)) == ("l",)
+    assert p.order(_w(grad=True)) == ("tg",)
+    assert p.order(_w(grad=True, window=64)) == ("l",)  # no grad table for local: the inference one
+    assert Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+
+
+def test_shipped_policies_and_card_matching(tmp_path):
+    h200 = select_policy("NVIDIA H200", (9, 0), user_dir=tmp_path)
+    assert h200.match.get("device_name") == "NVIDIA H200"
+    assert h200.order(_w()) [0] == "triton"
+    assert h200.order(_w(grad=True))[0] != "triton"
+    h100 = select_policy("NVIDIA H100 80GB HBM3", (9, 0), user_dir=tmp_path)
+    assert h100.match == {"capability_major": 9}
+    assert select_policy("NVIDIA A100-SXM4-40GB", (8, 0), user_dir=tmp_path).match == {"capability_major": 8}
+    assert select_policy("NVIDIA GeForce RTX 5090", (12, 0), user_dir=tmp_path) is DEFAULT_POLICY
+    for path in dispatch.SHIPPED_DIR.glob("*.json"):
+        loaded = Policy.load(path)
+        names = {n for t in loaded.tables for _, cells in t.rows for c in cells for n in c.order}
+        assert names <= set(dispatch.CHOICES), path
+        for t in loaded.tables:
+            if t.grad:
+                assert "triton" not in {n for _, cells in t.rows for c in cells for n in c.order}
+
+
+def test_user_calibration_beats_shipped_and_explicit_wins(tmp_path):
+    mine = Policy("mine", DEFAULT_POLICY.tables, {"device_name": "NVIDIA H200", "capability": [9, 0]})
+    mine.save(tmp_path / "nvidia-h200-sm90.json")
+    (tmp_path / "broken.json").write_text("{not json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert select_policy("NVIDIA H200", (9, 0), user_dir=tmp_path).name == "mine"
+    assert any("broken.json" in str(w.message) for w in caught)
+    other = tmp_path / "explicit.json"
+    Policy("explicit", DEFAULT_POLICY.tables, {"device_name": "Other"}).save(other)
+    with pytest.warns(UserWarning, match="explicitly"):
+        assert select_policy("NVIDIA H200", (9, 0), user_dir=tmp_path, explicit=str(other)).name == "explicit"
+    with pytest.raises(PackedEncodersError, match="PACKED_ENCODERS_POLICY"):
+        select_policy("NVIDIA H200", (9, 0), explicit=str(tmp_path / "broken.json"))
+
+
+def test_cache_paths(monkeypatch, tmp_path):
+    monkeypatch.setenv("PACKED_ENCODERS_CACHE", str(tmp_path))
+    path = dispatch.user_policy_path("NVIDIA H200", (9, 0))
+    assert path == tmp_path / "policies" / "nvidia-h200-sm90.json"
+    assert dispatch.load_policy("cpu") is DEFAULT_POLICY
+
+
+@pytest.fixture
+def all_available(monkeypatch):
+    """Pretend every backend is installed (availability only: envelopes stay real)."""
+    for name, b in list(BACKENDS.items()):
+        monkeypatch.setitem(BACKENDS, name, dataclasses.replace(b, availability=lambda: None))
+
+
+def test_resolve_explicit_raises_and_auto_reports(all_available, monkeypatch):
+    with pytest.raises(PackedEncodersError, match="triton.*envelope"):
+        resolve("triton", _w(max_seqlen=triton_short.MAX_SEQLEN + 1))
+    with pytest.raises(PackedEncodersError, match="no backward"):
+        resolve("triton", _w(grad=True))
+    with pytest.raises(PackedEncodersError, match="not one of"):
+        resolve("nope", _w())
+    pol = Policy("t", tuple(Table(g, k, ((None, _cells((None, ["triton", "fa4", "varlen", "sdpa"]))),))
+                            for g in (False, True) for k in ("global", "local")))
+    assert resolve("auto", _w(), pol).backend == "triton"
+    long = resolve("auto", _w(max_seqlen=4096, total_tokens=8192), pol)
+    assert long.backend == "fa4" and "envelope" in long.reasons[0]
+    trained = resolve("auto", _w(grad=True), pol)
+    assert trained.backend == "fa4" and trained.reasons == []  # training skips triton by design, silently
+    assert resolve("flash", _w(), pol).backend == "fa4"
+    assert resolve("auto", _w(device_type="cpu", dtype=torch.float32), pol).backend == "sdpa"
+    monkeypatch.setitem(BACKENDS, "varlen", dataclasses.replace(BACKENDS["varlen"], availability=lambda: "gone"))
+    monkeypatch.setitem(BACKENDS, "fa4", dataclasses.replace(BACKENDS["fa4"], availability=lambda: "gone"))
+    with pytest.raises(PackedEncodersError, match="flash"):
+        resolve("flash", _w(), pol)
+
+
+# ------------------------------------------------------------------------------------------------ calibrate
+
+def test_lengths_for():
+    for total, smax in ((256, 64), (8600, 128), (4096, 2048), (5, 5)):
+        lens = calibrate.lengths_for(total, smax)
+        assert sum(lens) == total and max(lens) == smax and min(lens) >= 1
+        assert lens == calibrate.lengths_for(total, smax)
+    with pytest.raises(ValueError):
+        calibrate.lengths_for(10, 20)
+
+
+def synthetic_rows(noise=0.0):
+    """A card where triton wins short batches, varlen the middle, FA4 long ones; sdpa is always slow."""
+    rows = []
+    for grad in (False, True):
+        for heads in (12, 16):
+            for window in (None, 64):
+                for smax in (64, 128, 512, 2048):
+                    if window is not None and window >= smax - 1:
+                        continue
+                    for total in (256, 4096, 65536):
+                        if total < smax:
+                            continue
+                        work = total * min(smax, 128 if window else smax) * heads / 1e7
+                        times = {"sdpa": 0.5 + 10 * work, "varlen": 0.05 + 1.0 * work, "fa4": 0.09 + 0.6 * work}
+                        if not grad:
+                            times["triton"] = 0.02 + (0.5 if smax <= 128 else 3.0) * work
+                        for b, t in times.items():
+                            rows.append({"grad": grad, "window": window, "heads": heads, "head_dim": 64,
+                                         "dtype": "bfloat16", "total_tokens": total, "max_seqlen": smax,
+                                         "num_seqs": max(1, total // smax), "backend": b, "variant": None,
+                                         "in_envelope": True, "ms": t * (1 + noise), "error": None})
+    rows.append(dict(rows[0], backend="triton", in_envelope=False, ms=1e-6))  # outside the envelope: ignored
+    rows.append(dict(rows[0], backend="triton", variant="m16", ms=1e-6))     # a variant: ignored
+    rows.append(dict(rows[0], backend="fa4", ms=None, error="boom"))         # a failure: ignored
+    return rows
+
+
+def best_at(rows, **key):
+    sel = [r for r in rows if all(r[k] == v for k, v in key.items()) and r["ms"] is not None
+           and r["in_envelope"] and r["variant"] is None]
+    return min(sel, key=lambda r: r["ms"])["backend"]
+
+
+def test_fit_policy_picks_best_everywhere():
+    rows = synthetic_rows()
+    policy, report = calibrate.fit_policy(rows, name="synthetic")
+    assert report["violations"] == [] and report["points"] > 0 and report["worst_ratio"] <= 1.05
+    for key in ({"grad": False, "window": None, "heads": 12, "max_seqlen": 64, "total_tokens": 256},
+                {"grad": False, "window": None, "heads": 16, "max_seqlen": 2048, "total_tokens": 65536},
+                {"grad": True, "window": 64, "heads": 12, "max_seqlen": 512, "total_tokens": 4096}):
+        w = _w(heads=key["heads"], max_seqlen=key["max_seqlen"], total_tokens=key["total_tokens"],
+               window=key["window"], grad=key["grad"])
+        assert policy.order(w)[0] == best_at(rows, head_dim=64, **key)
+    assert all("triton" not in c.order for t in policy.tables if t.grad for _, cells in t.rows for c in cells)
+    assert any(t.heads is None for t in policy.tables)  # a generic table for unmeasured geometries
+    assert all(c.order[-1] == "sdpa" or "sdpa" in c.order for t in policy.tables for _, cs in t.rows for c in cs)
+    again = Policy.from_dict(json.loads(json.dumps(policy.to_dict())))
+    assert calibrate.evaluate(again, rows)["violations"] == []
+
+
+def test_fit_merges_within_tolerance_and_reports_violations():
+    # varlen within 3% of fa4 everywhere: one cell per row, not one per point
+    rows = [r for r in synthetic_rows() if r["backend"] in ("varlen", "fa4") and not r["grad"]]
+    for r in rows:
+        if r["backend"] == "varlen" and r["ms"] is not None:
+            fa4 = next(x for x in rows if x["backend"] == "fa4" and x["ms"] is not None and all(
+                x[k] == r[k] for k in ("window", "heads", "max_seqlen", "total_tokens")))
+            r["ms"] = fa4["ms"] * 1.03
+    policy, report = calibrate.fit_policy(rows)
+    assert report["violations"] == []
+    assert all(len(cells) == 1 for t in policy.tables for _, cells in t.rows)
+    wrong = Policy("wrong", tuple(Table(False, k, ((None, _cells((None, ["sdpa", "varlen"]))),))
+                                  for k in ("global", "local")))
+    bad = calibrate.evaluate(wrong, synthetic_rows())
+    assert bad["violations"] and all(v["ratio"] > 1.05 for v in bad["violations"])
+    assert "over 1.05x" in calibrate.report_markdown(bad, 0.05)
+
+
+def test_from_sweep_cli_writes_a_loadable_policy(tmp_path, capsys):
+    sweep = {"format": calibrate.SWEEP_FORMAT, "meta": {"gpu": "NVIDIA H200", "capability": [9, 0],
+                                                          "date": "2026-12-01"}, "rows": synthetic_rows()}
+    src, out = tmp_path / "sweep" / "sweep.json", tmp_path / "policy.json"
+    src.parent.mkdir()
+    src.write_text(json.dumps(sweep))
+    assert calibrate.main(["--from-sweep", str(src), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| max_seqlen" in printed and "policy pick vs best" in printed
+    policy = Policy.load(out)
+    assert policy.specificity("NVIDIA H200", (9, 0)) == 3
+    assert select_policy("NVIDIA H200", (9, 0), user_dir=tmp_path).name == policy.name
+    md = calibrate.triton_speedup_markdown(synthetic_rows()).split("\n")
+    assert "speed-up" in md[0] and len(md) > 2 and all(line.endswith("x |") for line in md[2:])
+
+
+def test_sweep_point_and_parity_check_run_on_cpu(monkeypatch):
+    # The sweep's per-point code (inputs, closures, grad, row shape) on the one backend CPU has; the clock
+    # is replaced by one call of the closure.
+    calls = []
+    monkeypatch.setattr(calibrate, "time_ms", lambda fn, **kw: (calls.append(fn()), 1.0)[1])
+    rows = calibrate._sweep_point(True, 2, 16, 4, 32, 96, torch.float32, torch.device("cpu"), "loop",
+                                  {"sdpa", "triton"}, ("m16",), False)
+    assert [(r["backend"], r["ms"], r["error"]) for r in rows] == [("sdpa", 1.0, None)]
+    assert rows[0]["num_seqs"] >= 3 and rows[0]["total_tokens"] == 96 and len(calls) == 1
+    assert calls[0][0].shape == (96, 3, 2, 16)  # d(qkv) from the grad closure
+    rows = calibrate._sweep_point(False, 2, 16, None, 32, 96, torch.float32, torch.device("cpu"), "loop",
+                                  {"sdpa"}, (), False)
+    assert rows[0]["ms"] == 1.0 and rows[0]["grad"] is False
+    assert calibrate.parity_check(["sdpa"], [(2, 16)], [None, 64], torch.float32, "cpu") == {}
+    assert "torch" in calibrate.environment(None)
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    # The interpreter accepts programs the compiler rejects (it once ran a kernel reading a non-constexpr
+    # global): compile the table's launch shapes for Hopper ahead of time, no driver needed.
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from packed_encoders.attention import triton_short_kernel
+
+    kernel = triton_short_kernel.packed_attn_fwd
+    jit = JITFunction(getattr(kernel, "fn", kernel))  # the plain program even when interpreting
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "CU": "*i32", "qk_scale": "fp32"}
+    seen = set()
+    for smax, local in ((64, False), (triton_short.MAX_SEQLEN, True)):
+        cfg = triton_short.tile_config(smax, 64, local)
+        const = {"HEAD_DIM": 64, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                 "HEADS_PER_PROGRAM": cfg.heads_per_program, "LOCAL": local, "PER_SEQ": cfg.grid == "seq",
+                 "DOT_F32": False}
+        sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in jit.arg_names}
+        compiled = triton.compile(ASTSource(jit, sig, const), target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        assert "ex2.approx" in compiled.asm["ptx"]  # exp2 softmax
+        seen.add(cfg)
+    assert len(seen) == 2
+
+
+def test_triton_refuses_grad_and_custom_op_runs():
+    q, k, v, cu, smax = packed([9, 4])
+    with pytest.raises(ValueError, match="no backward"):
+        run(q.clone().requires_grad_(True), k, v, cu, smax, None)
+    with torch.no_grad():
+        run(q.clone().requires_grad_(True), k, v, cu, smax, None)
+    op = triton_short._custom_op()
+    out = op(q, k, v, cu, smax, 3, 64 ** -0.5)
+    assert torch.equal(out, run(q, k, v, cu, smax, 3))
+    fake = torch._subclasses.fake_tensor.FakeTensorMode()
+    with fake:
+        shaped = op(*(fake.from_tensor(t) for t in (q, k, v, cu)), smax, None, 0.125)
+    assert shaped.shape == q.shape and shaped.is_contiguous()
+
+
+def test_load_policy_by_device_and_refreshes(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("PACKED_ENCODERS_CACHE", str(tmp_path))
+    monkeypatch.delenv("PACKED_ENCODERS_POLICY", raising=False)
+    cuda = torch.device("cuda", 0)
+    assert dispatch.load_policy(cuda).match == {"device_name": "NVIDIA H200", "capability": [9, 0]}
+    mine = Policy("calibrated here", DEFAULT_POLICY.tables, {"device_name": "NVIDIA H200", "capability": [9, 0]})
+    mine.save(dispatch.user_policy_path("NVIDIA H200", (9, 0)))
+    assert dispatch.load_policy(cuda).name == "calibrated here"  # a new calibration is seen at the next pack
+    other = tmp_path / "other.json"
+    Policy("explicit", DEFAULT_POLICY.tables, {"device_name": "NVIDIA H200"}).save(other)
+    monkeypatch.setenv("PACKED_ENCODERS_POLICY", str(other))
+    assert dispatch.load_policy(cuda).name == "explicit"
+
+
+def test_benchmark_report_from_a_synthetic_sweep(monkeypatch, tmp_path, capsys):
+    # benchmarks/attention.py's reporting (JSON, markdown, refitted policy) on synthetic timings; the GPU
+    # parts (sweep, headline) are replaced.
+    import pathlib
+    import runpy
+
+    bench = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "benchmarks" / "attention.py"))
+    meta = {"gpu": "NVIDIA H200", "capability": [9, 0], "torch": "x", "triton": "y", "flash_attn": "z",
+            "cutlass_dsl": None, "git_sha": None, "timing": "loop", "date": "2026-12-01", "left_out": {}}
+    fake_sweep = {"format": calibrate.SWEEP_FORMAT, "meta": meta, "rows": synthetic_rows()}
+    main = bench["main"]
+    g = main.__globals__
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(g, "headline", lambda timing, variants, log: [
+        {"workload": "8 queries <= 64", "heads": 12, "head_dim": 64, "window": None, "total_tokens": 250,
+         "max_seqlen": 64, "num_seqs": 8, "backend": b, "variant": v, "ms": ms, "error": None}
+        for b, v, ms in (("varlen", None, 0.057), ("triton", "table", 0.03))])
+    monkeypatch.setitem(g, "load_policy", lambda device: select_policy("NVIDIA H200", (9, 0), user_dir=tmp_path))
+    monkeypatch.setattr(calibrate, "sweep", lambda *a, **k: json.loads(json.dumps(fake_sweep)))
+    assert main(["--out-dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "1.90x" in printed and "Refitted policy" in printed and "Shipped policy" in printed
+    (result,) = tmp_path.glob("attention-nvidia-h200-sm90-*.json")
+    data = json.loads(result.read_text())
+    assert data["refit_report"]["violations"] == [] and data["shipped_policy"]["report"]["points"] > 0
+    refit = Policy.load(tmp_path / "policy-nvidia-h200-sm90.json")
+    assert calibrate.policy_from_sweep(data)[0].tables == refit.tables  # the JSON refits to the same policy
