@@ -35,8 +35,8 @@ def packed(lengths, heads=2, head_dim=64, dtype=torch.bfloat16, seed=0):
     return q, k, v, cu, smax
 
 
-def check(out, q, k, v, cu, window):
-    err, allowed = parity(out, q, k, v, cu, window)
+def check(out, q, k, v, cu, window, key_lens=None):
+    err, allowed = parity(out, q, k, v, cu, window, key_lens=key_lens)
     assert err <= allowed, f"max err {err:.4g} > allowed {allowed:.4g}"
 
 
@@ -57,6 +57,19 @@ def test_sdpa_all_length_one_and_single_sequence():
         q, k, v, cu, smax = packed(lengths, heads=2, head_dim=8, dtype=torch.float32)
         for window in (None, 3):
             check(BACKENDS["sdpa"].fn(q, k, v, cu, smax, window=window, scale=8 ** -0.5), q, k, v, cu, window)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_key_lens_query_only_tails(window):
+    """Query-only tails (ColBERT query expansion): they attend to the keys, nobody attends to them, and
+    a tail row with no key in its window gets zeros. sdpa here; the Triton kernel below."""
+    lengths, key_lens = [6, 12, 0, 5, 9], [4, 12, 0, 1, 2]
+    q, k, v, cu, smax = packed(lengths, heads=2, head_dim=16, dtype=torch.float32)
+    kl = torch.tensor(key_lens, dtype=torch.int32, device=DEV)
+    out = BACKENDS["sdpa"].fn(q, k, v, cu, smax, window=window, scale=16 ** -0.5, key_lens=kl)
+    check(out, q, k, v, cu, window, key_lens=kl)
+    if window is not None:
+        assert out[6 + 12 + 5 + 2 + 3:].abs().max() == 0  # sequence 4, rows past key 1 + window 3: no key
 
 
 # ------------------------------------------------------------------------------------------------ triton kernel
@@ -85,6 +98,15 @@ def test_triton_one_long_among_many_short(grid):
     cfg = TileConfig(16, 16, heads_per_program=2, grid=grid)  # 3 heads, 2 per program: a masked head slot
     for window in ((None, 5) if grid == "stream" else (5,)):
         check(run(q, k, v, cu, smax, window, cfg), q, k, v, cu, window)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_triton_key_lens(window):
+    lengths, key_lens = [6, 20, 0, 5, 9], [4, 17, 0, 1, 2]
+    q, k, v, cu, smax = packed(lengths)
+    kl = torch.tensor(key_lens, dtype=torch.int32, device=DEV)
+    out = triton_short_attention(q, k, v, cu, smax, window=window, scale=64 ** -0.5, key_lens=kl, config=SMALL)
+    check(out, q, k, v, cu, window, key_lens=kl)
 
 
 def test_triton_single_sequence_all_ones_and_default_tiles():
@@ -390,31 +412,44 @@ def test_sweep_point_and_parity_check_run_on_cpu(monkeypatch):
     assert "torch" in calibrate.environment(None)
 
 
+_AOT = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from packed_encoders.attention import triton_short_kernel, triton_short
+kernel = triton_short_kernel.packed_attn_fwd
+jit = JITFunction(getattr(kernel, "fn", kernel))
+pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "CU": "*i32", "KL": "*i32", "qk_scale": "fp32"}
+seen = set()
+for smax, local, has_kl in ((64, False, True), (triton_short.MAX_SEQLEN, True, False), (128, True, True)):
+    cfg = triton_short.tile_config(smax, 64, local)
+    const = {"HEAD_DIM": 64, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+             "HEADS_PER_PROGRAM": cfg.heads_per_program, "LOCAL": local, "PER_SEQ": cfg.grid == "seq",
+             "DOT_F32": False, "HAS_KL": has_kl}
+    sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in jit.arg_names}
+    compiled = triton.compile(ASTSource(jit, sig, const), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    assert "ex2.approx" in compiled.asm["ptx"]  # exp2 softmax
+    seen.add(cfg)
+print(len(seen))
+"""
+
+
 def test_kernel_compiles_for_sm90_without_a_gpu():
     # The interpreter accepts programs the compiler rejects (it once ran a kernel reading a non-constexpr
-    # global): compile the table's launch shapes for Hopper ahead of time, no driver needed.
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+    # global): compile the table's launch shapes for Hopper ahead of time, no driver needed. In a fresh
+    # process without TRITON_INTERPRET: the interpreter's patches of triton.language break ahead-of-time
+    # compilation in the process that ran it.
+    pytest.importorskip("triton")
+    import os
 
-    from packed_encoders.attention import triton_short_kernel
-
-    kernel = triton_short_kernel.packed_attn_fwd
-    jit = JITFunction(getattr(kernel, "fn", kernel))  # the plain program even when interpreting
-    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "CU": "*i32", "qk_scale": "fp32"}
-    seen = set()
-    for smax, local in ((64, False), (triton_short.MAX_SEQLEN, True)):
-        cfg = triton_short.tile_config(smax, 64, local)
-        const = {"HEAD_DIM": 64, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                 "HEADS_PER_PROGRAM": cfg.heads_per_program, "LOCAL": local, "PER_SEQ": cfg.grid == "seq",
-                 "DOT_F32": False}
-        sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in jit.arg_names}
-        compiled = triton.compile(ASTSource(jit, sig, const), target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        assert "ex2.approx" in compiled.asm["ptx"]  # exp2 softmax
-        seen.add(cfg)
-    assert len(seen) == 2
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) >= 2
 
 
 def test_triton_refuses_grad_and_custom_op_runs():
@@ -424,11 +459,11 @@ def test_triton_refuses_grad_and_custom_op_runs():
     with torch.no_grad():
         run(q.clone().requires_grad_(True), k, v, cu, smax, None)
     op = triton_short._custom_op()
-    out = op(q, k, v, cu, smax, 3, 64 ** -0.5)
+    out = op(q, k, v, cu, smax, 3, 64 ** -0.5, None)
     assert torch.equal(out, run(q, k, v, cu, smax, 3))
     fake = torch._subclasses.fake_tensor.FakeTensorMode()
     with fake:
-        shaped = op(*(fake.from_tensor(t) for t in (q, k, v, cu)), smax, None, 0.125)
+        shaped = op(*(fake.from_tensor(t) for t in (q, k, v, cu)), smax, None, 0.125, None)
     assert shaped.shape == q.shape and shaped.is_contiguous()
 
 

@@ -136,7 +136,7 @@ def envelope(w: Workload) -> str | None:
 
 def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, *, window: int | None, scale: float, dropout_p: float = 0.0,
-                           config: TileConfig | None = None) -> torch.Tensor:
+                           key_lens: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
     """Packed bidirectional attention forward.
 
     Args:
@@ -147,6 +147,8 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
             grid; it is not read back from the device).
         window: half window (a query at i sees keys j with ``|i - j| <= window``) or ``None`` for global.
         scale: softmax scale.
+        key_lens: optional int32 ``[N]``: only the first ``key_lens[s]`` rows of sequence ``s`` are keys (the
+            rest are query-only; a row with no key in reach gets zeros, as torch SDPA).
         config: a launch shape; default :func:`tile_config`.
 
     Returns:
@@ -177,12 +179,15 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise ValueError("the Triton attention kernel has no backward; run it under torch.no_grad() or use a "
                          "FlashAttention/sdpa backend for training")
+    if key_lens is not None and (key_lens.dtype != torch.int32 or key_lens.shape != (cu_seqlens.numel() - 1,)):
+        raise ValueError("key_lens must be int32 [N] (one entry per sequence)")
     if config is None and torch.compiler.is_compiling():
-        return _custom_op()(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale))
-    return _launch(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), config)
+        return _custom_op()(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), key_lens)
+    return _launch(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), config, key_lens)
 
 
-def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: float, config: TileConfig | None):
+def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: float, config: TileConfig | None,
+            key_lens: torch.Tensor | None = None):
     total, heads, head_dim = q.shape
     out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
     n = cu_seqlens.numel() - 1
@@ -194,11 +199,12 @@ def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: flo
     rows = n * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
     grid = (rows, triton_cdiv(heads, cfg.heads_per_program))
     _kernel()[grid](
-        q, k, v, out, cu_seqlens, scale * _LOG2E,
+        q, k, v, out, cu_seqlens, cu_seqlens if key_lens is None else key_lens, scale * _LOG2E,
         total, n, max(0, math.ceil(math.log2(n))), int(window) if local else 0, tiles_per_seq, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_PER_PROGRAM=cfg.heads_per_program,
         LOCAL=local, PER_SEQ=cfg.grid == "seq", DOT_F32=not q.is_cuda and q.dtype == torch.bfloat16,
+        HAS_KL=key_lens is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -212,13 +218,13 @@ def _custom_op():
     from torch.library import custom_op
 
     @custom_op("packed_encoders::triton_short_attention", mutates_args=(),
-               schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int? window, float scale)"
-                      " -> Tensor")
-    def op(q, k, v, cu_seqlens, max_seqlen, window, scale):
-        return _launch(q, k, v, cu_seqlens, max_seqlen, window, scale, None)
+               schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int? window, float scale,"
+                      " Tensor? key_lens) -> Tensor")
+    def op(q, k, v, cu_seqlens, max_seqlen, window, scale, key_lens):
+        return _launch(q, k, v, cu_seqlens, max_seqlen, window, scale, None, key_lens)
 
     @op.register_fake
-    def _(q, k, v, cu_seqlens, max_seqlen, window, scale):
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale, key_lens):
         return q.new_empty(q.shape)  # contiguous, like the kernel's output
 
     return op
@@ -229,4 +235,4 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 register(Backend("triton", triton_short_attention, has_backward=False, supports_dropout=False,
-                 availability=triton_status, envelope=envelope))
+                 availability=triton_status, envelope=envelope, supports_key_lens=True))

@@ -12,7 +12,8 @@ One program owns ``BLOCK_M`` query rows and ``HEADS_PER_PROGRAM`` heads. Two gri
 Either way each query row ``t`` gets a key interval ``[lo, hi)``: its own sequence clipped to
 ``|t - j| <= WINDOW`` on local layers. Positions within a sequence differ exactly as packed rows do, so the
 window needs no position ids. The key loop runs over the union of the tile's intervals only: it stops at the
-last sequence's end and never visits key tiles outside the window. Masked scores are ``-inf``; the running
+last sequence's end and never visits key tiles outside the window. With ``HAS_KL`` the key interval also ends at ``cu[s] + KL[s]`` (query-only
+tail rows, ColBERT query expansion); a row left with no key writes zeros. Masked scores are ``-inf``; the running
 max starts finite so a row whose first key tiles are all masked stays NaN-free, and its masked keys add
 exact zeros (a sequence's output does not depend on its neighbours' values, bit for bit).
 """
@@ -26,12 +27,12 @@ _M0 = tl.constexpr(-1.0e30)
 
 @triton.jit(do_not_specialize=["T", "N", "LOG_N", "WINDOW", "TILES_PER_SEQ", "H"])
 def packed_attn_fwd(
-    Q, K, V, O, CU,
+    Q, K, V, O, CU, KL,
     qk_scale,  # softmax scale * log2(e): exp2 on pre-scaled scores
     T, N, LOG_N, WINDOW, TILES_PER_SEQ, H,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-    LOCAL: tl.constexpr, PER_SEQ: tl.constexpr, DOT_F32: tl.constexpr,
+    LOCAL: tl.constexpr, PER_SEQ: tl.constexpr, DOT_F32: tl.constexpr, HAS_KL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head_group = tl.program_id(1)
@@ -48,6 +49,7 @@ def packed_attn_fwd(
         q_ok = t < seq_end
         seq_start = tl.zeros([BLOCK_M], dtype=tl.int32) + first
         seq_stop = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_end
+        seq_idx = tl.zeros([BLOCK_M], dtype=tl.int32) + seq
     else:
         t = pid * BLOCK_M + offs_m
         q_ok = t < T
@@ -64,6 +66,10 @@ def packed_attn_fwd(
             step += 1
         seq_start = tl.load(CU + lo)
         seq_stop = tl.load(CU + lo + 1)
+        seq_idx = lo
+
+    if HAS_KL:  # only the first KL[s] rows of sequence s are keys; the rest attend but are not attended
+        seq_stop = tl.minimum(seq_stop, seq_start + tl.load(KL + seq_idx))
 
     if LOCAL:
         k_lo = tl.maximum(seq_start, t - WINDOW)
