@@ -1,0 +1,1 @@
+"""Benchmark runners for packed_encoders (not part of the installed package)."""

@@ -1,0 +1,25 @@
+"""The built-in real-text sample ships with the package and is well formed."""
+
+import packed_encoders.data as pe_data
+
+
+def test_sample_shape_and_wrapping():
+    s = pe_data.load_sample()
+    assert s["license"].startswith("CC BY-SA 3.0") and s["attribution"]
+    assert len(s["queries"]) == 64 and len(s["documents"]) == 24
+    for item in s["queries"] + s["documents"]:
+        ids = item["ids"]
+        assert item["text"] and ids[0] == s["cls_id"] and ids[-1] == s["sep_id"]
+        assert s["cls_id"] not in ids[1:-1] and s["sep_id"] not in ids[1:-1]
+        assert all(0 <= t < 50368 for t in ids)
+    q = sorted(len(x["ids"]) for x in s["queries"])
+    d = sorted(len(x["ids"]) for x in s["documents"])
+    assert q[-1] <= s["max_tokens"]["queries"] and d[-1] <= s["max_tokens"]["documents"]
+    assert 400 <= (d[11] + d[12]) / 2 <= 800  # realistic document p50
+    assert d[-1] > 1500 and d[0] < 100
+
+
+def test_load_sample_returns_a_fresh_copy():
+    a = pe_data.load_sample()
+    a["queries"].clear()
+    assert len(pe_data.load_sample()["queries"]) == 64
