@@ -1,0 +1,166 @@
+"""The main job: encode a built-in sample of real text with stock Hugging Face and with ``pe.pack``, side by side.
+
+    python -m packed_encoders.demo                 # ModernBERT-base config, random init, offline, CPU or GPU
+    python -m packed_encoders.demo --model PATH    # a local checkpoint (and its tokenizer when present)
+
+Prints per-token parity (cosine over real tokens, min and mean) and the speed of each path for queries and
+documents, and exits with status 1 when parity fails. On CPU a few documents are used so it finishes in a
+minute or two; on a GPU the whole sample runs, in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import packed_encoders as pe
+from packed_encoders.data import load_sample
+
+PAD_ID = 50283  # ModernBERT's [PAD]
+
+
+def _build_model(path: str | None, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoModel, ModernBertConfig, ModernBertModel
+
+    if path:
+        model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        source = path
+    else:
+        torch.manual_seed(0)
+        config = ModernBertConfig()  # ModernBERT-base geometry: 22 layers, 768 hidden, 12 heads
+        config._attn_implementation = "sdpa"
+        model = ModernBertModel(config).to(dtype)
+        source = "ModernBERT-base config, random init (seed 0)"
+    return model.to(device).eval(), source
+
+
+def _texts_to_ids(sample: dict, path: str | None, key: str) -> list[list[int]]:
+    items = sample[key]
+    if path:
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
+            limit = sample["max_tokens"][key]
+            return [tok(x["text"], truncation=True, max_length=limit)["input_ids"] for x in items]
+        except Exception as exc:  # a checkpoint without a tokenizer still runs on the sample's ids
+            print(f"(no tokenizer at {path}: {exc.__class__.__name__}; using the sample's OLMo token ids)")
+    return [x["ids"] for x in items]
+
+
+def _batches(seqs: list[list[int]], batch: int, pad_id: int, device):
+    order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i]))
+    out = []
+    for start in range(0, len(order), batch):
+        rows = [seqs[i] for i in order[start:start + batch]]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, :len(row)] = torch.tensor(row)
+            mask[r, :len(row)] = 1
+        out.append((ids.to(device), mask.to(device)))
+    return out
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def _run(model, batches, device, repeats: int):
+    outs = [model(input_ids=i, attention_mask=m).last_hidden_state for i, m in batches]  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for i, m in batches:
+            model(input_ids=i, attention_mask=m)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return outs, statistics.median(times)
+
+
+def _parity(stock_outs, packed_outs, batches):
+    cos_tok, cos_pool = [], []
+    for a, b, (_, m) in zip(packed_outs, stock_outs, batches):
+        real = m.bool()
+        cos_tok.append(torch.nn.functional.cosine_similarity(a[real].float(), b[real].float(), dim=-1))
+        w = m[..., None].float()
+        pa, pb = (a.float() * w).sum(1) / w.sum(1), (b.float() * w).sum(1) / w.sum(1)
+        cos_pool.append(torch.nn.functional.cosine_similarity(pa, pb, dim=-1))
+    tok, pool = torch.cat(cos_tok), torch.cat(cos_pool)
+    return float(tok.min()), float(tok.mean()), float(pool.min())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="local checkpoint path (default: ModernBERT-base config)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--batch", type=int, default=8, help="sequences per call")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--documents", type=int, default=None, help="how many sample documents (default: all on "
+                        "GPU, 6 on CPU)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes (default: 5 on GPU, 1 on CPU)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    repeats = args.repeats or (5 if device.type == "cuda" else 1)
+    sample = load_sample()
+    queries = _texts_to_ids(sample, args.model, "queries")
+    documents = _texts_to_ids(sample, args.model, "documents")
+    n_docs = args.documents or (len(documents) if device.type == "cuda" else 6)
+    if n_docs < len(documents):  # spread the subset over the length distribution
+        step = len(documents) / n_docs
+        documents = [documents[int(i * step + step / 2)] for i in range(n_docs)]
+
+    model, source = _build_model(args.model, device, dtype)
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else PAD_ID
+    print(f"model: {source} | {str(dtype).replace('torch.', '')} on {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    endpoints = {"queries": _batches(queries, args.batch, pad_id, device),
+                 "documents": _batches(documents, args.batch, pad_id, device)}
+    stock = {}
+    for name, batches in endpoints.items():
+        stock[name] = _run(model, batches, device, repeats)
+
+    t0 = time.perf_counter()
+    pe.pack(model, attention_backend=args.attention_backend)
+    pack_s = time.perf_counter() - t0
+    info = pe.describe(model)["encoders"][0]
+    print(f"pe.pack: {pack_s:.2f} s (validation included); kernels={info['kernels']}, "
+          f"attention_backend={info['attention_backend']}")
+
+    ok = True
+    header = (f"{'endpoint':<10} {'texts':>5} {'tokens':>7} {'stock seq/s':>12} {'packed seq/s':>13} {'speed-up':>9}"
+              f" {'cos min':>9} {'cos mean':>9} {'pooled min':>10}")
+    print(header)
+    print("-" * len(header))
+    for name, batches in endpoints.items():
+        outs, t_packed = _run(model, batches, device, repeats)
+        ref, t_stock = stock[name]
+        cmin, cmean, pmin = _parity(ref, outs, batches)
+        texts = sum(int(i.shape[0]) for i, _ in batches)
+        tokens = sum(int(m.sum()) for _, m in batches)
+        print(f"{name:<10} {texts:>5} {tokens:>7} {texts / t_stock:>12.1f} {texts / t_packed:>13.1f} "
+              f"{t_stock / t_packed:>8.2f}x {cmin:>9.6f} {cmean:>9.6f} {pmin:>10.6f}")
+        floor_min, floor_mean = (0.9999, 0.99999) if dtype == torch.float32 else (0.995, 0.999)
+        if not (cmin >= floor_min and cmean >= floor_mean):
+            ok = False
+            print(f"  parity FAILED on {name}: per-token cosine min {cmin:.6f} (>= {floor_min}) "
+                  f"mean {cmean:.6f} (>= {floor_mean})")
+    print(f"attention used (last call): {info['last_attention'] or pe.describe(model)['encoders'][0]['last_attention']}")
+    print("parity: ok" if ok else "parity: FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
