@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import numpy as np
@@ -22,13 +21,7 @@ import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-_TRUE = ("1", "true", "on", "yes")
-
-
-def interpret_enabled() -> bool:
-    """True while ``TRITON_INTERPRET`` is set to a true value (read now, not at import)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
-
+from . import interpret_enabled
 
 class Kernel:
     """A kernel source with a compiled and an interpreted form, each built once on first use.
