@@ -9,7 +9,7 @@ op, hands out the view, and its backward calls one op that writes the whole ``dq
 copied in) instead of letting autograd add a zero-padded ``dv`` scatter to it.
 
 Routing: every public op checks, per call, that the kernels cover the inputs (CUDA tensors, or CPU
-tensors while ``TRITON_INTERPRET=1``; fp32/bf16/fp16; a hidden size within the kernel's limit; a
+tensors when interpreted, see ``triton/_runtime.py``; fp32/bf16/fp16; a hidden size within the kernel's limit; a
 known activation). Anything else runs the plain PyTorch op and is recorded in :func:`fallbacks`.
 
 Importing this module imports Triton (``select_ops`` imports it only when asked for fused kernels).
@@ -30,7 +30,7 @@ from .rope import rope_qkv_torch
 from .triton import glu as _glu
 from .triton import layer_norm as _ln
 from .triton import rope as _rope
-from .triton._runtime import interpret_enabled
+from .triton._runtime import interpreter_unavailable
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _EMPTY = (0,)
@@ -247,8 +247,9 @@ def _record(op: str, reason: str) -> None:
 def _unsupported(x: Tensor, *others: Tensor | None) -> str | None:
     """Why the kernels cannot take these tensors (``None`` when they can)."""
     if x.device.type == "cpu":
-        if not interpret_enabled():
-            return "CPU tensors (Triton kernels run on CUDA; TRITON_INTERPRET=1 interprets them on CPU)"
+        why = interpreter_unavailable()
+        if why:
+            return f"CPU tensors (Triton kernels run on CUDA; not interpreting: {why})"
     elif x.device.type != "cuda":
         return f"{x.device.type} tensors"
     for t in (x, *others):

@@ -40,6 +40,11 @@ def _triton_ops(device: torch.device) -> tuple[OpSet, str]:
         raise PackedEncodersError(f"kernels='triton': Triton is not importable ({exc.__class__.__name__}: {exc})") \
             from exc
     if device.type == "cpu":
+        from .triton._runtime import interpreter_unavailable
+
+        why = interpreter_unavailable()
+        if why:
+            raise PackedEncodersError(f"kernels='triton' cannot interpret on CPU: {why}")
         return TRITON_OPS, "Triton kernels, interpreted on CPU (TRITON_INTERPRET=1)"
     return TRITON_OPS, "Triton kernels"
 

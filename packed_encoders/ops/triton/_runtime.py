@@ -1,11 +1,15 @@
 """How a Triton kernel is launched: compiled for CUDA tensors, interpreted for CPU tensors.
 
 Triton decides between compiling and interpreting when ``@triton.jit`` runs (it reads
-``TRITON_INTERPRET`` at decoration time), which would tie the mode to import order. Instead each
-kernel here is a plain Python function wrapped on first use in both forms: a ``JITFunction`` for
-CUDA tensors and an ``InterpretedFunction`` for CPU tensors. CPU tensors are only accepted while
-``TRITON_INTERPRET=1`` is set (read per call), so a process can run GPU kernels and CPU-interpreted
-tests side by side. Kernels call no other jitted helpers, so the two forms never mix.
+``TRITON_INTERPRET`` at decoration time). The kernels here are plain Python functions wrapped on
+first use in both forms: a ``JITFunction`` for CUDA tensors and an ``InterpretedFunction`` for CPU
+tensors, so the kernel modules can be imported in either mode. CPU tensors are only accepted while
+``TRITON_INTERPRET=1`` is set (read per call) *and* Triton itself was imported with it set: the
+kernels call Triton's standard library (``tl.sum``, ``tl.sigmoid``), which Triton decorates once, at
+its own import, in one mode or the other. A process that imported Triton compiled (a GPU test run)
+therefore runs the kernels compiled on CUDA and refuses to interpret them on CPU; a CPU-only process
+that imported Triton with ``TRITON_INTERPRET=1`` interprets them. Kernels call no jitted helpers of
+their own.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from . import interpret_enabled
+
+def interpreter_unavailable() -> str | None:
+    """Why CPU tensors cannot be interpreted now (``None`` when they can)."""
+    if not interpret_enabled():
+        return "TRITON_INTERPRET is not set"
+    if not isinstance(tl.standard.sum, InterpretedFunction):
+        return ("Triton was imported without TRITON_INTERPRET=1, so its standard library is compiled-only; "
+                "set it before importing triton to interpret the kernels on CPU")
+    return None
+
 
 class Kernel:
     """A kernel source with a compiled and an interpreted form, each built once on first use.
@@ -42,12 +56,12 @@ class Kernel:
             if self._compiled is None:
                 self._compiled = JITFunction(self.fn, do_not_specialize=self.do_not_specialize)
             return self._compiled
-        if t.device.type == "cpu" and interpret_enabled():
+        if t.device.type == "cpu" and interpreter_unavailable() is None:
             if self._interpreted is None:
                 self._interpreted = _Interpreted(InterpretedFunction(self.fn, do_not_specialize=self.do_not_specialize))
             return self._interpreted
-        raise RuntimeError(f"Triton kernels run on CUDA tensors (or CPU tensors under TRITON_INTERPRET=1); "
-                           f"got a {t.device.type} tensor")
+        why = interpreter_unavailable() if t.device.type == "cpu" else f"{t.device.type} tensors"
+        raise RuntimeError(f"Triton kernels run on CUDA tensors, or on CPU tensors when interpreted; here: {why}")
 
 
 class _Interpreted:
