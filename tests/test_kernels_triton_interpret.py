@@ -415,6 +415,10 @@ def test_select_ops(fused, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(PackedEncodersError, match="CUDA"):
         select_ops("triton", torch.device("cpu"))
+    # a machine whose Triton does not import: an explicit request names why, auto would use torch
+    monkeypatch.setitem(sys.modules, "packed_encoders.ops.fused", None)
+    with pytest.raises(PackedEncodersError, match="not importable"):
+        select_ops("triton", torch.device("cuda"))
 
 
 def test_smoke_runs_interpreted(fused, monkeypatch):

@@ -43,6 +43,13 @@ def fallbacks() -> dict[str, dict[str, int]]:
     return out
 
 
+def reset_fallbacks() -> None:
+    """Clear this op set's routes and the Triton op set's record."""
+    with _LOCK:
+        _ROUTES.clear()
+    _triton.reset_fallbacks()
+
+
 def _quack_refuses(s: Tensor, weight: Tensor | None, bias: Tensor | None) -> str | None:
     why = _triton._ln_unsupported(s, None, weight, bias)
     if why:

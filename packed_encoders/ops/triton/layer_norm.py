@@ -19,6 +19,7 @@ import triton.language as tl
 from ._runtime import cdiv, device_guard, kernel, next_pow2, persistent_programs
 
 MAX_HIDDEN = 16384  # one row lives in registers; beyond this the torch op is used
+BWD_PROGRAMS_PER_SM = 4  # persistent backward: programs per multiprocessor (each holds fp32 dw/db partials)
 
 
 def config(hidden: int) -> tuple[int, int, int]:
@@ -160,7 +161,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mea
     dx2 = None if dx2_dtype is None else torch.empty((t, n), dtype=dx2_dtype, device=x.device)
     block_n, rows, warps = config(n)
     tiles = cdiv(t, rows)
-    programs = persistent_programs(x, tiles)
+    programs = persistent_programs(x, tiles, BWD_PROGRAMS_PER_SM)
     alloc = torch.empty if t > 0 else torch.zeros  # every program stores its partial row when t > 0
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
     db_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
