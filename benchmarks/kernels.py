@@ -391,7 +391,7 @@ def sweep_rows(tokens: int, copy_gbps: float) -> list[dict]:
     pos = torch.randint(0, 2048, (t,), device="cuda", generator=g)
     dq, dk, dv = (rnd(t, HEADS, HEAD_DIM) for _ in range(3))
     z, dz = rnd(t, 2 * INNER), rnd(t, INNER)
-    ln_block = L.config(HIDDEN)[0]
+    ln_block = L.config(HIDDEN, 2)[0]
     rope_block = R.config(HEADS, HEAD_DIM)[0]
     cases = [
         ("residual_layer_norm", "fwd", L, [(ln_block, r, nw, None) for r in (1, 2, 4, 8) for nw in (4, 8)],
@@ -411,7 +411,8 @@ def sweep_rows(tokens: int, copy_gbps: float) -> list[dict]:
     ]
     rows = []
     for op, direction, module, candidates, fn, nbytes in cases:
-        default = module.config(*((HIDDEN,) if module is L else (HEADS, HEAD_DIM) if module is R else (INNER,)))
+        default = (L.config(HIDDEN, 2, direction == "bwd") if module is L else
+                   R.config(HEADS, HEAD_DIM) if module is R else G.config(INNER))
         original, original_ps = module.config, L.BWD_PROGRAMS_PER_SM
         results = []
         for a, b, nw, ps in candidates:
@@ -427,7 +428,8 @@ def sweep_rows(tokens: int, copy_gbps: float) -> list[dict]:
                 module.config, L.BWD_PROGRAMS_PER_SM = original, original_ps
             gbps = nbytes / ms / 1e6
             results.append(dict(section="sweep", op=op, direction=direction, tokens=t, config=[a, b, nw],
-                                programs_per_sm=ps, is_default=(a, b, nw) == tuple(default) and ps in (None, original_ps),
+                                programs_per_sm=ps,
+                                is_default=(a, b, nw) == tuple(default) and ps in (None, L.BWD_WARPS_PER_SM // nw),
                                 ms=round(ms, 5), gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1)))
         results.sort(key=lambda r: r["ms"])
         for r in results[:3] + [r for r in results[3:] if r["is_default"]]:

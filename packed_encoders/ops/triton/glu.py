@@ -14,10 +14,11 @@ from ._runtime import cdiv, device_guard, kernel, next_pow2
 
 ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3}
 
-_SQRT1_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-_SQRT_2_OVER_PI = 0.7978845608028654
-_TANH_C = 0.044715
+# kernels may only read globals declared as Triton constexprs
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_TANH_C = tl.constexpr(0.044715)
 
 
 def config(inner: int) -> tuple[int, int, int]:

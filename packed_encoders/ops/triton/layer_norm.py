@@ -19,13 +19,20 @@ import triton.language as tl
 from ._runtime import cdiv, device_guard, kernel, next_pow2, persistent_programs
 
 MAX_HIDDEN = 16384  # one row lives in registers; beyond this the torch op is used
-BWD_PROGRAMS_PER_SM = 4  # persistent backward: programs per multiprocessor (each holds fp32 dw/db partials)
+# Persistent backward: 16 warps per multiprocessor (2 programs of 8 warps, 4 of 4), all resident at once since
+# config() keeps registers <= 128 per thread. A set value overrides it (benchmarks/kernels.py --sweep).
+BWD_WARPS_PER_SM = 16
+BWD_PROGRAMS_PER_SM: int | None = None
 
 
-def config(hidden: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, ROWS, num_warps)`` for a hidden size: about 4096 elements per program."""
+def config(hidden: int, elem_bytes: int = 2, backward: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_N, ROWS, num_warps)`` for a hidden size: tiles of about 8 KB per tensor in the forward and
+    4 KB in the backward (which holds more live values per element), so registers stay at or below 128 per
+    thread and 16 warps of the persistent backward fit on a multiprocessor (tests/test_kernels_compile_sm90.py
+    checks this on the compiled sm_90 code)."""
     block_n = next_pow2(hidden)
-    rows = max(1, min(16, 4096 // block_n))
+    budget = (4096 if backward else 8192) // elem_bytes
+    rows = max(1, min(16, budget // block_n))
     warps = min(16, max(4, block_n * rows // 512))
     return block_n, rows, warps
 
@@ -130,7 +137,7 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
         s = torch.empty((t, n), dtype=res_dtype, device=x.device)
     if t == 0:
         return s, y, mean, rstd
-    block_n, rows, warps = config(n)
+    block_n, rows, warps = config(n, max(x.element_size(), y.element_size()))
     grid = (cdiv(t, rows),)
     with device_guard(x):
         _fwd_kernel.on(x)[grid](
@@ -159,9 +166,9 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mea
         dres = dres.contiguous()
     dx = torch.empty((t, n), dtype=dx_dtype, device=x.device)
     dx2 = None if dx2_dtype is None else torch.empty((t, n), dtype=dx2_dtype, device=x.device)
-    block_n, rows, warps = config(n)
+    block_n, rows, warps = config(n, max(x.element_size(), dy.element_size()), backward=True)
     tiles = cdiv(t, rows)
-    programs = persistent_programs(x, tiles, BWD_PROGRAMS_PER_SM)
+    programs = persistent_programs(x, tiles, BWD_PROGRAMS_PER_SM or max(1, BWD_WARPS_PER_SM // warps))
     alloc = torch.empty if t > 0 else torch.zeros  # every program stores its partial row when t > 0
     dw_part = alloc((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
     db_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
