@@ -1,15 +1,13 @@
 """How a Triton kernel is launched: compiled for CUDA tensors, interpreted for CPU tensors.
 
 Triton decides between compiling and interpreting when ``@triton.jit`` runs (it reads
-``TRITON_INTERPRET`` at decoration time). The kernels here are plain Python functions wrapped on
-first use in both forms: a ``JITFunction`` for CUDA tensors and an ``InterpretedFunction`` for CPU
-tensors, so the kernel modules can be imported in either mode. CPU tensors are only accepted while
-``TRITON_INTERPRET=1`` is set (read per call) *and* Triton itself was imported with it set: the
-kernels call Triton's standard library (``tl.sum``, ``tl.sigmoid``), which Triton decorates once, at
-its own import, in one mode or the other. A process that imported Triton compiled (a GPU test run)
-therefore runs the kernels compiled on CUDA and refuses to interpret them on CPU; a CPU-only process
-that imported Triton with ``TRITON_INTERPRET=1`` interprets them. Kernels call no jitted helpers of
-their own.
+``TRITON_INTERPRET`` at decoration time, for its own standard library too), which would tie the mode to
+import order. The kernels here are plain Python functions wrapped on first use in both forms: a
+``JITFunction`` for CUDA tensors and an ``InterpretedFunction`` for CPU tensors, the latter accepted
+only while ``TRITON_INTERPRET=1`` is set (read per call). An interpreted launch runs inside
+:func:`_interpreter_fixes`, which makes Triton's interpreter usable whatever mode Triton was imported
+in and leaves no trace afterwards, so one process can run compiled GPU kernels and interpreted CPU
+tests side by side. Kernels call no jitted helpers of their own.
 """
 
 from __future__ import annotations
@@ -27,14 +25,10 @@ from triton.runtime.jit import JITFunction
 
 from . import interpret_enabled
 
+
 def interpreter_unavailable() -> str | None:
     """Why CPU tensors cannot be interpreted now (``None`` when they can)."""
-    if not interpret_enabled():
-        return "TRITON_INTERPRET is not set"
-    if not isinstance(tl.standard.sum, InterpretedFunction):
-        return ("Triton was imported without TRITON_INTERPRET=1, so its standard library is compiled-only; "
-                "set it before importing triton to interpret the kernels on CPU")
-    return None
+    return None if interpret_enabled() else "TRITON_INTERPRET is not set"
 
 
 class Kernel:
@@ -65,16 +59,9 @@ class Kernel:
 
 
 class _Interpreted:
-    """``fn[grid](...)`` for an ``InterpretedFunction``, with two fidelity fixes held during the launch.
+    """``fn[grid](...)`` for an ``InterpretedFunction``, run inside :func:`_interpreter_fixes`."""
 
-    - Triton 3.6's interpreter holds scalars as 1-element arrays and converts loop bounds with
-      ``int(array)``, which NumPy >= 2.3 refuses; the index conversion takes the single element instead.
-    - The interpreter casts fp32 -> bf16 by truncating the mantissa, while compiled Triton rounds to
-      nearest even (``cvt.rn.bf16.f32``); the cast is done with torch's round-to-nearest-even so that
-      interpreted results carry the rounding the GPU will. Compiled kernels are untouched.
-    """
-
-    _lock = threading.Lock()
+    _lock = threading.Lock()  # the fixes patch module state: one interpreted launch at a time
 
     def __init__(self, fn: InterpretedFunction):
         self.fn = fn
@@ -86,15 +73,63 @@ class _Interpreted:
         return launch
 
 
+_STDLIB = (tl, tl.core, tl.standard, tl.math)
+_INTERPRETED_STDLIB: dict[int, InterpretedFunction] = {}
+
+
+def _interpreted_form(fn: JITFunction) -> InterpretedFunction:
+    # one object per jitted function: the interpreter recognises reductions by identity (_sum_combine)
+    form = _INTERPRETED_STDLIB.get(id(fn))
+    if form is None:
+        form = _INTERPRETED_STDLIB[id(fn)] = InterpretedFunction(fn.fn)
+    return form
+
+
+class _TrackedScope:
+    """A patch scope of the interpreter that, when restored, first restores every scope opened after it.
+
+    The interpreter opens a scope per interpreted call; those of nested standard-library calls are never
+    restored (harmless when a process only interprets). Restoring last-in first-out returns every patched
+    attribute to its true original."""
+
+    def __init__(self, inner, stack: list):
+        self.inner, self.stack = inner, stack
+
+    def restore(self):
+        while self.stack and self.stack[-1] is not self:
+            self.stack.pop().inner.restore()
+        if self.stack:
+            self.stack.pop()
+        self.inner.restore()
+
+
 @contextlib.contextmanager
 def _interpreter_fixes():
-    original_patch = _interp._patch_lang_tensor
-    builder = _interp.InterpreterBuilder
-    original_cast = builder.cast_impl
+    """Held around one interpreted launch; every change is undone on exit.
 
-    def patched(tensor, scope):
-        original_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    - Triton's standard-library functions (``tl.sum``, ``tl.sigmoid``) are interpreted forms even when
+      Triton was imported compiled (otherwise calling them raises "Cannot call @triton.jit'd outside of
+      the scope of a kernel"), and the interpreter's patch scopes are restored last-in first-out.
+    - Triton 3.6's interpreter holds scalars as 1-element arrays and converts loop bounds with
+      ``int(array)``, which NumPy >= 2.3 refuses; the index conversion takes the single element instead.
+    - The interpreter casts fp32 -> bf16 by truncating the mantissa, while compiled Triton rounds to
+      nearest even (``cvt.rn.bf16.f32``); the cast uses torch's round-to-nearest-even so that interpreted
+      results carry the rounding the GPU will.
+    """
+    scope = _interp._LangPatchScope()
+    stack: list[_TrackedScope] = []
+    original_patch_lang = _interp._patch_lang
+    original_patch_tensor = _interp._patch_lang_tensor
+    original_cast = _interp.InterpreterBuilder.cast_impl
+
+    def patch_lang(fn):
+        tracked = _TrackedScope(original_patch_lang(fn), stack)
+        stack.append(tracked)
+        return tracked
+
+    def patch_tensor(tensor, inner_scope):
+        original_patch_tensor(tensor, inner_scope)
+        inner_scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     def cast_impl(self, src, dst_type):
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
@@ -102,13 +137,19 @@ def _interpreter_fixes():
             return _interp.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
         return original_cast(self, src, dst_type)
 
-    _interp._patch_lang_tensor = patched
-    builder.cast_impl = cast_impl
+    for module in _STDLIB:
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                scope.set_attr(module, name, _interpreted_form(value))
+    scope.set_attr(_interp, "_patch_lang", patch_lang)
+    scope.set_attr(_interp, "_patch_lang_tensor", patch_tensor)
+    scope.set_attr(_interp.InterpreterBuilder, "cast_impl", cast_impl)
     try:
         yield
     finally:
-        _interp._patch_lang_tensor = original_patch
-        builder.cast_impl = original_cast
+        while stack:
+            stack.pop().inner.restore()
+        scope.restore()
 
 
 def kernel(*, do_not_specialize=()):
