@@ -72,7 +72,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     Args:
         attention_backend: ``"auto"`` (policy per batch), ``"flash"`` (torch varlen_attn / FlashAttention-4),
             ``"sdpa"``, or a concrete ``"varlen"``, ``"fa4"``, ``"triton"``.
-        kernels: ``"auto"`` or ``"torch"`` (see :mod:`packed_encoders.ops.select`).
+        kernels: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cute"`` (see :mod:`packed_encoders.ops.select`).
         validate: run :func:`packed_encoders.validate` on the selected path first.
         padded_outputs: what the output holds at padded positions. ``"zeros"``; ``"all"``: trailing masked
             positions (after each row's last real token) get HF's values, computed as query-only tokens;

@@ -4,7 +4,7 @@ Never imports transformers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from .geglu import geglu_ref, geglu_torch
@@ -29,9 +29,27 @@ class OpSet:
     glu: Callable
 
 
+@dataclass(frozen=True)
+class FusedOpSet(OpSet):
+    """An :class:`OpSet` of fused kernels, with a toolchain check and a record of per-call fallbacks.
+
+    - ``smoke(device)``: compile and run a tiny kernel on ``device``; raises (any exception) when the
+      toolchain cannot. ``validation.py`` calls it when present.
+    - ``fallbacks()``: ``{op_name: {reason: calls}}`` for calls that this op set routed to the plain
+      PyTorch op because the kernels do not cover the inputs (CPU tensors outside interpret mode,
+      an unsupported dtype or activation, a hidden size beyond the kernel's limit). Empty when every
+      call ran fused. ``describe()`` can report it per encoder as
+      ``entry["kernel_fallbacks"] = state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {}``.
+      Counts are per eager call; under ``torch.compile`` a fallback is recorded when it is traced.
+    """
+
+    smoke: Callable = field(default=None, compare=False)
+    fallbacks: Callable = field(default=None, compare=False)
+
+
 TORCH_OPS = OpSet("torch", layer_norm_torch, residual_layer_norm_torch, rope_qkv_torch, geglu_torch)
 
 __all__ = [
-    "OpSet", "TORCH_OPS", "geglu_ref", "geglu_torch", "layer_norm_ref", "layer_norm_torch",
+    "FusedOpSet", "OpSet", "TORCH_OPS", "geglu_ref", "geglu_torch", "layer_norm_ref", "layer_norm_torch",
     "residual_layer_norm_ref", "residual_layer_norm_torch", "rope_qkv_ref", "rope_qkv_torch", "rope_tables",
 ]

@@ -1,0 +1,377 @@
+"""The ``triton`` op set: Triton kernels as ``torch.library`` custom ops, routed per call.
+
+Each kernel launch is a custom op in the ``packed_encoders`` namespace with a fake (meta)
+implementation, so ``torch.compile`` and CUDA-graph capture see one opaque node per op (forward and
+backward alike). LayerNorm, residual + LayerNorm and the GLU get their gradients through
+``torch.library.register_autograd``. RoPE is the exception: its ``v`` output is a view of the ``qkv``
+input (no copy), which a custom op may not return, so a small ``autograd.Function`` calls the forward
+op, hands out the view, and its backward calls one op that writes the whole ``dqkv`` (with ``dv``
+copied in) instead of letting autograd add a zero-padded ``dv`` scatter to it.
+
+Routing: every public op checks, per call, that the kernels cover the inputs (CUDA tensors, or CPU
+tensors when interpreted, see ``triton/_runtime.py``; fp32/bf16/fp16; a hidden size within the kernel's limit; a
+known activation). Anything else runs the plain PyTorch op and is recorded in :func:`fallbacks`.
+
+Importing this module imports Triton (``select_ops`` imports it only when asked for fused kernels).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import FusedOpSet
+from .geglu import geglu_ref, geglu_torch
+from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
+from .rope import rope_qkv_torch
+from .triton import glu as _glu
+from .triton import layer_norm as _ln
+from .triton import rope as _rope
+from .triton._runtime import interpreter_unavailable
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_EMPTY = (0,)
+
+# ---------------------------------------------------------------------------------------------------------
+# custom ops: LayerNorm and residual + LayerNorm
+
+
+@torch.library.custom_op("packed_encoders::triton_layer_norm_fwd", mutates_args=())
+def _ln_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+            out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    _, y, mean, rstd = _ln.forward(x, None, weight, bias, eps, out_dtype)
+    return y, mean, rstd
+
+
+@_ln_fwd.register_fake
+def _(x, weight, bias, eps, out_dtype):
+    t = x.shape[0]
+    return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((t,), dtype=torch.float32), \
+        x.new_empty((t,), dtype=torch.float32)
+
+
+@torch.library.custom_op("packed_encoders::triton_residual_layer_norm_fwd", mutates_args=())
+def _res_ln_fwd(x: Tensor, delta: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                res_dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    s, y, mean, rstd = _ln.forward(x, delta, weight, bias, eps, out_dtype, res_dtype)
+    return s, y, mean, rstd
+
+
+@_res_ln_fwd.register_fake
+def _(x, delta, weight, bias, eps, res_dtype, out_dtype):
+    t = x.shape[0]
+    return (x.new_empty(x.shape, dtype=res_dtype), x.new_empty(x.shape, dtype=out_dtype),
+            x.new_empty((t,), dtype=torch.float32), x.new_empty((t,), dtype=torch.float32))
+
+
+@torch.library.custom_op("packed_encoders::triton_layer_norm_bwd", mutates_args=())
+def _ln_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], mean: Tensor, rstd: Tensor, dres: Optional[Tensor],
+            has_bias: bool, dx_dtype: torch.dtype, dx2_dtype: torch.dtype,
+            want_dx2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(dx, dx2, dw, db)``; absent outputs (no second dtype, no weight, no bias) are empty
+    ``[0]`` tensors, since a custom op cannot return ``None``."""
+    dx, dx2, dw, db = _ln.backward(dy, x, weight, mean, rstd, dres, has_bias, dx_dtype,
+                                   dx2_dtype if want_dx2 else None)
+    empty = x.new_empty(_EMPTY, dtype=torch.float32)
+    return dx, dx2 if dx2 is not None else x.new_empty(_EMPTY, dtype=dx2_dtype), \
+        dw if dw is not None else empty, db if db is not None else empty.clone()
+
+
+@_ln_bwd.register_fake
+def _(dy, x, weight, mean, rstd, dres, has_bias, dx_dtype, dx2_dtype, want_dx2):
+    h = x.shape[-1]
+    return (x.new_empty(x.shape, dtype=dx_dtype),
+            x.new_empty(x.shape if want_dx2 else _EMPTY, dtype=dx2_dtype),
+            x.new_empty((h,) if weight is not None else _EMPTY, dtype=torch.float32),
+            x.new_empty((h,) if has_bias else _EMPTY, dtype=torch.float32))
+
+
+def _param_grads(ctx, dw, db, w_index, b_index):
+    dw = dw.to(ctx.w_dtype) if ctx.w_dtype is not None and ctx.needs_input_grad[w_index] else None
+    db = db.to(ctx.b_dtype) if ctx.b_dtype is not None and ctx.needs_input_grad[b_index] else None
+    return dw, db
+
+
+def _ln_setup(ctx, inputs, output):
+    x, weight, bias, _, _ = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.w_dtype = None if weight is None else weight.dtype
+    ctx.b_dtype = None if bias is None else bias.dtype
+
+
+def _ln_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, _, dw, db = _ln_bwd(dy, x, weight, mean, rstd, None, ctx.b_dtype is not None, x.dtype, x.dtype, False)
+    dw, db = _param_grads(ctx, dw, db, 1, 2)
+    return dx, dw, db, None, None
+
+
+_ln_fwd.register_autograd(_ln_backward, setup_context=_ln_setup)
+
+
+def _res_ln_setup(ctx, inputs, output):
+    x, delta, weight, bias, _, _, _ = inputs
+    s, _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(s, weight, mean, rstd)  # s is an output: saved, never written again
+    ctx.x_dtype, ctx.d_dtype = x.dtype, delta.dtype
+    ctx.w_dtype = None if weight is None else weight.dtype
+    ctx.b_dtype = None if bias is None else bias.dtype
+
+
+def _res_ln_backward(ctx, ds, dy, _dmean, _drstd):
+    s, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(s)
+    two = ctx.x_dtype != ctx.d_dtype
+    dx, dx2, dw, db = _ln_bwd(dy, s, weight, mean, rstd, ds, ctx.b_dtype is not None, ctx.x_dtype, ctx.d_dtype, two)
+    dw, db = _param_grads(ctx, dw, db, 2, 3)
+    # s = x + delta: both inputs receive the same gradient (in their own dtypes)
+    return dx, dx2 if two else dx, dw, db, None, None, None
+
+
+_res_ln_fwd.register_autograd(_res_ln_backward, setup_context=_res_ln_setup)
+
+# ---------------------------------------------------------------------------------------------------------
+# custom ops: RoPE
+
+
+@torch.library.custom_op("packed_encoders::triton_rope_qk_fwd", mutates_args=())
+def _rope_fwd(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_heads: int,
+              head_dim: int) -> tuple[Tensor, Tensor]:
+    return _rope.forward(qkv, cos, sin, position_ids, num_heads, head_dim)
+
+
+@_rope_fwd.register_fake
+def _(qkv, cos, sin, position_ids, num_heads, head_dim):
+    shape = (qkv.shape[0], num_heads, head_dim)
+    return qkv.new_empty(shape), qkv.new_empty(shape)
+
+
+@torch.library.custom_op("packed_encoders::triton_rope_qkv_bwd", mutates_args=())
+def _rope_bwd(dq: Tensor, dk: Tensor, dv: Optional[Tensor], cos: Tensor, sin: Tensor, position_ids: Tensor,
+              num_heads: int, head_dim: int, dtype: torch.dtype) -> Tensor:
+    return _rope.backward(dq, dk, dv, cos, sin, position_ids, num_heads, head_dim, dtype)
+
+
+@_rope_bwd.register_fake
+def _(dq, dk, dv, cos, sin, position_ids, num_heads, head_dim, dtype):
+    return dq.new_empty((dq.shape[0], 3 * num_heads * head_dim), dtype=dtype)
+
+
+def _v_view(qkv: Tensor, num_heads: int, head_dim: int) -> Tensor:
+    return qkv.view(qkv.shape[0], 3, num_heads, head_dim)[:, 2]
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, position_ids, num_heads, head_dim):
+        q, k = _rope_fwd(qkv, cos, sin, position_ids, num_heads, head_dim)
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.shape = (num_heads, head_dim, qkv.dtype)
+        return q, k, _v_view(qkv, num_heads, head_dim)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin, position_ids = ctx.saved_tensors
+        num_heads, head_dim, dtype = ctx.shape
+        return _rope_bwd(dq, dk, dv, cos, sin, position_ids, num_heads, head_dim, dtype), None, None, None, None, None
+
+# ---------------------------------------------------------------------------------------------------------
+# custom ops: GLU
+
+
+@torch.library.custom_op("packed_encoders::triton_glu_fwd", mutates_args=())
+def _glu_fwd(x: Tensor, activation: str) -> Tensor:
+    return _glu.forward(x, activation)
+
+
+@_glu_fwd.register_fake
+def _(x, activation):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+
+@torch.library.custom_op("packed_encoders::triton_glu_bwd", mutates_args=())
+def _glu_bwd(dy: Tensor, x: Tensor, activation: str) -> Tensor:
+    return _glu.backward(dy, x, activation)
+
+
+@_glu_bwd.register_fake
+def _(dy, x, activation):
+    return torch.empty_like(x)
+
+
+def _glu_setup(ctx, inputs, output):
+    x, activation = inputs
+    ctx.save_for_backward(x)
+    ctx.activation = activation
+
+
+def _glu_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return _glu_bwd(dy, x, ctx.activation), None
+
+
+_glu_fwd.register_autograd(_glu_backward, setup_context=_glu_setup)
+
+# ---------------------------------------------------------------------------------------------------------
+# routing
+
+
+_FALLBACKS: dict[str, dict[str, int]] = {}
+_FALLBACK_LOCK = threading.Lock()
+
+
+def fallbacks() -> dict[str, dict[str, int]]:
+    """``{op: {reason: calls}}`` of calls routed to plain PyTorch since import (or :func:`reset_fallbacks`)."""
+    with _FALLBACK_LOCK:
+        return {op: dict(reasons) for op, reasons in _FALLBACKS.items()}
+
+
+def reset_fallbacks() -> None:
+    with _FALLBACK_LOCK:
+        _FALLBACKS.clear()
+
+
+def _record(op: str, reason: str) -> None:
+    with _FALLBACK_LOCK:
+        per_op = _FALLBACKS.setdefault(op, {})
+        per_op[reason] = per_op.get(reason, 0) + 1
+
+
+def _unsupported(x: Tensor, *others: Tensor | None) -> str | None:
+    """Why the kernels cannot take these tensors (``None`` when they can)."""
+    if x.device.type == "cpu":
+        why = interpreter_unavailable()
+        if why:
+            return f"CPU tensors (Triton kernels run on CUDA; not interpreting: {why})"
+    elif x.device.type != "cuda":
+        return f"{x.device.type} tensors"
+    for t in (x, *others):
+        if t is None:
+            continue
+        if t.dtype not in _FLOATS:
+            return f"dtype {t.dtype} (kernels take float32, bfloat16, float16)"
+        if t.device != x.device:
+            return "inputs on different devices"
+    return None
+
+
+def _ln_unsupported(x: Tensor, delta: Tensor | None, weight: Tensor | None, bias: Tensor | None) -> str | None:
+    why = _unsupported(x, delta, weight, bias)
+    if why:
+        return why
+    h = x.shape[-1]
+    if h > _ln.MAX_HIDDEN or h == 0:
+        return f"hidden size {h} (kernel covers 1..{_ln.MAX_HIDDEN})"
+    if delta is not None and delta.shape != x.shape:
+        return "residual and delta shapes differ"
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and tuple(p.shape) != (h,):
+            return f"{name} of shape {tuple(p.shape)}"
+    return None
+
+
+def _norm_out_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    # Under CUDA autocast F.layer_norm runs in fp32 and returns fp32 (it is on autocast's fp32 list);
+    # CPU autocast leaves it in the input dtype. Mirror that so the two op sets agree on dtypes.
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled("cuda"):
+        return torch.float32
+    return dtype
+
+
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """LayerNorm over the last dim of ``x`` ``[..., H]``; output in ``x.dtype`` (fp32 under CUDA autocast)."""
+    why = _ln_unsupported(x, None, weight, bias)
+    if why:
+        _record("layer_norm", why)
+        return layer_norm_torch(x, weight, bias, eps)
+    shape = x.shape
+    y, _, _ = _ln_fwd(x.reshape(-1, shape[-1]), weight, bias, float(eps), _norm_out_dtype(x.dtype, x.device))
+    return y.view(shape)
+
+
+def residual_layer_norm(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None,
+                        eps: float) -> tuple[Tensor, Tensor]:
+    """``(s, LN(s))`` with ``s = x + delta`` rounded to ``promote_types(x, delta)`` first (the policy)."""
+    why = _ln_unsupported(x, delta, weight, bias)
+    if why:
+        _record("residual_layer_norm", why)
+        return residual_layer_norm_torch(x, delta, weight, bias, eps)
+    shape = x.shape
+    res_dtype = torch.promote_types(x.dtype, delta.dtype)
+    s, y, _, _ = _res_ln_fwd(x.reshape(-1, shape[-1]), delta.reshape(-1, shape[-1]), weight, bias, float(eps),
+                             res_dtype, _norm_out_dtype(res_dtype, x.device))
+    return s.view(shape), y.view(shape)
+
+
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_heads: int, head_dim: int):
+    """``q, k, v`` ``[T, nh, hd]`` from ``qkv`` ``[T, 3 * nh * hd]``: q, k rotated (contiguous, ``qkv.dtype``),
+    v a strided view of ``qkv``. Same contract as :func:`packed_encoders.ops.rope.rope_qkv_torch`."""
+    why = _unsupported(qkv, cos, sin)
+    if not why:
+        if head_dim % 2 or not 2 <= head_dim <= 512:
+            why = f"head_dim {head_dim} (kernel covers even sizes 2..512)"
+        elif qkv.dim() != 2 or qkv.shape[-1] != 3 * num_heads * head_dim:
+            why = f"qkv of shape {tuple(qkv.shape)}"
+        elif cos.shape[-1] != head_dim // 2 or cos.shape != sin.shape:
+            why = "cos/sin tables of another head_dim"
+        elif position_ids.dtype not in (torch.int64, torch.int32) or position_ids.device != qkv.device:
+            why = "position_ids must be int32/int64 on the qkv device"
+    if why:
+        _record("rope_qkv", why)
+        return rope_qkv_torch(qkv, cos, sin, position_ids, num_heads, head_dim)
+    qkv = qkv.contiguous()
+    if torch.is_grad_enabled() and qkv.requires_grad:
+        return _Rope.apply(qkv, cos, sin, position_ids, num_heads, head_dim)
+    q, k = _rope_fwd(qkv, cos, sin, position_ids, num_heads, head_dim)
+    return q, k, _v_view(qkv, num_heads, head_dim)
+
+
+def glu(x: Tensor, activation: str = "gelu") -> Tensor:
+    """``act(a) * g`` for ``x = [a | g]`` ``[..., 2I]`` -> ``[..., I]`` in ``x.dtype``."""
+    why = _unsupported(x)
+    if not why:
+        if activation not in _glu.ACTIVATIONS:
+            why = f"activation {activation!r}"
+        elif x.shape[-1] % 2:
+            why = f"odd last dim {x.shape[-1]}"
+    if why:
+        _record("glu", why)
+        return geglu_torch(x, activation)
+    shape = x.shape
+    y = _glu_fwd(x.reshape(-1, shape[-1]), activation)
+    return y.view(*shape[:-1], shape[-1] // 2)
+
+# ---------------------------------------------------------------------------------------------------------
+# toolchain check
+
+
+def smoke(device) -> None:
+    """Compile and run two tiny kernels (LayerNorm, GLU) on ``device`` and check them against the fp32
+    references. Raises ``RuntimeError`` when the kernels cannot run there or disagree."""
+    device = torch.device(device)
+    probe = torch.empty(0, device=device)
+    why = _unsupported(probe)
+    if why:
+        raise RuntimeError(f"Triton kernels cannot run on {device}: {why}")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(5, 96, generator=g).to(device)
+    w = torch.randn(96, generator=g).to(device)
+    y, _, _ = _ln_fwd(x, w, None, 1e-5, x.dtype)
+    err = (y - layer_norm_ref(x, w, None, 1e-5)).abs().max().item()
+    z = torch.randn(5, 2 * 40, generator=g).to(device)
+    err = max(err, (_glu_fwd(z, "gelu") - geglu_ref(z, "gelu")).abs().max().item())
+    if not err < 1e-4:
+        raise RuntimeError(f"Triton smoke test on {device}: max error {err:.3g} against the fp32 reference")
+
+
+TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, smoke=smoke, fallbacks=fallbacks)
+
+__all__ = ["TRITON_OPS", "fallbacks", "glu", "layer_norm", "reset_fallbacks", "residual_layer_norm", "rope_qkv",
+           "smoke"]

@@ -1,0 +1,198 @@
+"""How a Triton kernel is launched: compiled for CUDA tensors, interpreted for CPU tensors.
+
+Triton decides between compiling and interpreting when ``@triton.jit`` runs (it reads
+``TRITON_INTERPRET`` at decoration time, for its own standard library too), which would tie the mode to
+import order. The kernels here are plain Python functions wrapped on first use in both forms: a
+``JITFunction`` for CUDA tensors and an ``InterpretedFunction`` for CPU tensors, the latter accepted
+only while ``TRITON_INTERPRET=1`` is set (read per call). An interpreted launch runs inside
+:func:`_interpreter_fixes`, which makes Triton's interpreter usable whatever mode Triton was imported
+in and leaves no trace afterwards, so one process can run compiled GPU kernels and interpreted CPU
+tests side by side. Kernels call no jitted helpers of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import numpy as np
+import torch
+import triton.language as tl
+import triton.runtime.interpreter as _interp
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from . import interpret_enabled
+
+
+def interpreter_unavailable() -> str | None:
+    """Why CPU tensors cannot be interpreted now (``None`` when they can)."""
+    return None if interpret_enabled() else "TRITON_INTERPRET is not set"
+
+
+class Kernel:
+    """A kernel source with a compiled and an interpreted form, each built once on first use.
+
+    ``do_not_specialize`` names the runtime integer arguments (token counts) that Triton must not
+    specialise on (value 1, divisibility by 16), so one compiled artifact serves every batch.
+    """
+
+    def __init__(self, fn, do_not_specialize=()):
+        self.fn = fn
+        self.do_not_specialize = tuple(do_not_specialize)
+        self._compiled = None
+        self._interpreted = None
+
+    def on(self, t: torch.Tensor):
+        """The launchable form for the device of ``t``."""
+        if t.device.type == "cuda":
+            if self._compiled is None:
+                self._compiled = JITFunction(self.fn, do_not_specialize=self.do_not_specialize)
+            return self._compiled
+        if t.device.type == "cpu" and interpreter_unavailable() is None:
+            if self._interpreted is None:
+                self._interpreted = _Interpreted(InterpretedFunction(self.fn, do_not_specialize=self.do_not_specialize))
+            return self._interpreted
+        why = interpreter_unavailable() if t.device.type == "cpu" else f"{t.device.type} tensors"
+        raise RuntimeError(f"Triton kernels run on CUDA tensors, or on CPU tensors when interpreted; here: {why}")
+
+
+class _Interpreted:
+    """``fn[grid](...)`` for an ``InterpretedFunction``, run inside :func:`_interpreter_fixes`."""
+
+    _lock = threading.Lock()  # the fixes patch module state: one interpreted launch at a time
+
+    def __init__(self, fn: InterpretedFunction):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with self._lock, _interpreter_fixes():
+                return self.fn[grid](*args, **kwargs)
+        return launch
+
+
+_STDLIB = (tl, tl.core, tl.standard, tl.math)
+_INTERPRETED_STDLIB: dict[int, InterpretedFunction] = {}
+
+
+def _interpreted_form(fn: JITFunction) -> InterpretedFunction:
+    # one object per jitted function: the interpreter recognises reductions by identity (_sum_combine)
+    form = _INTERPRETED_STDLIB.get(id(fn))
+    if form is None:
+        form = _INTERPRETED_STDLIB[id(fn)] = InterpretedFunction(fn.fn)
+    return form
+
+
+class _TrackedScope:
+    """A patch scope of the interpreter that, when restored, first restores every scope opened after it.
+
+    The interpreter opens a scope per interpreted call; those of nested standard-library calls are never
+    restored (harmless when a process only interprets). Restoring last-in first-out returns every patched
+    attribute to its true original."""
+
+    def __init__(self, inner, stack: list):
+        self.inner, self.stack = inner, stack
+
+    def restore(self):
+        while self.stack and self.stack[-1] is not self:
+            self.stack.pop().inner.restore()
+        if self.stack:
+            self.stack.pop()
+        self.inner.restore()
+
+
+@contextlib.contextmanager
+def _interpreter_fixes():
+    """Held around one interpreted launch; every change is undone on exit.
+
+    - Triton's standard-library functions (``tl.sum``, ``tl.sigmoid``) are interpreted forms even when
+      Triton was imported compiled (otherwise calling them raises "Cannot call @triton.jit'd outside of
+      the scope of a kernel"), and the interpreter's patch scopes are restored last-in first-out.
+    - Triton 3.6's interpreter holds scalars as 1-element arrays and converts loop bounds with
+      ``int(array)``, which NumPy >= 2.3 refuses; the index conversion takes the single element instead.
+    - The interpreter casts fp32 -> bf16 by truncating the mantissa, while compiled Triton rounds to
+      nearest even (``cvt.rn.bf16.f32``); the cast uses torch's round-to-nearest-even so that interpreted
+      results carry the rounding the GPU will.
+    """
+    scope = _interp._LangPatchScope()
+    stack: list[_TrackedScope] = []
+    original_patch_lang = _interp._patch_lang
+    original_patch_tensor = _interp._patch_lang_tensor
+    original_cast = _interp.InterpreterBuilder.cast_impl
+
+    def patch_lang(fn):
+        tracked = _TrackedScope(original_patch_lang(fn), stack)
+        stack.append(tracked)
+        return tracked
+
+    def patch_tensor(tensor, inner_scope):
+        original_patch_tensor(tensor, inner_scope)
+        inner_scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
+            return _interp.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
+        return original_cast(self, src, dst_type)
+
+    for module in _STDLIB:
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                scope.set_attr(module, name, _interpreted_form(value))
+    scope.set_attr(_interp, "_patch_lang", patch_lang)
+    scope.set_attr(_interp, "_patch_lang_tensor", patch_tensor)
+    scope.set_attr(_interp.InterpreterBuilder, "cast_impl", cast_impl)
+    try:
+        yield
+    finally:
+        while stack:
+            stack.pop().inner.restore()
+        scope.restore()
+
+
+def kernel(*, do_not_specialize=()):
+    """Decorator: ``@kernel(do_not_specialize=("n_rows",))`` on a Triton kernel body."""
+    return lambda fn: Kernel(fn, do_not_specialize)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def persistent_programs(t: torch.Tensor, work_items: int, per_sm: int = 4) -> int:
+    """How many programs a persistent kernel launches: ``per_sm`` per multiprocessor on CUDA,
+    a handful when interpreted, never more than the work items (and at least 1)."""
+    if t.device.type == "cuda":
+        cap = per_sm * _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    else:
+        cap = 3
+    return max(1, min(cap, work_items))
+
+
+def device_guard(t: torch.Tensor):
+    """Triton launches on the current device's current stream: make ``t``'s device current."""
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    return _NULL
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()

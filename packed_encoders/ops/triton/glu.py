@@ -1,0 +1,115 @@
+"""Triton gated linear unit ``act(a) * g`` over ``x = [a | g]`` ``[T, 2I]``, forward and backward.
+
+All math in fp32 from the stored inputs; each output is rounded once (the plain PyTorch op rounds
+``act(a)`` to the activation dtype before the product). Activations (compile-time): exact erf GELU,
+tanh GELU, SiLU, ReLU. ``I`` is a compile-time constant; the token count is a runtime argument.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ._runtime import cdiv, device_guard, kernel, next_pow2
+
+ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3}
+
+# kernels may only read globals declared as Triton constexprs
+_SQRT1_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_TANH_C = tl.constexpr(0.044715)
+
+
+def config(inner: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_I, num_warps)``: tiles of about 4096 outputs; ``BLOCK_I`` is the widest power of two
+    whose column blocks waste at most 1/16 of their lanes on ``I`` (ModernBERT-base's 1152 -> 128)."""
+    block_i = 64
+    for cand in (1024, 512, 256, 128):
+        if cand <= 2 * next_pow2(inner) and cdiv(inner, cand) * cand * 16 <= inner * 17:
+            block_i = cand
+            break
+    block_i = min(block_i, next_pow2(inner))
+    block_t = max(1, 4096 // block_i)
+    return block_t, block_i, 8 if block_t * block_i >= 4096 else 4
+
+
+@kernel(do_not_specialize=("n_rows",))
+def _fwd_kernel(X, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, ACT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < n_rows)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    src = X + r64 * (2 * I) + cols[None, :]
+    a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        act = 0.5 * a * (1.0 + tl.math.erf(a * _SQRT1_2))
+    elif ACT == 1:
+        t = 2.0 * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (a + _TANH_C * a * a * a)) - 1.0  # tanh
+        act = 0.5 * a * (1.0 + t)
+    elif ACT == 2:
+        act = a * tl.sigmoid(a)
+    else:
+        act = tl.maximum(a, 0.0)
+    tl.store(Y + r64 * I + cols[None, :], (act * g).to(Y.dtype.element_ty), mask=mask)
+
+
+@kernel(do_not_specialize=("n_rows",))
+def _bwd_kernel(DY, X, DX, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+                ACT: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < n_rows)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    src = X + r64 * (2 * I) + cols[None, :]
+    a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(src + I, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + r64 * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        cdf = 0.5 * (1.0 + tl.math.erf(a * _SQRT1_2))
+        act = a * cdf
+        dact = cdf + a * _INV_SQRT_2PI * tl.exp(-0.5 * a * a)
+    elif ACT == 1:
+        t = 2.0 * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (a + _TANH_C * a * a * a)) - 1.0
+        act = 0.5 * a * (1.0 + t)
+        dact = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_C * a * a)
+    elif ACT == 2:
+        sig = tl.sigmoid(a)
+        act = a * sig
+        dact = sig * (1.0 + a * (1.0 - sig))
+    else:
+        act = tl.maximum(a, 0.0)
+        dact = tl.where(a > 0.0, 1.0, 0.0)
+    tl.store(DX + r64 * (2 * I) + cols[None, :], (dy * g * dact).to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + r64 * (2 * I) + I + cols[None, :], (dy * act).to(DX.dtype.element_ty), mask=mask)
+
+
+def forward(x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(x[:, :I]) * x[:, I:]`` ``[T, I]`` in ``x.dtype`` for ``x`` ``[T, 2I]``."""
+    t, two_i = x.shape
+    inner = two_i // 2
+    x = x.contiguous()
+    y = torch.empty((t, inner), dtype=x.dtype, device=x.device)
+    if t == 0 or inner == 0:
+        return y
+    bt, bi, warps = config(inner)
+    with device_guard(x):
+        _fwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
+            x, y, t, I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=ACTIVATIONS[activation], num_warps=warps)
+    return y
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, activation: str) -> torch.Tensor:
+    """``dx`` ``[T, 2I]`` in ``x.dtype`` given ``dy`` ``[T, I]`` and the forward input ``x``."""
+    t, two_i = x.shape
+    inner = two_i // 2
+    x, dy = x.contiguous(), dy.contiguous()
+    dx = torch.empty_like(x)
+    if t == 0 or inner == 0:
+        return dx
+    bt, bi, warps = config(inner)
+    with device_guard(x):
+        _bwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
+            dy, x, dx, t, I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=ACTIVATIONS[activation], num_warps=warps)
+    return dx

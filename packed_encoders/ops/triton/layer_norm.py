@@ -1,0 +1,185 @@
+"""Triton LayerNorm and residual + LayerNorm over ``[T, H]``, forward and backward.
+
+Rounding policy (as :mod:`packed_encoders.ops.layer_norm`): the residual sum is formed in fp32 from
+the two inputs and rounded once to the residual stream's dtype; statistics, normalisation and all
+gradients are computed in fp32 from that rounded sum; every output is rounded once.
+
+Each program normalises a tile of ``ROWS`` rows held in registers (one read of the input). The
+backward is persistent: a fixed number of programs stride over row tiles and each accumulates its
+share of ``dw``/``db`` in fp32; the partial sums are added in fp32 afterwards. ``H`` is a compile-time
+constant (a static fact of the model); the token count is a runtime argument that Triton does not
+specialise on, so one compiled kernel serves every batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ._runtime import cdiv, device_guard, kernel, next_pow2, persistent_programs
+
+MAX_HIDDEN = 16384  # one row lives in registers; beyond this the torch op is used
+# Persistent backward: 16 warps per multiprocessor (2 programs of 8 warps, 4 of 4), all resident at once since
+# config() keeps registers <= 128 per thread. A set value overrides it (benchmarks/kernels.py --sweep).
+BWD_WARPS_PER_SM = 16
+BWD_PROGRAMS_PER_SM: int | None = None
+
+
+def config(hidden: int, elem_bytes: int = 2, backward: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_N, ROWS, num_warps)`` for a hidden size: tiles of about 8 KB per tensor in the forward and
+    4 KB in the backward (which holds more live values per element), so registers stay at or below 128 per
+    thread and 16 warps of the persistent backward fit on a multiprocessor (tests/test_kernels_compile_sm90.py
+    checks this on the compiled sm_90 code)."""
+    block_n = next_pow2(hidden)
+    budget = (4096 if backward else 8192) // elem_bytes
+    rows = max(1, min(16, budget // block_n))
+    warps = min(16, max(4, block_n * rows // 512))
+    return block_n, rows, warps
+
+
+@kernel(do_not_specialize=("n_rows",))
+def _fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
+                N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        d = tl.load(D + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + d).to(S.dtype.element_ty)  # the policy: round the sum to the stream dtype first
+        tl.store(S + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / N
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    y = xc * rstd[:, None]
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = y * w[None, :]
+    if HAS_B:
+        b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+        y = y + b[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + rows, mean, mask=rmask)
+    tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@kernel(do_not_specialize=("n_rows", "n_tiles", "n_programs"))
+def _bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, n_tiles, n_programs,
+                N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr, HAS_DX2: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    if HAS_W:
+        w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for tile in range(pid, n_tiles, n_programs):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_rows
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            wdy = dy * w[None, :]
+        else:
+            wdy = dy
+        c1 = tl.sum(xhat * wdy, axis=1) / N
+        c2 = tl.sum(wdy, axis=1) / N
+        dx = (wdy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+        if HAS_DRES:  # the gradient reaching the residual output joins here (s feeds both)
+            dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        if HAS_DX2:
+            tl.store(DX2 + offs, dx.to(DX2.dtype.element_ty), mask=mask)
+        if HAS_W:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
+    if HAS_W:
+        tl.store(DW + pid * N + cols, dw_acc, mask=cmask)
+    if HAS_B:
+        tl.store(DB + pid * N + cols, db_acc, mask=cmask)
+
+
+def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+            eps: float, out_dtype: torch.dtype, res_dtype: torch.dtype | None = None):
+    """LayerNorm (``delta is None``) or residual + LayerNorm of ``x`` ``[T, H]``.
+
+    Args:
+        x, delta: ``[T, H]`` fp32/bf16/fp16 (may differ); weight, bias: ``[H]`` or ``None``.
+        out_dtype: dtype of the normalised output.
+        res_dtype: dtype of the residual sum ``s`` (required with ``delta``).
+
+    Returns:
+        ``(s, y, mean, rstd)``: ``s`` ``[T, H]`` (``None`` without ``delta``), ``y`` ``[T, H]``,
+        ``mean`` and ``rstd`` fp32 ``[T]``.
+    """
+    t, n = x.shape
+    x = x.contiguous()
+    y = torch.empty((t, n), dtype=out_dtype, device=x.device)
+    mean = torch.empty(t, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(t, dtype=torch.float32, device=x.device)
+    s = None
+    if delta is not None:
+        delta = delta.contiguous()
+        s = torch.empty((t, n), dtype=res_dtype, device=x.device)
+    if t == 0:
+        return s, y, mean, rstd
+    block_n, rows, warps = config(n, max(x.element_size(), y.element_size()))
+    grid = (cdiv(t, rows),)
+    with device_guard(x):
+        _fwd_kernel.on(x)[grid](
+            x, delta if delta is not None else x, weight if weight is not None else x,
+            bias if bias is not None else x, s if s is not None else y, y, mean, rstd, t, float(eps),
+            N=n, BLOCK_N=block_n, ROWS=rows, HAS_RES=delta is not None, HAS_W=weight is not None,
+            HAS_B=bias is not None, num_warps=warps)
+    return s, y, mean, rstd
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+             rstd: torch.Tensor, dres: torch.Tensor | None, has_bias: bool, dx_dtype: torch.dtype,
+             dx2_dtype: torch.dtype | None):
+    """Backward of :func:`forward` given the normalised input ``x`` (for residual LN: the sum ``s``).
+
+    ``dres`` (the incoming gradient of ``s``) is added into ``dx``. With ``dx2_dtype`` the same
+    gradient is also written in a second dtype (the residual's two inputs may differ in dtype).
+
+    Returns:
+        ``(dx, dx2, dw, db)``: ``dx`` ``[T, H]`` in ``dx_dtype``; ``dx2`` or ``None``; ``dw``/``db`` fp32
+        ``[H]`` (``None`` without weight / bias), reduced in fp32.
+    """
+    t, n = x.shape
+    x, dy = x.contiguous(), dy.contiguous()
+    if dres is not None:
+        dres = dres.contiguous()
+    dx = torch.empty((t, n), dtype=dx_dtype, device=x.device)
+    dx2 = None if dx2_dtype is None else torch.empty((t, n), dtype=dx2_dtype, device=x.device)
+    block_n, rows, warps = config(n, max(x.element_size(), dy.element_size()), backward=True)
+    tiles = cdiv(t, rows)
+    programs = persistent_programs(x, tiles, BWD_PROGRAMS_PER_SM or max(1, BWD_WARPS_PER_SM // warps))
+    alloc = torch.empty if t > 0 else torch.zeros  # every program stores its partial row when t > 0
+    dw_part = alloc((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
+    db_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
+    if t > 0:
+        with device_guard(x):
+            _bwd_kernel.on(x)[(programs,)](
+                dy, x, weight if weight is not None else x, mean, rstd, dres if dres is not None else dy,
+                dx, dx2 if dx2 is not None else dx, dw_part if dw_part is not None else mean,
+                db_part if db_part is not None else mean, t, tiles, programs,
+                N=n, BLOCK_N=block_n, ROWS=rows, HAS_W=weight is not None, HAS_B=has_bias,
+                HAS_DRES=dres is not None, HAS_DX2=dx2 is not None, num_warps=warps)
+    dw = dw_part.sum(0) if dw_part is not None else None
+    db = db_part.sum(0) if db_part is not None else None
+    return dx, dx2, dw, db

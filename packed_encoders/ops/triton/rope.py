@@ -1,0 +1,145 @@
+"""Triton RoPE straight from the fused ``Wqkv`` output, forward and backward.
+
+Forward reads q and k from ``qkv`` ``[T, 3 * nh * hd]`` (q | k | v, head-major), rotates them
+split-half in fp32 with the token's position, and writes contiguous ``q, k`` ``[T, nh, hd]`` rounded
+once; v is never touched (the caller hands out a strided view). Backward applies the inverse rotation
+to ``dq, dk`` and writes the whole ``dqkv`` ``[T, 3 * nh * hd]``, copying ``dv`` into its third (zeros
+when v received no gradient), so no separate scatter or accumulation pass is needed.
+
+A program handles ``ROWS`` tokens and, per token, every (head, first-half lane) pair as one flat
+axis ``j = head * HALF + lane`` padded to a power of two. ``nh`` and ``hd`` are compile-time constants;
+the token count is a runtime argument that Triton does not specialise on.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ._runtime import cdiv, device_guard, kernel, next_pow2
+
+
+def config(num_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK, ROWS, num_warps)``: about 2048 rotated pairs per program."""
+    block = next_pow2(num_heads * (head_dim // 2))
+    rows = max(1, min(16, 2048 // block))
+    warps = min(8, max(2, block * rows // 256))
+    return block, rows, warps
+
+
+@kernel(do_not_specialize=("n_rows",))
+def _fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
+                NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    j = tl.arange(0, BLOCK)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (j < NH * HALF)[None, :]
+    head = j // HALF
+    lane = j % HALF
+    pos = tl.load(POS + rows, mask=rmask, other=0).to(tl.int64)
+    tab = pos[:, None] * HALF + lane[None, :]
+    c = tl.load(COS + tab, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + tab, mask=mask, other=0.0).to(tl.float32)
+    r64 = rows.to(tl.int64)[:, None]
+    col = (head * HD + lane)[None, :]
+    src = QKV + r64 * (3 * NH * HD) + col
+    dst = r64 * (NH * HD) + col
+    # q
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Q + dst, (x1 * c - x2 * s).to(Q.dtype.element_ty), mask=mask)
+    tl.store(Q + dst + HALF, (x2 * c + x1 * s).to(Q.dtype.element_ty), mask=mask)
+    # k
+    x1 = tl.load(src + NH * HD, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + NH * HD + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(K + dst, (x1 * c - x2 * s).to(K.dtype.element_ty), mask=mask)
+    tl.store(K + dst + HALF, (x2 * c + x1 * s).to(K.dtype.element_ty), mask=mask)
+
+
+@kernel(do_not_specialize=("n_rows",))
+def _bwd_kernel(DQ, DK, DV, COS, SIN, POS, DQKV, n_rows,
+                dq_st, dq_sh, dk_st, dk_sh, dv_st, dv_sh,
+                NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                HAS_DV: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    j = tl.arange(0, BLOCK)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (j < NH * HALF)[None, :]
+    head = j // HALF
+    lane = j % HALF
+    pos = tl.load(POS + rows, mask=rmask, other=0).to(tl.int64)
+    tab = pos[:, None] * HALF + lane[None, :]
+    c = tl.load(COS + tab, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(SIN + tab, mask=mask, other=0.0).to(tl.float32)
+    r64 = rows.to(tl.int64)[:, None]
+    h64 = head.to(tl.int64)[None, :]
+    lane2 = lane[None, :]
+    out = DQKV + r64 * (3 * NH * HD) + (head * HD + lane)[None, :]
+    # dq: the transpose of the rotation [[c, -s], [s, c]]
+    g = DQ + r64 * dq_st + h64 * dq_sh + lane2
+    d1 = tl.load(g, mask=mask, other=0.0).to(tl.float32)
+    d2 = tl.load(g + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out, (d1 * c + d2 * s).to(DQKV.dtype.element_ty), mask=mask)
+    tl.store(out + HALF, (d2 * c - d1 * s).to(DQKV.dtype.element_ty), mask=mask)
+    # dk
+    g = DK + r64 * dk_st + h64 * dk_sh + lane2
+    d1 = tl.load(g, mask=mask, other=0.0).to(tl.float32)
+    d2 = tl.load(g + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + NH * HD, (d1 * c + d2 * s).to(DQKV.dtype.element_ty), mask=mask)
+    tl.store(out + NH * HD + HALF, (d2 * c - d1 * s).to(DQKV.dtype.element_ty), mask=mask)
+    # dv passes through
+    if HAS_DV:
+        g = DV + r64 * dv_st + h64 * dv_sh + lane2
+        v1 = tl.load(g, mask=mask, other=0.0)
+        v2 = tl.load(g + HALF, mask=mask, other=0.0)
+    else:
+        v1 = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        v2 = v1
+    tl.store(out + 2 * NH * HD, v1.to(DQKV.dtype.element_ty), mask=mask)
+    tl.store(out + 2 * NH * HD + HALF, v2.to(DQKV.dtype.element_ty), mask=mask)
+
+
+def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor,
+            num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated ``q, k`` ``[T, nh, hd]`` (contiguous, ``qkv.dtype``) from ``qkv`` ``[T, 3 * nh * hd]``.
+
+    ``cos, sin``: ``[P, hd // 2]`` (fp32 tables, read in fp32); ``position_ids``: ``[T]`` integers < P.
+    """
+    t = qkv.shape[0]
+    qkv = qkv.contiguous()
+    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty_like(q)
+    if t == 0:
+        return q, k
+    block, rows, warps = config(num_heads, head_dim)
+    with device_guard(qkv):
+        _fwd_kernel.on(qkv)[(cdiv(t, rows),)](
+            qkv, cos.contiguous(), sin.contiguous(), position_ids.contiguous(), q, k, t,
+            NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, num_warps=warps)
+    return q, k
+
+
+def _last_dim_unit(g: torch.Tensor | None) -> torch.Tensor | None:
+    return g if g is None or g.stride(-1) == 1 else g.contiguous()
+
+
+def backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+             position_ids: torch.Tensor, num_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``dqkv`` ``[T, 3 * nh * hd]`` in ``dtype`` from ``dq, dk, dv`` ``[T, nh, hd]`` (any strides; ``dv`` may be
+    ``None``, meaning zero)."""
+    t = dq.shape[0]
+    dqkv = torch.empty((t, 3 * num_heads * head_dim), dtype=dtype, device=dq.device)
+    if t == 0:
+        return dqkv
+    dq, dk, dv = _last_dim_unit(dq), _last_dim_unit(dk), _last_dim_unit(dv)
+    block, rows, warps = config(num_heads, head_dim)
+    dvs = (dv.stride(0), dv.stride(1)) if dv is not None else (0, 0)
+    with device_guard(dq):
+        _bwd_kernel.on(dq)[(cdiv(t, rows),)](
+            dq, dk, dv if dv is not None else dq, cos.contiguous(), sin.contiguous(), position_ids.contiguous(),
+            dqkv, t, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), *dvs,
+            NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, HAS_DV=dv is not None,
+            num_warps=warps)
+    return dqkv

@@ -1,0 +1,104 @@
+"""Compile every Triton kernel for sm_90 (Hopper) on this machine, with no GPU: the compiled frontend,
+the TTGIR/LLVM passes and ptxas run as they will on the H200, so errors the interpreter cannot see
+(non-constexpr globals, type mismatches across branches, loop lowering) fail here in CI. Register use and
+spills come from ``cuobjdump`` on the cubin; the ModernBERT-base geometry must not spill.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from packed_encoders.ops.triton import glu as G  # noqa: E402
+from packed_encoders.ops.triton import layer_norm as L  # noqa: E402
+from packed_encoders.ops.triton import rope as R  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _compile(kernel, signature: dict, constexprs: dict, num_warps: int):
+    fn = JITFunction(kernel.fn, do_not_specialize=kernel.do_not_specialize)
+    sig = {name: ("constexpr" if name in constexprs else signature[name]) for name in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=TARGET, options={"num_warps": num_warps})
+
+
+def _resources(compiled) -> dict:
+    """``{"REG": n, "STACK": n, ...}`` from cuobjdump, or ``{}`` when the tool is not found."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out)}
+
+
+def _ptr(dtype):
+    return "*" + {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
+
+
+LN_VARIANTS = [
+    # (hidden, x/out dtype, residual, bias)
+    (768, "bf16", True, False), (768, "bf16", False, False), (1024, "fp16", True, True),
+    (1792, "bf16", True, False), (384, "fp32", True, True), (300, "bf16", False, True), (256, "bf16", True, True),
+    (4096, "bf16", True, False),
+]
+
+
+@pytest.mark.parametrize("hidden,dt,residual,bias", LN_VARIANTS)
+def test_layer_norm_compiles(hidden, dt, residual, bias):
+    es = 4 if dt == "fp32" else 2
+    block_n, rows, warps = L.config(hidden, es)
+    p = _ptr(dt)
+    fwd = _compile(L._fwd_kernel, dict(X=p, D=p, W=p, B=p, S=p, Y=p, MEAN="*fp32", RSTD="*fp32", n_rows="i32",
+                                       eps="fp32"),
+                   dict(N=hidden, BLOCK_N=block_n, ROWS=rows, HAS_RES=residual, HAS_W=True, HAS_B=bias), warps)
+    block_n, rows, warps = L.config(hidden, es, backward=True)
+    bwd = _compile(L._bwd_kernel, dict(DY=p, X=p, W=p, MEAN="*fp32", RSTD="*fp32", DRES=p, DX=p, DX2="*bf16",
+                                       DW="*fp32", DB="*fp32", n_rows="i32", n_tiles="i32", n_programs="i32"),
+                   dict(N=hidden, BLOCK_N=block_n, ROWS=rows, HAS_W=True, HAS_B=bias, HAS_DRES=residual,
+                        HAS_DX2=dt == "fp32"), warps)
+    for k in (fwd, bwd):
+        res = _resources(k)
+        assert res.get("STACK", 0) == 0, res
+    # the persistent backward's programs (BWD_WARPS_PER_SM warps) must all be resident at once
+    assert _resources(bwd).get("REG", 0) * 32 * L.BWD_WARPS_PER_SM <= 65536, _resources(bwd)
+
+
+@pytest.mark.parametrize("nh,hd,dt", [(12, 64, "bf16"), (16, 64, "fp16"), (6, 96, "bf16"), (4, 256, "fp32"),
+                                      (8, 32, "bf16")])
+def test_rope_compiles(nh, hd, dt):
+    block, rows, warps = R.config(nh, hd)
+    p = _ptr(dt)
+    meta = dict(NH=nh, HD=hd, HALF=hd // 2, BLOCK=block, ROWS=rows)
+    fwd = _compile(R._fwd_kernel, dict(QKV=p, COS="*fp32", SIN="*fp32", POS="*i64", Q=p, K=p, n_rows="i32"), meta,
+                   warps)
+    strides = {n: "i32" for n in ("dq_st", "dq_sh", "dk_st", "dk_sh", "dv_st", "dv_sh")}
+    for has_dv in (True, False):
+        bwd = _compile(R._bwd_kernel, dict(DQ=p, DK=p, DV=p, COS="*fp32", SIN="*fp32", POS="*i64", DQKV=p,
+                                           n_rows="i32", **strides), dict(meta, HAS_DV=has_dv), warps)
+    for k in (fwd, bwd):
+        assert _resources(k).get("STACK", 0) == 0, _resources(k)
+
+
+@pytest.mark.parametrize("inner,dt", [(1152, "bf16"), (2624, "fp16"), (1000, "fp32")])
+def test_glu_compiles(inner, dt):
+    block_t, block_i, warps = G.config(inner)
+    p = _ptr(dt)
+    for act in G.ACTIVATIONS.values():
+        meta = dict(I=inner, BLOCK_T=block_t, BLOCK_I=block_i, ACT=act)
+        fwd = _compile(G._fwd_kernel, dict(X=p, Y=p, n_rows="i32"), meta, warps)
+        bwd = _compile(G._bwd_kernel, dict(DY=p, X=p, DX=p, n_rows="i32"), meta, warps)
+        for k in (fwd, bwd):
+            assert _resources(k).get("STACK", 0) == 0, _resources(k)
