@@ -38,6 +38,10 @@ def _version(*dists: str) -> str | None:
 
 
 def _git_sha() -> str | None:
+    """``git rev-parse`` of the checkout (``-dirty`` if tracked files changed); ``$PE_GIT_SHA`` overrides it
+    where the tree was copied without ``.git``."""
+    if os.environ.get("PE_GIT_SHA"):
+        return os.environ["PE_GIT_SHA"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()
