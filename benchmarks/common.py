@@ -1,0 +1,361 @@
+"""Shared benchmark machinery: environment row, timing, memory, parity gate, batching, result rows.
+
+Units: times in seconds unless a key says ``_ms``; memory in bytes (``_gib`` keys are GiB); throughput in
+sequences/s and real (non-pad) tokens/s.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python benchmarks/x.py` as well as `python -m benchmarks.x`
+    sys.path.insert(0, str(ROOT))
+
+
+# ------------------------------------------------------------------------------------ environment
+
+def _version(*dists: str) -> str | None:
+    for d in dists:
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def _git_sha() -> str | None:
+    """``git rev-parse`` of the checkout (``-dirty`` if tracked files changed); ``$PE_GIT_SHA`` overrides it
+    where the tree was copied without ``.git``."""
+    if os.environ.get("PE_GIT_SHA"):
+        return os.environ["PE_GIT_SHA"]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        return out.splitlines()[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(device: str) -> dict:
+    """Versions and hardware of this run (one dict, repeated in every result row)."""
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": _version("transformers"),
+        "sentence_transformers": _version("sentence-transformers"),
+        "pylate": _version("pylate"),
+        "triton": _version("triton", "pytorch-triton"),
+        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "fa4": _version("flash-attn-4", "flash-attn-cute", "flash_attn_cute", "flash-attn", "flash_attn"),
+        "quack": _version("quack-kernels", "quack"),
+        "packed_encoders": _version("packed-encoders") or _module_version("packed_encoders"),
+        "git_sha": _git_sha(),
+        "device": device,
+        "cpu": platform.processor() or platform.machine(),
+        "host_cpus": os.cpu_count(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        idx = torch.device(device).index or 0
+        env["gpu"] = torch.cuda.get_device_name(idx)
+        env["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(idx)
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(idx).total_memory / 2**30, 1)
+        env["driver"] = _driver()
+    return env
+
+
+def _module_version(name: str) -> str | None:
+    try:
+        return getattr(__import__(name), "__version__", None)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_pass(step: Callable, batches: Sequence, device: str) -> float:
+    """Seconds for one pass of ``step`` over ``batches`` (CUDA events on GPU, perf_counter on CPU)."""
+    synchronize(device)
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for b in batches:
+            step(b)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    for b in batches:
+        step(b)
+    return time.perf_counter() - t0
+
+
+def time_trials(step: Callable, batches: Sequence, device: str, *, trials: int = 5, warmup_passes: int = 1,
+                after_warmup: Callable[[], None] | None = None) -> dict:
+    """Warm up (the first pass is reported), call ``after_warmup``, then time ``trials`` passes.
+
+    Returns:
+        ``first_batch_s`` (latency of the very first call, compile/capture included), ``first_pass_s`` (the
+        first full pass: every batch shape seen once), ``trial_s`` (list), ``median_s``, ``min_s``, ``max_s``.
+    """
+    synchronize(device)
+    t0 = time.perf_counter()
+    step(batches[0])
+    synchronize(device)
+    first_batch = time.perf_counter() - t0
+    first_pass = first_batch + timed_pass(step, batches[1:], device)
+    for _ in range(max(warmup_passes - 1, 0)):
+        timed_pass(step, batches, device)
+    if after_warmup is not None:
+        after_warmup()
+    times = [timed_pass(step, batches, device) for _ in range(trials)]
+    return {"first_batch_s": first_batch, "first_pass_s": first_pass, "trial_s": times,
+            "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
+
+
+def throughput(timing: dict, n_seqs: int, n_tokens: int) -> dict:
+    """Sequences/s and tokens/s at the median, best (min time) and worst (max time) trial."""
+    out = {}
+    for key, t in (("median", timing["median_s"]), ("best", timing["min_s"]), ("worst", timing["max_s"])):
+        out[f"seqs_per_s_{key}"] = n_seqs / t
+        out[f"tokens_per_s_{key}"] = n_tokens / t
+    return out
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+def reset_memory(device: str) -> None:
+    """Release cached blocks and start peak tracking from here (CUDA only)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: str) -> dict:
+    """Peak reserved / allocated bytes since :func:`reset_memory` (empty on CPU)."""
+    if not device.startswith("cuda"):
+        return {}
+    return {"peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated()}
+
+
+# -------------------------------------------------------------------------------------------- data
+
+def sample_indices(n_total: int, n: int, seed: int = 0) -> np.ndarray:
+    """``n`` distinct sequence indices drawn with a fixed seed (same workload for every variant)."""
+    rng = np.random.default_rng(seed)
+    return rng.choice(n_total, size=min(n, n_total), replace=False)
+
+
+@dataclass
+class PaddedBatch:
+    """Right-padded ``input_ids`` / ``attention_mask`` ``[B, S]`` on the device (S = longest in batch)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    n_tokens: int
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class PackedInputs:
+    """A padding-free batch as a collator would emit it, on the device.
+
+    ``input_ids`` int64 ``[T]``, ``cu_seqlens`` int32 ``[N + 1]``, ``max_seqlen`` host int,
+    ``position_ids`` int64 ``[T]`` (restarting at 0), ``seq_index`` int64 ``[T]`` (sequence of each token,
+    for pooling), ``lengths`` int ``[N]`` on the device (as the pooling divisor).
+    """
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    position_ids: torch.Tensor
+    seq_index: torch.Tensor
+    lengths: torch.Tensor
+    n_tokens: int
+
+
+def chunks(indices: np.ndarray, batch: int) -> list[np.ndarray]:
+    return [indices[i:i + batch] for i in range(0, len(indices), batch)]
+
+
+def padded_batch(seqs: list[np.ndarray], pad_id: int, device: str) -> PaddedBatch:
+    """Dynamic padding to the longest sequence of the batch, as HF / sentence-transformers collators do."""
+    width = max(len(s) for s in seqs)
+    ids = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(seqs), width), dtype=np.int64)
+    for row, s in enumerate(seqs):
+        ids[row, :len(s)] = s
+        mask[row, :len(s)] = 1
+    return PaddedBatch(torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device),
+                       int(sum(len(s) for s in seqs)))
+
+
+def packed_inputs(seqs: list[np.ndarray], device: str) -> PackedInputs:
+    """A padding-free collator: concatenate, cumulative lengths, restarting positions (all host-side)."""
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    cu = np.zeros(len(seqs) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=cu[1:])
+    ids = np.concatenate(seqs).astype(np.int64)
+    pos = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64), lengths)
+    seq_index = np.repeat(np.arange(len(seqs), dtype=np.int64), lengths)
+    t = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+    return PackedInputs(t(ids), t(cu), int(lengths.max()), t(pos), t(seq_index), t(lengths), int(cu[-1]))
+
+
+def make_batches(token_set, indices: np.ndarray, batch: int, pad_id: int, device: str, packed: bool) -> list:
+    """Batches of ``batch`` sequences of ``token_set`` in ``indices`` order, padded or packed."""
+    out = []
+    for idx in chunks(indices, batch):
+        seqs = [np.asarray(token_set[int(i)], dtype=np.int64) for i in idx]
+        out.append(packed_inputs(seqs, device) if packed else padded_batch(seqs, pad_id, device))
+    return out
+
+
+def workload_stats(token_set, indices: np.ndarray, batch: int) -> dict:
+    """Lengths of the timed sequences and how much a padded batch pays for padding."""
+    from benchmarks.data import length_stats
+
+    lengths = token_set.lengths[indices]
+    padded = sum(len(c) * int(c.max()) for c in chunks(lengths, batch))
+    stats = length_stats(lengths)
+    stats["padded_tokens"] = int(padded)
+    stats["padding_fraction"] = round(1 - stats["tokens"] / padded, 4) if padded else 0.0
+    return stats
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+class ParityError(RuntimeError):
+    """A variant's outputs disagree with stock HF: the run aborts and publishes nothing for it."""
+
+
+# Thresholds: bf16/fp16 as in packed_encoders.validation (per-token min 0.995, mean 0.999), pooled per text
+# min 0.999; fp32 much tighter.
+THRESHOLDS = {
+    "low": {"token_cos_min": 0.995, "token_cos_mean": 0.999, "pooled_cos_min": 0.999},
+    "fp32": {"token_cos_min": 0.9999, "token_cos_mean": 0.99999, "pooled_cos_min": 0.9999},
+}
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1, eps=1e-12)
+
+
+def parity(ref: list[tuple[torch.Tensor, torch.Tensor]], got: list[tuple[torch.Tensor, torch.Tensor]],
+           dtype: torch.dtype) -> dict:
+    """Compare per-text outputs: lists of ``(tokens [L, D], pooled [D])`` for the same texts.
+
+    Returns per-token cosine min/mean over every real token, per-text pooled cosine min, the thresholds and
+    ``passed``.
+    """
+    tok = torch.cat([_cos(r[0], g[0]) for r, g in zip(ref, got)])
+    pooled = torch.stack([_cos(r[1], g[1]) for r, g in zip(ref, got)])
+    th = THRESHOLDS["fp32" if dtype == torch.float32 else "low"]
+    res = {"texts": len(ref), "tokens": int(tok.numel()), "token_cos_min": float(tok.min()),
+           "token_cos_mean": float(tok.mean()), "pooled_cos_min": float(pooled.min()), "thresholds": th}
+    res["passed"] = bool(res["token_cos_min"] >= th["token_cos_min"] and res["token_cos_mean"] >=
+                         th["token_cos_mean"] and res["pooled_cos_min"] >= th["pooled_cos_min"])
+    return res
+
+
+def split_padded(tokens: torch.Tensor, pooled: torch.Tensor | None, mask: torch.Tensor) -> list:
+    """``[B, S, D]`` (+ ``[B, D]``) -> per text ``(tokens [L, D], pooled [D])``; mean-pools when needed."""
+    out = []
+    for row in range(tokens.shape[0]):
+        real = tokens[row][mask[row].bool()]
+        out.append((real, pooled[row] if pooled is not None else real.float().mean(0)))
+    return out
+
+
+def split_packed(tokens: torch.Tensor, pooled: torch.Tensor | None, cu_seqlens: torch.Tensor) -> list:
+    """``[T, D]`` (+ ``[N, D]``) -> per text ``(tokens [L, D], pooled [D])``."""
+    cu = cu_seqlens.tolist()
+    out = []
+    for s in range(len(cu) - 1):
+        real = tokens[cu[s]:cu[s + 1]]
+        out.append((real, pooled[s] if pooled is not None else real.float().mean(0)))
+    return out
+
+
+def segment_mean(x: torch.Tensor, seq_index: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x [T, D]`` per sequence -> ``[N, D]`` (mean pooling on a packed batch)."""
+    out = x.new_zeros((lengths.numel(), x.shape[-1]), dtype=torch.float32)
+    out.index_add_(0, seq_index, x.float())
+    return (out / lengths[:, None]).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------- rows
+
+def dtype_of(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[name]
+
+
+def default_dtype(device: str) -> str:
+    return "bf16" if device.startswith("cuda") else "fp32"
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Append rows to a JSON-lines file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, default=str) + "\n")
+
+
+def read_rows(paths) -> list[dict]:
+    rows = []
+    for p in paths:
+        for line in Path(p).read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def run_child(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, float]:
+    """Run ``python -m <argv>`` from the repository root; returns ``(returncode, output tail, seconds)``."""
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True,
+                           timeout=timeout, env={**os.environ, **(env or {})})
+        out, rc = (p.stdout + p.stderr), p.returncode
+    except subprocess.TimeoutExpired as exc:
+        out = ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or ""))
+        out += f"\n[timeout after {timeout:.0f} s]"
+        rc = 124
+    return rc, out[-4000:], time.perf_counter() - t0
