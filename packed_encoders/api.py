@@ -10,6 +10,8 @@ from .adapters.state import PackOptions, PackState, get_state, install, restore
 from .attention.dispatch import CHOICES
 from .batch import from_packed
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
+from .graphs.config import normalize as normalize_graph_option
+from .graphs.route import describe_graphs, graph_forward, precapture_encoders
 from .model.params import ModernBertParams
 from .ops.select import select_ops
 
@@ -46,7 +48,7 @@ def _encoder_states(target, *, attention_backend=None, kernels=None):
 
 
 def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", validate: bool = True,
-         validation_lengths=None):
+         validation_lengths=None, cuda_graph=None):
     """Replace the forward of every ModernBertModel inside ``target`` (on the instance) with the packed one.
 
     ``target`` may be a ``ModernBertModel``, any ``ModernBertFor*`` head, a SentenceTransformer, a PyLate
@@ -59,6 +61,10 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         kernels: ``"auto"`` or ``"torch"`` (see :mod:`packed_encoders.ops.select`).
         validate: run :func:`packed_encoders.validate` on the selected path first.
         validation_lengths: override the validation batch's lengths.
+        cuda_graph: ``None``/``False`` (off), ``True`` (``GraphConfig()``: queries up to 128 tokens, any
+            backend), or a :class:`~packed_encoders.GraphConfig`. Inference calls within its bounds replay
+            captured CUDA graphs; everything else runs eagerly (see :mod:`packed_encoders.graphs`).
+            ``GraphConfig.precapture`` buckets are captured here when the model is on CUDA.
 
     Returns:
         ``target`` itself.
@@ -70,7 +76,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     """
     from .validation import ValidationReport, check_encoder
 
-    options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate)
+    options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate,
+                          cuda_graph=normalize_graph_option(cuda_graph))
     encoders = find_encoders(target)
     planned = []
     for path, model in encoders:
@@ -88,6 +95,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         planned.append((model, state))
     for model, state in planned:
         install(model, state)
+    precapture_encoders(planned)
     return target
 
 
@@ -127,7 +135,7 @@ def describe(target) -> dict:
                 "attention_fallbacks": list(state.last_fallbacks),
                 "kernels": state.ops.name,
                 "kernels_reason": state.ops_reason,
-                "cuda_graph": state.options.cuda_graph,
+                "cuda_graph": describe_graphs(state),
                 "validated": None if state.report is None else state.report.passed,
             })
         out.append(entry)
@@ -174,4 +182,8 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
     if batch.total_tokens == 0:
         return torch.zeros(0, state.params.hidden_size, device=batch.device,
                            dtype=encoder.embeddings.tok_embeddings.weight.dtype)
+    if state.options.cuda_graph is not None:
+        out = graph_forward(encoder, state, batch, torch.clone, backend=backend)
+        if out is not None:
+            return out
     return run_packed(encoder, state, batch, attention_backend=backend)
