@@ -272,6 +272,19 @@ def test_padding_content_never_reaches_real_tokens():
     assert runner.cu.tolist() == batch.cu_seqlens.tolist() + bucket.dummy_tail(t, batch.num_seqs)
 
 
+def test_staging_works_in_and_out_of_inference_mode():
+    model = tiny_model()
+    pe.pack(model, validate=False)
+    state = get_state(model)
+    with torch.inference_mode():
+        batch = batch_of([9, 20])
+        runner = GraphRunner(model, state, bucket_for(GraphConfig(), 2, 29, 20), "auto", capture=False)
+        a = runner.replay(batch, torch.clone)
+    with torch.no_grad():
+        b = runner.replay(batch_of([9, 20]), torch.clone)
+    assert not runner.ids.is_inference() and torch.equal(a, b)
+
+
 def test_replay_output_is_owned_by_the_caller():
     model = tiny_model()
     pe.pack(model, validate=False)

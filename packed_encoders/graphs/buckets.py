@@ -93,9 +93,10 @@ POSITIONS = "position_ids beyond the captured RoPE tables"
 CAPTURE_FAILED = "capture failed for this bucket"
 
 
-@dataclass(frozen=True)
+@dataclass
 class CallFacts:
-    """Host-visible facts about one call, gathered by the router (no device reads)."""
+    """Host-visible facts about one call, gathered by the router (no device reads; built every call, so
+    not frozen: a frozen dataclass pays ``object.__setattr__`` per field)."""
 
     kill_switch: bool = False
     suspended: bool = False

@@ -125,7 +125,9 @@ def pool_reserved_bytes(pool) -> int | None:
         return 0
     try:
         segments = torch.cuda.memory_snapshot()
+        if segments and "segment_pool_id" not in segments[0]:
+            return None
         want = tuple(pool)
-        return sum(int(s["total_size"]) for s in segments if tuple(s.get("segment_pool_id", ())) == want)
+        return sum(int(s["total_size"]) for s in segments if tuple(s["segment_pool_id"]) == want)
     except Exception:  # the snapshot format is not a stable API
         return None
