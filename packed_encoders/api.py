@@ -11,6 +11,7 @@ from .attention.dispatch import CHOICES
 from .batch import from_packed
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .graphs.config import normalize as normalize_graph_option
+from .graphs.check import check_graph_path
 from .graphs.route import describe_graphs, graph_forward, precapture_encoders
 from .model.params import ModernBertParams
 from .ops.select import select_ops
@@ -87,6 +88,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         state = _make_state(model, options)
         if validate:
             report = check_encoder(model, state, path, validation_lengths)
+            if report.passed:
+                check_graph_path(model, state, report)  # captures the check batch's bucket on CUDA
             state.report = report
             if not report.passed:
                 result = ValidationReport([report])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import math
 import random
 import warnings
@@ -340,6 +341,7 @@ def test_cuda_graph_true_engages_under_auto(cpu_graphs):
         first = _forward(model, ids, mask)
         second = _forward(model, ids, mask)
     info = _graph_info(model)
+    json.dumps(pe.describe(model))
     assert info["enabled"] and info["graphs"] == 1 and info["misses"] == 1 and info["hits"] == 1
     assert info["buckets"][0]["backend"] == "auto" and len(cpu_graphs) == 1
     torch.testing.assert_close(first, eager, atol=2e-5, rtol=2e-5)
@@ -507,3 +509,33 @@ def test_copies_drop_runners(cpu_graphs):
         assert _graph_info(other)["misses"] == 1, "the copy captures its own graphs"
     assert pickle.loads(blob).runtime == {}
     assert get_state(model).runtime["graphs_suspended"] == 0
+
+
+# --------------------------------------------------------------------------------------------- pack gate
+
+
+def test_pack_validates_the_graph_path(cpu_graphs, monkeypatch):
+    from packed_encoders.graphs import check
+
+    monkeypatch.setattr(check, "_eligible", lambda config, weight: config is not None)
+    model = pe.pack(tiny_model(), cuda_graph=GraphConfig(max_seqlen=64), validation_lengths=(1, 9, 40))
+    report = get_state(model).report
+    assert report.passed and any(c.startswith("cuda_graph: replay vs eager") for c in report.checks)
+    assert _graph_info(model)["graphs"] == 1, "the check batch's bucket stays captured"
+    assert check.check_lengths(GraphConfig(max_seqlen=64), 8) == [1, 9, 18, 21, 64]
+    assert check.check_lengths(GraphConfig(max_seqlen=128, max_seqs=2), 64) == [1, 42]
+
+    real = check.graph_forward
+    monkeypatch.setattr(check, "graph_forward", lambda *a, **k: real(*a, **k) * 1.5 + 0.3)
+    with pytest.raises(pe.ValidationError, match="cuda_graph: fp32 max relative error"):
+        pe.pack(tiny_model(), cuda_graph=True, validation_lengths=(1, 9, 40))
+    monkeypatch.setattr(check, "graph_forward", lambda *a, **k: None)
+    fresh = tiny_model()
+    with pytest.raises(pe.ValidationError, match="not served by a graph"):
+        pe.pack(fresh, cuda_graph=True, validation_lengths=(1, 9, 40))
+    assert not pe.is_packed(fresh)
+
+
+def test_pack_gate_is_a_no_op_off_cuda():
+    model = pe.pack(tiny_model(), cuda_graph=True, validation_lengths=(1, 9, 40))
+    assert not any(c.startswith("cuda_graph") for c in get_state(model).report.checks)

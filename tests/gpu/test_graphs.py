@@ -294,7 +294,8 @@ def test_precapture_at_pack_and_set_cuda_graph():
     cfg = GraphConfig().with_precapture(8, 8, 512)
     model = pe.pack(make_model("tiny64"), validate=True, cuda_graph=cfg)
     n = info(model)["graphs"]
-    assert n == len(precapture_buckets(cfg))
+    assert n == len(precapture_buckets(cfg))  # the pack-time graph check's bucket is one of them
+    assert any(c.startswith("cuda_graph: replay vs eager") for c in get_state(model).report.checks)
     ids, mask = padded([30] * 8, model.config.vocab_size)
     with torch.no_grad():
         fwd(model, ids, mask)
