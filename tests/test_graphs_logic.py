@@ -20,7 +20,7 @@ import torch
 import packed_encoders as pe
 from packed_encoders.adapters.hf_call import run_packed
 from packed_encoders.adapters.state import get_state
-from packed_encoders.batch import from_packed, unpad
+from packed_encoders.batch import unpad
 from packed_encoders.errors import PackedEncodersError
 from packed_encoders.graphs import buckets as B
 from packed_encoders.graphs import route
@@ -412,6 +412,7 @@ def test_packed_calls_and_packed_forward_use_graphs(cpu_graphs):
         hf = model(input_ids=ids[None], cu_seq_lens_q=cu, max_length_q=15).last_hidden_state
         other = pe.packed_forward(model, None, ids, cu, 15, backend="sdpa")
     torch.testing.assert_close(got, eager, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(other, eager, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(hf, hf_eager, atol=2e-5, rtol=2e-5)
     assert hf.shape == (1, 40, 64)
     info = _graph_info(model)

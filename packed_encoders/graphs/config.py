@@ -72,7 +72,8 @@ class GraphConfig:
                 raise PackedEncodersError(f"GraphConfig.{name}={getattr(self, name)} must be a power of two "
                                           "(so the token grid is idempotent and nested across octaves)")
         buckets = tuple(int(s) for s in self.seqlen_buckets)
-        if any(s < 1 for s in buckets) or list(buckets) != sorted(set(buckets)) or (buckets and buckets[-1] > self.max_seqlen):
+        increasing = list(buckets) == sorted(set(buckets))
+        if any(s < 1 for s in buckets) or not increasing or (buckets and buckets[-1] > self.max_seqlen):
             raise PackedEncodersError(f"GraphConfig.seqlen_buckets={self.seqlen_buckets!r} must be strictly "
                                       f"increasing positive ints <= max_seqlen={self.max_seqlen}")
         object.__setattr__(self, "seqlen_buckets", buckets)
@@ -99,8 +100,8 @@ class GraphConfig:
 
         count = len(precapture_buckets(self))
         if count > self.max_graphs:
-            raise PackedEncodersError(f"GraphConfig.precapture maps to {count} buckets but max_graphs={self.max_graphs}: "
-                                      "the LRU would evict pre-captured graphs before traffic arrives")
+            raise PackedEncodersError(f"GraphConfig.precapture maps to {count} buckets but max_graphs="
+                                      f"{self.max_graphs}: the LRU would evict pre-captured graphs before traffic arrives")
 
     @property
     def token_limit(self) -> int:

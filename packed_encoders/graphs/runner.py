@@ -76,7 +76,8 @@ class GraphRunner:
             else:
                 self._forward = None
                 self.graph, self.out = _capture(forward, device, pool, stream, warmup)
-        self.static_bytes = sum(x.numel() * x.element_size() for x in (self.steps, self.cu, self.ids, self.pos, self.out))
+        static = (self.steps, self.cu, self.ids, self.pos, self.out)
+        self.static_bytes = sum(x.numel() * x.element_size() for x in static)
 
     def replay(self, batch: PackedBatch, finish):
         """Serve ``batch`` (within the bucket, on this device; the router checked) and return
