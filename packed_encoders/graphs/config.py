@@ -101,7 +101,8 @@ class GraphConfig:
         count = len(precapture_buckets(self))
         if count > self.max_graphs:
             raise PackedEncodersError(f"GraphConfig.precapture maps to {count} buckets but max_graphs="
-                                      f"{self.max_graphs}: the LRU would evict pre-captured graphs before traffic arrives")
+                                      f"{self.max_graphs}: the LRU would evict pre-captured graphs before "
+                                      "traffic arrives")
 
     @property
     def token_limit(self) -> int:
