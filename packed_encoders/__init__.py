@@ -9,12 +9,13 @@ Importing this package needs only torch; it compiles nothing and works without C
 
 from .api import describe, is_packed, pack, packed_forward, unpack
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
+from .graphs import GraphConfig, no_cuda_graph, set_cuda_graph
 from .model.params import ModernBertParams
 from .validation import ValidationReport, validate
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ModernBertParams", "PackedEncodersError", "UnsupportedTargetError", "ValidationError", "ValidationReport",
-    "describe", "is_packed", "pack", "packed_forward", "unpack", "validate",
+    "GraphConfig", "ModernBertParams", "PackedEncodersError", "UnsupportedTargetError", "ValidationError", "ValidationReport",
+    "describe", "is_packed", "no_cuda_graph", "pack", "packed_forward", "set_cuda_graph", "unpack", "validate",
 ]

@@ -11,6 +11,9 @@ from .adapters.state import PackOptions, PackState, get_state, install, restore
 from .attention.dispatch import CHOICES, load_policy
 from .batch import from_packed
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
+from .graphs.config import normalize as normalize_graph_option
+from .graphs.check import check_graph_path
+from .graphs.route import describe_graphs, graph_forward, precapture_encoders
 from .model.params import ModernBertParams
 from .ops.select import select_ops
 
@@ -62,7 +65,7 @@ def _encoder_states(target, *, attention_backend=None, kernels=None):
 
 
 def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", validate: bool = True,
-         padded_outputs="auto", validation_lengths=None):
+         padded_outputs="auto", validation_lengths=None, cuda_graph=None):
     """Replace the forward of every ModernBertModel inside ``target`` (on the instance) with the packed one.
 
     ``target`` may be a ``ModernBertModel``, any ``ModernBertFor*`` head, a SentenceTransformer, a PyLate
@@ -79,6 +82,10 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             an int ``N``: the same for calls of padded width ``<= N``; ``"auto"``: ``"zeros"``, or the query
             length of a ColBERT target using masked query expansion (PyLate, sentence-transformers v6).
         validation_lengths: override the validation batch's lengths.
+        cuda_graph: ``None``/``False`` (off), ``True`` (``GraphConfig()``: queries up to 128 tokens, any
+            backend), or a :class:`~packed_encoders.GraphConfig`. Inference calls within its bounds replay
+            captured CUDA graphs; everything else runs eagerly (see :mod:`packed_encoders.graphs`).
+            ``GraphConfig.precapture`` buckets are captured here when the model is on CUDA.
 
     Returns:
         ``target`` itself.
@@ -91,7 +98,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     from .validation import ValidationReport, check_encoder
 
     options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate,
-                          padded_outputs=padded_outputs)
+                          padded_outputs=padded_outputs, cuda_graph=normalize_graph_option(cuda_graph))
     encoders = find_encoders(target)
     planned = []
     for path, model in encoders:
@@ -101,6 +108,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         state = _make_state(model, options, target)
         if validate:
             report = check_encoder(model, state, path, validation_lengths)
+            if report.passed:
+                check_graph_path(model, state, report)  # captures the check batch's bucket on CUDA
             state.report = report
             if not report.passed:
                 result = ValidationReport([report])
@@ -109,6 +118,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         planned.append((model, state))
     for model, state in planned:
         install(model, state)
+    precapture_encoders(planned)
     return target
 
 
@@ -150,7 +160,7 @@ def describe(target) -> dict:
                 "kernels": state.ops.name,
                 "kernels_reason": state.ops_reason,
                 "kernel_fallbacks": state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {},
-                "cuda_graph": state.options.cuda_graph,
+                "cuda_graph": describe_graphs(state),
                 "padded_outputs": ("zeros" if state.trailing_max_len is None else
                                    "trailing masked positions computed" + (
                                        "" if state.trailing_max_len >= ALWAYS else
@@ -201,4 +211,8 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
     if batch.total_tokens == 0:
         return torch.zeros(0, state.params.hidden_size, device=batch.device,
                            dtype=encoder.embeddings.tok_embeddings.weight.dtype)
+    if state.options.cuda_graph is not None:
+        out = graph_forward(encoder, state, batch, torch.clone, backend=backend)
+        if out is not None:
+            return out
     return run_packed(encoder, state, batch, attention_backend=backend)

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..batch import PackedBatch, from_packed, unpad
 from ..errors import PackedEncodersError
+from ..graphs.route import graph_forward
 from ..model.forward import activation_dtype, encoder_forward, plan_attention
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
@@ -122,15 +123,22 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         squeeze = None
 
     hidden = [] if output_hidden_states else None
+    reshape = batch.pad if squeeze is None else squeeze
+    last = None
     if batch.total_tokens == 0:
         dtype = activation_dtype(model)
         out = torch.zeros(batch.total_tokens, params.hidden_size, device=src.device, dtype=dtype)
         if hidden is not None:
             hidden.extend([out] * (params.num_hidden_layers + 1))
     else:
-        out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=_transformers_major() < 5)
-    reshape = batch.pad if squeeze is None else squeeze
-    last = reshape(out)
+        if state.options.cuda_graph is not None:
+            # batch.pad copies; a packed call's view of the graph's static output must be cloned
+            finish = batch.pad if squeeze is None else (lambda t: squeeze(t.clone()))
+            last = graph_forward(model, state, batch, finish, hidden_states=hidden is not None)
+        if last is None:
+            out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=_transformers_major() < 5)
+    if last is None:
+        last = reshape(out)
     hidden_t = None if hidden is None else tuple(reshape(h) for h in hidden)
     return _output(model, last, hidden_t, return_dict)
 

@@ -1,0 +1,134 @@
+"""Bucket arithmetic and admission: pure functions over host ints (no torch), testable on CPU.
+
+A bucket fixes every shape a captured graph sees: ``tokens`` rows in the packed stream, ``seqs`` entries
+of ``cu_seqlens`` minus one, and ``seqlen`` as the host ``max_seqlen``. A real batch of ``N`` sequences and
+``T`` tokens is laid out as its own ``cu_seqlens``, then the ``tokens - T`` padding tokens split into dummy
+sequences of at most ``seqlen`` tokens, then empty sequences up to ``seqs``. Attention only mixes tokens
+within a sequence, and every other op is row-wise, so padding neither attends to nor is attended by real
+tokens, and every sequence respects the bucket's ``max_seqlen``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import GraphConfig
+
+
+def round_tokens(total: int, multiple: int, steps_per_octave: int) -> int:
+    """Round ``total`` up on the geometric grid: ``steps_per_octave`` steps per power of two, never finer
+    than ``multiple`` (both powers of two, so the grid is idempotent and monotone)."""
+    if total <= multiple:
+        return multiple
+    step = token_step(total, multiple, steps_per_octave)
+    return -(-total // step) * step
+
+
+def token_step(total: int, multiple: int, steps_per_octave: int) -> int:
+    """Grid step of the octave ``(2^k, 2^(k+1)]`` holding ``total``."""
+    if total <= multiple:
+        return multiple
+    base = 1 << ((total - 1).bit_length() - 1)  # largest power of two < total
+    return max(multiple, base // steps_per_octave)
+
+
+def pad_bound(tokens: int, multiple: int, steps_per_octave: int) -> int:
+    """The most padding a batch mapped to the token bucket ``tokens`` can need (``step - 1``)."""
+    return token_step(tokens, multiple, steps_per_octave) - 1
+
+
+def round_seqs(num_seqs: int, minimum: int) -> int:
+    """Sequence count rounded up to a power of two, at least ``minimum``."""
+    return max(minimum, 1 << max(0, num_seqs - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Shapes of one captured graph: ``tokens`` rows, ``seqs`` sequences (real + dummy + empty), ``seqlen``."""
+
+    tokens: int
+    seqs: int
+    seqlen: int
+
+    def dummy_tail(self, total_tokens: int, num_seqs: int) -> list[int]:
+        """Host-side reference of the ``cu_seqlens`` entries after the real ones (the runner computes the
+        same on the device): boundaries every ``seqlen`` tokens from ``total_tokens``, capped at ``tokens``."""
+        return [min(total_tokens + i * self.seqlen, self.tokens) for i in range(1, self.seqs - num_seqs + 1)]
+
+
+def bucket_for(config: GraphConfig, num_seqs: int, total_tokens: int, max_seqlen: int) -> Bucket:
+    """The bucket of an admitted batch (see :func:`admit`)."""
+    seqlen = next(s for s in config.seqlen_grid if s >= max_seqlen)
+    tokens = round_tokens(max(total_tokens, 1), config.token_multiple, config.token_steps_per_octave)
+    slots = -(-pad_bound(tokens, config.token_multiple, config.token_steps_per_octave) // seqlen)
+    return Bucket(tokens, round_seqs(num_seqs, config.min_seq_bucket) + slots, seqlen)
+
+
+def precapture_buckets(config: GraphConfig) -> list[Bucket]:
+    """The distinct buckets named by ``config.precapture``, in order."""
+    out: list[Bucket] = []
+    for entry in config.precapture:
+        n, t = entry[:2]
+        s = entry[2] if len(entry) == 3 else config.max_seqlen
+        b = bucket_for(config, n, t, s)
+        if b not in out:
+            out.append(b)
+    return out
+
+
+# Fallback reasons (stable strings: counted in describe() and asserted by tests).
+KILL_SWITCH = "PACKED_ENCODERS_GRAPH=0"
+SUSPENDED = "no_cuda_graph() block"
+GRAD = "grad enabled"
+AUTOCAST = "autocast enabled"
+DROPOUT = "training mode with dropout"
+HIDDEN_STATES = "output_hidden_states"
+EMBEDS = "inputs_embeds"
+NOT_CUDA = "model not on CUDA"
+OTHER_DEVICE = "inputs on another device than the model"
+TOO_MANY_SEQS = "more sequences than max_seqs"
+TOO_MANY_TOKENS = "more tokens than max_tokens"
+TOO_LONG = "a sequence longer than max_seqlen"
+POSITIONS = "position_ids beyond the captured RoPE tables"
+CAPTURE_FAILED = "capture failed for this bucket"
+
+
+@dataclass
+class CallFacts:
+    """Host-visible facts about one call, gathered by the router (no device reads; built every call, so
+    not frozen: a frozen dataclass pays ``object.__setattr__`` per field)."""
+
+    kill_switch: bool = False
+    suspended: bool = False
+    grad: bool = False
+    autocast: bool = False
+    dropout: bool = False
+    hidden_states: bool = False
+    inputs_embeds: bool = False
+    model_on_cuda: bool = True
+    same_device: bool = True
+    num_seqs: int = 1
+    total_tokens: int = 1
+    max_seqlen: int = 1
+
+
+def admit(config: GraphConfig, facts: CallFacts) -> Bucket | str:
+    """The bucket serving this call, or the reason it runs eagerly (first failing check)."""
+    checks = (
+        (facts.kill_switch, KILL_SWITCH),
+        (facts.suspended, SUSPENDED),
+        (facts.grad, GRAD),
+        (facts.autocast, AUTOCAST),
+        (facts.dropout, DROPOUT),
+        (facts.hidden_states, HIDDEN_STATES),
+        (facts.inputs_embeds, EMBEDS),
+        (not facts.model_on_cuda, NOT_CUDA),
+        (not facts.same_device, OTHER_DEVICE),
+        (facts.num_seqs > config.max_seqs, TOO_MANY_SEQS),
+        (facts.total_tokens > config.token_limit, TOO_MANY_TOKENS),
+        (facts.max_seqlen > config.max_seqlen, TOO_LONG),
+    )
+    for failed, reason in checks:
+        if failed:
+            return reason
+    return bucket_for(config, facts.num_seqs, facts.total_tokens, facts.max_seqlen)

@@ -1,0 +1,79 @@
+"""Pack-time gate of the graph path: one ragged batch within the graph bounds, replayed and run eagerly.
+
+``validate()`` checks the eager packed path against stock HF; this adds the graph replay against that eager
+path, so ``pack(validate=True, cuda_graph=...)`` never installs graphs that were not run once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buckets import CallFacts, admit
+from .route import graph_forward, kill_switch
+
+
+def check_lengths(config, window: int) -> list[int]:
+    """Lengths past the local window and up to ``max_seqlen`` (at most ``max_seqs`` of them)."""
+    top = config.max_seqlen
+    lengths = sorted({1, min(top, window + 1), min(top, 2 * window + 2), max(1, top // 3), top})
+    return lengths[: config.max_seqs]
+
+
+def _eligible(config, weight) -> bool:
+    return config is not None and weight.device.type == "cuda" and not kill_switch()
+
+
+def check_graph_path(model, state, report, seed: int = 0) -> None:
+    """Replay a graph for a ragged left/right padded batch and compare it with the eager packed forward per
+    real token; appends to ``report.checks`` / ``report.failures`` (an ``EncoderReport``). Thresholds are
+    ``validate()``'s: bf16/fp16 per-token cosine min; fp32 max relative error. No-op off CUDA or when off.
+    """
+    from ..adapters.hf_call import run_packed
+    from ..batch import unpad
+    from ..validation import BF16_COS_MIN, FP32_MAX_REL
+
+    config = state.options.cuda_graph
+    weight = model.embeddings.tok_embeddings.weight
+    if not _eligible(config, weight):
+        return
+    params = state.params
+    lengths = check_lengths(config, params.window)
+    gen = torch.Generator().manual_seed(seed)
+    b, s = len(lengths), max(lengths)
+    ids = torch.randint(0, params.vocab_size, (b, s), generator=gen)
+    mask = torch.zeros(b, s, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if row % 2:
+            mask[row, s - n:] = 1
+        else:
+            mask[row, :n] = 1
+    ids, mask = ids.to(weight.device), mask.to(weight.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                          token_type_ids=None, vocab_size=params.vocab_size)
+            eager = run_packed(model, state, batch)
+            graph = graph_forward(model, state, batch, torch.clone)
+    finally:
+        model.train(was_training)
+    if graph is None:
+        facts = CallFacts(num_seqs=batch.num_seqs, total_tokens=batch.total_tokens, max_seqlen=batch.max_seqlen)
+        mgr = state.runtime.get("graphs")
+        why = admit(config, facts) if mgr is None else (dict(mgr.fallbacks) or mgr.failures())
+        report.failures.append(f"cuda_graph: the check batch (lengths {lengths}) was not served by a graph: {why}")
+        return
+    a, r = graph.float(), eager.float()
+    cos = torch.nn.functional.cosine_similarity(a, r, dim=-1, eps=1e-12)
+    cos_min = float(cos.min())
+    rel = float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
+    report.checks.append(f"cuda_graph: replay vs eager on lengths {lengths}: per-token cosine min {cos_min:.6f}, "
+                         f"max rel err {rel:.2e}")
+    if not bool(torch.isfinite(a).all()):
+        report.failures.append("cuda_graph: non-finite values in the replayed output")
+    elif weight.dtype == torch.float32:
+        if not rel <= FP32_MAX_REL:
+            report.failures.append(f"cuda_graph: fp32 max relative error {rel:.3e} > {FP32_MAX_REL:.0e} vs eager")
+    elif not cos_min >= BF16_COS_MIN:
+        report.failures.append(f"cuda_graph: per-token cosine min {cos_min:.6f} < {BF16_COS_MIN} vs eager")

@@ -1,0 +1,143 @@
+"""`GraphConfig`: the bounds and bucket grid of CUDA-graph replay (host-side facts only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from ..errors import PackedEncodersError
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and not (x & (x - 1))
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Bounds for serving packed batches from captured CUDA graphs.
+
+    A call is admitted when it has at most ``max_seqs`` sequences, ``max_tokens`` real tokens and no
+    sequence longer than ``max_seqlen``; everything else runs the eager packed forward. An admitted call is
+    served by the graph of its bucket ``(tokens, seqs, seqlen)``:
+
+    - tokens: total tokens rounded up on a geometric grid, ``token_steps_per_octave`` steps between powers
+      of two and never finer than ``token_multiple`` (padding waste <= 1 / token_steps_per_octave);
+    - seqs: the sequence count rounded up to a power of two (at least ``min_seq_bucket``), plus enough
+      dummy-sequence slots to hold the padding tokens in sequences no longer than the bucket's seqlen;
+    - seqlen: the smallest entry of ``seqlen_buckets`` (plus ``max_seqlen``) >= the longest sequence.
+      The default is one seqlen bucket: the flash kernels tile queries by 128, so every ``max_seqlen <=
+      128`` costs the same and splitting only multiplies graphs.
+
+    Attributes:
+        max_seqlen: longest sequence served by a graph (default 128: queries).
+        max_seqs: most (real) sequences per call served by a graph.
+        max_tokens: most real tokens per call; ``None`` means ``max_seqs * max_seqlen``.
+        seqlen_buckets: optional finer seqlen buckets below ``max_seqlen`` (increasing).
+        token_multiple, token_steps_per_octave: the token grid (both powers of two).
+        min_seq_bucket: smallest sequence-count bucket.
+        max_graphs: LRU bound on captured graphs (per encoder).
+        warmup: eager forwards on a side stream before each capture (>= 1: lazy library
+            initialisation and kernel compilation must not happen under capture).
+        precapture: buckets captured ahead of traffic, as ``(num_seqs, total_tokens)`` or
+            ``(num_seqs, total_tokens, max_seqlen)``; captured at ``pack``/``set_cuda_graph`` time when the
+            model is on CUDA, else on its first CUDA call, and again after an invalidation.
+
+    Raises:
+        PackedEncodersError: a bound that is not a positive int, a grid parameter that is not a power of two,
+            unsorted ``seqlen_buckets``, a precapture entry outside the bounds, or more precapture buckets
+            than ``max_graphs``.
+    """
+
+    max_seqlen: int = 128
+    max_seqs: int = 256
+    max_tokens: int | None = None
+    seqlen_buckets: tuple[int, ...] = ()
+    token_multiple: int = 64
+    token_steps_per_octave: int = 8
+    min_seq_bucket: int = 8
+    max_graphs: int = 32
+    warmup: int = 2
+    precapture: tuple[tuple[int, ...], ...] = field(default=())
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("seqlen_buckets", "precapture"):
+                continue
+            if value is None and f.name == "max_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PackedEncodersError(f"GraphConfig.{f.name}={value!r} must be a positive int")
+        for name in ("token_multiple", "token_steps_per_octave"):
+            if not _is_pow2(getattr(self, name)):
+                raise PackedEncodersError(f"GraphConfig.{name}={getattr(self, name)} must be a power of two "
+                                          "(so the token grid is idempotent and nested across octaves)")
+        buckets = tuple(int(s) for s in self.seqlen_buckets)
+        increasing = list(buckets) == sorted(set(buckets))
+        if any(s < 1 for s in buckets) or not increasing or (buckets and buckets[-1] > self.max_seqlen):
+            raise PackedEncodersError(f"GraphConfig.seqlen_buckets={self.seqlen_buckets!r} must be strictly "
+                                      f"increasing positive ints <= max_seqlen={self.max_seqlen}")
+        object.__setattr__(self, "seqlen_buckets", buckets)
+        if self.max_tokens is not None and self.max_tokens > self.max_seqs * self.max_seqlen:
+            raise PackedEncodersError(f"GraphConfig.max_tokens={self.max_tokens} exceeds max_seqs * max_seqlen "
+                                      f"= {self.max_seqs * self.max_seqlen}: no call could reach it")
+        entries = []
+        for entry in self.precapture:
+            entry = tuple(int(v) for v in entry)
+            if len(entry) not in (2, 3):
+                raise PackedEncodersError(f"GraphConfig.precapture entry {entry!r}: expected (num_seqs, total_tokens) "
+                                          "or (num_seqs, total_tokens, max_seqlen)")
+            n, t = entry[:2]
+            s = entry[2] if len(entry) == 3 else self.max_seqlen
+            if not (1 <= n <= self.max_seqs and 1 <= s <= self.max_seqlen and 1 <= t <= self.token_limit
+                    and t <= n * s):
+                raise PackedEncodersError(
+                    f"GraphConfig.precapture entry {entry!r} is outside the bounds (1 <= num_seqs <= {self.max_seqs}, "
+                    f"1 <= max_seqlen <= {self.max_seqlen}, 1 <= total_tokens <= min({self.token_limit}, "
+                    "num_seqs * max_seqlen))")
+            entries.append(entry)
+        object.__setattr__(self, "precapture", tuple(entries))
+        from .buckets import precapture_buckets  # buckets imports this module
+
+        count = len(precapture_buckets(self))
+        if count > self.max_graphs:
+            raise PackedEncodersError(f"GraphConfig.precapture maps to {count} buckets but max_graphs="
+                                      f"{self.max_graphs}: the LRU would evict pre-captured graphs before "
+                                      "traffic arrives")
+
+    @property
+    def token_limit(self) -> int:
+        """The admission bound on real tokens (``max_tokens`` or ``max_seqs * max_seqlen``)."""
+        return self.max_tokens if self.max_tokens is not None else self.max_seqs * self.max_seqlen
+
+    @property
+    def seqlen_grid(self) -> tuple[int, ...]:
+        """Every seqlen bucket, increasing; the last is ``max_seqlen``."""
+        grid = self.seqlen_buckets
+        return grid if grid and grid[-1] == self.max_seqlen else grid + (self.max_seqlen,)
+
+    def with_precapture(self, num_seqs: int, min_tokens: int, max_tokens: int) -> "GraphConfig":
+        """A copy that also pre-captures every token bucket from ``min_tokens`` to ``max_tokens`` for
+        ``num_seqs`` sequences (at ``max_seqlen``): e.g. ``(8, 8, 1024)`` for batch-8 queries."""
+        from .buckets import round_tokens
+
+        hi = min(max_tokens, num_seqs * self.max_seqlen, self.token_limit)
+        extra, t = [], max(1, min_tokens)
+        while t <= hi:
+            extra.append((num_seqs, t))
+            t = round_tokens(t, self.token_multiple, self.token_steps_per_octave) + 1
+        return replace(self, precapture=tuple(self.precapture) + tuple(extra))
+
+
+def normalize(option) -> GraphConfig | None:
+    """``pack(cuda_graph=...)``: ``None``/``False`` -> off, ``True`` -> ``GraphConfig()``, a config as is.
+
+    Raises:
+        PackedEncodersError: any other value.
+    """
+    if option is None or option is False:
+        return None
+    if option is True:
+        return GraphConfig()
+    if isinstance(option, GraphConfig):
+        return option
+    raise PackedEncodersError(f"cuda_graph={option!r}: expected None, a bool or a packed_encoders.GraphConfig")

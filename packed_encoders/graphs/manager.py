@@ -1,0 +1,113 @@
+"""`GraphManager`: the per-encoder cache of captured graphs (LRU), their shared pool, and counters.
+
+Device-free on purpose: capturing is delegated to a ``build`` callable, so the cache policy (hits,
+misses, LRU bound and promotion, failed buckets, invalidation) is tested on CPU with fake runners.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import Counter, OrderedDict
+from typing import Any, Callable, Hashable
+
+from .buckets import CAPTURE_FAILED
+from .config import GraphConfig
+
+
+class GraphManager:
+    """LRU of runners keyed by ``(requested backend, Bucket)``, valid for one weights fingerprint.
+
+    ``lock`` serialises capture and replay: all graphs of one manager share one memory pool, so two
+    replays must never overlap (their intermediates alias), whichever graphs they are.
+    """
+
+    def __init__(self, config: GraphConfig):
+        self.config = config
+        self.lock = threading.RLock()
+        self.fingerprint: Any = None
+        self.pool: Any = None                # torch.cuda graph pool handle, created by the first capture
+        self.last_stream: Any = None         # the stream of the last replay (cross-stream ordering)
+        self.precaptured_for: Any = None     # the fingerprint precapture last ran for
+        self.weights: list | None = None      # parameter objects, listed once (see route.fingerprint)
+        self.stream: Any = None               # side stream for warm-up and capture
+        self._runners: OrderedDict[Hashable, Any] = OrderedDict()
+        self._failed: dict[Hashable, str] = {}
+        self.hits = 0                         # calls served by an already captured graph (counted by the router)
+        self.misses = 0                       # captures
+        self.evictions = 0
+        self.invalidations = 0
+        self.capture_seconds = 0.0
+        self.fallbacks: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._runners)
+
+    def keys(self) -> list:
+        """Cached keys, least recently used first."""
+        return list(self._runners)
+
+    def check_fingerprint(self, fingerprint: Any) -> bool:
+        """Drop every graph (and the pool) when the weights moved, changed dtype or device; True if it did."""
+        if fingerprint == self.fingerprint:
+            return False
+        changed = self.fingerprint is not None
+        if changed:
+            self.invalidations += 1
+        self.clear()
+        self.fingerprint = fingerprint
+        return changed
+
+    def clear(self) -> None:
+        self._runners.clear()
+        self._failed.clear()
+        self.pool = None
+        self.last_stream = None
+        self.precaptured_for = None
+
+    def note_fallback(self, reason: str) -> None:
+        self.fallbacks[reason] += 1
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._runners
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The runner for ``key``, capturing it with ``build()`` on a miss; a reason string when it
+        cannot be captured (the failure is remembered, warned about once, and reported by describe()).
+
+        Any exception from ``build`` marks the bucket failed, including a backend whose envelope rejects the
+        bucket's padded shapes but may accept the real batch: the eager path then decides (and raises if the
+        batch itself cannot run).
+        """
+        runner = self._runners.get(key)
+        if runner is not None:
+            self._runners.move_to_end(key)
+            return runner
+        failed = self._failed.get(key)
+        if failed is not None:
+            return CAPTURE_FAILED
+        # Evict before capturing: the freed graph's pool blocks are reused by the new capture, and no
+        # graph is destroyed while another is being captured.
+        while len(self._runners) >= self.config.max_graphs:
+            self._runners.popitem(last=False)
+            self.evictions += 1
+        t0 = time.perf_counter()
+        try:
+            runner = build()
+        except Exception as exc:  # a backend or op that cannot be captured: serve eagerly, say so once
+            self._failed[key] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"packed_encoders: CUDA-graph capture failed for {key}; this bucket runs eagerly "
+                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3)
+            return CAPTURE_FAILED
+        finally:
+            self.capture_seconds += time.perf_counter() - t0
+        self.misses += 1
+        self._runners[key] = runner
+        return runner
+
+    def failures(self) -> dict:
+        return {str(k): v for k, v in self._failed.items()}
+
+    def runners(self) -> list:
+        return list(self._runners.values())

@@ -1,0 +1,249 @@
+"""Routing between graph replay and the eager packed forward, and the user-facing switches.
+
+``graph_forward`` is called by the patched HF forward and by ``packed_forward`` after the batch is built
+(its one host sync already paid). It reads host facts only, then either replays a graph or returns
+``None`` so the caller runs the eager path. Graph state lives in ``PackState.runtime`` (never copied or
+pickled) under ``"graphs"``; ``no_cuda_graph`` nesting depth under ``"graphs_suspended"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import asdict, replace
+
+import torch
+
+from ..errors import PackedEncodersError
+from . import buckets as B
+from .buckets import Bucket, CallFacts, admit, precapture_buckets
+from .config import GraphConfig, normalize
+from .manager import GraphManager
+
+ENV = "PACKED_ENCODERS_GRAPH"
+_OFF = frozenset({"0", "false", "off", "no"})
+_RUNTIME_LOCK = threading.Lock()
+
+
+def kill_switch() -> bool:
+    """True when ``PACKED_ENCODERS_GRAPH`` is 0/false/off/no (read on every call)."""
+    value = os.environ.get(ENV)
+    return value is not None and value.strip().lower() in _OFF
+
+
+def _manager(state) -> GraphManager | None:
+    config = state.options.cuda_graph
+    if config is None:
+        return None
+    mgr = state.runtime.get("graphs")
+    if mgr is None or (mgr.config is not config and mgr.config != config):
+        with _RUNTIME_LOCK:
+            mgr = state.runtime.get("graphs")
+            if mgr is None or (mgr.config is not config and mgr.config != config):
+                mgr = GraphManager(config)
+                state.runtime["graphs"] = mgr
+    return mgr
+
+
+def _weights(model) -> list:
+    """``(module, name, parameter)`` for every parameter, listed once per manager."""
+    return [(m, n, p) for m in model.modules() for n, p in m._parameters.items() if p is not None]
+
+
+def fingerprint(model, mgr: GraphManager) -> tuple:
+    """Device, dtype and the storage address of every parameter: a captured graph reads weights by address,
+    so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it.
+
+    The ``(module, name)`` slots are listed once per manager (walking the module tree every call costs more
+    than the graph saves); each call checks that every slot still holds the listed Parameter object, so
+    ``load_state_dict(assign=True)`` or ``param = nn.Parameter(...)`` re-lists and, storage having moved,
+    drops the graphs. Swapping whole submodules is not seen: call ``set_cuda_graph(model, True)`` after it.
+    The listed objects stay referenced, so a replaced parameter's old storage is never freed under a graph.
+    """
+    weights = mgr.weights
+    if weights is None or any(m._parameters.get(n) is not p for m, n, p in weights):
+        weights = mgr.weights = _weights(model)
+    w0 = weights[0][2]
+    return (w0.device, w0.dtype, *(p.data_ptr() for _, _, p in weights))
+
+
+def call_facts(model, state, batch, *, hidden_states: bool) -> CallFacts:
+    """Host-visible facts of one call (no device reads)."""
+    weight = model.embeddings.tok_embeddings.weight
+    on_cuda = weight.device.type == "cuda"
+    return CallFacts(
+        kill_switch=kill_switch(),
+        suspended=state.runtime.get("graphs_suspended", 0) > 0,
+        grad=torch.is_grad_enabled(),
+        autocast=on_cuda and torch.is_autocast_enabled("cuda"),
+        dropout=model.training and state.params.has_dropout,
+        hidden_states=hidden_states,
+        inputs_embeds=batch.inputs_embeds is not None,
+        model_on_cuda=on_cuda,
+        same_device=batch.device == weight.device,
+        num_seqs=batch.num_seqs,
+        total_tokens=batch.total_tokens,
+        max_seqlen=batch.max_seqlen,
+    )
+
+
+def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, query_only: bool = False):
+    from .runner import GraphRunner
+
+    device = model.embeddings.tok_embeddings.weight.device
+    if mgr.pool is None:
+        mgr.pool = torch.cuda.graph_pool_handle()
+    stream = mgr.stream
+    if stream is None or stream.device != device:
+        stream = mgr.stream = torch.cuda.Stream(device)
+    return GraphRunner(model, state, bucket, requested, pool=mgr.pool, stream=stream, warmup=mgr.config.warmup,
+                       query_only=query_only)
+
+
+def _precapture(model, state, mgr: GraphManager) -> None:
+    """Capture ``config.precapture`` once per weights fingerprint (caller holds ``mgr.lock``)."""
+    if not mgr.config.precapture or mgr.precaptured_for == mgr.fingerprint:
+        return
+    mgr.precaptured_for = mgr.fingerprint
+    requested = state.options.attention_backend
+    for bucket in precapture_buckets(mgr.config):
+        mgr.get((requested, bucket, False), lambda b=bucket: _build(model, state, mgr, b, requested))
+
+
+def _order_streams(mgr: GraphManager, device: torch.device) -> None:
+    """Every graph of an encoder shares one pool, and each bucket one set of static buffers: a replay issued
+    on another stream than the last one waits for it (host order alone is not device order)."""
+    if device.type != "cuda":
+        return
+    stream = torch.cuda.current_stream(device)
+    if mgr.last_stream is not None and mgr.last_stream != stream:
+        stream.wait_stream(mgr.last_stream)
+    mgr.last_stream = stream
+
+
+def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, backend: str | None = None):
+    """Serve ``batch`` from a captured graph and return ``finish(out)`` (``out``: a view of the static
+    ``[T, hidden]`` output, which ``finish`` must copy), or ``None`` when the call must run eagerly.
+
+    A bucket whose capture fails (warned once, listed by ``describe()``) runs eagerly from then on.
+    """
+    mgr = _manager(state)
+    if mgr is None:
+        return None
+    bucket = admit(mgr.config, call_facts(model, state, batch, hidden_states=hidden_states))
+    if isinstance(bucket, str):
+        mgr.note_fallback(bucket)
+        if bucket == B.NOT_CUDA and len(mgr):
+            with mgr.lock:  # the model left the GPU: free its graphs now rather than on its return
+                mgr.check_fingerprint(fingerprint(model, mgr))
+        return None
+    requested = backend or state.options.attention_backend
+    query_only = batch.key_lens is not None  # ColBERT query expansion: its own graphs, key_lens staged
+    key = (requested, bucket, query_only)
+    device = batch.device
+    with mgr.lock:
+        mgr.check_fingerprint(fingerprint(model, mgr))
+        _precapture(model, state, mgr)
+        cached = key in mgr
+        runner = mgr.get(key, lambda: _build(model, state, mgr, bucket, requested, query_only))
+        if isinstance(runner, str):
+            mgr.note_fallback(runner)
+            return None
+        if batch.max_position > runner.rope_rows:
+            mgr.note_fallback(B.POSITIONS)
+            return None
+        _order_streams(mgr, device)
+        out = runner.replay(batch, finish)
+        mgr.hits += cached
+    state.last_plan = dict(runner.plan_summary)
+    state.last_fallbacks = list(runner.plan_reasons)
+    return out
+
+
+def precapture_encoders(states) -> None:
+    """At ``pack``/``set_cuda_graph``: capture each encoder's ``precapture`` buckets if it is on CUDA."""
+    for model, state in states:
+        mgr = _manager(state)
+        if mgr is None or not mgr.config.precapture or kill_switch():
+            continue
+        if model.embeddings.tok_embeddings.weight.device.type != "cuda":
+            continue  # captured on the first CUDA call instead
+        with mgr.lock, torch.no_grad():
+            mgr.check_fingerprint(fingerprint(model, mgr))
+            _precapture(model, state, mgr)
+
+
+def _packed_states(model):
+    from ..adapters.locate import find_encoders
+    from ..adapters.state import get_state
+
+    return [(m, s) for _, m in find_encoders(model) if (s := get_state(m)) is not None]
+
+
+@contextlib.contextmanager
+def no_cuda_graph(model):
+    """Run every packed encoder inside ``model`` eagerly within the block (model-wide, all threads; nests).
+
+    Captured graphs are kept and serve again after the block.
+    """
+    states = [s for _, s in _packed_states(model)]
+    with _RUNTIME_LOCK:
+        for s in states:
+            s.runtime["graphs_suspended"] = s.runtime.get("graphs_suspended", 0) + 1
+    try:
+        yield model
+    finally:
+        with _RUNTIME_LOCK:
+            for s in states:
+                s.runtime["graphs_suspended"] = max(0, s.runtime.get("graphs_suspended", 0) - 1)
+
+
+def set_cuda_graph(model, enabled: bool, config: GraphConfig | None = None):
+    """Turn CUDA-graph replay on or off for every packed encoder inside ``model``; returns ``model``.
+
+    ``enabled=True`` keeps the current config (or ``GraphConfig()``) unless ``config`` is given; a new config,
+    or enabling again, drops captured graphs (re-listing the parameters). ``enabled=False`` frees them.
+
+    Raises:
+        PackedEncodersError: ``model`` has no packed encoder, or ``config`` given with ``enabled=False``.
+    """
+    if not isinstance(enabled, bool):
+        raise PackedEncodersError(f"set_cuda_graph(enabled={enabled!r}): expected a bool")
+    if config is not None and not enabled:
+        raise PackedEncodersError("set_cuda_graph(enabled=False) takes no config")
+    pairs = _packed_states(model)
+    if not pairs:
+        raise PackedEncodersError("set_cuda_graph: no packed ModernBERT encoder inside the model; call pe.pack first")
+    for _, state in pairs:
+        new = (normalize(config) or state.options.cuda_graph or GraphConfig()) if enabled else None
+        state.options = replace(state.options, cuda_graph=new)
+        state.runtime.pop("graphs", None)
+    if enabled:
+        precapture_encoders(pairs)
+    return model
+
+
+def describe_graphs(state) -> dict:
+    """JSON-serialisable graph state of one encoder for ``describe()``."""
+    config = state.options.cuda_graph
+    out = {"enabled": config is not None, "kill_switch": kill_switch(),
+           "suspended": state.runtime.get("graphs_suspended", 0) > 0}
+    if config is None:
+        return out
+    out["config"] = asdict(config)
+    mgr = state.runtime.get("graphs")
+    if mgr is None:
+        out.update(graphs=0, buckets=[], hits=0, misses=0)
+        return out
+    from .runner import pool_reserved_bytes
+
+    buckets = [{"backend": req, "tokens": b.tokens, "seqs": b.seqs, "seqlen": b.seqlen, "query_only": q,
+                "attention": dict(getattr(r, "plan_summary", {}))}
+               for (req, b, q), r in zip(mgr.keys(), mgr.runners())]
+    out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
+               invalidations=mgr.invalidations, capture_seconds=round(mgr.capture_seconds, 4),
+               fallbacks=dict(mgr.fallbacks), capture_failures=mgr.failures(),
+               static_bytes=sum(getattr(r, "static_bytes", 0) for r in mgr.runners()),
+               pool_reserved_bytes=pool_reserved_bytes(mgr.pool) if mgr.pool is not None else 0)
+    return out

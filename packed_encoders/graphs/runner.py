@@ -1,0 +1,141 @@
+"""`GraphRunner`: one captured packed forward for one bucket (CUDA; a capture-free mode runs anywhere).
+
+Static buffers: ``ids`` / ``pos`` int64 ``[tokens]``, ``cu`` int32 ``[seqs + 1]``; the output ``[tokens,
+hidden]`` lives in the shared graph pool. A replay stages the real batch into the buffers with
+device-to-device copies (no host sync), rewrites the dummy/empty tail of ``cu`` from host ints, replays,
+and hands the first ``T`` output rows to ``finish``, which must copy them (the caller owns the result).
+Padding rows keep whatever ids and positions they last held: always valid, and by construction
+(see :mod:`.buckets`) never visible to real tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+
+from ..batch import PackedBatch
+from ..model.forward import encoder_forward, plan_attention
+from ..ops import rope_tables
+from .buckets import Bucket
+
+
+class GraphRunner:
+    """Capture the packed forward of ``model`` for ``bucket`` with ``state``'s ops and the attention backend
+    ``requested`` resolved for the bucket's shapes (and baked in).
+
+    Args:
+        pool: a ``torch.cuda.graph_pool_handle()`` shared by every graph of the encoder.
+        stream: side stream for warm-up and capture.
+        warmup: eager forwards before capture (lazy cuBLAS/kernel initialisation happens there).
+        capture: ``False`` skips the CUDA graph and runs the forward on the static buffers at every replay:
+            the same layout and staging, on any device (CPU tests of the bucket layout use it).
+        query_only: batches carry ``key_lens`` (query-only tails, ColBERT query expansion); a static ``kl``
+            buffer is staged per replay, dummy sequences keep ``kl = seqlen`` (all their rows are keys).
+
+    Raises:
+        PackedEncodersError: the requested backend cannot run the bucket (as the eager path would).
+        RuntimeError: the forward is not capturable (an op syncs or allocates on the host under capture).
+    """
+
+    def __init__(self, model, state, bucket: Bucket, requested: str, *, pool=None, stream=None, warmup: int = 1,
+                 capture: bool = True, query_only: bool = False):
+        params = state.params
+        weight = model.embeddings.tok_embeddings.weight
+        device = weight.device
+        self.device = device
+        self.bucket = bucket
+        self.requested = requested
+        t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        # Normal (non-inference) tensors, so staging works whether the caller is in inference_mode or not.
+        with on_device, torch.inference_mode(False), torch.no_grad():
+            self.steps = torch.arange(1, n + 1, dtype=torch.int32, device=device) * s   # dummy boundaries
+            self.cu = torch.zeros(n + 1, dtype=torch.int32, device=device)
+            self.cu[1:] = self.steps.clamp(max=t)                  # capture layout: sequences of s tokens
+            self.ids = torch.zeros(t, dtype=torch.long, device=device)
+            self.pos = torch.arange(t, device=device) % s
+            # Pre-grow the RoPE tables (building them under capture would copy host->device) and keep the
+            # captured ones alive: a later eager call may replace the cached entry with a longer table.
+            self.tables = [rope_tables(theta, params.head_dim, s, device)
+                           for theta in sorted({params.rope_theta_global, params.rope_theta_local})]
+            self.rope_rows = min(cos.shape[0] for cos, _ in self.tables)
+            self.kl = torch.full((n,), s, dtype=torch.int32, device=device) if query_only else None
+            batch = PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
+                                position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)
+            self.plan = plan_attention(params, batch, requested, grad=False, dtype=weight.dtype, dropout=False,
+                                       policy=state.policy)
+            self.plan_summary = {("global" if w is None else f"window {w}"): d.backend for w, d in self.plan.items()}
+            self.plan_reasons = [r for d in self.plan.values() for r in d.reasons]
+            ops, plan = state.ops, self.plan
+
+            def forward():
+                return encoder_forward(model, params, batch, attention=plan, ops=ops)
+
+            if not capture:
+                self.graph, self._forward = None, forward
+                self.out = forward()
+            else:
+                self._forward = None
+                self.graph, self.out = _capture(forward, device, pool, stream, warmup)
+        static = (self.steps, self.cu, self.ids, self.pos, self.out) + ((self.kl,) if query_only else ())
+        self.static_bytes = sum(x.numel() * x.element_size() for x in static)
+
+    def replay(self, batch: PackedBatch, finish):
+        """Serve ``batch`` (within the bucket, on this device; the router checked) and return
+        ``finish(out[:T])``; ``finish`` must copy. Launches copies and the graph on the current stream."""
+        total, num = batch.total_tokens, batch.num_seqs
+        self.ids[:total].copy_(batch.input_ids)
+        self.pos[:total].copy_(batch.position_ids)
+        self.cu[:num + 1].copy_(batch.cu_seqlens)
+        if (batch.key_lens is None) != (self.kl is None):
+            raise RuntimeError("graph bucket captured with and without key_lens mixed up (router bug)")
+        if self.kl is not None:
+            self.kl[:num].copy_(batch.key_lens)
+        extra = self.bucket.seqs - num
+        if extra:
+            tail = self.cu[num + 1:]
+            torch.add(self.steps[:extra], total, out=tail)   # dummy sequences of <= seqlen padding tokens,
+            tail.clamp_(max=self.bucket.tokens)               # then empty sequences at the end
+        if self.graph is not None:
+            self.graph.replay()
+            out = self.out
+        else:
+            with torch.no_grad():
+                out = self._forward()
+        return finish(out[:total])
+
+
+def _capture(forward, device, pool, stream, warmup: int):
+    """Warm up on ``stream``, then capture one ``forward()`` into ``pool``; returns ``(graph, static output)``."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # No garbage collection during capture: collecting an unreachable graph mid-capture is an error.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = forward()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return graph, out
+
+
+def pool_reserved_bytes(pool) -> int | None:
+    """Bytes reserved by the segments of graph pool ``pool`` (from the allocator snapshot), or None."""
+    if pool is None:
+        return 0
+    try:
+        segments = torch.cuda.memory_snapshot()
+        if segments and "segment_pool_id" not in segments[0]:
+            return None
+        want = tuple(pool)
+        return sum(int(s["total_size"]) for s in segments if tuple(s["segment_pool_id"]) == want)
+    except Exception:  # the snapshot format is not a stable API
+        return None

@@ -1,0 +1,306 @@
+"""CUDA-graph replay on the GPU: parity with the eager packed forward, isolation of padding, fallbacks,
+LRU, invalidation, the kill switch, host syncs. Skipped without CUDA.
+
+Parity rule (DESIGN.md): per real token, ``max|graph - fp32| <= 2 * max|eager - fp32| + eps`` where fp32 is
+the eager packed forward of an fp32 copy, and per-token cosine(graph, eager) >= 0.995 (validate()'s bf16 floor).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import warnings
+
+import pytest
+import torch
+
+import packed_encoders as pe
+from packed_encoders.adapters.state import get_state
+from packed_encoders.graphs import buckets as B
+from packed_encoders.graphs.buckets import precapture_buckets
+from packed_encoders.graphs.config import GraphConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DEV = "cuda"
+TINY = {
+    # head_dim 64, window 8 (so 128-token queries cross it), global every 3rd layer
+    "tiny64": dict(hidden_size=128, num_attention_heads=2, intermediate_size=192, num_hidden_layers=4,
+                   local_attention=16, vocab_size=331),
+    # 4 heads of 32, biases, tanh GELU, global every 2nd layer
+    "tiny_odd": dict(hidden_size=128, num_attention_heads=4, intermediate_size=160, num_hidden_layers=3,
+                     local_attention=32, global_attn_every_n_layers=2, attention_bias=True, mlp_bias=True,
+                     norm_bias=True, hidden_activation="gelu_pytorch_tanh", vocab_size=331),
+}
+SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+
+
+def make_model(name="tiny64", dtype=torch.bfloat16, seed=0):
+    from transformers import ModernBertConfig, ModernBertModel
+
+    kw = dict(TINY[name], max_position_embeddings=8192, **SPECIAL) if name != "base" else {}
+    torch.manual_seed(seed)
+    config = ModernBertConfig(**kw)
+    config._attn_implementation = "sdpa"
+    model = ModernBertModel(config).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.add_(0.2 * torch.randn(m.weight.shape))
+    return model.to(DEV, dtype)
+
+
+def padded(lengths, vocab, seed=0, pad_to=None):
+    g = torch.Generator().manual_seed(seed)
+    s = max(pad_to or 0, max(lengths))
+    ids = torch.randint(3, vocab, (len(lengths), s), generator=g)
+    mask = torch.zeros(len(lengths), s, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if row % 2:
+            mask[row, s - n:] = 1
+        else:
+            mask[row, :n] = 1
+    return ids.to(DEV), mask.to(DEV)
+
+
+def queries(batch, seed=0, cap=128):
+    rng = random.Random(seed)
+    return [min(cap, max(1, int(rng.lognormvariate(math.log(30), 0.6)))) for _ in range(batch)]
+
+
+def fwd(model, ids, mask, **kw):
+    return model(input_ids=ids, attention_mask=mask, **kw).last_hidden_state
+
+
+def info(model):
+    return pe.describe(model)["encoders"][0]["cuda_graph"]
+
+
+def check_parity(graph, eager, ref32, mask):
+    real = mask.bool()
+    g, e, r = graph[real].float(), eager[real].float(), ref32[real].float()
+    cos = torch.nn.functional.cosine_similarity(g, e, dim=-1)
+    assert float(cos.min()) >= 0.995, f"per-token cosine min {float(cos.min()):.6f}"
+    bound = 2 * (e - r).abs().max() + 1e-2 * r.abs().max() * 2 ** -8
+    assert (g - r).abs().max() <= bound, f"graph err {(g - r).abs().max():.4g} > bound {bound:.4g}"
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.delenv("PACKED_ENCODERS_GRAPH", raising=False)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "varlen"])
+def test_replay_matches_eager(name, backend):
+    model = make_model(name)
+    ref_model = copy.deepcopy(model).float()
+    pe.pack(ref_model, validate=False, attention_backend="sdpa")
+    pe.pack(model, validate=False, attention_backend=backend, cuda_graph=True)
+    vocab = model.config.vocab_size
+    batches = [[1, 5, 128, 17], [127, 3, 64, 100, 33, 9, 2], queries(8, 1), queries(8, 2), queries(37, 3),
+               [128] * 16, [2] * 3]
+    with torch.no_grad():
+        for seed, lengths in enumerate(batches):
+            ids, mask = padded(lengths, vocab, seed)
+            graph = fwd(model, ids, mask)
+            with pe.no_cuda_graph(model):
+                eager = fwd(model, ids, mask)
+            check_parity(graph, eager, fwd(ref_model, ids, mask), mask)
+            assert torch.equal(graph[mask == 0], torch.zeros_like(graph[mask == 0]))
+    state = info(model)
+    assert state["graphs"] >= 3 and state["misses"] == state["graphs"]
+    assert state.get("fallbacks", {}).keys() <= {B.SUSPENDED}
+    assert all(b["seqlen"] == 128 for b in state["buckets"])
+    if backend != "auto":
+        assert all(set(b["attention"].values()) == {backend} for b in state["buckets"])
+
+
+def test_base_size_queries_reuse_buckets():
+    model = make_model("base")
+    ref_model = copy.deepcopy(model).float()
+    pe.pack(ref_model, validate=False, attention_backend="sdpa")
+    pe.pack(model, validate=False, cuda_graph=True)
+    with torch.no_grad():
+        for batch, seed in [(8, s) for s in range(12)] + [(128, 100), (128, 101)]:
+            ids, mask = padded(queries(batch, seed), model.config.vocab_size, seed)
+            graph = fwd(model, ids, mask)
+            if seed % 4 == 0 or batch == 128:
+                with pe.no_cuda_graph(model):
+                    eager = fwd(model, ids, mask)
+                check_parity(graph, eager, fwd(ref_model, ids, mask), mask)
+    state = info(model)
+    assert state["hits"] + state["misses"] == 14 and state["graphs"] <= 8 and state["hits"] >= 6
+    assert state["pool_reserved_bytes"] is None or state["pool_reserved_bytes"] > 0
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen", "auto"])
+def test_padding_never_reaches_real_tokens(backend):
+    model = pe.pack(make_model("tiny64"), validate=False, attention_backend=backend, cuda_graph=True)
+    vocab = model.config.vocab_size
+    ids, mask = padded([100, 7, 128, 1, 45], vocab, 0)
+    with torch.no_grad():
+        first = fwd(model, ids, mask)
+        (runner,) = get_state(model).runtime["graphs"].runners()
+        t = int(mask.sum())
+        assert runner.bucket.tokens > t
+        for seed in range(3):
+            g = torch.Generator(device=DEV).manual_seed(seed)
+            runner.ids[t:] = torch.randint(0, vocab, (runner.bucket.tokens - t,), device=DEV, generator=g)
+            runner.pos[t:] = torch.randint(0, runner.bucket.seqlen, (runner.bucket.tokens - t,), device=DEV,
+                                           generator=g)
+            assert torch.equal(fwd(model, ids, mask), first), "padding content changed real outputs"
+        # a different batch in the same bucket leaves other stale content behind
+        other_ids, _ = padded([100, 7, 128, 1, 45], vocab, 9)
+        fwd(model, other_ids, mask)
+        assert torch.equal(fwd(model, ids, mask), first)
+    assert info(model)["graphs"] == 1
+
+
+def test_every_fallback_runs_eagerly():
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=GraphConfig(max_seqs=8))
+    vocab = model.config.vocab_size
+    ids, mask = padded([5, 40, 77], vocab)
+
+    def fallbacks():
+        return info(model).get("fallbacks", {})
+
+    with torch.no_grad(), pe.no_cuda_graph(model):
+        eager = fwd(model, ids, mask)
+    out = fwd(model, ids, mask)                                                     # grad enabled
+    assert out.requires_grad and torch.equal(out.detach(), eager)
+    with torch.no_grad():
+        fwd(model, ids, mask, output_hidden_states=True)
+        model(inputs_embeds=model.embeddings.tok_embeddings(ids), attention_mask=mask)
+        fwd(model, *padded([3] * 9, vocab))                                         # > max_seqs
+        fwd(model, *padded([129, 3], vocab))                                        # > max_seqlen
+        with pytest.raises(RuntimeError):
+            fwd(model, ids.cpu(), mask.cpu())                                       # eager raises as unpacked
+    fp32 = pe.pack(make_model("tiny64", dtype=torch.float32), validate=False, cuda_graph=True)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out = fwd(fp32, ids, mask)
+    assert info(fp32)["fallbacks"] == {B.AUTOCAST: 1} and info(fp32)["graphs"] == 0
+    assert fallbacks() == {B.SUSPENDED: 1, B.GRAD: 1, B.HIDDEN_STATES: 1, B.EMBEDS: 1, B.TOO_MANY_SEQS: 1,
+                           B.TOO_LONG: 1, B.OTHER_DEVICE: 1}
+    assert info(model)["graphs"] == 0
+
+
+def test_documents_run_eagerly_and_match():
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded([2048, 700, 1300], model.config.vocab_size)
+    with torch.no_grad():
+        out = fwd(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            assert torch.equal(out, fwd(model, ids, mask))
+    assert info(model)["fallbacks"] == {B.TOO_LONG: 1, B.SUSPENDED: 1}
+
+
+def test_lru_bound_and_recapture():
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=GraphConfig(max_graphs=2))
+    vocab = model.config.vocab_size
+    shapes = [[10], [30] * 4, [100] * 8, [10]]
+    with torch.no_grad():
+        for lengths in shapes:
+            ids, mask = padded(lengths, vocab)
+            out = fwd(model, ids, mask)
+            with pe.no_cuda_graph(model):
+                eager = fwd(model, ids, mask)
+            assert float(torch.nn.functional.cosine_similarity(out[mask.bool()].float(),
+                                                               eager[mask.bool()].float(), dim=-1).min()) > 0.999
+    state = info(model)
+    assert state["graphs"] == 2 and state["evictions"] == 2 and state["misses"] == 4
+
+
+def test_recapture_after_dtype_and_device_change():
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded([20, 64, 3], model.config.vocab_size)
+    with torch.no_grad():
+        fwd(model, ids, mask)
+        model.float()
+        out = fwd(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            eager = fwd(model, ids, mask)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+        assert info(model)["invalidations"] == 1
+        model.cpu()
+        fwd(model, ids.cpu(), mask.cpu())
+        assert info(model)["graphs"] == 0, "leaving the GPU frees the graphs"
+        model.to(DEV, torch.bfloat16)
+        out = fwd(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            eager = fwd(model, ids, mask)
+    assert out.dtype == torch.bfloat16 and info(model)["graphs"] == 1
+    assert float(torch.nn.functional.cosine_similarity(out[mask.bool()].float(), eager[mask.bool()].float(),
+                                                       dim=-1).min()) > 0.999
+
+
+def test_kill_switch_read_per_call(monkeypatch):
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded([20, 64, 3], model.config.vocab_size)
+    with torch.no_grad():
+        monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
+        fwd(model, ids, mask)
+        assert info(model)["graphs"] == 0 and info(model)["fallbacks"] == {B.KILL_SWITCH: 1}
+        monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "1")
+        fwd(model, ids, mask)
+        fwd(model, ids, mask)
+    state = info(model)
+    assert state["graphs"] == 1 and state["hits"] == 1
+
+
+def test_one_host_sync_per_padded_call_none_in_replay():
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded(queries(8, 5), model.config.vocab_size)
+    flat_ids = ids[mask.bool()]
+    cu = torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)
+    max_len = int(mask.sum(1).max())
+    with torch.no_grad():
+        fwd(model, ids, mask)
+        pe.packed_forward(model, None, flat_ids, cu, max_len)  # capture (same bucket) outside the count
+        torch.cuda.synchronize()
+        for call in (lambda: fwd(model, ids, mask), lambda: pe.packed_forward(model, None, flat_ids, cu, max_len)):
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    call()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            syncs = [w for w in caught if "synchroniz" in str(w.message)]
+            assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert info(model)["hits"] == 3
+
+
+def test_inference_mode_and_streams():
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded([33, 12, 90], model.config.vocab_size)
+    with torch.inference_mode():
+        a = fwd(model, ids, mask)                      # captured under inference mode
+    with torch.no_grad():
+        b = fwd(model, ids, mask)                      # replayed outside it
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            c = fwd(model, ids, mask)
+        torch.cuda.current_stream().wait_stream(side)
+        d = fwd(model, ids, mask)
+    assert torch.equal(a, b) and torch.equal(b, c) and torch.equal(c, d)
+    assert info(model)["misses"] == 1 and info(model)["hits"] == 3
+
+
+def test_precapture_at_pack_and_set_cuda_graph():
+    cfg = GraphConfig().with_precapture(8, 8, 512)
+    model = pe.pack(make_model("tiny64"), validate=True, cuda_graph=cfg)
+    n = info(model)["graphs"]
+    assert n == len(precapture_buckets(cfg))  # the pack-time graph check's bucket is one of them
+    assert any(c.startswith("cuda_graph: replay vs eager") for c in get_state(model).report.checks)
+    ids, mask = padded([30] * 8, model.config.vocab_size)
+    with torch.no_grad():
+        fwd(model, ids, mask)
+    assert info(model)["misses"] == n and info(model)["hits"] == 1
+    pe.set_cuda_graph(model, False)
+    assert not info(model)["enabled"]
+    pe.set_cuda_graph(model, True, GraphConfig(precapture=((8, 200),)))
+    assert info(model)["graphs"] == 1

@@ -1,0 +1,572 @@
+"""CUDA-graph logic on CPU: bucket grid, admission, config, LRU, routing, the bucket layout, copies.
+
+The layout tests use ``GraphRunner(capture=False)``: the same static buffers, dummy sequences and staging
+as a captured graph, with the forward run eagerly at each replay. Routing tests swap the CUDA-only pieces
+(the device check and the capture) for that runner, so every decision around them runs for real.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import random
+import warnings
+
+import pytest
+import torch
+
+import packed_encoders as pe
+from packed_encoders.adapters.hf_call import run_packed
+from packed_encoders.adapters.state import get_state
+from packed_encoders.batch import unpad
+from packed_encoders.errors import PackedEncodersError
+from packed_encoders.graphs import buckets as B
+from packed_encoders.graphs import route
+from packed_encoders.graphs.buckets import (Bucket, CallFacts, admit, bucket_for, pad_bound, precapture_buckets,
+                                            round_seqs, round_tokens)
+from packed_encoders.graphs.config import GraphConfig, normalize
+from packed_encoders.graphs.manager import GraphManager
+from packed_encoders.graphs.runner import GraphRunner
+
+VOCAB = 211
+
+
+def tiny_model(seed=0, layers=3, local_attention=16):
+    from transformers import ModernBertConfig, ModernBertModel
+
+    torch.manual_seed(seed)
+    cfg = ModernBertConfig(hidden_size=64, num_attention_heads=2, intermediate_size=96, num_hidden_layers=layers,
+                           local_attention=local_attention, vocab_size=VOCAB, max_position_embeddings=1024,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    cfg._attn_implementation = "sdpa"
+    model = ModernBertModel(cfg).eval()
+    with torch.no_grad():  # non-trivial norms, so a wrong row would show
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.add_(0.2 * torch.randn(m.weight.shape))
+    return model
+
+
+def padded(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), s), generator=g)
+    mask = torch.zeros(len(lengths), s, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if row % 2:
+            mask[row, s - n:] = 1
+        else:
+            mask[row, :n] = 1
+    return ids, mask
+
+
+def batch_of(lengths, seed=0):
+    ids, mask = padded(lengths, seed)
+    return unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                 vocab_size=VOCAB)
+
+
+# --------------------------------------------------------------------------------------------- grid
+
+
+@pytest.mark.parametrize("multiple,steps", [(64, 8), (64, 4), (16, 2), (1, 1), (128, 16)])
+def test_token_grid_is_monotone_idempotent_bounded(multiple, steps):
+    prev = 0
+    for t in range(1, 20000):
+        r = round_tokens(t, multiple, steps)
+        assert r >= t and r % multiple == 0
+        assert r >= prev, "monotone"
+        assert round_tokens(r, multiple, steps) == r, "idempotent"
+        assert r - t < max(multiple, t / steps), f"waste at {t} -> {r}"  # <= 1/steps once past the floor
+        assert r - t <= pad_bound(r, multiple, steps), "pad_bound covers every batch of the bucket"
+        prev = r
+
+
+def test_pad_bound_is_tight():
+    worst = {}
+    for t in range(1, 9000):
+        r = round_tokens(t, 64, 8)
+        worst[r] = max(worst.get(r, 0), r - t)
+    assert all(worst[r] == pad_bound(r, 64, 8) for r in worst)
+
+
+def test_round_seqs():
+    assert [round_seqs(n, 8) for n in (1, 7, 8, 9, 16, 17, 128, 129)] == [8, 8, 8, 16, 16, 32, 128, 256]
+    assert [round_seqs(n, 1) for n in (1, 2, 3, 5)] == [1, 2, 4, 8]
+    assert round_seqs(5, 12) == 12
+
+
+def test_dummy_layout_fits_every_admissible_batch():
+    cfg = GraphConfig(max_seqlen=64, seqlen_buckets=(16, 32), max_seqs=64)
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 64)
+        lengths = [rng.randint(0, 64) for _ in range(n)]
+        t, s = max(1, sum(lengths)), max(lengths)
+        b = bucket_for(cfg, n, t, s)
+        assert b.seqlen >= s and b.seqlen in cfg.seqlen_grid and b.tokens >= t
+        tail = b.dummy_tail(t, n)
+        assert len(tail) == b.seqs - n
+        bounds = [t] + tail
+        assert bounds[-1] == b.tokens, "every padding token belongs to a dummy sequence"
+        assert all(0 <= hi - lo <= b.seqlen for lo, hi in zip(bounds, bounds[1:])), "dummies fit max_seqlen"
+
+
+def test_varied_query_traffic_reuses_few_graphs():
+    cfg = GraphConfig()
+    rng = random.Random(1)
+    for batch, most in ((8, 12), (128, 8)):
+        keys = set()
+        for _ in range(2000):
+            lengths = [min(128, max(3, int(rng.lognormvariate(math.log(30), 0.5)))) for _ in range(batch)]
+            keys.add(bucket_for(cfg, batch, sum(lengths), max(lengths)))
+        assert len(keys) <= most, (batch, sorted(k.tokens for k in keys))
+        assert len({k.seqs for k in keys}) <= 2 and {k.seqlen for k in keys} == {128}
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize("kw", [
+    dict(max_seqlen=0), dict(max_seqs=-1), dict(max_graphs=0), dict(warmup=0), dict(max_seqlen=True),
+    dict(token_multiple=48), dict(token_steps_per_octave=3), dict(seqlen_buckets=(64, 32)),
+    dict(seqlen_buckets=(32, 256)), dict(max_tokens=10 ** 9), dict(precapture=((0, 8),)),
+    dict(precapture=((8, 8 * 128 + 1),)), dict(precapture=((300, 900),)), dict(precapture=((8, 100, 256),)),
+    dict(precapture=((8,),)), dict(max_graphs=2, precapture=((8, 64), (8, 512), (8, 1024))),
+])
+def test_config_rejects(kw):
+    with pytest.raises(PackedEncodersError):
+        GraphConfig(**kw)
+
+
+def test_config_defaults_and_normalize():
+    cfg = GraphConfig()
+    assert cfg.max_seqlen == 128 and cfg.token_limit == cfg.max_seqs * 128 and cfg.seqlen_grid == (128,)
+    assert GraphConfig(seqlen_buckets=[32, 64]).seqlen_grid == (32, 64, 128)
+    assert normalize(None) is None and normalize(False) is None
+    assert normalize(True) == GraphConfig()
+    assert normalize(cfg) is cfg
+    with pytest.raises(PackedEncodersError):
+        normalize("yes")
+    assert hash(GraphConfig(precapture=[[8, 64]])) == hash(GraphConfig(precapture=((8, 64),)))
+
+
+def test_with_precapture_covers_the_range():
+    cfg = GraphConfig().with_precapture(8, 8, 1024)
+    wanted = {bucket_for(cfg, 8, t, 128) for t in range(8, 1025)}
+    assert set(precapture_buckets(cfg)) == wanted and len(wanted) <= cfg.max_graphs
+
+
+# --------------------------------------------------------------------------------------------- admission
+
+
+def test_admission_order_and_bounds():
+    cfg = GraphConfig(max_seqlen=64, max_seqs=16, max_tokens=300)
+    ok = CallFacts(num_seqs=16, total_tokens=300, max_seqlen=64)
+    assert isinstance(admit(cfg, ok), Bucket)
+    cases = [
+        (dict(kill_switch=True, grad=True), B.KILL_SWITCH), (dict(suspended=True, grad=True), B.SUSPENDED),
+        (dict(grad=True, autocast=True), B.GRAD), (dict(autocast=True), B.AUTOCAST), (dict(dropout=True), B.DROPOUT),
+        (dict(hidden_states=True), B.HIDDEN_STATES), (dict(inputs_embeds=True), B.EMBEDS),
+        (dict(model_on_cuda=False), B.NOT_CUDA), (dict(same_device=False), B.OTHER_DEVICE),
+        (dict(num_seqs=17), B.TOO_MANY_SEQS), (dict(total_tokens=301), B.TOO_MANY_TOKENS),
+        (dict(max_seqlen=65), B.TOO_LONG),
+    ]
+    for change, reason in cases:
+        facts = CallFacts(**{**ok.__dict__, **change})
+        assert admit(cfg, facts) == reason, change
+
+
+def test_kill_switch_values(monkeypatch):
+    for value, off in (("0", True), ("false", True), (" OFF ", True), ("no", True), ("1", False), ("", False)):
+        monkeypatch.setenv("PACKED_ENCODERS_GRAPH", value)
+        assert route.kill_switch() is off, value
+    monkeypatch.delenv("PACKED_ENCODERS_GRAPH")
+    assert route.kill_switch() is False
+
+
+# --------------------------------------------------------------------------------------------- LRU
+
+
+def test_lru_bound_promotion_and_eviction():
+    mgr = GraphManager(GraphConfig(max_graphs=3))
+    built = []
+
+    def build(k):
+        built.append(k)
+        return f"runner{k}"
+
+    for k in (1, 2, 3):
+        assert mgr.get(k, lambda k=k: build(k)) == f"runner{k}"
+    assert mgr.get(1, lambda: build(99)) == "runner1" and built == [1, 2, 3]   # hit: no build, promoted
+    mgr.get(4, lambda: build(4))                                               # evicts 2, the LRU
+    assert mgr.keys() == [3, 1, 4] and mgr.evictions == 1 and mgr.misses == 4 and len(mgr) == 3
+    mgr.get(2, lambda: build(2))
+    assert mgr.keys() == [1, 4, 2] and built == [1, 2, 3, 4, 2]
+
+
+def test_failed_capture_is_remembered_and_warned_once():
+    mgr = GraphManager(GraphConfig())
+    calls = []
+
+    def boom():
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert mgr.get("k", boom) == B.CAPTURE_FAILED
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mgr.get("k", boom) == B.CAPTURE_FAILED
+    assert calls == [1] and len(mgr) == 0 and "k" in mgr.failures()
+
+
+def test_fingerprint_change_drops_everything():
+    mgr = GraphManager(GraphConfig())
+    assert mgr.check_fingerprint(("cuda:0", torch.bfloat16, 1)) is False
+    mgr.get("a", lambda: "ra")
+    assert mgr.check_fingerprint(("cuda:0", torch.bfloat16, 1)) is False and len(mgr) == 1
+    assert mgr.check_fingerprint(("cuda:0", torch.float32, 2)) is True
+    assert len(mgr) == 0 and mgr.invalidations == 1 and mgr.pool is None
+
+
+# --------------------------------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize("lengths", [[5], [1, 17, 33, 2, 64], [40] * 7, [0, 12, 0, 30], [3] * 9])
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])
+def test_bucket_layout_matches_eager(lengths, backend):
+    model = tiny_model()
+    pe.pack(model, validate=False, attention_backend=backend)
+    state = get_state(model)
+    batch = batch_of(lengths)
+    cfg = GraphConfig(max_seqlen=64)
+    bucket = bucket_for(cfg, batch.num_seqs, batch.total_tokens, batch.max_seqlen)
+    assert bucket.tokens > batch.total_tokens or bucket.seqs > batch.num_seqs
+    runner = GraphRunner(model, state, bucket, backend, capture=False)
+    with torch.no_grad():
+        eager = run_packed(model, state, batch)
+        got = runner.replay(batch, torch.clone)
+    torch.testing.assert_close(got, eager, atol=2e-5, rtol=2e-5)
+
+
+def test_padding_content_never_reaches_real_tokens():
+    model = tiny_model()
+    pe.pack(model, validate=False, attention_backend="sdpa")
+    state = get_state(model)
+    batch = batch_of([30, 7, 64, 1, 19])   # local window 8: past the window too
+    bucket = bucket_for(GraphConfig(max_seqlen=64), batch.num_seqs, batch.total_tokens, batch.max_seqlen)
+    runner = GraphRunner(model, state, bucket, "sdpa", capture=False)
+    t = batch.total_tokens
+    with torch.no_grad():
+        ref = runner.replay(batch, torch.clone)
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            # scribble over every padding slot after staging, as a stale previous batch would leave it
+            runner.ids[t:] = torch.randint(0, VOCAB, (bucket.tokens - t,), generator=g)
+            runner.pos[t:] = torch.randint(0, bucket.seqlen, (bucket.tokens - t,), generator=g)
+            out = runner._forward()[:t]
+            assert torch.equal(out, ref), "padding content changed real outputs"
+    # and the staged cu_seqlens is the host reference layout
+    assert runner.cu.tolist() == batch.cu_seqlens.tolist() + bucket.dummy_tail(t, batch.num_seqs)
+
+
+def test_staging_works_in_and_out_of_inference_mode():
+    model = tiny_model()
+    pe.pack(model, validate=False)
+    state = get_state(model)
+    with torch.inference_mode():
+        batch = batch_of([9, 20])
+        runner = GraphRunner(model, state, bucket_for(GraphConfig(), 2, 29, 20), "auto", capture=False)
+        a = runner.replay(batch, torch.clone)
+    with torch.no_grad():
+        b = runner.replay(batch_of([9, 20]), torch.clone)
+    assert not runner.ids.is_inference() and torch.equal(a, b)
+
+
+def test_replay_output_is_owned_by_the_caller():
+    model = tiny_model()
+    pe.pack(model, validate=False)
+    state = get_state(model)
+    b1, b2 = batch_of([9, 20], seed=1), batch_of([11, 18], seed=2)
+    bucket = bucket_for(GraphConfig(), 2, 29, 20)
+    runner = GraphRunner(model, state, bucket, "auto", capture=False)
+    with torch.no_grad():
+        first = runner.replay(b1, torch.clone)
+        keep = first.clone()
+        runner.replay(b2, torch.clone)
+    assert torch.equal(first, keep)
+
+
+# --------------------------------------------------------------------------------------------- routing
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Route on CPU: pretend the model is on CUDA and build capture-free runners; count builds."""
+    builds = []
+    real_facts = route.call_facts
+
+    def facts(model, state, batch, *, hidden_states):
+        f = real_facts(model, state, batch, hidden_states=hidden_states)
+        return CallFacts(**{**f.__dict__, "model_on_cuda": True})
+
+    def build(model, state, mgr, bucket, requested, query_only=False):
+        builds.append(bucket)
+        return GraphRunner(model, state, bucket, requested, capture=False, query_only=query_only)
+
+    monkeypatch.setattr(route, "call_facts", facts)
+    monkeypatch.setattr(route, "_build", build)
+    monkeypatch.delenv("PACKED_ENCODERS_GRAPH", raising=False)
+    return builds
+
+
+def _forward(model, ids, mask, **kw):
+    return model(input_ids=ids, attention_mask=mask, **kw).last_hidden_state
+
+
+def _graph_info(model):
+    return pe.describe(model)["encoders"][0]["cuda_graph"]
+
+
+def test_cuda_graph_true_engages_under_auto(cpu_graphs):
+    model = tiny_model()
+    ids, mask = padded([5, 17, 33])
+    with torch.no_grad():
+        eager = _forward(pe.pack(model, validate=False), ids, mask)
+        pe.pack(model, validate=False, cuda_graph=True)
+        assert get_state(model).options.cuda_graph == GraphConfig()
+        first = _forward(model, ids, mask)
+        second = _forward(model, ids, mask)
+    info = _graph_info(model)
+    json.dumps(pe.describe(model))
+    assert info["enabled"] and info["graphs"] == 1 and info["misses"] == 1 and info["hits"] == 1
+    assert info["buckets"][0]["backend"] == "auto" and len(cpu_graphs) == 1
+    torch.testing.assert_close(first, eager, atol=2e-5, rtol=2e-5)
+    assert torch.equal(first, second)
+    assert torch.equal(first[mask == 0], torch.zeros_like(first[mask == 0])), "padded positions are zeros"
+
+
+def test_every_fallback_runs_eagerly(cpu_graphs, monkeypatch):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=GraphConfig(max_seqlen=64, max_seqs=4))
+    ids, mask = padded([5, 17, 33])
+
+    def fallbacks():
+        return _graph_info(model).get("fallbacks", {})
+
+    _forward(model, ids, mask)                                               # grad enabled
+    assert fallbacks() == {B.GRAD: 1} and not cpu_graphs
+    with torch.no_grad():
+        _forward(model, ids, mask, output_hidden_states=True)
+        model(inputs_embeds=model.embeddings.tok_embeddings(ids), attention_mask=mask)
+        _forward(model, *padded([3] * 5))                                    # 5 > max_seqs
+        _forward(model, *padded([65, 2]))                                    # longer than max_seqlen
+        with pe.no_cuda_graph(model):
+            with pe.no_cuda_graph(model):
+                _forward(model, ids, mask)
+            _forward(model, ids, mask)
+        monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
+        _forward(model, ids, mask)
+        monkeypatch.delenv("PACKED_ENCODERS_GRAPH")
+        model.train()
+        _forward(model, ids, mask)                                           # train mode, no dropout: graphs
+        model.eval()
+    assert fallbacks() == {B.GRAD: 1, B.HIDDEN_STATES: 1, B.EMBEDS: 1, B.TOO_MANY_SEQS: 1, B.TOO_LONG: 1,
+                           B.SUSPENDED: 2, B.KILL_SWITCH: 1}
+    assert len(cpu_graphs) == 1
+
+
+def test_dropout_in_training_runs_eagerly(cpu_graphs):
+    model = tiny_model()
+    model.config.attention_dropout = 0.1
+    pe.pack(model, validate=False, cuda_graph=True)
+    model.train()
+    with torch.no_grad():
+        _forward(model, *padded([4, 6]))
+    assert _graph_info(model)["fallbacks"] == {B.DROPOUT: 1} and not cpu_graphs
+
+
+def test_positions_beyond_captured_tables_run_eagerly(cpu_graphs):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    ids, mask = padded([6, 6])
+    with torch.no_grad():
+        _forward(model, ids, mask)
+        rows = get_state(model).runtime["graphs"].runners()[0].rope_rows
+        far = torch.arange(6)[None].expand(2, 6) + rows
+        out = model(input_ids=ids, attention_mask=mask, position_ids=far).last_hidden_state
+    assert torch.isfinite(out).all() and _graph_info(model)["fallbacks"] == {B.POSITIONS: 1}
+
+
+def test_packed_calls_and_packed_forward_use_graphs(cpu_graphs):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, VOCAB, (40,), generator=g)
+    cu = torch.tensor([0, 10, 25, 40], dtype=torch.int32)
+    with torch.no_grad():
+        with pe.no_cuda_graph(model):
+            eager = pe.packed_forward(model, None, ids, cu, 15)
+            hf_eager = model(input_ids=ids[None], cu_seq_lens_q=cu, max_length_q=15).last_hidden_state
+        got = pe.packed_forward(model, None, ids, cu, 15)
+        hf = model(input_ids=ids[None], cu_seq_lens_q=cu, max_length_q=15).last_hidden_state
+        other = pe.packed_forward(model, None, ids, cu, 15, backend="sdpa")
+    torch.testing.assert_close(got, eager, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(other, eager, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(hf, hf_eager, atol=2e-5, rtol=2e-5)
+    assert hf.shape == (1, 40, 64)
+    info = _graph_info(model)
+    assert info["hits"] == 1 and info["misses"] == 2, "auto bucket reused; an explicit backend is its own graph"
+    assert sorted(b["backend"] for b in info["buckets"]) == ["auto", "sdpa"]
+    # the returned tensors do not alias the static output
+    keep = got.clone()
+    with torch.no_grad():
+        pe.packed_forward(model, None, torch.randint(3, VOCAB, (40,), generator=g), cu, 15)
+    assert torch.equal(got, keep)
+
+
+def test_lru_bound_through_routing(cpu_graphs):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=GraphConfig(max_graphs=2, token_multiple=16))
+    with torch.no_grad():
+        for lengths in ([10], [30], [60], [10]):
+            _forward(model, *padded(lengths))
+    info = _graph_info(model)
+    assert info["graphs"] == 2 and info["evictions"] == 2 and info["misses"] == 4 and info["hits"] == 0
+
+
+def test_dtype_change_recaptures(cpu_graphs):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    ids, mask = padded([7, 12])
+    with torch.no_grad():
+        _forward(model, ids, mask)
+        model.double()
+        out = _forward(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            eager = _forward(model, ids, mask)
+    assert out.dtype == torch.float64 and torch.allclose(out, eager, atol=1e-10)
+    info = _graph_info(model)
+    assert info["invalidations"] == 1 and info["misses"] == 2 and info["graphs"] == 1
+
+
+def test_set_cuda_graph_and_precapture(cpu_graphs):
+    model = pe.pack(tiny_model(), validate=False)
+    with pytest.raises(PackedEncodersError):
+        pe.set_cuda_graph(tiny_model(), True)
+    with pytest.raises(PackedEncodersError):
+        pe.set_cuda_graph(model, False, GraphConfig())
+    cfg = GraphConfig(max_seqlen=32).with_precapture(2, 2, 64)
+    pe.set_cuda_graph(model, True, cfg)   # CPU model: precapture waits for the first admitted call
+    assert not cpu_graphs
+    with torch.no_grad():
+        _forward(model, *padded([5, 9]))
+    assert set(cpu_graphs) == set(precapture_buckets(cfg)) and _graph_info(model)["hits"] == 1
+    pe.set_cuda_graph(model, False)
+    assert _graph_info(model) == {"enabled": False, "kill_switch": False, "suspended": False}
+    pe.set_cuda_graph(model, True)
+    assert get_state(model).options.cuda_graph == GraphConfig()
+
+
+def test_repack_same_graph_option_keeps_state():
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    state = get_state(model)
+    pe.pack(model, validate=False, cuda_graph=GraphConfig())
+    assert get_state(model) is state
+    pe.pack(model, validate=False)
+    assert get_state(model).options.cuda_graph is None
+    with pytest.raises(PackedEncodersError):
+        pe.pack(model, validate=False, cuda_graph="on")
+
+
+def test_cpu_model_falls_back_without_patching():
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    ids, mask = padded([4, 9])
+    with torch.no_grad():
+        out = _forward(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            ref = _forward(model, ids, mask)
+    assert torch.equal(out, ref)
+    info = _graph_info(model)
+    assert info["fallbacks"] == {B.NOT_CUDA: 1, B.SUSPENDED: 1} and info["graphs"] == 0
+
+
+def test_copies_drop_runners(cpu_graphs):
+    import pickle
+
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    ids, mask = padded([4, 9])
+    with torch.no_grad():
+        ref = _forward(model, ids, mask)
+    assert len(get_state(model).runtime["graphs"]) == 1
+    with pe.no_cuda_graph(model):
+        twin = copy.deepcopy(model)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        blob = pickle.dumps(get_state(model))
+    for other in (twin, torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
+        st = get_state(other)
+        assert st.runtime == {} and st.options.cuda_graph == GraphConfig()
+        with torch.no_grad():
+            assert torch.equal(_forward(other, ids, mask), ref)
+        assert _graph_info(other)["misses"] == 1, "the copy captures its own graphs"
+    assert pickle.loads(blob).runtime == {}
+    assert get_state(model).runtime["graphs_suspended"] == 0
+
+
+# --------------------------------------------------------------------------------------------- pack gate
+
+
+def test_pack_validates_the_graph_path(cpu_graphs, monkeypatch):
+    from packed_encoders.graphs import check
+
+    monkeypatch.setattr(check, "_eligible", lambda config, weight: config is not None)
+    model = pe.pack(tiny_model(), cuda_graph=GraphConfig(max_seqlen=64), validation_lengths=(1, 9, 40))
+    report = get_state(model).report
+    assert report.passed and any(c.startswith("cuda_graph: replay vs eager") for c in report.checks)
+    assert _graph_info(model)["graphs"] == 1, "the check batch's bucket stays captured"
+    assert check.check_lengths(GraphConfig(max_seqlen=64), 8) == [1, 9, 18, 21, 64]
+    assert check.check_lengths(GraphConfig(max_seqlen=128, max_seqs=2), 64) == [1, 42]
+
+    real = check.graph_forward
+    monkeypatch.setattr(check, "graph_forward", lambda *a, **k: real(*a, **k) * 1.5 + 0.3)
+    with pytest.raises(pe.ValidationError, match="cuda_graph: fp32 max relative error"):
+        pe.pack(tiny_model(), cuda_graph=True, validation_lengths=(1, 9, 40))
+    monkeypatch.setattr(check, "graph_forward", lambda *a, **k: None)
+    fresh = tiny_model()
+    with pytest.raises(pe.ValidationError, match="not served by a graph"):
+        pe.pack(fresh, cuda_graph=True, validation_lengths=(1, 9, 40))
+    assert not pe.is_packed(fresh)
+
+
+def test_pack_gate_is_a_no_op_off_cuda():
+    model = pe.pack(tiny_model(), cuda_graph=True, validation_lengths=(1, 9, 40))
+    assert not any(c.startswith("cuda_graph") for c in get_state(model).report.checks)
+
+
+def test_query_only_tails_get_their_own_graphs(cpu_graphs):
+    """ColBERT query expansion (trailing masked positions computed): key_lens are staged, not dropped."""
+    model = tiny_model()
+    ids = torch.randint(3, VOCAB, (3, 40), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(40)[None] < torch.tensor([5, 17, 33])[:, None]).long()  # right padding
+    with torch.no_grad():
+        eager = _forward(pe.pack(model, validate=False, padded_outputs="all"), ids, mask)
+        pe.pack(model, validate=False, padded_outputs="all", cuda_graph=True)
+        graphed = _forward(model, ids, mask)
+        assert _graph_info(model)["buckets"][0]["query_only"] is True
+        plain = _forward(pe.pack(model, validate=False, padded_outputs="zeros", cuda_graph=True), ids, mask)
+    torch.testing.assert_close(graphed, eager, atol=2e-5, rtol=2e-5)
+    assert graphed[mask == 0].abs().max() > 0 and plain[mask == 0].abs().max() == 0
+
+
+def test_replaced_parameter_objects_drop_graphs(cpu_graphs):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    ids, mask = padded([4, 9])
+    with torch.no_grad():
+        before = _forward(model, ids, mask)
+        layer = model.layers[1].mlp.Wo
+        layer.weight = torch.nn.Parameter(layer.weight * 2)  # a new Parameter object with new storage
+        after = _forward(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            eager = _forward(model, ids, mask)
+    assert _graph_info(model)["invalidations"] >= 1
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, eager, atol=2e-5, rtol=2e-5)
