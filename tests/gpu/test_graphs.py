@@ -169,7 +169,9 @@ def test_every_fallback_runs_eagerly():
     with torch.no_grad(), pe.no_cuda_graph(model):
         eager = fwd(model, ids, mask)
     out = fwd(model, ids, mask)                                                     # grad enabled
-    assert out.requires_grad and torch.equal(out.detach(), eager)
+    # Eager too, but a backend with a backward (the Triton attention kernel is inference-only): close, not equal.
+    assert out.requires_grad and "grad enabled" in str(fallbacks())
+    torch.testing.assert_close(out.detach(), eager, atol=3e-2, rtol=3e-2)
     with torch.no_grad():
         fwd(model, ids, mask, output_hidden_states=True)
         model(inputs_embeds=model.embeddings.tok_embeddings(ids), attention_mask=mask)
@@ -296,10 +298,11 @@ def test_precapture_at_pack_and_set_cuda_graph():
     n = info(model)["graphs"]
     assert n == len(precapture_buckets(cfg))  # the pack-time graph check's bucket is one of them
     assert any(c.startswith("cuda_graph: replay vs eager") for c in get_state(model).report.checks)
+    hits = info(model)["hits"]  # the pack-time check replays its (precaptured) bucket once
     ids, mask = padded([30] * 8, model.config.vocab_size)
     with torch.no_grad():
         fwd(model, ids, mask)
-    assert info(model)["misses"] == n and info(model)["hits"] == 1
+    assert info(model)["misses"] == n and info(model)["hits"] == hits + 1
     pe.set_cuda_graph(model, False)
     assert not info(model)["enabled"]
     pe.set_cuda_graph(model, True, GraphConfig(precapture=((8, 200),)))

@@ -73,6 +73,10 @@ def assert_rule(fast, ref, same, what):
     err = (fast.float() - ref).abs().max().item()
     base = (same.float() - ref).abs().max().item()
     eps = 32 * 2.0 ** -23 * max(1.0, ref.abs().max().item())
+    if fast.dtype in (torch.bfloat16, torch.float16):
+        # Rounding an fp32 result into the output dtype costs up to one ulp when it is rounded twice (e.g. a
+        # reduction's partials): allow one ulp at the reference's magnitude, which plain torch may dodge by luck.
+        eps = max(eps, torch.finfo(fast.dtype).eps * ref.abs().max().item())
     assert err <= 2 * base + eps, f"{what}: error {err:.3g} > 2 * torch error {base:.3g} + {eps:.3g}"
 
 
@@ -195,6 +199,8 @@ def test_token_count_does_not_recompile(fused):
     cos, sin = rope_tables(10000.0, 64, 8192, DEV)
     w = torch.ones(768, device=DEV, dtype=BF16)
     sizes = {}
+    base = {k_.fn.__name__ + m.__name__: _cache_size(k_) for m in (layer_norm, rope, glu)
+            for k_ in (m._fwd_kernel, m._bwd_kernel)}  # earlier tests compiled other shapes and dtypes
     for t in (1, 7, 16, 128, 1000, 4096, 4097, 65537):
         x = _rand((t, 768), BF16, t, 1.0).requires_grad_()
         d = _rand((t, 768), BF16, t + 1, 1.0)
@@ -209,7 +215,7 @@ def test_token_count_does_not_recompile(fused):
                for k_ in (m._fwd_kernel, m._bwd_kernel)}
         sizes.setdefault("first", now)
         assert now == sizes["first"], f"recompiled at T={t}: {now} vs {sizes['first']}"
-    assert all(v == 1 for v in sizes["first"].values()), sizes["first"]
+    assert all(v - base[k] <= 1 for k, v in sizes["first"].items()), (base, sizes["first"])
 
 
 def test_cuda_graph_capture(fused):
