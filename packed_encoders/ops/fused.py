@@ -360,7 +360,8 @@ def smoke(device) -> None:
     """Compile and run two tiny kernels (LayerNorm, GLU) on ``device`` and check them against the fp32
     references. Raises ``RuntimeError`` when the kernels cannot run there or disagree."""
     device = torch.device(device)
-    probe = torch.empty(0, device=device)
+    # A half-precision probe: fp32 outside autocast routes to plain torch by policy, not for lack of kernels.
+    probe = torch.empty(0, device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     why = _unsupported(probe)
     if why:
         raise RuntimeError(f"Triton kernels cannot run on {device}: {why}")
