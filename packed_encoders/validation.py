@@ -6,7 +6,10 @@ and left-padded rows with lengths past the local window (``1, w+1, 2w+2, 8w+1, 3
 ``w``: 1, 65, 130, 513, 2049 for ModernBERT; on CPU ``1, w+1, 2w+2, 4w+1`` to keep it to seconds).
 The stock forward is run with ``position_ids`` restarting at each row's first real token, the packed
 convention. Per-token cosine over real tokens (min and mean) and the worst per-token relative error
-``||fast - stock|| / ||stock||`` are reported; thresholds: bf16/fp16 min >= 0.995 and mean >= 0.999; fp32 max relative error <= 1e-4.
+``||fast - stock|| / ||stock||`` are reported; thresholds: bf16/fp16 min >= 0.995 and mean >= 0.999; fp32 max
+relative error <= 1e-4, or on CUDA twice stock's own error when the same rows are padded 8 columns wider
+(cuBLAS picks other reduction orders for other GEMM shapes; measured ~1.3e-4 to 2.4e-4 through 22 to 28
+random-init layers on the H200), whichever is larger.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ def _within_envelope(lengths, requested: str, params, dtype, device) -> tuple[in
         num_seqs=1, total_tokens=n, max_seqlen=n, heads=params.num_attention_heads, head_dim=params.head_dim,
         window=None, grad=False, dtype=dtype, device_type=device.type)) is None)
     return kept or tuple(lengths)
+
+
+def _rel_err(a: torch.Tensor, r: torch.Tensor) -> float:
+    """Worst per-token ``||a - r|| / ||r||`` over rows of ``[N, H]``."""
+    return float(((a - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)).max()) if a.numel() else 0.0
 
 
 def check_structure(model: nn.Module, params) -> list[str]:
@@ -169,6 +177,14 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     try:
         stock = _stock_forward(model, input_ids=ids, attention_mask=mask, position_ids=positions,
                                return_dict=True).last_hidden_state
+        noise = None
+        if dtype == torch.float32 and device.type == "cuda":
+            # Stock's own fp32 noise: the same rows with 8 more padding columns change cuBLAS's GEMM shapes and
+            # so its reduction order; through a deep stack that alone moves outputs by ~1e-4.
+            pad = torch.zeros(b, 8, dtype=ids.dtype, device=device)
+            again = _stock_forward(model, input_ids=torch.cat([ids, pad], 1), attention_mask=torch.cat([mask, pad], 1),
+                                   position_ids=torch.cat([positions, pad], 1), return_dict=True).last_hidden_state
+            noise = _rel_err(again[:, :s][mask.bool()].float(), stock[mask.bool()].float())
         batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
                       token_type_ids=None, vocab_size=params.vocab_size)
         fast = batch.pad(run_packed(model, state, batch))
@@ -185,13 +201,16 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     report.cos_mean = float(cos.mean())
     # Per token ||fast - stock|| / ||stock||, the worst token: a relative error that one large-magnitude
     # feature cannot hide (as max|diff| / max|stock| would) and one tiny token cannot inflate.
-    report.max_rel_err = float(((a - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)).max())
+    report.max_rel_err = _rel_err(a, r)
     report.seconds = time.perf_counter() - t0
     if not bool(torch.isfinite(a).all()):
         report.failures.append("non-finite values in the packed output")
     if dtype == torch.float32:
-        if not report.max_rel_err <= FP32_MAX_REL:
-            report.failures.append(f"fp32 max relative error {report.max_rel_err:.3e} > {FP32_MAX_REL:.0e}")
+        bar = FP32_MAX_REL if noise is None else max(FP32_MAX_REL, 2 * noise)
+        if noise is not None:
+            report.checks.append(f"fp32 bar {bar:.2e}: max(1e-4, 2 x stock's own padding noise {noise:.2e})")
+        if not report.max_rel_err <= bar:
+            report.failures.append(f"fp32 max relative error {report.max_rel_err:.3e} > {bar:.2e}")
     else:
         if not report.cos_min >= BF16_COS_MIN:
             report.failures.append(f"per-token cosine min {report.cos_min:.6f} < {BF16_COS_MIN}")
