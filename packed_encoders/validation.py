@@ -7,9 +7,9 @@ and left-padded rows with lengths past the local window (``1, w+1, 2w+2, 8w+1, 3
 The stock forward is run with ``position_ids`` restarting at each row's first real token, the packed
 convention. Per-token cosine over real tokens (min and mean) and the worst per-token relative error
 ``||fast - stock|| / ||stock||`` are reported; thresholds: bf16/fp16 min >= 0.995 and mean >= 0.999; fp32 max
-relative error <= 1e-4, or on CUDA twice stock's own error when the same rows are padded 8 columns wider
-(cuBLAS picks other reduction orders for other GEMM shapes; measured ~1.3e-4 to 2.4e-4 through 22 to 28
-random-init layers on the H200), whichever is larger.
+relative error <= 1e-4; past that, the packed path must be within 2x stock fp32's own error against an fp64
+run of stock (cuBLAS picks other reduction orders for the unpadded GEMM shapes: 1.3e-4 to 2.4e-4 measured
+packed-vs-stock through 22 to 28 random-init fp32 layers on the H200).
 """
 
 from __future__ import annotations
@@ -88,6 +88,27 @@ def _within_envelope(lengths, requested: str, params, dtype, device) -> tuple[in
         num_seqs=1, total_tokens=n, max_seqlen=n, heads=params.num_attention_heads, head_dim=params.head_dim,
         window=None, grad=False, dtype=dtype, device_type=device.type)) is None)
     return kept or tuple(lengths)
+
+
+def _fp64_yardstick(model, ids, mask, positions, fast, stock) -> tuple[float, float]:
+    """``(packed vs fp64, stock fp32 vs fp64)`` worst per-token relative errors, from an fp64 copy of the model.
+
+    Used when fp32 packed and fp32 stock differ by more than 1e-4: on CUDA, cuBLAS picks other reduction orders
+    for the unpadded GEMM shapes, and through a deep random-init stack both fp32 paths drift by ~1e-4 from the
+    exact result (measured 1.3e-4 to 2.4e-4 packed-vs-stock at ModernBERT-base / -large geometry on the H200).
+    The packed path passes when it is as close to fp64 as stock fp32 itself (DESIGN's 2x rule).
+    """
+    import copy
+
+    twin = copy.deepcopy(model).double()
+    twin.__dict__.pop("forward", None)  # the copy runs the class (stock) forward
+    twin.__dict__.pop("_packed_encoders", None)
+    exact = _stock_forward(twin, input_ids=ids, attention_mask=mask, position_ids=positions,
+                           return_dict=True).last_hidden_state
+    del twin
+    real = mask.bool()
+    ref = exact[real]
+    return _rel_err(fast[real].double(), ref), _rel_err(stock[real].double(), ref)
 
 
 def _rel_err(a: torch.Tensor, r: torch.Tensor) -> float:
@@ -177,17 +198,12 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     try:
         stock = _stock_forward(model, input_ids=ids, attention_mask=mask, position_ids=positions,
                                return_dict=True).last_hidden_state
-        noise = None
-        if dtype == torch.float32 and device.type == "cuda":
-            # Stock's own fp32 noise: the same rows with 8 more padding columns change cuBLAS's GEMM shapes and
-            # so its reduction order; through a deep stack that alone moves outputs by ~1e-4.
-            pad = torch.zeros(b, 8, dtype=ids.dtype, device=device)
-            again = _stock_forward(model, input_ids=torch.cat([ids, pad], 1), attention_mask=torch.cat([mask, pad], 1),
-                                   position_ids=torch.cat([positions, pad], 1), return_dict=True).last_hidden_state
-            noise = _rel_err(again[:, :s][mask.bool()].float(), stock[mask.bool()].float())
         batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
                       token_type_ids=None, vocab_size=params.vocab_size)
         fast = batch.pad(run_packed(model, state, batch))
+        fp64_err = None
+        if dtype == torch.float32 and _rel_err(fast[mask.bool()].float(), stock[mask.bool()].float()) > FP32_MAX_REL:
+            fp64_err = _fp64_yardstick(model, ids, mask, positions, fast, stock)
     except PackedEncodersError as exc:
         report.failures.append(f"packed path raised: {exc}")
         return report
@@ -206,11 +222,15 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     if not bool(torch.isfinite(a).all()):
         report.failures.append("non-finite values in the packed output")
     if dtype == torch.float32:
-        bar = FP32_MAX_REL if noise is None else max(FP32_MAX_REL, 2 * noise)
-        if noise is not None:
-            report.checks.append(f"fp32 bar {bar:.2e}: max(1e-4, 2 x stock's own padding noise {noise:.2e})")
-        if not report.max_rel_err <= bar:
-            report.failures.append(f"fp32 max relative error {report.max_rel_err:.3e} > {bar:.2e}")
+        if fp64_err is not None:
+            ours, theirs = fp64_err
+            report.checks.append(f"fp32 vs an fp64 run of stock: packed {ours:.2e}, stock {theirs:.2e}")
+            if not ours <= 2 * theirs + 1e-6:
+                report.failures.append(
+                    f"fp32 max relative error {report.max_rel_err:.3e} > {FP32_MAX_REL:.0e}, and against fp64 the packed "
+                    f"path ({ours:.2e}) is not within 2x stock fp32's own error ({theirs:.2e})")
+        elif not report.max_rel_err <= FP32_MAX_REL:
+            report.failures.append(f"fp32 max relative error {report.max_rel_err:.3e} > {FP32_MAX_REL:.0e}")
     else:
         if not report.cos_min >= BF16_COS_MIN:
             report.failures.append(f"per-token cosine min {report.cos_min:.6f} < {BF16_COS_MIN}")

@@ -218,3 +218,14 @@ def test_structure_mismatch_fails_validation():
     model.layers[1].attention_type = "full_attention"  # disagrees with config.layer_types
     with pytest.raises(pe.ValidationError, match="attention_type"):
         pe.pack(model)
+
+
+def test_fp32_fp64_yardstick_path(monkeypatch):
+    """Past 1e-4 against stock, fp32 is judged against an fp64 run (as close as stock fp32 itself, x2)."""
+    from packed_encoders import validation
+
+    model = make_model("base_like")
+    monkeypatch.setattr(validation, "FP32_MAX_REL", 0.0)  # force the fp64 branch on a correct path
+    report = pe.validate(model).encoders[0]
+    assert report.passed and any("fp64" in c for c in report.checks), report
+    assert not hasattr(model, "_packed_encoders") and "forward" not in model.__dict__
