@@ -108,10 +108,24 @@ def _fp64_yardstick(model, ids, mask, positions, fast, stock) -> tuple[float, fl
     del twin
     real = mask.bool()
     ref = exact[real]
-    return _rel_err(fast[real].double(), ref), _rel_err(stock[real].double(), ref)
+    return rel_err(fast[real].double(), ref), rel_err(stock[real].double(), ref)
 
 
-def _rel_err(a: torch.Tensor, r: torch.Tensor) -> float:
+def check_batch(lengths, vocab_size: int, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids ``[B, S]`` and a 0/1 mask with one row per length: even rows right-padded, odd rows left-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    b, s = len(lengths), max(lengths)
+    ids = torch.randint(0, vocab_size, (b, s), generator=gen)
+    mask = torch.zeros(b, s, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if row % 2:
+            mask[row, s - n:] = 1
+        else:
+            mask[row, :n] = 1
+    return ids.to(device), mask.to(device)
+
+
+def rel_err(a: torch.Tensor, r: torch.Tensor) -> float:
     """Worst per-token ``||a - r|| / ||r||`` over rows of ``[N, H]``."""
     return float(((a - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)).max()) if a.numel() else 0.0
 
@@ -182,16 +196,8 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
         return report
 
     t0 = time.perf_counter()
-    gen = torch.Generator().manual_seed(seed)
-    b, s = len(lengths), max(lengths)
-    ids = torch.randint(0, params.vocab_size, (b, s), generator=gen)
-    mask = torch.zeros(b, s, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if row % 2:
-            mask[row, s - n:] = 1  # left padding
-        else:
-            mask[row, :n] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = check_batch(lengths, params.vocab_size, device, seed)
+    b, s = ids.shape
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     was_training = model.training
     model.eval()
@@ -202,7 +208,7 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
                       token_type_ids=None, vocab_size=params.vocab_size)
         fast = batch.pad(run_packed(model, state, batch))
         fp64_err = None
-        if dtype == torch.float32 and _rel_err(fast[mask.bool()].float(), stock[mask.bool()].float()) > FP32_MAX_REL:
+        if dtype == torch.float32 and rel_err(fast[mask.bool()].float(), stock[mask.bool()].float()) > FP32_MAX_REL:
             fp64_err = _fp64_yardstick(model, ids, mask, positions, fast, stock)
     except PackedEncodersError as exc:
         report.failures.append(f"packed path raised: {exc}")
@@ -217,7 +223,7 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     report.cos_mean = float(cos.mean())
     # Per token ||fast - stock|| / ||stock||, the worst token: a relative error that one large-magnitude
     # feature cannot hide (as max|diff| / max|stock| would) and one tiny token cannot inflate.
-    report.max_rel_err = _rel_err(a, r)
+    report.max_rel_err = rel_err(a, r)
     report.seconds = time.perf_counter() - t0
     if not bool(torch.isfinite(a).all()):
         report.failures.append("non-finite values in the packed output")

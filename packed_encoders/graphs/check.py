@@ -30,7 +30,7 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     """
     from ..adapters.hf_call import run_packed
     from ..batch import unpad
-    from ..validation import BF16_COS_MIN, FP32_MAX_REL
+    from ..validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, rel_err
 
     config = state.options.cuda_graph
     weight = model.embeddings.tok_embeddings.weight
@@ -38,16 +38,7 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
         return
     params = state.params
     lengths = check_lengths(config, params.window)
-    gen = torch.Generator().manual_seed(seed)
-    b, s = len(lengths), max(lengths)
-    ids = torch.randint(0, params.vocab_size, (b, s), generator=gen)
-    mask = torch.zeros(b, s, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if row % 2:
-            mask[row, s - n:] = 1
-        else:
-            mask[row, :n] = 1
-    ids, mask = ids.to(weight.device), mask.to(weight.device)
+    ids, mask = check_batch(lengths, params.vocab_size, weight.device, seed)
     was_training = model.training
     model.eval()
     try:
@@ -67,7 +58,7 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     a, r = graph.float(), eager.float()
     cos = torch.nn.functional.cosine_similarity(a, r, dim=-1, eps=1e-12)
     cos_min = float(cos.min())
-    rel = float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
+    rel = rel_err(a, r)
     report.checks.append(f"cuda_graph: replay vs eager on lengths {lengths}: per-token cosine min {cos_min:.6f}, "
                          f"max rel err {rel:.2e}")
     if not bool(torch.isfinite(a).all()):
