@@ -7,6 +7,7 @@ from torch import nn
 
 from .adapters.late_interaction import ALWAYS, query_expansion_length
 from .adapters.locate import find_encoders
+from .adapters.structure import check_at_pack
 from .adapters.state import PackOptions, PackState, get_state, install, restore
 from .attention.dispatch import CHOICES, load_policy
 from .batch import from_packed
@@ -31,7 +32,11 @@ def _device(model: nn.Module) -> torch.device:
 
 def _trailing_max_len(padded_outputs, target) -> int | None:
     if padded_outputs == "auto":
-        return query_expansion_length(target) if target is not None else None
+        if target is None:
+            return None
+        if any(type(m).__name__.endswith("ForQuestionAnswering") for m in target.modules()):
+            return ALWAYS  # HF's span loss takes its softmax over padded positions too
+        return query_expansion_length(target)
     if padded_outputs == "zeros":
         return None
     if padded_outputs == "all":
@@ -79,8 +84,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         validate: run :func:`packed_encoders.validate` on the selected path first.
         padded_outputs: what the output holds at padded positions. ``"zeros"``; ``"all"``: trailing masked
             positions (after each row's last real token) get HF's values, computed as query-only tokens;
-            an int ``N``: the same for calls of padded width ``<= N``; ``"auto"``: ``"zeros"``, or the query
-            length of a ColBERT target using masked query expansion (PyLate, sentence-transformers v6).
+            an int ``N``: the same for calls of padded width ``<= N``; ``"auto"``: ``"zeros"``, ``"all"`` for
+            question-answering heads (their loss reads padded positions), or the query length of a ColBERT target
+            using masked query expansion (PyLate, sentence-transformers v6).
         validation_lengths: override the validation batch's lengths.
         cuda_graph: ``None``/``False`` (off), ``True`` (``GraphConfig()``: queries up to 128 tokens, any
             backend), or a :class:`~packed_encoders.GraphConfig`. Inference calls within its bounds replay
@@ -106,6 +112,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         if current is not None and current.options == options:
             continue
         state = _make_state(model, options, target)
+        problem = check_at_pack(model, state.params)
+        if problem is not None:
+            raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
         if validate:
             report = check_encoder(model, state, path, validation_lengths)
             if report.passed:
@@ -207,7 +216,8 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
     if packed_ids is not None and packed_ids.dim() != 1:
         raise PackedEncodersError(f"packed_ids must be 1-D [T]; got shape {tuple(packed_ids.shape)}")
     batch = from_packed(input_ids=packed_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
-                        max_seqlen=max_seqlen, position_ids=position_ids, vocab_size=state.params.vocab_size)
+                        max_seqlen=max_seqlen, position_ids=position_ids,
+                        vocab_size=encoder.embeddings.tok_embeddings.num_embeddings)
     if batch.total_tokens == 0:
         return torch.zeros(0, state.params.hidden_size, device=batch.device,
                            dtype=encoder.embeddings.tok_embeddings.weight.dtype)

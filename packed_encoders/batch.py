@@ -106,6 +106,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         if t is not None and tuple(t.shape) != (b, s):
             raise PackedEncodersError(f"{name} has shape {tuple(t.shape)}; expected {(b, s)} to match the inputs")
     if position_ids is not None:
+        if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+            raise PackedEncodersError(f"position_ids must be an integer tensor (got {position_ids.dtype})")
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         if position_ids.dim() != 2 or position_ids.shape[1] != s or position_ids.shape[0] not in (1, b):
@@ -200,6 +202,8 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
         if t is not None and t.numel() != total:
             raise PackedEncodersError(f"{name} has {t.numel()} entries for {total} tokens")
     if position_ids is not None:
+        if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+            raise PackedEncodersError(f"position_ids must be an integer tensor (got {position_ids.dtype})")
         position_ids = position_ids.reshape(-1).to(device).long()
     checks = [
         zero if input_ids is None else ((input_ids < 0) | (input_ids >= vocab_size)).sum(),

@@ -321,15 +321,18 @@ def _tiny_modernbert(hidden=64, heads=2, inner=96, layers=3, vocab=101):
     def layer(i):
         return nn.ModuleDict(dict(
             attn_norm=nn.Identity() if i == 0 else ln(),
-            attn=nn.ModuleDict(dict(Wqkv=nn.Linear(hidden, 3 * hidden, bias=False), Wo=nn.Linear(hidden, hidden))),
+            attn=nn.ModuleDict(dict(Wqkv=nn.Linear(hidden, 3 * hidden, bias=False), Wo=nn.Linear(hidden, hidden),
+                                    out_drop=nn.Identity())),
             mlp_norm=ln(),
-            mlp=nn.ModuleDict(dict(Wi=nn.Linear(hidden, 2 * inner), Wo=nn.Linear(inner, hidden, bias=False)))))
+            mlp=nn.ModuleDict(dict(Wi=nn.Linear(hidden, 2 * inner), Wo=nn.Linear(inner, hidden, bias=False),
+                                   drop=nn.Dropout(0.0)))))
 
     torch.manual_seed(0)
     model = nn.Module()
     model.embeddings = nn.Module()
     model.embeddings.tok_embeddings = nn.Embedding(vocab, hidden)
     model.embeddings.norm = ln()
+    model.embeddings.drop = nn.Dropout(0.0)
     model.layers = nn.ModuleList([layer(i) for i in range(layers)])
     model.final_norm = ln()
     config = dict(model_type="modernbert", hidden_size=hidden, num_attention_heads=heads, intermediate_size=inner,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from ..batch import PackedBatch, from_packed, unpad
 from ..errors import PackedEncodersError
 from ..graphs.route import graph_forward
 from ..model.forward import activation_dtype, encoder_forward, plan_attention
+from .structure import snapshot, structure_problem
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
@@ -62,8 +64,32 @@ def _output(model, last, hidden, return_dict):
     return out if return_dict else out.to_tuple()
 
 
+def _stock_fallback(model, state, reason: str, args, kwargs):
+    """Run HF's own forward because the packed one cannot reproduce the live modules (said once, and in
+    ``describe()``)."""
+    if reason not in state.runtime.setdefault("stock_fallback_warned", set()):
+        state.runtime["stock_fallback_warned"].add(reason)
+        warnings.warn(f"packed_encoders: running the stock forward: {reason}", RuntimeWarning, stacklevel=3)
+    state.last_plan = {}
+    state.last_fallbacks = [f"stock forward: {reason}"]
+    return type(model).forward(model, *args, **kwargs)
+
+
+def structure_check(model: nn.Module, state) -> str | None:
+    """What the packed forward would skip in the live module tree, or ``None`` (see ``adapters.structure``)."""
+    snap = state.runtime.get("structure")
+    problem, unchanged = structure_problem(model, state.params, snap)
+    if problem is None and not unchanged:  # e.g. an nn.Linear replaced by another: its weights are read live
+        state.runtime["structure"] = snapshot(model) if snap is None else {**snapshot(model), "acts": snap["acts"]}
+    return problem
+
+
 def hf_forward(model: nn.Module, *args, **kwargs):
     """Drop-in for ``type(model).forward(model, *args, **kwargs)`` running the packed path."""
+    state = model._packed_encoders
+    problem = structure_check(model, state)
+    if problem is not None:
+        return _stock_fallback(model, state, problem, args, kwargs)
     names = _positional_names(type(model))
     if len(args) > len(names):
         raise PackedEncodersError(f"{type(model).__name__}.forward takes {len(names)} positional arguments; got {len(args)}")
@@ -71,7 +97,6 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         if name in kwargs:
             raise PackedEncodersError(f"forward got multiple values for argument {name!r}")
         kwargs[name] = value
-    state = model._packed_encoders
     config = model.config
     input_ids = kwargs.pop("input_ids", None)
     inputs_embeds = kwargs.pop("inputs_embeds", None)
@@ -108,17 +133,18 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         raise PackedEncodersError("pass exactly one of input_ids or inputs_embeds")
 
     params = state.params
+    vocab_size = model.embeddings.tok_embeddings.num_embeddings  # live: resize_token_embeddings after pack
     src = input_ids if input_ids is not None else inputs_embeds
     packed = bool(packed_kw) or (position_ids is not None and attention_mask is None and src.shape[0] == 1
                                  and src.dim() == (2 if input_ids is not None else 3))
     if packed or src.dim() == (1 if input_ids is not None else 2):
-        batch, squeeze = _packed_batch(params, input_ids, inputs_embeds, attention_mask, position_ids,
+        batch, squeeze = _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids,
                                        token_type_ids, packed_kw)
     else:
         width = src.shape[1]
         trailing = state.trailing_max_len is not None and attention_mask is not None and width <= state.trailing_max_len
         batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                      position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=params.vocab_size,
+                      position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=vocab_size,
                       trailing_query_only=trailing)
         squeeze = None
 
@@ -143,7 +169,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     return _output(model, last, hidden_t, return_dict)
 
 
-def _packed_batch(params, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, packed_kw):
+def _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, packed_kw):
     """Packed call: ``[1, T]`` (or ``[T]``) inputs with cu_seq_lens_* kwargs or restarting position_ids."""
     src = input_ids if input_ids is not None else inputs_embeds
     flat_dim = 1 if input_ids is not None else 2
@@ -165,7 +191,7 @@ def _packed_batch(params, input_ids, inputs_embeds, attention_mask, position_ids
     max_len = max_q if max_q is not None else max_k
     batch = from_packed(input_ids=ids, inputs_embeds=embeds, cu_seqlens=cu_q,
                         max_seqlen=None if max_len is None else int(max_len),
-                        position_ids=position_ids, vocab_size=params.vocab_size,
+                        position_ids=position_ids, vocab_size=vocab_size,
                         token_type_ids=token_type_ids)
     if batched:
         return batch, (lambda t: t[None])
@@ -174,10 +200,17 @@ def _packed_batch(params, input_ids, inputs_embeds, attention_mask, position_ids
 
 def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: list | None = None,
                hidden_pre_norm_last: bool = False, attention_backend: str | None = None) -> torch.Tensor:
-    """Run the packed encoder with ``state``'s options; records the attention plan for ``describe()``."""
+    """Run the packed encoder with ``state``'s options; records the attention plan for ``describe()``.
+
+    Raises:
+        PackedEncodersError: the live modules are not what the packed forward reproduces (``adapters.structure``).
+    """
+    problem = structure_check(model, state)
+    if problem is not None:
+        raise PackedEncodersError(f"the packed forward cannot run this model: {problem}")
     params = state.params
     grad = torch.is_grad_enabled()
-    dropout = model.training and params.attention_dropout > 0
+    dropout = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
     requested = attention_backend or state.options.attention_backend
     if dropout and requested == "auto":
         requested = "sdpa"  # the only backend with attention-probability dropout; describe() reports it

@@ -1,13 +1,15 @@
 """Per-instance patch record: what `pack()` put on a ModernBertModel and how to take it off exactly.
 
-Only two instance attributes are set: ``forward`` (a :class:`PackedForward`, a plain picklable object
-holding the module) and ``_packed_encoders`` (a :class:`PackState`). No class is touched. The record
+Three instance attributes are set: ``forward`` (a :class:`PackedForward`, a plain picklable object holding
+the module), ``_packed_encoders`` (a :class:`PackState`) and ``_replicate_for_data_parallel`` (so
+``nn.DataParallel`` replicas run their own weights). No class is touched. The record
 survives ``copy.deepcopy`` (the copy's forward runs the copy's weights) and pickling; transient runtime
 objects (CUDA graphs) are dropped from copies and rebuilt on demand.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,8 +51,6 @@ class PackState:
         return d
 
     def __deepcopy__(self, memo):
-        import copy
-
         new = copy.copy(self)
         for k, v in self.__dict__.items():
             if k != "runtime":
@@ -77,6 +77,25 @@ class PackedForward:
         return f"<packed_encoders forward of {type(self.module).__name__}>"
 
 
+class PackedReplicator:
+    """Instance ``_replicate_for_data_parallel``: ``nn.DataParallel`` replicas copy ``__dict__`` shallowly, which
+    would leave them running the original module's weights; each replica gets its own forward and state."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self):
+        replica = type(self.module)._replicate_for_data_parallel(self.module)
+        state = get_state(self.module)
+        if state is not None:
+            own = copy.copy(state)
+            own.runtime = {}
+            replica.__dict__[STATE_ATTR] = own
+            replica.__dict__["forward"] = PackedForward(replica)
+            replica.__dict__["_replicate_for_data_parallel"] = PackedReplicator(replica)
+        return replica
+
+
 def get_state(model: nn.Module) -> PackState | None:
     return model.__dict__.get(STATE_ATTR)
 
@@ -89,6 +108,7 @@ def install(model: nn.Module, state: PackState) -> None:
         state.previous_forward = existing.previous_forward
     model.__dict__[STATE_ATTR] = state
     model.__dict__["forward"] = PackedForward(model)
+    model.__dict__["_replicate_for_data_parallel"] = PackedReplicator(model)
 
 
 def restore(model: nn.Module) -> bool:
@@ -97,6 +117,7 @@ def restore(model: nn.Module) -> bool:
     if state is None:
         return False
     model.__dict__.pop("forward", None)
+    model.__dict__.pop("_replicate_for_data_parallel", None)
     if state.previous_forward is not _NO_FORWARD and not isinstance(state.previous_forward, str):
         model.__dict__["forward"] = state.previous_forward
     return True

@@ -54,27 +54,28 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sca
         return out.index_select(0, seq * s + pos)
 
     w = int(window)
-    nb = -(-int(max_seqlen) // w)
-    sp = nb * w
-    qpos = torch.arange(sp, device=q.device).view(nb, w)                               # [nb, w]
-    kpos = (torch.arange(nb, device=q.device)[:, None] - 1) * w + torch.arange(3 * w, device=q.device)  # [nb, 3w]
+    blk = max(w, 1)  # block size; a window of 0 (each token sees itself) still needs blocks of one
+    nb = -(-int(max_seqlen) // blk)
+    sp = nb * blk
+    qpos = torch.arange(sp, device=q.device).view(nb, blk)                             # [nb, blk]
+    kpos = (torch.arange(nb, device=q.device)[:, None] - 1) * blk + torch.arange(3 * blk, device=q.device)
     q_ok = qpos[None] < lens[:, None, None]                                             # [N, nb, w]
     k_in = (kpos[None] >= 0) & (kpos[None] < lens[:, None, None])                      # [N, nb, 3w]
     k_ok = k_in & (kpos[None] < klens[:, None, None])
     q_idx = torch.where(q_ok, cu[:-1, None, None] + qpos[None], 0)
     k_idx = torch.where(k_in, cu[:-1, None, None] + kpos.clamp(min=0)[None], 0)
-    r = torch.arange(w, device=q.device)[:, None]
-    c = torch.arange(3 * w, device=q.device)[None, :]
-    band = (w + r - c).abs() <= w                                                      # [w, 3w], constant
+    r = torch.arange(blk, device=q.device)[:, None]
+    c = torch.arange(3 * blk, device=q.device)[None, :]
+    band = (blk + r - c).abs() <= w                                                    # [blk, 3blk], constant
     mask = band[None, None] & k_ok[:, :, None, :]                                       # [N, nb, w, 3w]
     has_key = mask.any(-1)                                                              # [N, nb, w]
     mask = mask | ~has_key[..., None]                                                   # keep NaN-free
-    qb = _gather(q, q_idx).view(n * nb, w, heads, dim).transpose(1, 2)
-    kb = _gather(k, k_idx).view(n * nb, 3 * w, heads, dim).transpose(1, 2)
-    vb = _gather(v, k_idx).view(n * nb, 3 * w, heads, dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.view(n * nb, 1, w, 3 * w),
+    qb = _gather(q, q_idx).view(n * nb, blk, heads, dim).transpose(1, 2)
+    kb = _gather(k, k_idx).view(n * nb, 3 * blk, heads, dim).transpose(1, 2)
+    vb = _gather(v, k_idx).view(n * nb, 3 * blk, heads, dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.view(n * nb, 1, blk, 3 * blk),
                                          dropout_p=dropout_p, scale=scale)
     # A query with no key in its window (query-only tokens past the window) gets zeros, as torch SDPA gives HF.
-    out = out * has_key.view(n * nb, 1, w, 1).to(out.dtype)
+    out = out * has_key.view(n * nb, 1, blk, 1).to(out.dtype)
     out = out.transpose(1, 2).reshape(n * sp, heads, dim)
     return out.index_select(0, seq * sp + pos)

@@ -27,6 +27,13 @@ def _linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
     return F.linear(x, m.weight, m.bias)
 
 
+def _dropout(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """Apply an HF dropout module's rate in its own mode (``nn.Identity`` or eval: nothing)."""
+    if isinstance(module, nn.Dropout) and module.training and module.p > 0:
+        return F.dropout(x, module.p, training=True)
+    return x
+
+
 def _norm_args(m: nn.Module):
     return m.weight, getattr(m, "bias", None), m.eps
 
@@ -77,9 +84,10 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     training = model.training
     grad = torch.is_grad_enabled()
     dtype = activation_dtype(model)
-    attn_p = params.attention_dropout if training else 0.0
+    # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules only).
+    any_attn_p = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
     if attention is None:
-        attention = plan_attention(params, batch, attention_backend, grad=grad, dtype=dtype, dropout=attn_p > 0)
+        attention = plan_attention(params, batch, attention_backend, grad=grad, dtype=dtype, dropout=any_attn_p)
     scale = params.scaling
     nh, hd = params.num_attention_heads, params.head_dim
     total = batch.total_tokens
@@ -93,10 +101,13 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     if batch.inputs_embeds is not None:
         x = batch.inputs_embeds
     else:
-        x = F.embedding(batch.input_ids, emb.tok_embeddings.weight)
+        # padding_idx: the pad row gets no gradient, as nn.Embedding(padding_idx=...) in stock
+        x = F.embedding(batch.input_ids, emb.tok_embeddings.weight, emb.tok_embeddings.padding_idx)
+    if grad and not x.requires_grad and any(getattr(h, "__name__", "") == "make_inputs_require_grads"
+                                            for h in emb.tok_embeddings._forward_hooks.values()):
+        x = x.requires_grad_()  # transformers' enable_input_require_grads(), which the embedding's hook does
     x = ops.layer_norm(x, *_norm_args(emb.norm))
-    if training and params.embedding_dropout > 0:
-        x = F.dropout(x, params.embedding_dropout, training=True)
+    x = _dropout(x, emb.drop)
     if hidden_states is not None:
         hidden_states.append(x)
 
@@ -118,15 +129,12 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             window = None
         backend = BACKENDS[attention[window].backend]
         extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
+        attn_p = params.attention_dropout if layer.attn.training else 0.0
         a = backend.fn(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=scale, dropout_p=attn_p,
                        **extra)
-        o = _linear(a.reshape(total, nh * hd), layer.attn.Wo)
-        if attn_p > 0:
-            o = F.dropout(o, attn_p, training=True)
+        o = _dropout(_linear(a.reshape(total, nh * hd), layer.attn.Wo), layer.attn.out_drop)
         x, normed = ops.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
-        g = ops.glu(_linear(normed, layer.mlp.Wi), params.activation)
-        if training and params.mlp_dropout > 0:
-            g = F.dropout(g, params.mlp_dropout, training=True)
+        g = _dropout(ops.glu(_linear(normed, layer.mlp.Wi), params.activation), layer.mlp.drop)
         return x, _linear(g, layer.mlp.Wo)
 
     use_ckpt = gradient_checkpointing and training and grad

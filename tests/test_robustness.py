@@ -1,0 +1,172 @@
+"""What the packed forward cannot reproduce is refused or falls back to stock, never skipped silently."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import packed_encoders as pe
+from tests.conftest import make_model, padded_batch, stock, stock_positions
+
+
+class Wrapped(nn.Linear):
+    """A Linear subclass with its own forward (LoRA-like wrappers and quantised layers look like this)."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.5
+
+
+def _out(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def test_pack_refuses_wrapped_linear_and_hooks():
+    model = make_model("base_like")
+    old = model.layers[1].attn.Wqkv
+    model.layers[1].attn.Wqkv = Wrapped(old.in_features, old.out_features, bias=False)
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers\.1\.attn\.Wqkv is a .*Wrapped"):
+        pe.pack(model)
+    model = make_model("base_like")
+    model.layers[0].mlp.register_forward_hook(lambda m, i, o: o * 0)
+    with pytest.raises(pe.UnsupportedTargetError, match="forward hooks"):
+        pe.pack(model)
+
+
+@pytest.mark.parametrize("change", ["hook", "swap", "prune"])
+def test_changes_after_pack_run_the_stock_forward(change):
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12])
+    if change == "hook":
+        model.layers[2].mlp.register_forward_hook(lambda m, i, o: o * 0)
+    elif change == "swap":
+        old = model.layers[0].mlp.Wo
+        new = Wrapped(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight
+        model.layers[0].mlp.Wo = new
+    else:
+        model.layers = model.layers[:2]
+        model.config.num_hidden_layers = 2
+    with pytest.warns(RuntimeWarning, match="stock forward"):
+        out = _out(model, ids, mask)
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert "stock forward" in pe.describe(model)["encoders"][0]["attention_fallbacks"][0]
+    with pytest.raises(pe.PackedEncodersError, match="cannot run this model"):
+        pe.packed_forward(model, None, ids[0], torch.tensor([0, ids.shape[1]], dtype=torch.int32), ids.shape[1])
+
+
+def test_mc_dropout_modules_are_honoured():
+    model = pe.pack(make_model("base_like", embedding_dropout=0.2, mlp_dropout=0.2))
+    ids, mask = padded_batch([9, 14])
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.train()  # Monte-Carlo dropout: the model stays in eval mode
+    a, b = _out(model, ids, mask), _out(model, ids, mask)
+    assert (a - b).abs().max() > 1e-3
+    model.eval()
+    torch.testing.assert_close(_out(model, ids, mask), _out(model, ids, mask), atol=0, rtol=0)
+
+
+def test_padding_row_gets_no_gradient():
+    model = make_model("base_like")
+    ids = torch.randint(3, 200, (1, 9))
+    ids[0, 2] = model.config.pad_token_id  # the pad id at a real position (a call without a mask)
+    pe.pack(model).train()
+    model(input_ids=ids).last_hidden_state.pow(2).sum().backward()
+    grad = model.embeddings.tok_embeddings.weight.grad
+    assert grad[model.config.pad_token_id].abs().sum() == 0 and grad.abs().sum() > 0
+
+
+def test_resized_embeddings_after_pack():
+    model = pe.pack(make_model("base_like"))
+    model.resize_token_embeddings(260)
+    ids = torch.tensor([[250, 7, 9]])
+    with torch.no_grad():
+        out = model(input_ids=ids).last_hidden_state
+        ref = stock(model, input_ids=ids).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("local_attention", [0, 1, 2, 5])
+def test_tiny_windows_match_stock(local_attention):
+    model = make_model("base_like", local_attention=local_attention)
+    ids, mask = padded_batch([7, 13, 1])
+    with torch.no_grad():
+        ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+        out = _out(pe.pack(model), ids, mask)
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_float_position_ids_are_refused():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([4, 6])
+    with pytest.raises(pe.PackedEncodersError, match="integer"):
+        model(input_ids=ids, attention_mask=mask, position_ids=torch.zeros(2, 6))
+
+
+def test_data_parallel_replicas_run_their_own_weights():
+    model = pe.pack(make_model("base_like"))
+    replica = model._replicate_for_data_parallel()
+    assert replica.forward.module is replica and replica._packed_encoders is not model._packed_encoders
+    ids, mask = padded_batch([5, 8])
+    import copy
+
+    # replicate() also replicates every submodule and rewires them; emulate that, then give the replica
+    # other weights: it must run its own.
+    replica._modules = {k: copy.deepcopy(v) for k, v in model._modules.items()}
+    with torch.no_grad():
+        for p in replica.parameters():
+            p.mul_(2)
+        assert (_out(replica, ids, mask) - _out(model, ids, mask)).abs().max() > 1e-3
+        ref = stock(replica, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(_out(replica, ids, mask)[mask.bool()], ref[mask.bool()], atol=1e-4, rtol=1e-4)
+    pe.unpack(model)
+    assert "_replicate_for_data_parallel" not in model.__dict__
+
+
+def test_question_answering_loss_matches_stock():
+    model = make_model("base_like", cls=transformers.ModernBertForQuestionAnswering)
+    ids, mask = padded_batch([5, 9, 3])
+    kw = dict(input_ids=ids, attention_mask=mask, start_positions=torch.tensor([0, 1, 2]),
+              end_positions=torch.tensor([2, 3, 2]))
+    with torch.no_grad():
+        ref = model(**kw).loss
+        pe.pack(model)
+        assert "computed" in pe.describe(model)["encoders"][0]["padded_outputs"]
+        out = model(**kw).loss
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_clean_calls_do_not_warn():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 8])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _out(model, ids, mask)
+    assert stock_positions is not None
+
+
+def test_swapped_activation_after_pack_runs_stock():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([6, 3])
+    model.layers[1].mlp.act = nn.ReLU()
+    with pytest.warns(RuntimeWarning, match=r"mlp\.act"):
+        out = _out(model, ids, mask)
+    torch.testing.assert_close(out, stock(model, input_ids=ids, attention_mask=mask).last_hidden_state, atol=0, rtol=0)
+
+
+def test_replaced_linear_of_the_same_type_is_read_live():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([6, 3])
+    old = model.layers[1].attn.Wo
+    model.layers[1].attn.Wo = nn.Linear(old.in_features, old.out_features, bias=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = _out(model, ids, mask)
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-4, rtol=1e-4)
