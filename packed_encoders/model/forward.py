@@ -48,6 +48,52 @@ def activation_dtype(model: nn.Module) -> torch.dtype:
     return weight.dtype
 
 
+def _live_inv_freq(model: nn.Module, is_global: bool, params: ModernBertParams):
+    """HF's own inverse-frequency buffer for a layer type, or ``None`` when the model has none we can read.
+
+    transformers v5 keeps ``rotary_emb.{full,sliding}_attention_inv_freq``; v4 one ``rotary_emb.inv_freq`` per
+    attention module. These are buffers, so ``model.to(torch.bfloat16)`` rounds them (and ``.float()`` keeps
+    the rounded values): stock HF then rotates with the rounded frequencies, and so must we to match it."""
+    rotary = getattr(model, "rotary_emb", None)
+    name = "full_attention" if is_global else "sliding_attention"
+    inv = getattr(rotary, f"{name}_inv_freq", None) if rotary is not None else None
+    scaling = getattr(rotary, f"{name}_attention_scaling", 1.0) if rotary is not None else 1.0
+    if inv is None:
+        for index, layer in enumerate(model.layers):
+            if params.layer_is_global[index] == is_global:
+                inv = getattr(getattr(getattr(layer, "attn", None), "rotary_emb", None), "inv_freq", None)
+                break
+    if inv is None or inv.shape[-1] != params.head_dim // 2:
+        return None, 1.0
+    return inv, float(scaling or 1.0)
+
+
+def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) -> dict:
+    """``{is_global: (cos, sin, rows)}``: fp32 tables and the row of each token in them.
+
+    From HF's live ``inv_freq`` buffers: per-token ``cos/sin`` ``[T, head_dim // 2]`` computed on the device as
+    HF does (``position * inv_freq`` in fp32; a few microseconds, no host work, capturable), rows ``arange(T)``.
+    Without a readable buffer: the cached theta tables (:func:`packed_encoders.ops.rope_tables`) indexed by
+    ``position_ids``."""
+    out = {}
+    rows = None
+    for is_global in set(params.layer_is_global):
+        inv, scaling = _live_inv_freq(model, is_global, params)
+        if inv is None:
+            theta = params.rope_theta_global if is_global else params.rope_theta_local
+            cos, sin = rope_tables(theta, params.head_dim, batch.max_position, batch.device)
+            out[is_global] = (cos, sin, batch.position_ids)
+            continue
+        if rows is None:
+            rows = torch.arange(batch.total_tokens, device=batch.device)
+        freqs = batch.position_ids.float()[:, None] * inv.to(device=batch.device, dtype=torch.float32)[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        out[is_global] = (cos, sin, rows)
+    return out
+
+
 def plan_attention(params: ModernBertParams, batch: PackedBatch, requested: str, *, grad: bool,
                    dtype: torch.dtype, dropout: bool, policy: Policy | None = None) -> dict[int | None, Decision]:
     """Resolve the attention backend once per distinct window (global: ``None``) from host-visible shapes."""
@@ -93,9 +139,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     total = batch.total_tokens
     device = batch.device
 
-    tables = {}
-    for theta in {params.rope_theta_global, params.rope_theta_local}:
-        tables[theta] = rope_tables(theta, hd, batch.max_position, device)
+    rope = rope_inputs(model, params, batch)
 
     emb = model.embeddings
     if batch.inputs_embeds is not None:
@@ -122,8 +166,8 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         else:
             normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
         qkv = _linear(normed, layer.attn.Wqkv)
-        cos, sin = tables[params.layer_theta(index)]
-        q, k, v = ops.rope_qkv(qkv, cos, sin, batch.position_ids, nh, hd)
+        cos, sin, rows = rope[params.layer_is_global[index]]
+        q, k, v = ops.rope_qkv(qkv, cos, sin, rows, nh, hd)
         window = params.layer_window(index)
         if window is not None and window >= batch.max_seqlen - 1:
             window = None
