@@ -388,15 +388,19 @@ def test_dropout_in_training_runs_eagerly(cpu_graphs):
     assert _graph_info(model)["fallbacks"] == {B.DROPOUT: 1} and not cpu_graphs
 
 
-def test_positions_beyond_captured_tables_run_eagerly(cpu_graphs):
+def test_far_positions_are_served_by_graphs(cpu_graphs):
+    """RoPE from HF's live inv_freq buffers is computed inside the graph: no table bounds the positions."""
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
     ids, mask = padded([6, 6])
+    far = torch.arange(6)[None].expand(2, 6) + 5000
     with torch.no_grad():
         _forward(model, ids, mask)
-        rows = get_state(model).runtime["graphs"].runners()[0].rope_rows
-        far = torch.arange(6)[None].expand(2, 6) + rows
         out = model(input_ids=ids, attention_mask=mask, position_ids=far).last_hidden_state
-    assert torch.isfinite(out).all() and _graph_info(model)["fallbacks"] == {B.POSITIONS: 1}
+        with pe.no_cuda_graph(model):
+            eager = model(input_ids=ids, attention_mask=mask, position_ids=far).last_hidden_state
+    assert get_state(model).runtime["graphs"].runners()[0].tables == []
+    assert B.POSITIONS not in _graph_info(model).get("fallbacks", {}) and _graph_info(model)["hits"] == 1
+    torch.testing.assert_close(out, eager, atol=2e-5, rtol=2e-5)
 
 
 def test_packed_calls_and_packed_forward_use_graphs(cpu_graphs):

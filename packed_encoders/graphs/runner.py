@@ -16,7 +16,7 @@ import gc
 import torch
 
 from ..batch import PackedBatch
-from ..model.forward import encoder_forward, plan_attention
+from ..model.forward import encoder_forward, live_inv_freq, plan_attention
 from ..ops import rope_tables
 from .buckets import Bucket
 
@@ -56,11 +56,15 @@ class GraphRunner:
             self.cu[1:] = self.steps.clamp(max=t)                  # capture layout: sequences of s tokens
             self.ids = torch.zeros(t, dtype=torch.long, device=device)
             self.pos = torch.arange(t, device=device) % s
-            # Pre-grow the RoPE tables (building them under capture would copy host->device) and keep the
-            # captured ones alive: a later eager call may replace the cached entry with a longer table.
+            # RoPE from HF's live inv_freq buffers is computed inside the graph for any position. Only the
+            # theta-table fallback needs its tables pre-grown (building them under capture would copy
+            # host->device) and kept alive (a later eager call may replace the cached entry); positions past
+            # them run eagerly.
+            needs_tables = any(live_inv_freq(model, g, params)[0] is None for g in set(params.layer_is_global))
             self.tables = [rope_tables(theta, params.head_dim, s, device)
-                           for theta in sorted({params.rope_theta_global, params.rope_theta_local})]
-            self.rope_rows = min(cos.shape[0] for cos, _ in self.tables)
+                           for theta in sorted({params.rope_theta_global, params.rope_theta_local})] \
+                if needs_tables else []
+            self.rope_rows = min(cos.shape[0] for cos, _ in self.tables) if self.tables else 1 << 62
             self.kl = torch.full((n,), s, dtype=torch.int32, device=device) if query_only else None
             batch = PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
                                 position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)

@@ -48,7 +48,7 @@ def activation_dtype(model: nn.Module) -> torch.dtype:
     return weight.dtype
 
 
-def _live_inv_freq(model: nn.Module, is_global: bool, params: ModernBertParams):
+def live_inv_freq(model: nn.Module, is_global: bool, params: ModernBertParams):
     """HF's own inverse-frequency buffer for a layer type, or ``None`` when the model has none we can read.
 
     transformers v5 keeps ``rotary_emb.{full,sliding}_attention_inv_freq``; v4 one ``rotary_emb.inv_freq`` per
@@ -78,7 +78,7 @@ def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) 
     out = {}
     rows = None
     for is_global in set(params.layer_is_global):
-        inv, scaling = _live_inv_freq(model, is_global, params)
+        inv, scaling = live_inv_freq(model, is_global, params)
         if inv is None:
             theta = params.rope_theta_global if is_global else params.rope_theta_local
             cos, sin = rope_tables(theta, params.head_dim, batch.max_position, batch.device)
