@@ -193,6 +193,10 @@ def test_triton_envelope_and_registration():
     assert "head_dim" in env(_w(head_dim=96))
     assert "envelope" in env(_w(max_seqlen=triton_short.MAX_SEQLEN + 1))
     assert env(_w(max_seqlen=triton_short.MAX_SEQLEN)) is None
+    # local layers: the key span per tile is bounded by the window, so any max_seqlen is inside
+    assert env(_w(max_seqlen=8192, window=64)) is None
+    assert "window" in env(_w(max_seqlen=8192, window=triton_short.MAX_LOCAL_WINDOW + 1))
+    assert "envelope" in env(_w(max_seqlen=8192, window=8191))  # a band covering every sequence is global
 
 
 def test_import_does_not_import_triton():

@@ -132,8 +132,9 @@ def test_varied_query_traffic_reuses_few_graphs():
 @pytest.mark.parametrize("kw", [
     dict(max_seqlen=0), dict(max_seqs=-1), dict(max_graphs=0), dict(warmup=0), dict(max_seqlen=True),
     dict(token_multiple=48), dict(token_steps_per_octave=3), dict(seqlen_buckets=(64, 32)),
-    dict(seqlen_buckets=(32, 256)), dict(max_tokens=10 ** 9), dict(precapture=((0, 8),)),
-    dict(precapture=((8, 8 * 128 + 1),)), dict(precapture=((300, 900),)), dict(precapture=((8, 100, 256),)),
+    dict(seqlen_buckets=(32, 4096)), dict(max_seqlen=128, seqlen_buckets=(32, 256)), dict(max_tokens=10 ** 9),
+    dict(precapture=((0, 8),)), dict(max_seqlen=128, precapture=((8, 8 * 128 + 1),)),
+    dict(precapture=((8, 40000),)), dict(precapture=((300, 900),)), dict(max_seqlen=128, precapture=((8, 100, 256),)),
     dict(precapture=((8,),)), dict(max_graphs=2, precapture=((8, 64), (8, 512), (8, 1024))),
 ])
 def test_config_rejects(kw):
@@ -143,8 +144,14 @@ def test_config_rejects(kw):
 
 def test_config_defaults_and_normalize():
     cfg = GraphConfig()
-    assert cfg.max_seqlen == 128 and cfg.token_limit == cfg.max_seqs * 128 and cfg.seqlen_grid == (128,)
-    assert GraphConfig(seqlen_buckets=[32, 64]).seqlen_grid == (32, 64, 128)
+    # queries, passages and documents each get their own seqlen bucket; the token bound caps graph memory
+    assert cfg.max_seqlen == 2048 and cfg.token_limit == 32768 and cfg.seqlen_grid == (128, 512, 2048)
+    assert GraphConfig(max_seqlen=128).seqlen_grid == (128,)
+    assert GraphConfig(max_seqlen=128).token_limit == cfg.max_seqs * 128
+    assert GraphConfig(max_seqlen=300).seqlen_grid == (128, 300)
+    assert GraphConfig(seqlen_buckets=()).seqlen_grid == (2048,)
+    assert GraphConfig(max_seqlen=128, seqlen_buckets=[32, 64]).seqlen_grid == (32, 64, 128)
+    assert GraphConfig(seqlen_buckets=None) == cfg
     assert normalize(None) is None and normalize(False) is None
     assert normalize(True) == GraphConfig()
     assert normalize(cfg) is cfg
@@ -157,6 +164,9 @@ def test_with_precapture_covers_the_range():
     cfg = GraphConfig().with_precapture(8, 8, 1024)
     wanted = {bucket_for(cfg, 8, t, 128) for t in range(8, 1025)}
     assert set(precapture_buckets(cfg)) == wanted and len(wanted) <= cfg.max_graphs
+    docs = GraphConfig().with_precapture(8, 4096, 8192, max_seqlen=2048)
+    wanted = {bucket_for(docs, 8, t, 2048) for t in range(4096, 8193)}
+    assert set(precapture_buckets(docs)) == wanted and all(b.seqlen == 2048 for b in wanted)
 
 
 # --------------------------------------------------------------------------------------------- admission

@@ -6,9 +6,11 @@ Envelope (checked by :func:`envelope`, stated again in ``docs/attention.md``):
 - ``q, k, v`` fp16 or bf16, ``[T, heads, head_dim]`` with ``head_dim`` in :data:`HEAD_DIMS`, any head count,
   unit stride on ``head_dim``; other strides are runtime arguments, so ``v`` may be a view of the fused
   ``[T, 3, heads, head_dim]`` projection;
-- ``max_seqlen <= MAX_SEQLEN``; global or any half window.
+- global layers: ``max_seqlen <= MAX_SEQLEN``; local layers: a half window ``<= MAX_LOCAL_WINDOW`` at any
+  ``max_seqlen`` (a query tile's key span is ``BLOCK_M + 2 * window`` whatever the sequence length, so the
+  kernel's cost per token does not grow with ``max_seqlen`` there).
 
-Past ``MAX_SEQLEN`` the kernel still computes the right answer, but it has neither TMA nor warp
+Past ``MAX_SEQLEN`` on global layers the kernel still computes the right answer, but it has neither TMA nor warp
 specialisation and FlashAttention is expected to win there (``benchmarks/attention.py --beyond-envelope``
 measures it); dispatch never picks it there. ``MAX_SEQLEN`` is to be narrowed to where the H200 sweep shows
 the kernel winning.
@@ -28,6 +30,7 @@ import torch
 from .backends import Backend, Workload, register
 
 MAX_SEQLEN = 1024
+MAX_LOCAL_WINDOW = 512  # half window; ModernBERT's is 64
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634
@@ -107,6 +110,17 @@ def _kernel():
 
 
 @functools.lru_cache(maxsize=None)
+def _fast_kernel():
+    """The kernel behind :class:`~packed_encoders.ops.triton._runtime.FastLauncher` (CUDA launches)."""
+    from triton.runtime.jit import JITFunction
+
+    from ..ops.triton._runtime import FastLauncher
+
+    fn = _kernel()
+    return FastLauncher(fn) if isinstance(fn, JITFunction) else fn
+
+
+@functools.lru_cache(maxsize=None)
 def triton_status() -> str | None:
     """``None`` when the kernel can run on this machine's GPU, else why not."""
     if not torch.cuda.is_available():
@@ -129,8 +143,12 @@ def envelope(w: Workload) -> str | None:
         return f"the Triton attention kernel runs fp16/bf16 (got {w.dtype})"
     if w.head_dim not in HEAD_DIMS:
         return f"the Triton attention kernel supports head_dim {HEAD_DIMS} (got {w.head_dim})"
-    if w.max_seqlen > MAX_SEQLEN:
-        return f"max_seqlen {w.max_seqlen} > {MAX_SEQLEN}, the Triton kernel's envelope (FlashAttention wins there)"
+    local = w.window is not None and w.window < w.max_seqlen - 1
+    if local and w.window > MAX_LOCAL_WINDOW:
+        return f"half window {w.window} > {MAX_LOCAL_WINDOW}, the Triton kernel's envelope for local layers"
+    if not local and w.max_seqlen > MAX_SEQLEN:
+        return f"max_seqlen {w.max_seqlen} > {MAX_SEQLEN}, the Triton kernel's envelope on global layers " \
+               "(FlashAttention wins there)"
     return None
 
 
@@ -198,7 +216,7 @@ def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: flo
     tiles_per_seq = triton_cdiv(max_seqlen, cfg.block_m)
     rows = n * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
     grid = (rows, triton_cdiv(heads, cfg.heads_per_program))
-    _kernel()[grid](
+    (_fast_kernel() if q.is_cuda else _kernel())[grid](
         q, k, v, out, cu_seqlens, cu_seqlens if key_lens is None else key_lens, scale * _LOG2E,
         total, n, max(0, math.ceil(math.log2(n))), int(window) if local else 0, tiles_per_seq, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),

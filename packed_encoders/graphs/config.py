@@ -11,6 +11,10 @@ def _is_pow2(x: int) -> bool:
     return x > 0 and not (x & (x - 1))
 
 
+DEFAULT_MAX_TOKENS = 32768
+DEFAULT_SEQLEN_BUCKETS = (128, 512)
+
+
 @dataclass(frozen=True)
 class GraphConfig:
     """Bounds for serving packed batches from captured CUDA graphs.
@@ -24,14 +28,22 @@ class GraphConfig:
     - seqs: the sequence count rounded up to a power of two (at least ``min_seq_bucket``), plus enough
       dummy-sequence slots to hold the padding tokens in sequences no longer than the bucket's seqlen;
     - seqlen: the smallest entry of ``seqlen_buckets`` (plus ``max_seqlen``) >= the longest sequence.
-      The default is one seqlen bucket: the flash kernels tile queries by 128, so every ``max_seqlen <=
-      128`` costs the same and splitting only multiplies graphs.
+      The defaults: 128 (queries; the kernels tile queries by 64-128 rows, so every ``max_seqlen <= 128``
+      costs the same), 512 (passages; the in-tree Triton kernel's global-layer envelope) and 2048
+      (documents; FlashAttention on global layers). Each seqlen bucket bakes in its own attention plan.
+
+    Documents are served too: with one host sync per call and ~110 launches per forward, a batch of 8
+    documents of ~900 tokens is host-bound in eager mode on an H200 (see ``docs/architecture.md``).
 
     Attributes:
-        max_seqlen: longest sequence served by a graph (default 128: queries).
+        max_seqlen: longest sequence served by a graph (default 2048).
         max_seqs: most (real) sequences per call served by a graph.
-        max_tokens: most real tokens per call; ``None`` means ``max_seqs * max_seqlen``.
-        seqlen_buckets: optional finer seqlen buckets below ``max_seqlen`` (increasing).
+        max_tokens: most real tokens per call; ``None`` (default) means ``min(DEFAULT_MAX_TOKENS,
+            max_seqs * max_seqlen)``. ``DEFAULT_MAX_TOKENS`` = 32768: 256 queries of 128 tokens, or 16
+            documents of 2048; larger batches are GPU-bound, so a graph gains little there while its pool
+            would hold their activations.
+        seqlen_buckets: finer seqlen buckets below ``max_seqlen`` (increasing); ``None`` (default) means the
+            entries of ``DEFAULT_SEQLEN_BUCKETS`` = (128, 512) below ``max_seqlen``, ``()`` none.
         token_multiple, token_steps_per_octave: the token grid (both powers of two).
         min_seq_bucket: smallest sequence-count bucket.
         max_graphs: LRU bound on captured graphs (per encoder).
@@ -47,10 +59,10 @@ class GraphConfig:
             than ``max_graphs``.
     """
 
-    max_seqlen: int = 128
+    max_seqlen: int = 2048
     max_seqs: int = 256
     max_tokens: int | None = None
-    seqlen_buckets: tuple[int, ...] = ()
+    seqlen_buckets: tuple[int, ...] | None = None
     token_multiple: int = 64
     token_steps_per_octave: int = 8
     min_seq_bucket: int = 8
@@ -71,6 +83,8 @@ class GraphConfig:
             if not _is_pow2(getattr(self, name)):
                 raise PackedEncodersError(f"GraphConfig.{name}={getattr(self, name)} must be a power of two "
                                           "(so the token grid is idempotent and nested across octaves)")
+        if self.seqlen_buckets is None:  # the defaults that fit under max_seqlen
+            object.__setattr__(self, "seqlen_buckets", tuple(b for b in DEFAULT_SEQLEN_BUCKETS if b < self.max_seqlen))
         buckets = tuple(int(s) for s in self.seqlen_buckets)
         increasing = list(buckets) == sorted(set(buckets))
         if any(s < 1 for s in buckets) or not increasing or (buckets and buckets[-1] > self.max_seqlen):
@@ -106,8 +120,11 @@ class GraphConfig:
 
     @property
     def token_limit(self) -> int:
-        """The admission bound on real tokens (``max_tokens`` or ``max_seqs * max_seqlen``)."""
-        return self.max_tokens if self.max_tokens is not None else self.max_seqs * self.max_seqlen
+        """The admission bound on real tokens (``max_tokens``, or ``min(DEFAULT_MAX_TOKENS, max_seqs *
+        max_seqlen)``)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return min(DEFAULT_MAX_TOKENS, self.max_seqs * self.max_seqlen)
 
     @property
     def seqlen_grid(self) -> tuple[int, ...]:
@@ -115,15 +132,18 @@ class GraphConfig:
         grid = self.seqlen_buckets
         return grid if grid and grid[-1] == self.max_seqlen else grid + (self.max_seqlen,)
 
-    def with_precapture(self, num_seqs: int, min_tokens: int, max_tokens: int) -> "GraphConfig":
+    def with_precapture(self, num_seqs: int, min_tokens: int, max_tokens: int,
+                        max_seqlen: int | None = None) -> "GraphConfig":
         """A copy that also pre-captures every token bucket from ``min_tokens`` to ``max_tokens`` for
-        ``num_seqs`` sequences (at ``max_seqlen``): e.g. ``(8, 8, 1024)`` for batch-8 queries."""
+        ``num_seqs`` sequences of at most ``max_seqlen`` tokens (default: the first seqlen bucket, 128 by
+        default: queries): e.g. ``(8, 8, 1024)`` for batch-8 queries, ``(8, 4096, 8192, 2048)`` for documents."""
         from .buckets import round_tokens
 
-        hi = min(max_tokens, num_seqs * self.max_seqlen, self.token_limit)
+        seqlen = self.seqlen_grid[0] if max_seqlen is None else int(max_seqlen)
+        hi = min(max_tokens, num_seqs * seqlen, self.token_limit)
         extra, t = [], max(1, min_tokens)
         while t <= hi:
-            extra.append((num_seqs, t))
+            extra.append((num_seqs, t, seqlen))
             t = round_tokens(t, self.token_multiple, self.token_steps_per_octave) + 1
         return replace(self, precapture=tuple(self.precapture) + tuple(extra))
 

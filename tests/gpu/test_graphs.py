@@ -159,7 +159,7 @@ def test_padding_never_reaches_real_tokens(backend):
 
 
 def test_every_fallback_runs_eagerly():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=GraphConfig(max_seqs=8))
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=GraphConfig(max_seqs=8, max_seqlen=128))
     vocab = model.config.vocab_size
     ids, mask = padded([5, 40, 77], vocab)
 
@@ -188,14 +188,32 @@ def test_every_fallback_runs_eagerly():
     assert info(model)["graphs"] == 0
 
 
-def test_documents_run_eagerly_and_match():
+def test_documents_past_the_bounds_run_eagerly_and_match():
     model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
-    ids, mask = padded([2048, 700, 1300], model.config.vocab_size)
+    ids, mask = padded([2049, 700, 1300], model.config.vocab_size)
     with torch.no_grad():
         out = fwd(model, ids, mask)
         with pe.no_cuda_graph(model):
             assert torch.equal(out, fwd(model, ids, mask))
     assert info(model)["fallbacks"] == {B.TOO_LONG: 1, B.SUSPENDED: 1}
+
+
+@pytest.mark.parametrize("lengths", [[2048, 700, 1300], [926, 1100, 880, 1884, 950, 1010, 700, 990], [300, 511, 17]])
+def test_documents_replay_matches_eager(lengths):
+    """The default config serves documents (seqlen buckets 512 and 2048; local layers on the Triton kernel at any
+    max_seqlen, global ones on FlashAttention past 512)."""
+    model = pe.pack(make_model("base"), validate=False, cuda_graph=True)
+    ids, mask = padded(lengths, model.config.vocab_size)
+    with torch.no_grad():
+        out = fwd(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            eager = fwd(model, ids, mask)
+    state = info(model)
+    assert state["graphs"] == 1 and state["fallbacks"] == {B.SUSPENDED: 1}
+    real = mask.bool()
+    cos = torch.nn.functional.cosine_similarity(out[real].float(), eager[real].float(), dim=-1)
+    assert float(cos.min()) > 0.999
+    assert torch.count_nonzero(out[~real]) == 0
 
 
 def test_lru_bound_and_recapture():

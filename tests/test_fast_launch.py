@@ -1,0 +1,108 @@
+"""The Triton fast launcher's cache key and routing (pure host logic; the GPU tests launch through it)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from packed_encoders.ops.triton import _runtime as R  # noqa: E402
+
+
+def _param(name, dns=False, constexpr=False):
+    return SimpleNamespace(name=name, do_not_specialize=dns, is_constexpr=constexpr,
+                           do_not_specialize_on_alignment=False)
+
+
+class FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class FakeJit:
+    """Records Triton-path launches; returns one compiled kernel per distinct key it is asked for."""
+
+    def __init__(self):
+        self.params = [_param("X"), _param("n_rows", dns=True), _param("stride"), _param("eps"),
+                       _param("BLOCK", constexpr=True)]
+        self.pre_run_hooks = []
+        self.slow_calls = 0
+        self.compiled = FakeCompiled()
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.slow_calls += 1
+            return self.compiled
+        return run
+
+
+@pytest.fixture
+def launcher(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    jit = FakeJit()
+    fast = R.FastLauncher(jit)
+    monkeypatch.setattr(R.FastLauncher, "enabled", True)
+    return jit, fast
+
+
+def test_key_separates_what_triton_specialises_on(launcher):
+    _, fast = launcher
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    kw = {"BLOCK": 64}
+    base = fast.key(0, (x, 100, 32, 1e-5), kw)
+    assert fast.key(0, (x, 7, 32, 1e-5), kw) == base                     # n_rows is not specialised on
+    assert fast.key(0, (x, 100, 32, 1e-6), kw) == base                   # floats are not specialised on
+    assert fast.key(0, (x, 1 << 40, 32, 1e-5), kw) != base               # ... but its 32/64-bit type is
+    assert fast.key(0, (x[1:], 100, 32, 1e-5), kw) != base               # 16-byte alignment
+    assert fast.key(0, (x.half(), 100, 32, 1e-5), kw) != base            # dtype
+    assert fast.key(0, (x, 100, 48, 1e-5), kw) == base                   # both divisible by 16
+    assert fast.key(0, (x, 100, 33, 1e-5), kw) != base                   # divisibility by 16
+    assert fast.key(0, (x, 100, 1, 1e-5), kw) != fast.key(0, (x, 100, 33, 1e-5), kw)   # == 1
+    assert fast.key(0, (x, 100, 32, 1e-5), {"BLOCK": 128}) != base       # constexprs by value
+    assert fast.key(1, (x, 100, 32, 1e-5), kw) != base                   # device
+    assert fast.key(0, (x, 100, 32, None), kw) != base
+
+
+def test_first_call_goes_through_triton_then_direct(launcher):
+    jit, fast = launcher
+    x = torch.zeros(64, dtype=torch.float32)
+    fast[(3,)](x, 10, 16, 1e-5, BLOCK=64)
+    assert jit.slow_calls == 1 and jit.compiled.runs == []
+    fast[(5, 2)](x, 11, 32, 1e-5, BLOCK=64)
+    assert jit.slow_calls == 1
+    (args,) = jit.compiled.runs
+    # grid padded to 3-D, the current raw stream, the compiled function, then every argument incl. constexprs
+    assert args[:6] == (5, 2, 1, 1234, "fn", "meta") and args[9:] == (x, 11, 32, 1e-5, 64)
+    fast[(5,)](x[1:], 11, 32, 1e-5, BLOCK=64)                             # misaligned: a new specialisation
+    assert jit.slow_calls == 2
+
+
+def test_hooks_kill_switch_and_other_releases_take_triton_path(launcher, monkeypatch):
+    jit, fast = launcher
+    x = torch.zeros(64)
+    jit.pre_run_hooks.append(lambda *a, **k: None)
+    for _ in range(2):
+        fast[(1,)](x, 1, 16, 1.0, BLOCK=64)
+    assert jit.slow_calls == 2 and jit.compiled.runs == []
+    jit.pre_run_hooks.clear()
+    monkeypatch.setattr(R.FastLauncher, "enabled", False)
+    fast[(1,)](x, 1, 16, 1.0, BLOCK=64)
+    assert jit.slow_calls == 3 and jit.compiled.runs == []
+    monkeypatch.setenv(R.FAST_LAUNCH_ENV, "0")
+    assert R._fast_launch_enabled() is False
+    monkeypatch.delenv(R.FAST_LAUNCH_ENV)
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert R._fast_launch_enabled() is False
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    assert R._fast_launch_enabled() is True
