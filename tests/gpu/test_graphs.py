@@ -314,7 +314,8 @@ def test_precapture_at_pack_and_set_cuda_graph():
     cfg = GraphConfig().with_precapture(8, 8, 512)
     model = pe.pack(make_model("tiny64"), validate=True, cuda_graph=cfg)
     n = info(model)["graphs"]
-    assert n == len(precapture_buckets(cfg))  # the pack-time graph check's bucket is one of them
+    # the pack-time graph check's batch reaches max_seqlen (2048): one more bucket than the precaptured queries
+    assert n == len(precapture_buckets(cfg)) + 1
     assert any(c.startswith("cuda_graph: replay vs eager") for c in get_state(model).report.checks)
     hits = info(model)["hits"]  # the pack-time check replays its (precaptured) bucket once
     ids, mask = padded([30] * 8, model.config.vocab_size)
