@@ -146,6 +146,28 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         checks += [(used & (position_ids < 0)).sum(), big.max() if big.numel() else big.sum()]
     else:
         checks += [torch.zeros((), dtype=torch.long, device=device)] * 2
+
+    # Everything shaped by device values is laid out before the sync, at the padded size B * S: each used
+    # position's packed row is known on the device (cu[b] + offset in its sequence), so the packed stream is
+    # one scatter into a [B * S + 1] buffer (the last row takes every unused position) and the sync leaves
+    # only slicing to do. In graph replay the host waits at the sync for the previous batch; work queued
+    # before it overlaps that wait, work after it does not.
+    cu = torch.zeros(b + 1, dtype=torch.int32, device=device)
+    torch.cumsum(seg, 0, out=cu[1:])
+    flat = b * s
+    offset = torch.arange(s, device=device)[None, :] - first[:, None]
+    dest = torch.where(used, cu[:-1, None].long() + offset, flat).reshape(-1)
+    slots = flat + 1
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_empty((slots, *values.shape[1:]))
+        return out.index_copy_(0, dest, values)
+
+    indices_all = scatter(torch.arange(flat, device=device))
+    pos_all = scatter((position_ids if position_ids is not None else offset.expand(b, s)).reshape(-1))
+    ids_all = None if input_ids is None else scatter(input_ids.reshape(-1))
+    embeds_all = None if inputs_embeds is None else scatter(inputs_embeds.reshape(flat, -1))
+
     stats = torch.cat([seg.long(), torch.stack([c.long() for c in checks])]).tolist()  # the one sync
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
     _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} other values at real tokens)")
@@ -157,23 +179,15 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
 
     total = sum(host_lens)
     max_seqlen = max(host_lens, default=0)
-    cu = torch.zeros(b + 1, dtype=torch.int32, device=device)
-    torch.cumsum(seg, 0, out=cu[1:])
-    seq, pos = _token_coords(cu, total)
-    indices = seq * s + first[seq] + pos
-    if position_ids is not None:
-        pos = position_ids.reshape(-1).index_select(0, indices)
-        max_position = int(max_pos) + 1
-    else:
-        max_position = max_seqlen
+    max_position = int(max_pos) + 1 if position_ids is not None else max_seqlen
     return PackedBatch(
-        input_ids=None if input_ids is None else input_ids.reshape(-1).index_select(0, indices),
-        inputs_embeds=None if inputs_embeds is None else inputs_embeds.reshape(b * s, -1).index_select(0, indices),
+        input_ids=None if ids_all is None else ids_all[:total],
+        inputs_embeds=None if embeds_all is None else embeds_all[:total],
         cu_seqlens=cu,
         max_seqlen=int(max_seqlen),
-        position_ids=pos,
+        position_ids=pos_all[:total],
         max_position=max(int(max_position), 1),
-        indices=indices,
+        indices=indices_all[:total],
         padded_shape=(b, s),
         key_lens=lens.to(torch.int32) if trailing_query_only else None,
     )

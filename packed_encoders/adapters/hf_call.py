@@ -162,7 +162,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
             finish = batch.pad if squeeze is None else (lambda t: squeeze(t.clone()))
             last = graph_forward(model, state, batch, finish, hidden_states=hidden is not None)
         if last is None:
-            out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=_transformers_major() < 5)
+            out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=_transformers_major() < 5,
+                             structure_checked=True)
     if last is None:
         last = reshape(out)
     hidden_t = None if hidden is None else tuple(reshape(h) for h in hidden)
@@ -199,15 +200,20 @@ def _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position
 
 
 def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: list | None = None,
-               hidden_pre_norm_last: bool = False, attention_backend: str | None = None) -> torch.Tensor:
+               hidden_pre_norm_last: bool = False, attention_backend: str | None = None,
+               structure_checked: bool = False) -> torch.Tensor:
     """Run the packed encoder with ``state``'s options; records the attention plan for ``describe()``.
+
+    ``structure_checked``: the caller ran :func:`structure_check` for this call already (the patched forward
+    does, before its sync; checking again would put ~100 µs of host work after it).
 
     Raises:
         PackedEncodersError: the live modules are not what the packed forward reproduces (``adapters.structure``).
     """
-    problem = structure_check(model, state)
-    if problem is not None:
-        raise PackedEncodersError(f"the packed forward cannot run this model: {problem}")
+    if not structure_checked:
+        problem = structure_check(model, state)
+        if problem is not None:
+            raise PackedEncodersError(f"the packed forward cannot run this model: {problem}")
     params = state.params
     grad = torch.is_grad_enabled()
     dropout = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
