@@ -75,7 +75,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
 
     ``target`` may be a ``ModernBertModel``, any ``ModernBertFor*`` head, a SentenceTransformer, a PyLate
     ColBERT, or any ``nn.Module`` holding them. Weights are not copied. Calling ``pack`` again with the same
-    options does nothing; with new options it reconfigures.
+    options does nothing; with other options it reconfigures to exactly those (unset ones take their
+    defaults: ``pack(model)`` after ``pack(model, cuda_graph=True)`` turns graphs off; use
+    :func:`~packed_encoders.set_cuda_graph` to change graphs alone).
 
     Args:
         attention_backend: ``"auto"`` (policy per batch), ``"flash"`` (torch varlen_attn / FlashAttention-4),

@@ -100,6 +100,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     if inputs_embeds is not None and inputs_embeds.dim() != 3:
         raise PackedEncodersError(
             f"inputs_embeds must be [batch, seq_len, hidden]; got shape {tuple(inputs_embeds.shape)}")
+    if input_ids is not None and (input_ids.is_floating_point() or input_ids.is_complex()):
+        raise PackedEncodersError(f"input_ids must be an integer tensor (got {input_ids.dtype})")
     b, s = int(src.shape[0]), int(src.shape[1])
     device = src.device
     for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
@@ -115,6 +117,14 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                 f"position_ids has shape {tuple(position_ids.shape)}; expected {(b, s)} or {(1, s)}")
         position_ids = position_ids.expand(b, s)
 
+    if b == 0 or s == 0:  # nothing to encode (and argmax has no empty-dimension form)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return PackedBatch(
+            input_ids=None if input_ids is None else empty,
+            inputs_embeds=None if inputs_embeds is None else inputs_embeds.reshape(0, inputs_embeds.shape[-1]),
+            cu_seqlens=torch.zeros(b + 1, dtype=torch.int32, device=device), max_seqlen=0, position_ids=empty,
+            max_position=1, indices=empty, padded_shape=(b, s),
+            key_lens=torch.zeros(b, dtype=torch.int32, device=device) if trailing_query_only else None)
     if attention_mask is None:
         real = torch.ones(b, s, dtype=torch.bool, device=device)
         bad_values = torch.zeros((), dtype=torch.long, device=device)

@@ -14,6 +14,7 @@ packed-vs-stock through 22 to 28 random-init fp32 layers on the H200).
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -171,7 +172,12 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     params = state.params
     weight = model.embeddings.tok_embeddings.weight
     device, dtype = weight.device, weight.dtype
-    lengths = tuple(lengths) if lengths is not None else _within_envelope(
+    if lengths is not None:
+        lengths = tuple(int(n) if isinstance(n, numbers.Integral) else n for n in lengths)
+        if not lengths or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in lengths):
+            raise PackedEncodersError(f"validation lengths {list(lengths)!r}: expected a non-empty list of "
+                                      "positive ints (real tokens per row)")
+    lengths = lengths if lengths is not None else _within_envelope(
         _lengths(params.window, device), state.options.attention_backend, params, dtype, device)
     report = EncoderReport(path=path, model_type=params.model_type, device=str(device),
                            dtype=str(dtype).replace("torch.", ""), kernels=state.ops.name, attention={},

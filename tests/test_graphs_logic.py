@@ -15,6 +15,7 @@ import random
 import warnings
 
 import pytest
+from dataclasses import replace
 import torch
 
 import packed_encoders as pe
@@ -152,6 +153,12 @@ def test_config_defaults_and_normalize():
     assert GraphConfig(seqlen_buckets=()).seqlen_grid == (2048,)
     assert GraphConfig(max_seqlen=128, seqlen_buckets=[32, 64]).seqlen_grid == (32, 64, 128)
     assert GraphConfig(seqlen_buckets=None) == cfg
+    assert GraphConfig(max_seqlen=4096).seqlen_grid == (128, 512, 2048, 4096)
+    # unset buckets stay unset, so replace() recomputes them for the new max_seqlen
+    assert replace(cfg, max_seqlen=64).seqlen_grid == (64,)
+    assert replace(GraphConfig(max_seqlen=256), max_seqlen=4096).seqlen_grid == GraphConfig(max_seqlen=4096).seqlen_grid
+    import numpy as np
+    assert GraphConfig(seqlen_buckets=[np.int64(64)], precapture=[(np.int32(8), 100)]).precapture == ((8, 100),)
     assert normalize(None) is None and normalize(False) is None
     assert normalize(True) == GraphConfig()
     assert normalize(cfg) is cfg
@@ -160,10 +167,36 @@ def test_config_defaults_and_normalize():
     assert hash(GraphConfig(precapture=[[8, 64]])) == hash(GraphConfig(precapture=((8, 64),)))
 
 
+@pytest.mark.parametrize("kw", [
+    dict(seqlen_buckets=(1.5,)), dict(seqlen_buckets=128), dict(seqlen_buckets=("128",)),
+    dict(precapture=(8, 512)), dict(precapture=((8.9, 512.5),)), dict(precapture=((8, True),)), dict(precapture=8),
+])
+def test_config_rejects_non_int_entries(kw):
+    with pytest.raises(PackedEncodersError):
+        GraphConfig(**kw)
+
+
+def test_precapture_without_seqlen_takes_the_smallest_bucket_that_fits():
+    cfg = GraphConfig(precapture=((8, 512), (8, 3000), (8, 9000), (8, 100, 2048)))
+    assert [b.seqlen for b in precapture_buckets(cfg)] == [128, 512, 2048, 2048]
+    # the bucket a batch of 8 queries of 64 tokens is served from
+    assert precapture_buckets(cfg)[0] == bucket_for(cfg, 8, 512, 64)
+
+
+@pytest.mark.parametrize("args", [(8, 1024, 8), (0, 8, 64), (-1, 8, 64), (8, 0, 64), (8, 8, 64, 0),
+                                  (8, 8, 20000), (8, 8, 2048, 128), (8.0, 8, 64)])
+def test_with_precapture_rejects_what_it_cannot_serve(args):
+    with pytest.raises(PackedEncodersError):
+        GraphConfig().with_precapture(*args)
+
+
 def test_with_precapture_covers_the_range():
     cfg = GraphConfig().with_precapture(8, 8, 1024)
     wanted = {bucket_for(cfg, 8, t, 128) for t in range(8, 1025)}
     assert set(precapture_buckets(cfg)) == wanted and len(wanted) <= cfg.max_graphs
+    mixed = GraphConfig().with_precapture(8, 8, 2048)   # the 128 bucket up to 1,024 tokens, 512 above
+    assert {b.seqlen for b in precapture_buckets(mixed)} == {128, 512}
+    assert max(e[1] for e in mixed.precapture) > 1024
     docs = GraphConfig().with_precapture(8, 4096, 8192, max_seqlen=2048)
     wanted = {bucket_for(docs, 8, t, 2048) for t in range(4096, 8193)}
     assert set(precapture_buckets(docs)) == wanted and all(b.seqlen == 2048 for b in wanted)

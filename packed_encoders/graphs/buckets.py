@@ -69,7 +69,7 @@ def precapture_buckets(config: GraphConfig) -> list[Bucket]:
     out: list[Bucket] = []
     for entry in config.precapture:
         n, t = entry[:2]
-        s = entry[2] if len(entry) == 3 else config.max_seqlen
+        s = entry[2] if len(entry) == 3 else config.seqlen_for(n, t)
         b = bucket_for(config, n, t, s)
         if b not in out:
             out.append(b)

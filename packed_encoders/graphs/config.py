@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, fields, replace
 
 from ..errors import PackedEncodersError
@@ -12,7 +13,7 @@ def _is_pow2(x: int) -> bool:
 
 
 DEFAULT_MAX_TOKENS = 32768
-DEFAULT_SEQLEN_BUCKETS = (128, 512)
+DEFAULT_SEQLEN_BUCKETS = (128, 512, 2048)
 
 
 @dataclass(frozen=True)
@@ -43,20 +44,23 @@ class GraphConfig:
             documents of 2048; larger batches are GPU-bound, so a graph gains little there while its pool
             would hold their activations.
         seqlen_buckets: finer seqlen buckets below ``max_seqlen`` (increasing); ``None`` (default) means the
-            entries of ``DEFAULT_SEQLEN_BUCKETS`` = (128, 512) below ``max_seqlen``, ``()`` none.
+            entries of ``DEFAULT_SEQLEN_BUCKETS`` = (128, 512, 2048) below ``max_seqlen`` (kept as ``None``,
+            so ``dataclasses.replace(config, max_seqlen=...)`` recomputes them), ``()`` none.
         token_multiple, token_steps_per_octave: the token grid (both powers of two).
         min_seq_bucket: smallest sequence-count bucket.
         max_graphs: LRU bound on captured graphs (per encoder).
         warmup: eager forwards on a side stream before each capture (>= 1: lazy library
             initialisation and kernel compilation must not happen under capture).
-        precapture: buckets captured ahead of traffic, as ``(num_seqs, total_tokens)`` or
-            ``(num_seqs, total_tokens, max_seqlen)``; captured at ``pack``/``set_cuda_graph`` time when the
-            model is on CUDA, else on its first CUDA call, and again after an invalidation.
+        precapture: buckets captured ahead of traffic, as ``(num_seqs, total_tokens, max_seqlen)`` or
+            ``(num_seqs, total_tokens)``, which takes the smallest seqlen bucket that can hold
+            ``total_tokens`` in ``num_seqs`` sequences (``(8, 512)``: the 128 bucket of batch-8 queries);
+            captured at ``pack``/``set_cuda_graph`` time when the model is on CUDA, else on its first CUDA
+            call, and again after an invalidation.
 
     Raises:
         PackedEncodersError: a bound that is not a positive int, a grid parameter that is not a power of two,
-            unsorted ``seqlen_buckets``, a precapture entry outside the bounds, or more precapture buckets
-            than ``max_graphs``.
+            ``seqlen_buckets`` that are not increasing positive ints, a precapture entry that is not 2 or 3
+            ints or lies outside the bounds, or more precapture buckets than ``max_graphs``.
     """
 
     max_seqlen: int = 2048
@@ -83,29 +87,33 @@ class GraphConfig:
             if not _is_pow2(getattr(self, name)):
                 raise PackedEncodersError(f"GraphConfig.{name}={getattr(self, name)} must be a power of two "
                                           "(so the token grid is idempotent and nested across octaves)")
-        if self.seqlen_buckets is None:  # the defaults that fit under max_seqlen
-            object.__setattr__(self, "seqlen_buckets", tuple(b for b in DEFAULT_SEQLEN_BUCKETS if b < self.max_seqlen))
-        buckets = tuple(int(s) for s in self.seqlen_buckets)
-        increasing = list(buckets) == sorted(set(buckets))
-        if any(s < 1 for s in buckets) or not increasing or (buckets and buckets[-1] > self.max_seqlen):
-            raise PackedEncodersError(f"GraphConfig.seqlen_buckets={self.seqlen_buckets!r} must be strictly "
-                                      f"increasing positive ints <= max_seqlen={self.max_seqlen}")
-        object.__setattr__(self, "seqlen_buckets", buckets)
+        if self.seqlen_buckets is not None:
+            buckets = _int_tuple(self.seqlen_buckets, "seqlen_buckets")
+            increasing = list(buckets) == sorted(set(buckets))
+            if any(v < 1 for v in buckets) or not increasing or (buckets and buckets[-1] > self.max_seqlen):
+                raise PackedEncodersError(f"GraphConfig.seqlen_buckets={self.seqlen_buckets!r} must be strictly "
+                                          f"increasing positive ints <= max_seqlen={self.max_seqlen}")
+            object.__setattr__(self, "seqlen_buckets", buckets)
         if self.max_tokens is not None and self.max_tokens > self.max_seqs * self.max_seqlen:
             raise PackedEncodersError(f"GraphConfig.max_tokens={self.max_tokens} exceeds max_seqs * max_seqlen "
                                       f"= {self.max_seqs * self.max_seqlen}: no call could reach it")
+        try:
+            raw = list(self.precapture)
+        except TypeError:
+            raise PackedEncodersError(f"GraphConfig.precapture={self.precapture!r}: expected a sequence of "
+                                      "(num_seqs, total_tokens[, max_seqlen]) tuples") from None
         entries = []
-        for entry in self.precapture:
-            entry = tuple(int(v) for v in entry)
+        for item in raw:
+            entry = _int_tuple(item, "precapture entry")
             if len(entry) not in (2, 3):
-                raise PackedEncodersError(f"GraphConfig.precapture entry {entry!r}: expected (num_seqs, total_tokens) "
+                raise PackedEncodersError(f"GraphConfig.precapture entry {item!r}: expected (num_seqs, total_tokens) "
                                           "or (num_seqs, total_tokens, max_seqlen)")
             n, t = entry[:2]
-            s = entry[2] if len(entry) == 3 else self.max_seqlen
+            s = entry[2] if len(entry) == 3 else self.seqlen_for(n, t)
             if not (1 <= n <= self.max_seqs and 1 <= s <= self.max_seqlen and 1 <= t <= self.token_limit
                     and t <= n * s):
                 raise PackedEncodersError(
-                    f"GraphConfig.precapture entry {entry!r} is outside the bounds (1 <= num_seqs <= {self.max_seqs}, "
+                    f"GraphConfig.precapture entry {item!r} is outside the bounds (1 <= num_seqs <= {self.max_seqs}, "
                     f"1 <= max_seqlen <= {self.max_seqlen}, 1 <= total_tokens <= min({self.token_limit}, "
                     "num_seqs * max_seqlen))")
             entries.append(entry)
@@ -129,23 +137,56 @@ class GraphConfig:
     @property
     def seqlen_grid(self) -> tuple[int, ...]:
         """Every seqlen bucket, increasing; the last is ``max_seqlen``."""
-        grid = self.seqlen_buckets
+        if self.seqlen_buckets is None:
+            grid = tuple(b for b in DEFAULT_SEQLEN_BUCKETS if b < self.max_seqlen)
+        else:
+            grid = self.seqlen_buckets
         return grid if grid and grid[-1] == self.max_seqlen else grid + (self.max_seqlen,)
+
+    def seqlen_for(self, num_seqs: int, total_tokens: int) -> int:
+        """The smallest seqlen bucket that can hold ``total_tokens`` in ``num_seqs`` sequences (``max_seqlen``
+        when none can): what a precapture entry without a seqlen means."""
+        return next((s for s in self.seqlen_grid if num_seqs * s >= total_tokens), self.max_seqlen)
 
     def with_precapture(self, num_seqs: int, min_tokens: int, max_tokens: int,
                         max_seqlen: int | None = None) -> "GraphConfig":
-        """A copy that also pre-captures every token bucket from ``min_tokens`` to ``max_tokens`` for
-        ``num_seqs`` sequences of at most ``max_seqlen`` tokens (default: the first seqlen bucket, 128 by
-        default: queries): e.g. ``(8, 8, 1024)`` for batch-8 queries, ``(8, 4096, 8192, 2048)`` for documents."""
+        """A copy that also pre-captures every token bucket from ``min_tokens`` to ``max_tokens`` for ``num_seqs``
+        sequences: e.g. ``(8, 8, 1024)`` for batch-8 queries, ``(8, 4096, 16384, 2048)`` for documents. Without
+        ``max_seqlen`` each entry takes :meth:`seqlen_for` (so ``(8, 8, 2048)`` uses the 128 bucket up to
+        1,024 tokens and the 512 bucket above).
+
+        Raises:
+            PackedEncodersError: ``num_seqs`` or ``min_tokens`` below 1, ``max_tokens < min_tokens``, or a range
+                the bounds cannot serve (``max_tokens`` past ``token_limit`` or ``num_seqs * max_seqlen``).
+        """
         from .buckets import round_tokens
 
-        seqlen = self.seqlen_grid[0] if max_seqlen is None else int(max_seqlen)
-        hi = min(max_tokens, num_seqs * seqlen, self.token_limit)
-        extra, t = [], max(1, min_tokens)
+        n, lo, hi = (_int_tuple((num_seqs, min_tokens, max_tokens), "with_precapture arguments"))
+        seqlen = None if max_seqlen is None else _int_tuple((max_seqlen,), "with_precapture max_seqlen")[0]
+        if n < 1 or lo < 1 or hi < lo:
+            raise PackedEncodersError(f"with_precapture({num_seqs}, {min_tokens}, {max_tokens}): needs num_seqs >= 1 "
+                                      "and 1 <= min_tokens <= max_tokens")
+        cap = min(self.token_limit, n * (self.max_seqlen if seqlen is None else seqlen))
+        if hi > cap:
+            raise PackedEncodersError(f"with_precapture: max_tokens={hi} is past what {n} sequences can be served "
+                                      f"with here ({cap} tokens: token_limit {self.token_limit}, max_seqlen "
+                                      f"{self.max_seqlen if seqlen is None else seqlen})")
+        extra, t = [], lo
         while t <= hi:
-            extra.append((num_seqs, t, seqlen))
+            extra.append((n, t, self.seqlen_for(n, t) if seqlen is None else seqlen))
             t = round_tokens(t, self.token_multiple, self.token_steps_per_octave) + 1
         return replace(self, precapture=tuple(self.precapture) + tuple(extra))
+
+
+def _int_tuple(values, what: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ints; bools, floats, strings or a non-sequence raise a named error."""
+    try:
+        items = tuple(values)
+    except TypeError:
+        raise PackedEncodersError(f"GraphConfig {what} {values!r}: expected a sequence of ints") from None
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in items):
+        raise PackedEncodersError(f"GraphConfig {what} {values!r}: expected ints")
+    return tuple(int(v) for v in items)
 
 
 def normalize(option) -> GraphConfig | None:

@@ -186,8 +186,13 @@ def no_cuda_graph(model):
     """Run every packed encoder inside ``model`` eagerly within the block (model-wide, all threads; nests).
 
     Captured graphs are kept and serve again after the block.
+
+    Raises:
+        PackedEncodersError: ``model`` has no packed encoder.
     """
     states = [s for _, s in _packed_states(model)]
+    if not states:
+        raise PackedEncodersError("no_cuda_graph: no packed ModernBERT encoder inside the model; call pe.pack first")
     with _RUNTIME_LOCK:
         for s in states:
             s.runtime["graphs_suspended"] = s.runtime.get("graphs_suspended", 0) + 1
