@@ -102,8 +102,9 @@ class FastLauncher:
     ``== 1`` / ``% 16 == 0`` / 32-bit range (range only for ``do_not_specialize`` ones), floats as floats, and
     the keyword arguments (constexprs, ``num_warps``, ``num_stages``) by value. Kernels here read no mutable
     globals. Launch hooks (profilers such as proton) and pre-run hooks take Triton's path; so does everything
-    when ``PACKED_ENCODERS_TRITON_FAST_LAUNCH=0`` or ``FastLauncher.enabled`` is False (read per call) and on
-    Triton releases other than :data:`FAST_LAUNCH_TRITON`.
+    when ``FastLauncher.enabled`` is False (read per call; its default comes from
+    ``PACKED_ENCODERS_TRITON_FAST_LAUNCH``, read on first use, and is False on Triton releases other than
+    :data:`FAST_LAUNCH_TRITON`).
     """
 
     enabled: bool | None = None  # class-wide switch; None: decided on first use from the environment
