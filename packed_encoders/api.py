@@ -91,8 +91,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             using masked query expansion (PyLate, sentence-transformers v6).
         validation_lengths: override the validation batch's lengths.
         cuda_graph: ``None``/``False`` (off), ``True`` (``GraphConfig()``: sequences up to 2,048 tokens and
-            calls up to 32k tokens, any backend), or a :class:`~packed_encoders.GraphConfig`. Inference calls within its bounds replay
-            captured CUDA graphs; everything else runs eagerly (see :mod:`packed_encoders.graphs`).
+            calls up to 32k tokens, any backend), or a :class:`~packed_encoders.GraphConfig`. Inference calls
+            within its bounds replay captured CUDA graphs; everything else runs eagerly (see
+            :mod:`packed_encoders.graphs`).
             ``GraphConfig.precapture`` buckets are captured here when the model is on CUDA.
 
     Returns:
