@@ -6,7 +6,6 @@ sequences/s and real (non-pad) tokens/s.
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import json
 import os
 import platform
@@ -25,17 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python benchmarks/x.py` as well as `python -m benchmarks.x`
     sys.path.insert(0, str(ROOT))
 
+from packed_encoders.calibrate import dist_version  # noqa: E402
+
 
 # ------------------------------------------------------------------------------------ environment
-
-def _version(*dists: str) -> str | None:
-    for d in dists:
-        try:
-            return md.version(d)
-        except md.PackageNotFoundError:
-            continue
-    return None
-
 
 def _git_sha() -> str | None:
     """``git rev-parse`` of the checkout (``-dirty`` if tracked files changed); ``$PE_GIT_SHA`` overrides it
@@ -67,14 +59,14 @@ def environment(device: str) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "transformers": _version("transformers"),
-        "sentence_transformers": _version("sentence-transformers"),
-        "pylate": _version("pylate"),
-        "triton": _version("triton", "pytorch-triton"),
-        "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "fa4": _version("flash-attn-4", "flash-attn-cute", "flash_attn_cute", "flash-attn", "flash_attn"),
-        "quack": _version("quack-kernels", "quack"),
-        "packed_encoders": _version("packed-encoders") or _module_version("packed_encoders"),
+        "transformers": dist_version("transformers"),
+        "sentence_transformers": dist_version("sentence-transformers"),
+        "pylate": dist_version("pylate"),
+        "triton": dist_version("triton", "pytorch-triton"),
+        "cutlass_dsl": dist_version("nvidia-cutlass-dsl"),
+        "fa4": dist_version("flash-attn-4", "flash-attn-cute", "flash_attn_cute", "flash-attn", "flash_attn"),
+        "quack": dist_version("quack-kernels", "quack"),
+        "packed_encoders": dist_version("packed-encoders") or _module_version("packed_encoders"),
         "git_sha": _git_sha(),
         "device": device,
         "cpu": platform.processor() or platform.machine(),

@@ -68,15 +68,9 @@ def make_workloads(vocab: int, device):
 
 
 def _versions() -> dict:
-    import importlib.metadata as md
-
     import torch
 
-    def ver(name):
-        try:
-            return md.version(name)
-        except md.PackageNotFoundError:
-            return None
+    from packed_encoders.calibrate import dist_version as ver
 
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],

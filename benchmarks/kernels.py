@@ -42,20 +42,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from packed_encoders.calibrate import dist_version  # noqa: E402
+
 HIDDEN, HEADS, HEAD_DIM, INNER = 768, 12, 64, 1152
 DTYPE = torch.bfloat16
 
 
 # ------------------------------------------------------------------------------------------------ environment
-
-
-def _version(dist: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(dist)
-    except Exception:
-        return None
 
 
 def environment() -> dict:
@@ -69,9 +62,9 @@ def environment() -> dict:
     return {
         "gpu": props.name, "sm": f"sm_{props.major}{props.minor}", "sms": props.multi_processor_count,
         "driver": run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": _version("triton"),
-        "transformers": _version("transformers"), "cutlass_dsl": _version("nvidia-cutlass-dsl"),
-        "quack": _version("quack-kernels"), "git_sha": os.environ.get("PE_GIT_SHA") or run(["git", "rev-parse", "HEAD"]),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": dist_version("triton"),
+        "transformers": dist_version("transformers"), "cutlass_dsl": dist_version("nvidia-cutlass-dsl"),
+        "quack": dist_version("quack-kernels"), "git_sha": os.environ.get("PE_GIT_SHA") or run(["git", "rev-parse", "HEAD"]),
     }
 
 

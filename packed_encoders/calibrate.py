@@ -247,18 +247,21 @@ def _sweep_point(grad, heads, head_dim, window, smax, total, dtype, device, timi
     return out
 
 
+def dist_version(*dists: str) -> str | None:
+    """The installed version of the first of ``dists`` (distribution names) that is installed, else ``None``."""
+    import importlib.metadata as md
+
+    for d in dists:
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
 def environment(device) -> dict:
     """GPU, driver and library versions for result rows."""
-    import importlib.metadata as md
     import subprocess
-
-    def version(*dists):
-        for d in dists:
-            try:
-                return md.version(d)
-            except md.PackageNotFoundError:
-                continue
-        return None
 
     def run(cmd):
         try:
@@ -272,7 +275,7 @@ def environment(device) -> dict:
         triton_version = triton.__version__
     except Exception:
         triton_version = None
-    fa4 = version("flash-attn-4", "flash_attn_4", "flash-attn")
+    fa4 = dist_version("flash-attn-4", "flash_attn_4", "flash-attn")
     if fa4 is None:
         try:
             import flash_attn
@@ -282,7 +285,7 @@ def environment(device) -> dict:
             pass
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "triton": triton_version, "flash_attn": fa4,
-           "cutlass_dsl": version("nvidia-cutlass-dsl"), "git_sha": run(["git", "rev-parse", "HEAD"])}
+           "cutlass_dsl": dist_version("nvidia-cutlass-dsl"), "git_sha": run(["git", "rev-parse", "HEAD"])}
     if device is not None and torch.device(device).type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["capability"] = list(torch.cuda.get_device_capability(device))
