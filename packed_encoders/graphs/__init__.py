@@ -26,9 +26,11 @@ call removes that floor. Design, and why:
 from .buckets import Bucket, admit, bucket_for, round_seqs, round_tokens
 from .config import GraphConfig, normalize
 from .manager import GraphManager
-from .route import describe_graphs, graph_forward, no_cuda_graph, precapture_encoders, set_cuda_graph
+from .route import (check_errors, describe_graphs, graph_forward, no_cuda_graph, precapture_encoders,
+                    set_cuda_graph)
 
 __all__ = [
-    "Bucket", "GraphConfig", "GraphManager", "admit", "bucket_for", "describe_graphs", "graph_forward",
-    "no_cuda_graph", "normalize", "precapture_encoders", "round_seqs", "round_tokens", "set_cuda_graph",
+    "Bucket", "GraphConfig", "GraphManager", "admit", "bucket_for", "check_errors", "describe_graphs",
+    "graph_forward", "no_cuda_graph", "normalize", "precapture_encoders", "round_seqs", "round_tokens",
+    "set_cuda_graph",
 ]
