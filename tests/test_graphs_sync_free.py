@@ -336,6 +336,21 @@ def test_sync_free_serves_padded_calls(cpu_graphs):
     assert get_state(model).last_plan, "the attention plan is recorded for describe()"
 
 
+def test_inference_mode_then_no_grad(cpu_graphs):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
+    ids, mask = padded([5, 17, 33])
+    bad = ids.clone()
+    bad[0, 0] = VOCAB
+    with torch.inference_mode():
+        a = fwd(model, ids, mask)            # runner, slots and buffers first created under inference mode
+        fwd(model, bad, mask)
+    with torch.no_grad():
+        with pytest.raises(PackedEncodersError, match="call #2"):
+            fwd(model, ids, mask)
+        b = fwd(model, ids, mask)
+    assert torch.equal(a, b) and info(model)["misses"] == 1
+
+
 def test_outside_the_envelope_takes_the_synced_path(cpu_graphs, monkeypatch):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=GraphConfig(sync_free=True, max_seqlen=64, max_seqs=4))
     ids, mask = padded([5, 17, 33])

@@ -107,7 +107,8 @@ class DeferredChecks:
         if self._pending:  # the model moved device: wait for what is still in flight on the old one
             self._harvest(wait=True)
         pinned = device.type == "cuda"
-        self._host = torch.zeros(SLOTS, len(CHECKS), dtype=torch.long, pin_memory=pinned)
+        with torch.inference_mode(False):  # a normal tensor: written by calls in and out of inference mode
+            self._host = torch.zeros(SLOTS, len(CHECKS), dtype=torch.long, pin_memory=pinned)
         self._device = device
         self._events = [make_event(device) for _ in range(SLOTS)]
         self._free = list(range(SLOTS - 1, -1, -1))
@@ -121,7 +122,8 @@ class DeferredChecks:
                 self._harvest(wait=True, oldest_only=True)
             slot = self._free.pop()
             self._host[slot].copy_(flags, non_blocking=True)
-            self._events[slot].record()
+            # on the stream the copy was queued on (the flags' device), whatever the current device
+            self._events[slot].record(torch.cuda.current_stream(flags.device) if flags.is_cuda else None)
             self.calls += 1
             self._pending.append(_Pending(slot, self.calls, shape, vocab))
             return self.calls
