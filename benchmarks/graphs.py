@@ -1,6 +1,7 @@
 """CUDA graphs for short-sequence inference: stock HF sdpa vs pe.pack eager vs pe.pack with graphs.
 
-    python benchmarks/graphs.py                 # stock, eager, graphs (lazy), graphs (pre-captured); < 5 min
+    python benchmarks/graphs.py                 # stock, eager, graphs (lazy), graphs (pre-captured),
+                                                # graphs_sync_free (GraphConfig(sync_free=True)); < 6 min
     python benchmarks/graphs.py --compile       # + torch.compile(max-autotune, dynamic=True), minutes more
     python benchmarks/graphs.py --variants graphs --out /tmp/g.json
 
@@ -16,7 +17,10 @@ GPU, the output a padded ``last_hidden_state``); sequences/s is the median. The 
 pack() -> first batch served (fresh process, validation and capture included), capture seconds, graph
 memory (the graph pool's segments, exact; and the growth of ``memory_reserved`` from before pack() to after
 the query workloads, an upper bound that includes validation), and documents with graphs on vs off,
-interleaved in one process (documents exceed max_seqlen, so "on" must not be slower).
+interleaved in one process (documents exceed max_seqlen, so "on" must not be slower). ``graphs_sync_free``
+serves padded calls from rectangular graphs with no host sync (``GraphConfig(sync_free=True)``): its timed
+passes issue every batch before the one closing synchronize, so host and GPU overlap as under
+``torch.compile``; it also records the sync-free fallbacks and checks that no input error was deferred.
 Rows go to ``--out`` as JSON with GPU, driver, library versions and the git sha.
 """
 
@@ -34,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("stock", "eager", "graphs", "graphs_warm")
+VARIANTS = ("stock", "eager", "graphs", "graphs_warm", "graphs_sync_free")
 WORKLOADS = {  # name: (batch size, number of batches, median, sigma, lo, hi)
     "queries_b8": (8, 48, 30, 0.5, 4, 128),
     "queries_b128": (128, 8, 30, 0.5, 4, 128),
@@ -141,8 +145,8 @@ def worker(variant: str, trials: int) -> dict:
             packed(first_ids, first_mask)
             torch.cuda.synchronize()
             row["pack_to_first_batch_s"] = round(time.perf_counter() - t0, 3)
-        elif variant in ("graphs", "graphs_warm"):
-            cfg = pe.GraphConfig()
+        elif variant in ("graphs", "graphs_warm", "graphs_sync_free"):
+            cfg = pe.GraphConfig(sync_free=variant == "graphs_sync_free")
             if variant == "graphs_warm":  # every token bucket batch-8 queries can reach
                 cfg = cfg.with_precapture(8, 8, 8 * 128)
             reserved0 = torch.cuda.memory_reserved()
@@ -187,19 +191,23 @@ def worker(variant: str, trials: int) -> dict:
             row["graph_state"] = {k: g.get(k) for k in ("graphs", "hits", "misses", "evictions", "capture_seconds",
                                                           "fallbacks", "capture_failures", "pool_reserved_bytes",
                                                           "static_bytes")}
-            row["graph_buckets"] = [(b["tokens"], b["seqs"], b["seqlen"], b["attention"]) for b in g["buckets"]]
+            row["graph_buckets"] = [(b["tokens"], b["seqs"], b["seqlen"], b["attention"], b.get("layout", "packed"))
+                                    for b in g["buckets"]]
+            if variant == "graphs_sync_free":
+                pe.check_errors(model, wait=True)  # the benchmark's inputs are valid: nothing may be deferred
+                row["sync_free"] = pe.describe(model)["encoders"][0]["cuda_graph"]["sync_free"]
     row["max_reserved_bytes"] = torch.cuda.max_memory_reserved()
     return row
 
 
 def _summary(rows: list[dict]) -> str:
     by = {r["variant"]: r for r in rows}
-    lines = [f"{'variant':<12}" + "".join(f"{w:>16}" for w in WORKLOADS) + f"{'pack->1st (s)':>16}"]
+    lines = [f"{'variant':<17}" + "".join(f"{w:>16}" for w in WORKLOADS) + f"{'pack->1st (s)':>16}"]
     for v, r in by.items():
-        lines.append(f"{v:<12}" + "".join(f"{r['results'][w]['seq_per_s']:>16,.0f}" for w in WORKLOADS)
+        lines.append(f"{v:<17}" + "".join(f"{r['results'][w]['seq_per_s']:>16,.0f}" for w in WORKLOADS)
                      + f"{r.get('pack_to_first_batch_s', float('nan')):>16}")
     stock = by.get("stock")
-    for v in ("graphs", "graphs_warm"):
+    for v in ("graphs", "graphs_warm", "graphs_sync_free"):
         r = by.get(v)
         if r is None:
             continue
@@ -216,6 +224,11 @@ def _summary(rows: list[dict]) -> str:
                      f"{r['pack_to_first_batch_s']} s (<= 10 s); {gs.get('graphs')} graphs, capture "
                      f"{gs.get('capture_seconds')} s, pool {gs.get('pool_reserved_bytes')} B, reserved growth "
                      f"{r.get('reserved_growth_bytes')} B")
+    sf, gr = by.get("graphs_sync_free"), by.get("graphs")
+    if sf and gr:
+        lines.append("graphs_sync_free / graphs: " + ", ".join(
+            f"{w} {sf['results'][w]['seq_per_s'] / gr['results'][w]['seq_per_s']:.2f}x" for w in WORKLOADS)
+            + f"; sync-free fallbacks {sf.get('sync_free', {}).get('fallbacks')}")
     return "\n".join(lines)
 
 

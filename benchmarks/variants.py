@@ -1,17 +1,19 @@
 """The variants every runner compares, each run in a fresh process.
 
-==============  ==========================================================================================
-variant         what runs
-==============  ==========================================================================================
-hf_eager        stock HF, ``attn_implementation="eager"``
-hf_sdpa         stock HF, ``attn_implementation="sdpa"`` (the baseline users get by default)
-compile         stock HF sdpa with ``torch.compile(mode="max-autotune", dynamic=True)`` on the encoder,
-                cold caches (fresh process, fresh inductor cache dir); compile cost is in ``first_pass_s``
-pack            ``pe.pack(target)`` (default options), same padded calls as stock
-pack_<backend>  ``pe.pack(target, attention_backend=<backend>)`` for sdpa / varlen / fa4 / triton
-pack_graphs     ``pe.pack(target, cuda_graph=True)`` where this build has it
-packed          ``pe.pack(target)`` then ``pe.packed_forward`` on batches from a padding-free collator
-==============  ==========================================================================================
+=====================  ===================================================================================
+variant                what runs
+=====================  ===================================================================================
+hf_eager               stock HF, ``attn_implementation="eager"``
+hf_sdpa                stock HF, ``attn_implementation="sdpa"`` (the baseline users get by default)
+compile                stock HF sdpa with ``torch.compile(mode="max-autotune", dynamic=True)`` on the encoder,
+                       cold caches (fresh process, fresh inductor cache dir); compile cost is in ``first_pass_s``
+pack                   ``pe.pack(target)`` (default options), same padded calls as stock
+pack_<backend>         ``pe.pack(target, attention_backend=<backend>)`` for sdpa / varlen / fa4 / triton
+pack_graphs            ``pe.pack(target, cuda_graph=True)`` where this build has it
+pack_graphs_sync_free  ``pe.pack(target, cuda_graph=GraphConfig(sync_free=True))``: rectangular graphs with no
+                       host sync per padded call (input errors reported one call late), where this build has it
+packed                 ``pe.pack(target)`` then ``pe.packed_forward`` on batches from a padding-free collator
+=====================  ===================================================================================
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import torch
 from benchmarks.common import segment_mean
 
 BACKEND_VARIANTS = ("pack_sdpa", "pack_varlen", "pack_fa4", "pack_triton")
-VARIANTS = ("hf_eager", "hf_sdpa", "compile", "pack", *BACKEND_VARIANTS, "pack_graphs", "packed")
+VARIANTS = ("hf_eager", "hf_sdpa", "compile", "pack", *BACKEND_VARIANTS, "pack_graphs", "pack_graphs_sync_free",
+            "packed")
 # Variants whose first-pass time is a result (compile / capture): a fresh process per endpoint too.
-COLD_START_VARIANTS = ("compile", "pack_graphs")
+COLD_START_VARIANTS = ("compile", "pack_graphs", "pack_graphs_sync_free")
 # The default sweep of ``--quick`` on CPU (a smoke run: each child costs ~15 s of imports there).
 QUICK_CPU_VARIANTS = ("hf_sdpa", "pack", "packed")
 
@@ -56,9 +59,11 @@ def why_skip(variant: str, device: str, dtype: torch.dtype, config, quick: bool,
     smoke = quick and not device.startswith("cuda") and not explicit
     if variant == "compile" and smoke:
         return "skipped under --quick on CPU: a cold torch.compile(max-autotune) builds C++ kernels for minutes"
-    if variant == "pack_graphs":
+    if variant in ("pack_graphs", "pack_graphs_sync_free"):
         if "cuda_graph" not in inspect.signature(pe.pack).parameters:
             return "not available: pe.pack(cuda_graph=...) does not exist in this build"
+        if variant == "pack_graphs_sync_free" and "sync_free" not in getattr(pe.GraphConfig, "__dataclass_fields__", {}):
+            return "not available: GraphConfig(sync_free=...) does not exist in this build"
         if not device.startswith("cuda"):
             return "CUDA graphs need a CUDA device"
     if variant in BACKEND_VARIANTS:
@@ -105,6 +110,8 @@ def apply_variant(variant: str, family) -> Applied:
                        time.perf_counter() - t0, info)
     if variant == "pack_graphs":
         pe.pack(family.target, cuda_graph=True)
+    elif variant == "pack_graphs_sync_free":
+        pe.pack(family.target, cuda_graph=pe.GraphConfig(sync_free=True))
     elif variant.startswith("pack_"):
         pe.pack(family.target, attention_backend=variant.removeprefix("pack_"))
     else:  # pack, packed

@@ -9,7 +9,7 @@ Importing this package needs only torch; it compiles nothing and works without C
 
 from .api import describe, is_packed, pack, packed_forward, unpack
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
-from .graphs import GraphConfig, no_cuda_graph, set_cuda_graph
+from .graphs import GraphConfig, check_errors, no_cuda_graph, set_cuda_graph
 from .model.params import ModernBertParams
 from .validation import ValidationReport, validate
 
@@ -17,5 +17,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GraphConfig", "ModernBertParams", "PackedEncodersError", "UnsupportedTargetError", "ValidationError", "ValidationReport",
-    "describe", "is_packed", "no_cuda_graph", "pack", "packed_forward", "set_cuda_graph", "unpack", "validate",
+    "check_errors", "describe", "is_packed", "no_cuda_graph", "pack", "packed_forward", "set_cuda_graph", "unpack", "validate",
 ]

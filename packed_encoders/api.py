@@ -14,7 +14,7 @@ from .batch import from_packed
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .graphs.config import normalize as normalize_graph_option
 from .graphs.check import check_graph_path
-from .graphs.route import describe_graphs, graph_forward, precapture_encoders
+from .graphs.route import describe_graphs, graph_forward, poll_deferred, precapture_encoders
 from .model.params import ModernBertParams
 from .ops.select import select_ops
 
@@ -211,7 +211,10 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
     from .adapters.hf_call import run_packed
 
     encoder = _single_encoder(model)
-    state = get_state(encoder) or _make_state(encoder, PackOptions())
+    state = get_state(encoder)
+    if state is not None:
+        poll_deferred(state)  # input errors of earlier sync-free graph calls (never waits)
+    state = state or _make_state(encoder, PackOptions())
     if params is not None and params != state.params:
         raise PackedEncodersError("params do not match the model's config (ModernBertParams.from_hf_config)")
     if (packed_ids is None) == (inputs_embeds is None):

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..batch import PackedBatch, from_packed, unpad
 from ..errors import PackedEncodersError
-from ..graphs.route import graph_forward
+from ..graphs.route import graph_forward, poll_deferred, sync_free_forward
 from ..model.forward import activation_dtype, encoder_forward, plan_attention
 from .structure import snapshot, structure_problem
 
@@ -87,6 +87,7 @@ def structure_check(model: nn.Module, state) -> str | None:
 def hf_forward(model: nn.Module, *args, **kwargs):
     """Drop-in for ``type(model).forward(model, *args, **kwargs)`` running the packed path."""
     state = model._packed_encoders
+    poll_deferred(state)  # input errors of earlier sync-free graph calls (GraphConfig.sync_free); never waits
     problem = structure_check(model, state)
     if problem is not None:
         return _stock_fallback(model, state, problem, args, kwargs)
@@ -143,6 +144,14 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     else:
         width = src.shape[1]
         trailing = state.trailing_max_len is not None and attention_mask is not None and width <= state.trailing_max_len
+        graphs = state.options.cuda_graph
+        if graphs is not None and graphs.sync_free:  # no host sync: unpads inside a rectangular graph
+            last = sync_free_forward(model, state, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                                     attention_mask=attention_mask, position_ids=position_ids,
+                                     token_type_ids=token_type_ids, trailing=trailing,
+                                     hidden_states=output_hidden_states)
+            if last is not None:
+                return _output(model, last, None, return_dict)
         batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                       position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=vocab_size,
                       trailing_query_only=trailing)

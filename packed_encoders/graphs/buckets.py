@@ -132,3 +132,92 @@ def admit(config: GraphConfig, facts: CallFacts) -> Bucket | str:
         if failed:
             return reason
     return bucket_for(config, facts.num_seqs, facts.total_tokens, facts.max_seqlen)
+
+
+# ----------------------------------------------------------------------- sync-free (rectangular) graphs
+
+
+@dataclass(frozen=True)
+class RectBucket:
+    """Shapes of one rectangular (``sync_free``) graph: ``batch`` x ``width`` padded inputs, ids checked
+    against ``vocab``. Its packed stream has ``tokens = batch * width`` rows in ``seqs = 2 * batch`` sequences
+    (each row's real tokens, then a dummy sequence holding the row's padding; see :mod:`.rectangular`)."""
+
+    batch: int
+    width: int
+    vocab: int
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.width
+
+    @property
+    def seqs(self) -> int:
+        return 2 * self.batch
+
+    @property
+    def seqlen(self) -> int:
+        return self.width
+
+
+# Reasons a padded call takes the synced path instead of a sync_free graph (counted under describe()'s
+# cuda_graph.sync_free.fallbacks; the synced path then counts its own graph fallbacks as before).
+POSITION_IDS = "position_ids"
+QUERY_ONLY = "query-only trailing positions (ColBERT query expansion)"
+INPUT_DTYPES = "input_ids or attention_mask not of an integer (or bool mask) dtype"
+EMPTY = "an empty batch"
+TOO_WIDE = "padded width longer than max_seqlen"
+TOO_MANY_PADDED = "batch * padded width above the token limit"
+
+
+@dataclass
+class RectFacts:
+    """Host-visible facts about one padded call, for :func:`admit_rect` (shapes and flags only)."""
+
+    kill_switch: bool = False
+    suspended: bool = False
+    grad: bool = False
+    autocast: bool = False
+    dropout: bool = False
+    hidden_states: bool = False
+    inputs_embeds: bool = False
+    position_ids: bool = False
+    query_only: bool = False
+    integer_inputs: bool = True
+    model_on_cuda: bool = True
+    same_device: bool = True
+    batch: int = 1
+    width: int = 1
+
+
+def rect_bucket_for(config: GraphConfig, batch: int, width: int, vocab: int) -> RectBucket:
+    """``B`` rounded up to a power of two (at least ``min_seq_bucket``), ``S`` to the sync-free width grid."""
+    return RectBucket(round_seqs(batch, config.min_seq_bucket),
+                      next(s for s in config.sync_free_seqlen_grid if s >= width), vocab)
+
+
+def admit_rect(config: GraphConfig, facts: RectFacts, vocab: int) -> RectBucket | str:
+    """The rectangular bucket serving this padded call, or the reason it takes the synced path. Reads only
+    shapes and flags: never a device value."""
+    checks = (
+        (facts.kill_switch, KILL_SWITCH),
+        (facts.suspended, SUSPENDED),
+        (facts.grad, GRAD),
+        (facts.autocast, AUTOCAST),
+        (facts.dropout, DROPOUT),
+        (facts.hidden_states, HIDDEN_STATES),
+        (facts.inputs_embeds, EMBEDS),
+        (facts.position_ids, POSITION_IDS),
+        (facts.query_only, QUERY_ONLY),
+        (not facts.integer_inputs, INPUT_DTYPES),
+        (not facts.model_on_cuda, NOT_CUDA),
+        (not facts.same_device, OTHER_DEVICE),
+        (facts.batch == 0 or facts.width == 0, EMPTY),
+        (facts.batch > config.max_seqs, TOO_MANY_SEQS),
+        (facts.width > config.max_seqlen, TOO_WIDE),
+        (facts.batch * facts.width > config.token_limit, TOO_MANY_PADDED),
+    )
+    for failed, reason in checks:
+        if failed:
+            return reason
+    return rect_bucket_for(config, facts.batch, facts.width, vocab)

@@ -1,7 +1,9 @@
 """Pack-time gate of the graph path: one ragged batch within the graph bounds, replayed and run eagerly.
 
 ``validate()`` checks the eager packed path against stock HF; this adds the graph replay against that eager
-path, so ``pack(validate=True, cuda_graph=...)`` never installs graphs that were not run once.
+path, so ``pack(validate=True, cuda_graph=...)`` never installs graphs that were not run once. With
+``GraphConfig(sync_free=True)`` the same batch also runs through a rectangular graph (unpadded on the device),
+compared per real token, with zeros required at padded positions.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from .buckets import CallFacts, admit
-from .route import graph_forward, kill_switch
+from ..errors import PackedEncodersError
+from .route import deferred_checks, graph_forward, kill_switch, sync_free_forward
 
 
 def check_lengths(config, window: int) -> list[int]:
@@ -30,7 +33,7 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     """
     from ..adapters.hf_call import run_packed
     from ..batch import unpad
-    from ..validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, rel_err
+    from ..validation import check_batch
 
     config = state.options.cuda_graph
     weight = model.embeddings.tok_embeddings.weight
@@ -47,24 +50,51 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
                           token_type_ids=None, vocab_size=params.vocab_size)
             eager = run_packed(model, state, batch)
             graph = graph_forward(model, state, batch, torch.clone)
+            rect = None
+            if config.sync_free:
+                rect = sync_free_forward(model, state, input_ids=ids, inputs_embeds=None, attention_mask=mask,
+                                         position_ids=None, token_type_ids=None, trailing=False, hidden_states=False)
     finally:
         model.train(was_training)
-    if graph is None:
+
+    def why():
         facts = CallFacts(num_seqs=batch.num_seqs, total_tokens=batch.total_tokens, max_seqlen=batch.max_seqlen)
         mgr = state.runtime.get("graphs")
-        why = admit(config, facts) if mgr is None else (dict(mgr.fallbacks) or mgr.failures())
-        report.failures.append(f"cuda_graph: the check batch (lengths {lengths}) was not served by a graph: {why}")
+        return admit(config, facts) if mgr is None else (dict(mgr.fallbacks) or mgr.failures())
+
+    _compare(report, "cuda_graph", lengths, graph, eager, weight.dtype, why)
+    if config.sync_free:
+        mgr = state.runtime["graphs"]
+        real = mask.bool()
+        _compare(report, "cuda_graph (sync_free)", lengths, None if rect is None else rect[real], eager,
+                 weight.dtype, lambda: dict(mgr.sync_free_fallbacks) or mgr.failures(),
+                 padded=None if rect is None else rect[~real])
+        if rect is not None:
+            try:  # the device-side input checks must pass a valid batch (one wait, at pack time only)
+                deferred_checks(state).poll(wait=True)
+            except PackedEncodersError as exc:
+                report.failures.append(f"cuda_graph (sync_free): a valid batch failed the device checks: {exc}")
+
+
+def _compare(report, name: str, lengths, graph, eager, dtype, why, padded=None) -> None:
+    """Append the per-real-token comparison of ``graph`` with ``eager`` (``[T, H]`` each) to ``report``."""
+    from ..validation import BF16_COS_MIN, FP32_MAX_REL, rel_err
+
+    if graph is None:
+        report.failures.append(f"{name}: the check batch (lengths {lengths}) was not served by a graph: {why()}")
         return
     a, r = graph.float(), eager.float()
     cos = torch.nn.functional.cosine_similarity(a, r, dim=-1, eps=1e-12)
     cos_min = float(cos.min())
     rel = rel_err(a, r)
-    report.checks.append(f"cuda_graph: replay vs eager on lengths {lengths}: per-token cosine min {cos_min:.6f}, "
+    report.checks.append(f"{name}: replay vs eager on lengths {lengths}: per-token cosine min {cos_min:.6f}, "
                          f"max rel err {rel:.2e}")
     if not bool(torch.isfinite(a).all()):
-        report.failures.append("cuda_graph: non-finite values in the replayed output")
-    elif weight.dtype == torch.float32:
+        report.failures.append(f"{name}: non-finite values in the replayed output")
+    elif padded is not None and bool(padded.any()):
+        report.failures.append(f"{name}: non-zero values at padded positions")
+    elif dtype == torch.float32:
         if not rel <= FP32_MAX_REL:
-            report.failures.append(f"cuda_graph: fp32 max relative error {rel:.3e} > {FP32_MAX_REL:.0e} vs eager")
+            report.failures.append(f"{name}: fp32 max relative error {rel:.3e} > {FP32_MAX_REL:.0e} vs eager")
     elif not cos_min >= BF16_COS_MIN:
-        report.failures.append(f"cuda_graph: per-token cosine min {cos_min:.6f} < {BF16_COS_MIN} vs eager")
+        report.failures.append(f"{name}: per-token cosine min {cos_min:.6f} < {BF16_COS_MIN} vs eager")

@@ -14,6 +14,7 @@ def _is_pow2(x: int) -> bool:
 
 DEFAULT_MAX_TOKENS = 32768
 DEFAULT_SEQLEN_BUCKETS = (128, 512, 2048)
+SYNC_FREE_SEQLEN_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,29 @@ class GraphConfig:
             ``(num_seqs, total_tokens)``, which takes the smallest seqlen bucket that can hold
             ``total_tokens`` in ``num_seqs`` sequences (``(8, 512)``: the 128 bucket of batch-8 queries);
             captured at ``pack``/``set_cuda_graph`` time when the model is on CUDA, else on its first CUDA
-            call, and again after an invalidation.
+            call, and again after an invalidation. They are packed buckets: ``sync_free`` graphs are captured
+            on first use.
+        sync_free: opt-in (default ``False``) **rectangular graphs with no host sync per call**, for padded
+            calls (``input_ids`` ``[B, S]`` of an integer dtype, an integer or bool ``attention_mask`` or none;
+            no ``inputs_embeds``, ``position_ids``, ``output_hidden_states`` or ColBERT query-only trailing
+            positions; ``B <= max_seqs``, ``S <= max_seqlen``, ``B * S <= token_limit``). Such a call is
+            staged into a graph of shape ``[B_b, S_b]`` (``B`` rounded up to a power of two, at least
+            ``min_seq_bucket``; ``S_b`` the smallest entry of :attr:`sync_free_seqlen_grid` >= ``S``) that
+            unpads on the device, so the host never reads a device value and can enqueue the next call while
+            the GPU runs this one. The graph computes all ``B_b * S_b`` rows, padding included: it suits
+            host-bound calls (short queries) and costs GPU work on ragged document batches (unmeasured on a
+            GPU yet; see ``docs/architecture.md``). Every other call takes the packed path (one sync).
+
+            **Errors are reported one call late.** The input checks of the eager path (mask values other
+            than 0/1, holes inside a sequence, ids outside the vocabulary, non-zero ``token_type_ids`` at
+            real tokens) run on the device inside the graph; the graph stays safe whatever the input (ids
+            are clamped before the lookup). A call that fails a check returns an output that is **NaN
+            everywhere** (``[B, S, hidden]``, padded positions included), and its error is raised as a
+            :class:`~packed_encoders.PackedEncodersError` naming the problem and the call it belongs to by
+            the **next call on that encoder** (or :func:`~packed_encoders.check_errors`) once the GPU has
+            finished the offending call (``event.query()``, never a wait); that next call then does not
+            run. ``check_errors(model, wait=True)`` waits for every pending check (use it at the end of a
+            loop). This mode trades the immediate error for no sync.
 
     Raises:
         PackedEncodersError: a bound that is not a positive int, a grid parameter that is not a power of two,
@@ -73,11 +96,14 @@ class GraphConfig:
     max_graphs: int = 32
     warmup: int = 2
     precapture: tuple[tuple[int, ...], ...] = field(default=())
+    sync_free: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.sync_free, bool):
+            raise PackedEncodersError(f"GraphConfig.sync_free={self.sync_free!r} must be a bool")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("seqlen_buckets", "precapture"):
+            if f.name in ("seqlen_buckets", "precapture", "sync_free"):
                 continue
             if value is None and f.name == "max_tokens":
                 continue
@@ -139,6 +165,25 @@ class GraphConfig:
         """Every seqlen bucket, increasing; the last is ``max_seqlen``."""
         if self.seqlen_buckets is None:
             grid = tuple(b for b in DEFAULT_SEQLEN_BUCKETS if b < self.max_seqlen)
+        else:
+            grid = self.seqlen_buckets
+        return grid if grid and grid[-1] == self.max_seqlen else grid + (self.max_seqlen,)
+
+    @property
+    def sync_free_seqlen_grid(self) -> tuple[int, ...]:
+        """The padded-width buckets ``S_b`` of ``sync_free`` graphs, increasing; the last is ``max_seqlen``.
+
+        ``seqlen_buckets`` when set; else the entries of ``SYNC_FREE_SEQLEN_BUCKETS`` = (32, 64, 128, 256, 512,
+        1024, 2048) below ``max_seqlen``. Finer than the packed grid on purpose: a packed bucket rounds the
+        token count on its own fine grid and its seqlen only picks the attention plan, whereas a rectangular
+        graph computes ``B_b * S_b`` rows, so ``S_b`` sets the GPU work of the whole call. Powers of two keep
+        the padded width under 2x the call's own (the packed grid's 128 -> 512 step is up to 4x: a 130-wide
+        batch would compute 512 columns); nothing below 32, where a batch-8 graph is launch-bound and a finer
+        bucket would only add captures. At most 7 graphs per batch bucket, within ``max_graphs`` (32) for
+        traffic of one or two batch sizes.
+        """
+        if self.seqlen_buckets is None:
+            grid = tuple(b for b in SYNC_FREE_SEQLEN_BUCKETS if b < self.max_seqlen)
         else:
             grid = self.seqlen_buckets
         return grid if grid and grid[-1] == self.max_seqlen else grid + (self.max_seqlen,)

@@ -17,7 +17,8 @@ from .config import GraphConfig
 
 
 class GraphManager:
-    """LRU of runners keyed by ``(requested backend, Bucket)``, valid for one weights fingerprint.
+    """LRU of runners keyed by ``(requested backend, Bucket or RectBucket, query_only)``, valid for one weights
+    fingerprint (packed and rectangular graphs share the pool, the LRU bound and the invalidation).
 
     ``lock`` serialises capture and replay: all graphs of one manager share one memory pool, so two
     replays must never overlap (their intermediates alias), whichever graphs they are.
@@ -40,6 +41,7 @@ class GraphManager:
         self.invalidations = 0
         self.capture_seconds = 0.0
         self.fallbacks: Counter[str] = Counter()
+        self.sync_free_fallbacks: Counter[str] = Counter()  # padded calls that took the synced path, and why
 
     def __len__(self) -> int:
         return len(self._runners)
@@ -68,6 +70,9 @@ class GraphManager:
 
     def note_fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
+
+    def note_sync_free_fallback(self, reason: str) -> None:
+        self.sync_free_fallbacks[reason] += 1
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._runners

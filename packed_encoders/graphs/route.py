@@ -2,8 +2,12 @@
 
 ``graph_forward`` is called by the patched HF forward and by ``packed_forward`` after the batch is built
 (its one host sync already paid). It reads host facts only, then either replays a graph or returns
-``None`` so the caller runs the eager path. Graph state lives in ``PackState.runtime`` (never copied or
-pickled) under ``"graphs"``; ``no_cuda_graph`` nesting depth under ``"graphs_suspended"``.
+``None`` so the caller runs the eager path. ``sync_free_forward`` is called by the patched HF forward
+*before* ``unpad`` when ``GraphConfig.sync_free`` is on: it serves a padded call from a rectangular graph
+(:mod:`.rectangular`) without any host sync, or returns ``None`` so the call takes the synced path.
+Graph state lives in ``PackState.runtime`` (never copied or pickled) under ``"graphs"``; ``no_cuda_graph``
+nesting depth under ``"graphs_suspended"``; pending sync-free input checks under ``"graph_checks"``
+(:class:`.deferred.DeferredChecks`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 
 from ..errors import PackedEncodersError
 from . import buckets as B
-from .buckets import Bucket, CallFacts, admit, precapture_buckets
+from .buckets import Bucket, CallFacts, RectBucket, RectFacts, admit, admit_rect, precapture_buckets
 from .config import GraphConfig, normalize
 from .manager import GraphManager
 
@@ -161,6 +165,142 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
     return out
 
 
+_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+def _integer(t: torch.Tensor | None, allow_bool: bool = True) -> bool:
+    return t is None or t.dtype in _INTEGER or (allow_bool and t.dtype == torch.bool)
+
+
+def rect_call_facts(model, state, *, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids,
+                    trailing: bool, hidden_states: bool) -> RectFacts:
+    """Host-visible facts of one padded call for the sync-free path (shapes, dtypes, devices, flags)."""
+    weight = model.embeddings.tok_embeddings.weight
+    on_cuda = weight.device.type == "cuda"
+    src = input_ids if input_ids is not None else inputs_embeds
+    tensors = [t for t in (input_ids, attention_mask, token_type_ids) if t is not None]
+    return RectFacts(
+        kill_switch=kill_switch(),
+        suspended=state.runtime.get("graphs_suspended", 0) > 0,
+        grad=torch.is_grad_enabled(),
+        autocast=on_cuda and torch.is_autocast_enabled("cuda"),
+        dropout=model.training and state.params.has_dropout,
+        hidden_states=hidden_states,
+        inputs_embeds=inputs_embeds is not None,
+        position_ids=position_ids is not None,
+        query_only=trailing,
+        integer_inputs=_integer(input_ids, allow_bool=False) and _integer(attention_mask)
+        and _integer(token_type_ids),
+        model_on_cuda=on_cuda,
+        same_device=all(t.device == weight.device for t in tensors),
+        batch=int(src.shape[0]),
+        width=int(src.shape[1]),
+    )
+
+
+def _build_rect(model, state, mgr: GraphManager, bucket: RectBucket, requested: str):
+    from .rectangular import RectRunner
+
+    device = model.embeddings.tok_embeddings.weight.device
+    if mgr.pool is None:
+        mgr.pool = torch.cuda.graph_pool_handle()
+    stream = mgr.stream
+    if stream is None or stream.device != device:
+        stream = mgr.stream = torch.cuda.Stream(device)
+    return RectRunner(model, state, bucket, requested, pool=mgr.pool, stream=stream, warmup=mgr.config.warmup)
+
+
+def deferred_checks(state):
+    """The encoder's :class:`.deferred.DeferredChecks` (created on first use)."""
+    checks = state.runtime.get("graph_checks")
+    if checks is None:
+        from .deferred import DeferredChecks
+
+        with _RUNTIME_LOCK:
+            checks = state.runtime.get("graph_checks")
+            if checks is None:
+                checks = state.runtime["graph_checks"] = DeferredChecks()
+    return checks
+
+
+def poll_deferred(state) -> None:
+    """Raise the input errors of earlier sync-free calls whose GPU work has completed (never waits).
+
+    Raises:
+        PackedEncodersError: an earlier sync-free call of this encoder failed its input checks.
+    """
+    checks = state.runtime.get("graph_checks")
+    if checks is not None:
+        checks.poll()
+
+
+def sync_free_forward(model, state, *, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids,
+                      trailing: bool, hidden_states: bool):
+    """Serve a padded call from a rectangular graph with no host sync and return its ``[B, S, hidden]``
+    output (owned by the caller), or ``None`` when it must take the synced path (``unpad``).
+
+    Only host-visible facts are read (shapes, dtypes, devices, modes). The call's input checks are reported
+    one call late (see ``GraphConfig.sync_free`` and :mod:`.deferred`).
+    """
+    mgr = _manager(state)
+    if mgr is None or not mgr.config.sync_free:
+        return None
+    if input_ids is not None and input_ids.dim() != 2:
+        return None  # unpad raises for the shape
+    src = input_ids if input_ids is not None else inputs_embeds
+    for t in (attention_mask, token_type_ids):
+        if t is not None and tuple(t.shape) != tuple(src.shape[:2]):
+            return None  # unpad raises for the shape
+    vocab = model.embeddings.tok_embeddings.num_embeddings
+    facts = rect_call_facts(model, state, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                            attention_mask=attention_mask, position_ids=position_ids,
+                            token_type_ids=token_type_ids, trailing=trailing, hidden_states=hidden_states)
+    bucket = admit_rect(mgr.config, facts, vocab)
+    if isinstance(bucket, str):
+        mgr.note_sync_free_fallback(bucket)
+        return None
+    requested = state.options.attention_backend
+    key = (requested, bucket, False)
+    checks = deferred_checks(state)
+    with mgr.lock:
+        mgr.check_fingerprint(fingerprint(model, mgr))
+        _precapture(model, state, mgr)
+        cached = key in mgr
+        runner = mgr.get(key, lambda: _build_rect(model, state, mgr, bucket, requested))
+        if isinstance(runner, str):
+            mgr.note_sync_free_fallback(runner)
+            return None
+        _order_streams(mgr, input_ids.device)
+        out, flags = runner.replay(input_ids, attention_mask, token_type_ids)
+        checks.record(flags, (facts.batch, facts.width), vocab)
+        mgr.hits += cached
+    state.last_plan = dict(runner.plan_summary)
+    state.last_fallbacks = list(runner.plan_reasons)
+    return out
+
+
+def check_errors(model, *, wait: bool = False):
+    """Raise the input errors of earlier ``GraphConfig(sync_free=True)`` calls on every packed encoder inside
+    ``model``; returns ``model`` when there are none.
+
+    Without ``wait`` only calls whose GPU work has completed are read (never a sync); ``wait=True`` waits for
+    every pending call first (one sync: use it after the last call of a loop). The next call on an encoder
+    runs the non-waiting check by itself.
+
+    Raises:
+        PackedEncodersError: an earlier sync-free call failed its input checks (each failure reported once), or
+            ``model`` has no packed encoder.
+    """
+    pairs = _packed_states(model)
+    if not pairs:
+        raise PackedEncodersError("check_errors: no packed ModernBERT encoder inside the model; call pe.pack first")
+    for _, state in pairs:
+        checks = state.runtime.get("graph_checks")
+        if checks is not None:
+            checks.poll(wait=wait)
+    return model
+
+
 def precapture_encoders(states) -> None:
     """At ``pack``/``set_cuda_graph``: capture each encoder's ``precapture`` buckets if it is on CUDA."""
     for model, state in states:
@@ -238,13 +378,23 @@ def describe_graphs(state) -> dict:
         return out
     out["config"] = asdict(config)
     mgr = state.runtime.get("graphs")
+    if config.sync_free:
+        checks = state.runtime.get("graph_checks")
+        if checks is not None:
+            checks.refresh()  # reads completed checks (never waits, never raises)
+        out["sync_free"] = {"fallbacks": {} if mgr is None else dict(mgr.sync_free_fallbacks),
+                            "calls": 0 if checks is None else checks.calls,
+                            "pending_checks": 0 if checks is None else checks.pending,
+                            "unreported_errors": 0 if checks is None else checks.unreported,
+                            "errors_raised": 0 if checks is None else checks.errors_raised}
     if mgr is None:
         out.update(graphs=0, buckets=[], hits=0, misses=0)
         return out
     from .runner import pool_reserved_bytes
 
     buckets = [{"backend": req, "tokens": b.tokens, "seqs": b.seqs, "seqlen": b.seqlen, "query_only": q,
-                "attention": dict(getattr(r, "plan_summary", {}))}
+                "attention": dict(getattr(r, "plan_summary", {})),
+                **({"layout": "rectangular", "batch": b.batch} if isinstance(b, RectBucket) else {})}
                for (req, b, q), r in zip(mgr.keys(), mgr.runners())]
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                invalidations=mgr.invalidations, capture_seconds=round(mgr.capture_seconds, 4),

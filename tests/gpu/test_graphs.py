@@ -326,3 +326,142 @@ def test_precapture_at_pack_and_set_cuda_graph():
     assert not info(model)["enabled"]
     pe.set_cuda_graph(model, True, GraphConfig(precapture=((8, 200),)))
     assert info(model)["graphs"] == 1
+
+
+# ------------------------------------------------------------------ sync-free (rectangular) graphs
+
+SYNC_FREE = GraphConfig(sync_free=True)
+
+
+def sync_free_info(model):
+    return info(model)["sync_free"]
+
+
+@pytest.mark.parametrize("name", list(TINY))
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "varlen"])
+def test_sync_free_replay_matches_eager(name, backend):
+    model = make_model(name)
+    ref_model = copy.deepcopy(model).float()
+    pe.pack(ref_model, validate=False, attention_backend="sdpa")
+    pe.pack(model, validate=False, attention_backend=backend, cuda_graph=SYNC_FREE)
+    vocab = model.config.vocab_size
+    batches = [[1, 5, 128, 17], [127, 3, 64, 100, 33, 9, 2], queries(8, 1), queries(8, 2), queries(37, 3),
+               [128] * 16, [2] * 3, [0, 9, 0, 30], [300, 12, 511]]
+    with torch.no_grad():
+        for seed, lengths in enumerate(batches):
+            ids, mask = padded(lengths, vocab, seed)
+            graph = fwd(model, ids, mask)
+            with pe.no_cuda_graph(model):
+                eager = fwd(model, ids, mask)
+            check_parity(graph, eager, fwd(ref_model, ids, mask), mask)
+            assert torch.count_nonzero(graph[mask == 0]) == 0, "padded positions are exactly zero"
+        pe.check_errors(model, wait=True)
+    state = info(model)
+    assert all(b.get("layout") == "rectangular" for b in state["buckets"]), state["buckets"]
+    assert state.get("fallbacks", {}).keys() <= {B.SUSPENDED}
+    assert sync_free_info(model)["fallbacks"].keys() <= {B.SUSPENDED}
+    assert sync_free_info(model)["calls"] == len(batches) and sync_free_info(model)["errors_raised"] == 0
+    if backend != "auto":
+        assert all(set(b["attention"].values()) == {backend} for b in state["buckets"])
+
+
+def test_sync_free_base_queries_match_eager():
+    model = make_model("base")
+    ref_model = copy.deepcopy(model).float()
+    pe.pack(ref_model, validate=False, attention_backend="sdpa")
+    pe.pack(model, validate=True, cuda_graph=SYNC_FREE)   # the pack-time check covers the rectangular path
+    assert any(c.startswith("cuda_graph (sync_free)") for c in get_state(model).report.checks)
+    with torch.no_grad():
+        for batch, seed in [(8, s) for s in range(6)] + [(128, 100)]:
+            ids, mask = padded(queries(batch, seed), model.config.vocab_size, seed)
+            graph = fwd(model, ids, mask)
+            with pe.no_cuda_graph(model):
+                eager = fwd(model, ids, mask)
+            check_parity(graph, eager, fwd(ref_model, ids, mask), mask)
+    pe.check_errors(model, wait=True)
+
+
+def test_sync_free_no_host_sync_per_call():
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
+    vocab = model.config.vocab_size
+    calls = [padded(queries(8, s), vocab, s) for s in range(4)]
+    with torch.no_grad():
+        for ids, mask in calls:   # capture each bucket, create the pinned slots and events outside the count
+            fwd(model, ids, mask)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outs = [fwd(model, ids, mask) for ids, mask in calls * 3]
+                pe.check_errors(model)   # the non-waiting check reads completed slots only
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert syncs == [], syncs
+    assert sync_free_info(model)["calls"] == 16 and info(model)["hits"] >= 12
+    for out, (ids, mask) in zip(outs, calls * 3):
+        assert torch.count_nonzero(out[mask == 0]) == 0 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("problem", ["oov", "huge", "negative", "mask2", "hole", "token_types"])
+def test_sync_free_deferred_error_on_the_next_call(problem):
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
+    vocab = model.config.vocab_size
+    ids, mask = padded([20, 64, 3], vocab)            # row 0 right padded, row 1 left padded (full)
+    bad_ids, bad_mask, tt = ids.clone(), mask.clone(), None
+    if problem == "oov":
+        bad_ids[0, 5] = vocab
+    elif problem == "huge":
+        bad_ids[1, 7] = 10 ** 12                        # clamped in the graph: no device-side assert
+    elif problem == "negative":
+        bad_ids[0, 0] = -3
+    elif problem == "mask2":
+        bad_mask[0, 1] = 2
+    elif problem == "hole":
+        bad_mask[1, 30] = 0
+    else:
+        tt = torch.zeros_like(ids)
+        tt[0, 2] = 1
+    words = {"oov": "outside the vocabulary", "huge": "outside the vocabulary", "negative": "outside the vocabulary",
+             "mask2": "only 0 and 1", "hole": "holes", "token_types": "token_type_ids"}[problem]
+    with torch.no_grad():
+        fwd(model, ids, mask)                           # capture
+        out = model(input_ids=bad_ids, attention_mask=bad_mask, token_type_ids=tt).last_hidden_state
+        torch.cuda.synchronize()                        # the offending call is complete: the next call reports it
+        assert torch.isnan(out).all()
+        with pytest.raises(pe.PackedEncodersError, match=rf"call #2 \(input \[3, 64\]\).*{words}"):
+            fwd(model, ids, mask)
+        good = fwd(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            eager = fwd(model, ids, mask)
+        real = mask.bool()
+        cos = torch.nn.functional.cosine_similarity(good[real].float(), eager[real].float(), dim=-1)
+        assert float(cos.min()) > 0.999
+        model(input_ids=bad_ids, attention_mask=bad_mask, token_type_ids=tt)
+        with pytest.raises(pe.PackedEncodersError, match=words):
+            pe.check_errors(model, wait=True)
+    assert sync_free_info(model)["errors_raised"] == 2
+
+
+def test_sync_free_streams_inference_mode_and_invalidation():
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
+    ids, mask = padded([33, 12, 90], model.config.vocab_size)
+    with torch.inference_mode():
+        a = fwd(model, ids, mask)
+    with torch.no_grad():
+        b = fwd(model, ids, mask)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            c = fwd(model, ids, mask)
+        torch.cuda.current_stream().wait_stream(side)
+        d = fwd(model, ids, mask)
+        assert torch.equal(a, b) and torch.equal(b, c) and torch.equal(c, d)
+        model.float()
+        e = fwd(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            eager = fwd(model, ids, mask)
+    torch.testing.assert_close(e, eager, atol=1e-4, rtol=1e-4)
+    assert info(model)["invalidations"] == 1 and info(model)["misses"] == 2
+    pe.check_errors(model, wait=True)
