@@ -131,9 +131,13 @@ def test_config_field_default_validation_and_grid():
     for bad in (1, 0, "yes", None):
         with pytest.raises(PackedEncodersError, match="sync_free"):
             GraphConfig(sync_free=bad)
-    assert SF.sync_free_seqlen_grid == (32, 64, 128, 256, 512, 1024, 2048)
-    assert GraphConfig(sync_free=True, max_seqlen=100).sync_free_seqlen_grid == (32, 64, 100)
-    assert replace(SF, max_seqlen=128).sync_free_seqlen_grid == (32, 64, 128)
+    assert SF.sync_free_seqlen_grid == (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+    assert GraphConfig(sync_free=True, max_seqlen=100).sync_free_seqlen_grid == (32, 48, 64, 96, 100)
+    assert replace(SF, max_seqlen=128).sync_free_seqlen_grid == (32, 48, 64, 96, 128)
+    assert SF.sync_free_max_tokens == 2048
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(PackedEncodersError, match="sync_free_max_tokens"):
+            GraphConfig(sync_free=True, sync_free_max_tokens=bad)
     assert GraphConfig(max_seqlen=64, seqlen_buckets=(16,), sync_free=True).sync_free_seqlen_grid == (16, 64)
     assert SF.seqlen_grid == GraphConfig().seqlen_grid, "the packed grid is unchanged"
     assert pe.pack(tiny_model(), validate=False, cuda_graph=SF) is not None
@@ -141,9 +145,10 @@ def test_config_field_default_validation_and_grid():
 
 
 def test_rect_bucket_and_admission():
-    cfg = GraphConfig(sync_free=True, max_seqlen=256, max_seqs=16, max_tokens=1024)
+    cfg = GraphConfig(sync_free=True, max_seqlen=256, max_seqs=16, max_tokens=1024, sync_free_max_tokens=4096)
     assert rect_bucket_for(cfg, 3, 20, VOCAB) == RectBucket(8, 32, VOCAB)
-    assert rect_bucket_for(cfg, 9, 33, VOCAB) == RectBucket(16, 64, VOCAB)
+    assert rect_bucket_for(cfg, 9, 33, VOCAB) == RectBucket(16, 48, VOCAB)
+    assert rect_bucket_for(cfg, 9, 49, VOCAB) == RectBucket(16, 64, VOCAB)
     assert rect_bucket_for(cfg, 16, 256, VOCAB).tokens == 16 * 256
     b = RectBucket(8, 64, VOCAB)
     assert (b.tokens, b.seqs, b.seqlen) == (512, 16, 64)
@@ -162,6 +167,9 @@ def test_rect_bucket_and_admission():
     for change, reason in cases:
         assert admit_rect(cfg, RectFacts(**{**ok.__dict__, **change}), VOCAB) == reason, change
     assert isinstance(admit_rect(cfg, RectFacts(batch=4, width=256), VOCAB), RectBucket)  # B * S == limit
+    small = replace(cfg, sync_free_max_tokens=512)   # the padded bucket, not the call, meets this cap
+    assert admit_rect(small, RectFacts(batch=8, width=64), VOCAB) == RectBucket(8, 64, VOCAB)
+    assert admit_rect(small, RectFacts(batch=5, width=65), VOCAB) == B.TOO_MANY_PADDED   # 8 x 96 > 512
 
 
 # --------------------------------------------------------------------------------------------- layout
@@ -328,7 +336,7 @@ def test_sync_free_serves_padded_calls(cpu_graphs):
     g = info(model)
     json.dumps(pe.describe(model))
     assert all(b.__class__ is RectBucket for b in cpu_graphs), "no packed graph was built"
-    assert {(b["layout"], b["batch"], b["seqlen"]) for b in g["buckets"]} == {("rectangular", 8, 64),
+    assert {(b["layout"], b["batch"], b["seqlen"]) for b in g["buckets"]} == {("rectangular", 8, 48),
                                                                                  ("rectangular", 8, 32)}
     assert g["misses"] == 2 and g["hits"] == 3
     assert g["sync_free"] == {"fallbacks": {B.SUSPENDED: 4}, "calls": 5, "pending_checks": 0, "unreported_errors": 0,

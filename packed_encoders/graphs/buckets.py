@@ -167,7 +167,7 @@ QUERY_ONLY = "query-only trailing positions (ColBERT query expansion)"
 INPUT_DTYPES = "input_ids or attention_mask not of an integer (or bool mask) dtype"
 EMPTY = "an empty batch"
 TOO_WIDE = "padded width longer than max_seqlen"
-TOO_MANY_PADDED = "batch * padded width above the token limit"
+TOO_MANY_PADDED = "batch * padded width above the token limit or sync_free_max_tokens"
 
 
 @dataclass
@@ -220,4 +220,5 @@ def admit_rect(config: GraphConfig, facts: RectFacts, vocab: int) -> RectBucket 
     for failed, reason in checks:
         if failed:
             return reason
-    return rect_bucket_for(config, facts.batch, facts.width, vocab)
+    bucket = rect_bucket_for(config, facts.batch, facts.width, vocab)
+    return TOO_MANY_PADDED if bucket.tokens > config.sync_free_max_tokens else bucket

@@ -22,6 +22,17 @@ def check_lengths(config, window: int) -> list[int]:
     return lengths[: config.max_seqs]
 
 
+def rect_check_lengths(config, lengths: list[int]) -> list[int]:
+    """``lengths`` clipped to the widest padded width the sync-free path serves for that many rows (its
+    ``B_b * S_b <= sync_free_max_tokens``), so the pack-time check exercises a rectangular graph."""
+    from .buckets import round_seqs
+
+    rows = round_seqs(len(lengths), config.min_seq_bucket)
+    fits = [w for w in config.sync_free_seqlen_grid if rows * w <= config.sync_free_max_tokens]
+    top = fits[-1] if fits else config.sync_free_seqlen_grid[0]
+    return sorted({min(n, top) for n in lengths})
+
+
 def _eligible(config, weight) -> bool:
     return config is not None and weight.device.type == "cuda" and not kill_switch()
 
@@ -52,7 +63,12 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
             graph = graph_forward(model, state, batch, torch.clone)
             rect = None
             if config.sync_free:
-                rect = sync_free_forward(model, state, input_ids=ids, inputs_embeds=None, attention_mask=mask,
+                rect_lengths = rect_check_lengths(config, lengths)
+                r_ids, r_mask = check_batch(rect_lengths, params.vocab_size, weight.device, seed)
+                r_batch = unpad(input_ids=r_ids, inputs_embeds=None, attention_mask=r_mask, position_ids=None,
+                                token_type_ids=None, vocab_size=params.vocab_size)
+                r_eager = run_packed(model, state, r_batch)
+                rect = sync_free_forward(model, state, input_ids=r_ids, inputs_embeds=None, attention_mask=r_mask,
                                          position_ids=None, token_type_ids=None, trailing=False, hidden_states=False)
     finally:
         model.train(was_training)
@@ -65,8 +81,8 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     _compare(report, "cuda_graph", lengths, graph, eager, weight.dtype, why)
     if config.sync_free:
         mgr = state.runtime["graphs"]
-        real = mask.bool()
-        _compare(report, "cuda_graph (sync_free)", lengths, None if rect is None else rect[real], eager,
+        real = r_mask.bool()
+        _compare(report, "cuda_graph (sync_free)", rect_lengths, None if rect is None else rect[real], r_eager,
                  weight.dtype, lambda: dict(mgr.sync_free_fallbacks) or mgr.failures(),
                  padded=None if rect is None else rect[~real])
         if rect is not None:

@@ -14,7 +14,7 @@ def _is_pow2(x: int) -> bool:
 
 DEFAULT_MAX_TOKENS = 32768
 DEFAULT_SEQLEN_BUCKETS = (128, 512, 2048)
-SYNC_FREE_SEQLEN_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048)
+SYNC_FREE_SEQLEN_BUCKETS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,15 @@ class GraphConfig:
         sync_free: opt-in (default ``False``) **rectangular graphs with no host sync per call**, for padded
             calls (``input_ids`` ``[B, S]`` of an integer dtype, an integer or bool ``attention_mask`` or none;
             no ``inputs_embeds``, ``position_ids``, ``output_hidden_states`` or ColBERT query-only trailing
-            positions; ``B <= max_seqs``, ``S <= max_seqlen``, ``B * S <= token_limit``). Such a call is
+            positions; ``B <= max_seqs``, ``S <= max_seqlen``, ``B * S <= token_limit``, and the bucket's
+            ``B_b * S_b <= sync_free_max_tokens``). Such a call is
             staged into a graph of shape ``[B_b, S_b]`` (``B`` rounded up to a power of two, at least
             ``min_seq_bucket``; ``S_b`` the smallest entry of :attr:`sync_free_seqlen_grid` >= ``S``) that
             unpads on the device, so the host never reads a device value and can enqueue the next call while
             the GPU runs this one. The graph computes all ``B_b * S_b`` rows, padding included: it suits
-            host-bound calls (short queries) and costs GPU work on ragged document batches (unmeasured on a
-            GPU yet; see ``docs/architecture.md``). Every other call takes the packed path (one sync).
+            launch-bound calls (short queries) and loses on large or ragged batches, where the packed path
+            computes real tokens only (see ``docs/architecture.md``). Every other call takes the packed path
+            (one sync).
 
             **Errors are reported one call late.** The input checks of the eager path (mask values other
             than 0/1, holes inside a sequence, ids outside the vocabulary, non-zero ``token_type_ids`` at
@@ -79,6 +81,8 @@ class GraphConfig:
             finished the offending call (``event.query()``, never a wait); that next call then does not
             run. ``check_errors(model, wait=True)`` waits for every pending check (use it at the end of a
             loop). This mode trades the immediate error for no sync.
+        sync_free_max_tokens: the largest rectangular graph, in padded rows ``B_b * S_b`` (default 2048:
+            batch 8 up to 256 wide, batch 32 up to 64); larger calls take the packed path.
 
     Raises:
         PackedEncodersError: a bound that is not a positive int, a grid parameter that is not a power of two,
@@ -97,6 +101,7 @@ class GraphConfig:
     warmup: int = 2
     precapture: tuple[tuple[int, ...], ...] = field(default=())
     sync_free: bool = False
+    sync_free_max_tokens: int = 2048
 
     def __post_init__(self):
         if not isinstance(self.sync_free, bool):
@@ -173,14 +178,13 @@ class GraphConfig:
     def sync_free_seqlen_grid(self) -> tuple[int, ...]:
         """The padded-width buckets ``S_b`` of ``sync_free`` graphs, increasing; the last is ``max_seqlen``.
 
-        ``seqlen_buckets`` when set; else the entries of ``SYNC_FREE_SEQLEN_BUCKETS`` = (32, 64, 128, 256, 512,
-        1024, 2048) below ``max_seqlen``. Finer than the packed grid on purpose: a packed bucket rounds the
-        token count on its own fine grid and its seqlen only picks the attention plan, whereas a rectangular
-        graph computes ``B_b * S_b`` rows, so ``S_b`` sets the GPU work of the whole call. Powers of two keep
-        the padded width under 2x the call's own (the packed grid's 128 -> 512 step is up to 4x: a 130-wide
-        batch would compute 512 columns); nothing below 32, where a batch-8 graph is launch-bound and a finer
-        bucket would only add captures. At most 7 graphs per batch bucket, within ``max_graphs`` (32) for
-        traffic of one or two batch sizes.
+        ``seqlen_buckets`` when set; else the entries of ``SYNC_FREE_SEQLEN_BUCKETS`` (32, 48, 64, 96, 128,
+        ... 1536, 2048: powers of two and 1.5x steps) below ``max_seqlen``. Finer than the packed grid on
+        purpose: a packed bucket rounds the token count on its own fine grid and its seqlen only picks the
+        attention plan, whereas a rectangular graph computes ``B_b * S_b`` rows, so ``S_b`` sets the GPU work
+        of the whole call. Half-octave steps keep the padded width under 1.5x the call's own; nothing below
+        32, where a batch-8 graph is launch-bound and a finer bucket would only add captures. Within
+        ``sync_free_max_tokens`` (2048) batch-8 traffic reaches 7 widths, within ``max_graphs`` (32).
         """
         if self.seqlen_buckets is None:
             grid = tuple(b for b in SYNC_FREE_SEQLEN_BUCKETS if b < self.max_seqlen)

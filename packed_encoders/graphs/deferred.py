@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
@@ -136,6 +137,11 @@ class DeferredChecks:
             if wait and (not oldest_only or index == 0):
                 event.synchronize()
             if not event.query():
+                if not wait:
+                    # Calls complete in issue order on one stream: stop at the first one still running, so
+                    # a host running far ahead queries one event per call, not the whole queue.
+                    keep.extend(islice(self._pending, index, None))
+                    break
                 keep.append(p)
                 continue
             problems = describe_flags(self._host[p.slot].tolist(), p.vocab)  # pinned host memory: no device read

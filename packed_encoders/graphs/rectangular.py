@@ -74,10 +74,37 @@ def device_unpad(bufs: dict, width: int, vocab: int) -> dict:
     return {"real": real, "first": first, "lens": lens, "flags": flags, "ids": stream_ids, "cu": cu, "back": back}
 
 
-def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict):
-    """The forward captured for ``bucket``: static ``bufs`` in, ``(out [B, S, H], flags [4])`` out."""
+def fused_unpad_available(device: torch.device) -> bool:
+    """Whether the one-launch Triton unpad / scatter (:mod:`packed_encoders.ops.triton.rect_unpad`) can run
+    on ``device`` (CUDA with Triton importable); elsewhere :func:`device_unpad` runs."""
+    if device.type != "cuda":
+        return False
+    try:
+        from ..ops.triton import rect_unpad  # noqa: F401
+    except Exception:  # noqa: BLE001 - no (working) Triton: the PyTorch ops serve
+        return False
+    return True
+
+
+def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *, fused: bool = False):
+    """The forward captured for ``bucket``: static ``bufs`` in, ``(out [B, S, H], flags [4])`` out.
+
+    ``fused``: unpad and scatter back with the two Triton kernels of ``ops.triton.rect_unpad`` (same layout
+    and checks as :func:`device_unpad`, 2 launches instead of ~45)."""
     b, s = bucket.batch, bucket.width
     assert bufs["pos"].numel() == b * s
+
+    if fused:
+        from ..ops.triton import rect_unpad
+
+        def forward_fused():
+            ids, cu, first, row_flags = rect_unpad.unpad(bufs["mask"], bufs["ids"], bufs["tt"], bucket.vocab)
+            batch = PackedBatch(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=s,
+                                position_ids=bufs["pos"], max_position=s)
+            hidden = encoder_forward(model, params, batch, attention=plan, ops=ops)    # [N, H]
+            return rect_unpad.scatter(hidden, bufs["mask"], first, row_flags)
+
+        return forward_fused
 
     def forward():
         u = device_unpad(bufs, s, bucket.vocab)
@@ -101,6 +128,8 @@ class RectRunner:
         pool, stream, warmup: as :class:`~packed_encoders.graphs.runner.GraphRunner`.
         capture: ``False`` runs the same forward on the same static buffers at every replay, without a CUDA
             graph, on any device (the CPU tests of the layout use it).
+        fused: the Triton unpad / scatter kernels (``None``: on CUDA when Triton imports; ``True`` on CPU
+            needs ``TRITON_INTERPRET=1``).
 
     Raises:
         PackedEncodersError: the requested backend cannot run the bucket (as the eager path would).
@@ -111,7 +140,7 @@ class RectRunner:
     query_only = False
 
     def __init__(self, model, state, bucket: RectBucket, requested: str, *, pool=None, stream=None,
-                 warmup: int = 1, capture: bool = True):
+                 warmup: int = 1, capture: bool = True, fused: bool | None = None):
         params = state.params
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
@@ -146,7 +175,8 @@ class RectRunner:
                                        policy=state.policy)
             self.plan_summary = {("global" if w is None else f"window {w}"): d.backend for w, d in self.plan.items()}
             self.plan_reasons = [r for d in self.plan.values() for r in d.reasons]
-            forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs)
+            self.fused = fused_unpad_available(device) if fused is None else fused
+            forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs, fused=self.fused)
             if not capture:
                 self.graph, self._forward = None, forward
                 self.out, self.flags = forward()
