@@ -330,7 +330,8 @@ def test_precapture_at_pack_and_set_cuda_graph():
 
 # ------------------------------------------------------------------ sync-free (rectangular) graphs
 
-SYNC_FREE = GraphConfig(sync_free=True)
+# every batch below on the rectangular path, past the default sync_free_max_tokens (2048 padded rows)
+SYNC_FREE = GraphConfig(sync_free=True, sync_free_max_tokens=1 << 16)
 
 
 def sync_free_info(model):
