@@ -4,6 +4,7 @@
                                                 # graphs_sync_free (GraphConfig(sync_free=True)); < 6 min
     python benchmarks/graphs.py --compile       # + torch.compile(max-autotune, dynamic=True), minutes more
     python benchmarks/graphs.py --variants graphs --out /tmp/g.json
+    python benchmarks/graphs.py --variants stock,graphs_sync_free,compile --workloads queries_b8
 
 Model: ModernBERT-base geometry, random init from ``transformers.ModernBertConfig()`` defaults, bf16, eval,
 ``torch.inference_mode``. Workloads (fixed seeds, the same batches for every variant, right padding as a
@@ -36,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("stock", "eager", "graphs", "graphs_warm", "graphs_sync_free")
@@ -110,7 +112,7 @@ def _time_pass(fn, batches) -> float:
     return time.perf_counter() - t0
 
 
-def worker(variant: str, trials: int) -> dict:
+def worker(variant: str, trials: int, names: Sequence[str] = tuple(WORKLOADS)) -> dict:
     import torch
     from transformers import ModernBertConfig, ModernBertModel
 
@@ -121,7 +123,7 @@ def worker(variant: str, trials: int) -> dict:
     config = ModernBertConfig()
     config._attn_implementation = "sdpa"
     model = ModernBertModel(config).eval().to("cuda", torch.bfloat16)
-    workloads = make_workloads(config.vocab_size, "cuda")
+    workloads = {k: v for k, v in make_workloads(config.vocab_size, "cuda").items() if k in names}
     torch.cuda.synchronize()
     row: dict = {"variant": variant, **_versions(), "model": "ModernBERT-base geometry, random init, bf16",
                  "workloads": {k: dict(zip(("batch", "batches", "median_len", "sigma", "min_len", "max_len"), v))
@@ -200,34 +202,38 @@ def worker(variant: str, trials: int) -> dict:
     return row
 
 
+def _seq(row: dict, workload: str) -> float:
+    return row["results"].get(workload, {}).get("seq_per_s", float("nan"))
+
+
 def _summary(rows: list[dict]) -> str:
     by = {r["variant"]: r for r in rows}
     lines = [f"{'variant':<17}" + "".join(f"{w:>16}" for w in WORKLOADS) + f"{'pack->1st (s)':>16}"]
     for v, r in by.items():
-        lines.append(f"{v:<17}" + "".join(f"{r['results'][w]['seq_per_s']:>16,.0f}" for w in WORKLOADS)
+        lines.append(f"{v:<17}" + "".join(f"{_seq(r, w):>16,.0f}" for w in WORKLOADS)
                      + f"{r.get('pack_to_first_batch_s', float('nan')):>16}")
     stock = by.get("stock")
     for v in ("graphs", "graphs_warm", "graphs_sync_free"):
         r = by.get(v)
         if r is None:
             continue
-        q8, q128 = (r["results"][w]["seq_per_s"] for w in ("queries_b8", "queries_b128"))
+        q8, q128 = (_seq(r, w) for w in ("queries_b8", "queries_b128"))
         if stock:
-            s8, s128 = (stock["results"][w]["seq_per_s"] for w in ("queries_b8", "queries_b128"))
+            s8, s128 = (_seq(stock, w) for w in ("queries_b8", "queries_b128"))
             lines.append(f"{v}: queries b8 {q8 / s8:.1f}x stock (target >= 10x), b128 {q128 / s128:.1f}x (>= 6x)")
         if "compile" in by:
-            c8 = by["compile"]["results"]["queries_b8"]["seq_per_s"]
+            c8 = _seq(by["compile"], "queries_b8")
             lines.append(f"{v}: queries b8 {q8 / c8:.2f}x torch.compile (target >= 1.3x)")
-        d = r["results"]["documents_b8"]
+        d = r["results"].get("documents_b8", {})
         gs = r.get("graph_state", {})
-        lines.append(f"{v}: documents on/off {d['on_over_off']:.3f} (>= ~1 within noise); pack->first batch "
+        lines.append(f"{v}: documents on/off {d.get('on_over_off', float('nan')):.3f} (>= ~1 within noise); pack->first batch "
                      f"{r['pack_to_first_batch_s']} s (<= 10 s); {gs.get('graphs')} graphs, capture "
                      f"{gs.get('capture_seconds')} s, pool {gs.get('pool_reserved_bytes')} B, reserved growth "
                      f"{r.get('reserved_growth_bytes')} B")
     sf, gr = by.get("graphs_sync_free"), by.get("graphs")
     if sf and gr:
         lines.append("graphs_sync_free / graphs: " + ", ".join(
-            f"{w} {sf['results'][w]['seq_per_s'] / gr['results'][w]['seq_per_s']:.2f}x" for w in WORKLOADS)
+            f"{w} {_seq(sf, w) / _seq(gr, w):.2f}x" for w in WORKLOADS if w in sf["results"] and w in gr["results"])
             + f"; sync-free fallbacks {sf.get('sync_free', {}).get('fallbacks')}")
     return "\n".join(lines)
 
@@ -237,6 +243,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS + ('compile',)}")
     ap.add_argument("--compile", action="store_true", help="also run torch.compile(max-autotune, dynamic=True)")
     ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {tuple(WORKLOADS)}")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "graphs.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -244,10 +251,13 @@ def main() -> None:
     if args.trials < 5:
         ap.error("--trials must be >= 5 (medians of at least five)")
     if args.worker:
-        row = worker(args.worker, args.trials)
+        row = worker(args.worker, args.trials, args.workloads.split(","))
         Path(args.worker_out).write_text(json.dumps(row))
         return
     variants = [v for v in args.variants.split(",") if v]
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"unknown workloads {sorted(unknown)}; choose from {tuple(WORKLOADS)}")
     if args.compile and "compile" not in variants:
         variants.append("compile")
     rows = []
@@ -257,7 +267,7 @@ def main() -> None:
             tmp = f.name
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--worker", v, "--worker-out", tmp, "--trials",
-                               str(args.trials)], cwd=ROOT)
+                               str(args.trials), "--workloads", args.workloads], cwd=ROOT)
         if proc.returncode:
             print(f"variant {v} failed (exit {proc.returncode})", file=sys.stderr)
             continue
