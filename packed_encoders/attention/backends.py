@@ -3,17 +3,24 @@
 Every backend takes ``q, k, v`` ``[T, heads, head_dim]``, ``cu_seqlens`` int32 ``[N + 1]``, the host int
 ``max_seqlen``, ``window`` (half window or ``None`` for global) and ``scale``; it returns ``[T, heads, head_dim]``.
 Backends with ``supports_key_lens`` also take ``key_lens`` int32 ``[N]``: only the first ``key_lens[s]`` tokens
-of each sequence are keys (the rest are query-only, see ``PackedBatch.key_lens``).
+of each sequence are keys (the rest are query-only, see ``PackedBatch.key_lens``). Backends with ``fuses_rope``
+also take ``rope=(cos, sin, rows)`` with unrotated ``q, k`` and apply the rotary embedding themselves, forward only
+(:meth:`Backend.fuse_rope` says when the packed forward hands it over).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from . import flash, sdpa
+
+FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"
+# Read once at import (an A/B switch for benchmarks: =0 keeps the separate RoPE op everywhere).
+FUSED_ROPE = os.environ.get(FUSED_ROPE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,12 @@ class Backend:
     availability: Callable[[], str | None]
     envelope: Callable[[Workload], str | None]
     supports_key_lens: bool = False
+    fuses_rope: bool = False  # fn takes rope=(cos, sin, rows) with unrotated q, k (forward only, no grad)
+
+    def fuse_rope(self, grad: bool) -> bool:
+        """Whether the packed forward should hand RoPE to ``fn`` rather than rotate ``q, k`` first: a backend
+        that fuses it, no gradient wanted, and :data:`FUSED_ROPE` on."""
+        return self.fuses_rope and not grad and FUSED_ROPE
 
     def why_not(self, w: Workload) -> str | None:
         """``None`` when this backend can run ``w``, else the reason it cannot."""

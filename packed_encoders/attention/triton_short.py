@@ -10,6 +10,9 @@ Envelope (checked by :func:`envelope`, stated again in ``docs/attention.md``):
   ``max_seqlen`` (a query tile's key span is ``BLOCK_M + 2 * window`` whatever the sequence length, so the
   kernel's cost per token does not grow with ``max_seqlen`` there).
 
+With ``rope=(cos, sin, rows)`` the kernel also applies the rotary embedding to unrotated ``q, k`` (views of the
+fused projection), saving the separate RoPE launch per layer; the backend entry says so with ``fuses_rope``.
+
 Past ``MAX_SEQLEN`` on global layers the kernel still computes the right answer, but it has neither TMA nor warp
 specialisation and FlashAttention is expected to win there (``benchmarks/attention.py --beyond-envelope``
 measures it); dispatch never picks it there. ``MAX_SEQLEN`` is to be narrowed to where the H200 sweep shows
@@ -33,6 +36,7 @@ MAX_SEQLEN = 1024
 MAX_LOCAL_WINDOW = 512  # half window; ModernBERT's is 64
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+_ROW_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
 
 
@@ -103,20 +107,21 @@ def _interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
-    from .triton_short_kernel import packed_attn_fwd
+def _kernel(rope: bool = False):
+    """The entry point: ``packed_attn_rope_fwd`` (unrotated q, k) with ``rope``, else ``packed_attn_fwd``."""
+    from . import triton_short_kernel
 
-    return packed_attn_fwd
+    return triton_short_kernel.packed_attn_rope_fwd if rope else triton_short_kernel.packed_attn_fwd
 
 
 @functools.lru_cache(maxsize=None)
-def _fast_kernel():
+def _fast_kernel(rope: bool = False):
     """The kernel behind :class:`~packed_encoders.ops.triton._runtime.FastLauncher` (CUDA launches)."""
     from triton.runtime.jit import JITFunction
 
     from ..ops.triton._runtime import FastLauncher
 
-    fn = _kernel()
+    fn = _kernel(rope)
     return FastLauncher(fn) if isinstance(fn, JITFunction) else fn
 
 
@@ -154,8 +159,9 @@ def envelope(w: Workload) -> str | None:
 
 def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            max_seqlen: int, *, window: int | None, scale: float, dropout_p: float = 0.0,
-                           key_lens: torch.Tensor | None = None, config: TileConfig | None = None) -> torch.Tensor:
-    """Packed bidirectional attention forward.
+                           key_lens: torch.Tensor | None = None, config: TileConfig | None = None,
+                           rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Packed bidirectional attention forward, optionally with the rotary embedding of ``q, k`` fused in.
 
     Args:
         q, k, v: ``[T, heads, head_dim]`` fp16/bf16, same dtype, unit stride on the last dimension (any
@@ -168,13 +174,19 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         key_lens: optional int32 ``[N]``: only the first ``key_lens[s]`` rows of sequence ``s`` are keys (the
             rest are query-only; a row with no key in reach gets zeros, as torch SDPA).
         config: a launch shape; default :func:`tile_config`.
+        rope: optional ``(cos, sin, rows)``: ``q, k`` are then unrotated (e.g. ``qkv.view(T, 3, heads, head_dim)``
+            slices) and token ``t`` is rotated split-half with row ``rows[t]`` of the fp32 tables
+            ``cos, sin`` ``[R, head_dim // 2]`` (``rows``: int32/int64 ``[T]``, every entry ``< R``; not
+            checked, that would read the device), in fp32 and rounded to the dtype of ``q``, exactly as
+            :func:`packed_encoders.ops.rope.rope_qkv_torch` before an unfused call. ``v`` is not rotated.
 
     Returns:
         ``[T, heads, head_dim]`` contiguous, dtype of ``q``.
 
     Raises:
-        ValueError: attention dropout, inputs requiring grad (there is no backward), a dtype/shape/layout
-            outside the kernel's contract, or non-CUDA tensors (CPU tensors run only under ``TRITON_INTERPRET=1``).
+        ValueError: attention dropout, inputs requiring grad (there is no backward, fused RoPE included), a
+            dtype/shape/layout outside the kernel's contract, or non-CUDA tensors (CPU tensors run only under
+            ``TRITON_INTERPRET=1``).
     """
     if dropout_p:
         raise ValueError("the Triton attention kernel has no attention dropout")
@@ -199,13 +211,39 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                          "FlashAttention/sdpa backend for training")
     if key_lens is not None and (key_lens.dtype != torch.int32 or key_lens.shape != (cu_seqlens.numel() - 1,)):
         raise ValueError("key_lens must be int32 [N] (one entry per sequence)")
+    cos = sin = rows = None
+    if rope is not None:
+        cos, sin, rows = _rope_args(rope, total, head_dim, q.device)
     if config is None and torch.compiler.is_compiling():
-        return _custom_op()(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), key_lens)
-    return _launch(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), config, key_lens)
+        return _custom_op()(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), key_lens, cos, sin, rows)
+    return _launch(q, k, v, cu_seqlens, int(max_seqlen), window, float(scale), config, key_lens, cos, sin, rows)
+
+
+def _rope_args(rope, total: int, head_dim: int, device: torch.device):
+    """``(cos, sin, rows)`` checked and laid out for the kernel: the tables with unit column stride and one row
+    stride (the forward's tables already are: no copy), ``rows`` contiguous. Metadata only (a few microseconds
+    of host time per layer matter on short batches)."""
+    try:
+        cos, sin, rows = rope
+    except (TypeError, ValueError):
+        raise ValueError("rope must be a (cos, sin, rows) tuple") from None
+    cs, ss = cos.shape, sin.shape
+    if (cos.dtype is not torch.float32 or sin.dtype is not torch.float32 or len(cs) != 2 or cs != ss
+            or cs[1] != head_dim // 2 or cos.device != device or sin.device != device):
+        raise ValueError(f"rope cos, sin must be fp32 [R, {head_dim // 2}] tables on {device} (got {cos.dtype} "
+                         f"{tuple(cs)} on {cos.device}, {sin.dtype} {tuple(ss)} on {sin.device})")
+    if rows.dtype not in _ROW_DTYPES or rows.shape != (total,) or rows.device != device:
+        raise ValueError(f"rope rows must be int32/int64 [{total}] on {device} (got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device})")
+    cst, sst = cos.stride(), sin.stride()
+    if cst[1] != 1 or cst != sst:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin, rows.contiguous()
 
 
 def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: float, config: TileConfig | None,
-            key_lens: torch.Tensor | None = None):
+            key_lens: torch.Tensor | None = None, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+            rows: torch.Tensor | None = None):
     total, heads, head_dim = q.shape
     out = torch.empty((total, heads, head_dim), dtype=q.dtype, device=q.device)
     n = cu_seqlens.numel() - 1
@@ -214,12 +252,15 @@ def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: flo
     local = window is not None and window < max_seqlen - 1  # a band covering every sequence is global
     cfg = config or tile_config(max_seqlen, head_dim, local)
     tiles_per_seq = triton_cdiv(max_seqlen, cfg.block_m)
-    rows = n * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
-    grid = (rows, triton_cdiv(heads, cfg.heads_per_program))
-    (_fast_kernel() if q.is_cuda else _kernel())[grid](
-        q, k, v, out, cu_seqlens, cu_seqlens if key_lens is None else key_lens, scale * _LOG2E,
+    grid_rows = n * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
+    grid = (grid_rows, triton_cdiv(heads, cfg.heads_per_program))
+    rope = cos is not None
+    tables, table_stride = ((cos, sin, rows), (cos.stride(0),)) if rope else ((), ())
+    (_fast_kernel(rope) if q.is_cuda else _kernel(rope))[grid](
+        q, k, v, out, cu_seqlens, cu_seqlens if key_lens is None else key_lens, *tables, scale * _LOG2E,
         total, n, max(0, math.ceil(math.log2(n))), int(window) if local else 0, tiles_per_seq, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        *table_stride,
         HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_PER_PROGRAM=cfg.heads_per_program,
         LOCAL=local, PER_SEQ=cfg.grid == "seq", DOT_F32=not q.is_cuda and q.dtype == torch.bfloat16,
         HAS_KL=key_lens is not None,
@@ -237,12 +278,12 @@ def _custom_op():
 
     @custom_op("packed_encoders::triton_short_attention", mutates_args=(),
                schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, int max_seqlen, int? window, float scale,"
-                      " Tensor? key_lens) -> Tensor")
-    def op(q, k, v, cu_seqlens, max_seqlen, window, scale, key_lens):
-        return _launch(q, k, v, cu_seqlens, max_seqlen, window, scale, None, key_lens)
+                      " Tensor? key_lens, Tensor? cos=None, Tensor? sin=None, Tensor? rope_rows=None) -> Tensor")
+    def op(q, k, v, cu_seqlens, max_seqlen, window, scale, key_lens, cos=None, sin=None, rope_rows=None):
+        return _launch(q, k, v, cu_seqlens, max_seqlen, window, scale, None, key_lens, cos, sin, rope_rows)
 
     @op.register_fake
-    def _(q, k, v, cu_seqlens, max_seqlen, window, scale, key_lens):
+    def _(q, k, v, cu_seqlens, max_seqlen, window, scale, key_lens, cos=None, sin=None, rope_rows=None):
         return q.new_empty(q.shape)  # contiguous, like the kernel's output
 
     return op
@@ -253,4 +294,4 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 register(Backend("triton", triton_short_attention, has_backward=False, supports_dropout=False,
-                 availability=triton_status, envelope=envelope, supports_key_lens=True))
+                 availability=triton_status, envelope=envelope, supports_key_lens=True, fuses_rope=True))

@@ -16,6 +16,15 @@ last sequence's end and never visits key tiles outside the window. With ``HAS_KL
 tail rows, ColBERT query expansion); a row left with no key writes zeros. Masked scores are ``-inf``; the running
 max starts finite so a row whose first key tiles are all masked stays NaN-free, and its masked keys add
 exact zeros (a sequence's output does not depend on its neighbours' values, bit for bit).
+
+Two entry points share that body: ``packed_attn_fwd`` takes rotated ``q, k``; ``packed_attn_rope_fwd``
+(``ROPE``, inference only) takes the unrotated projections and rotates each loaded q tile and k tile in registers
+before its dot, as ``ops.rope_qkv`` would have in a launch of its own: split-half (NeoX) rotation with the fp32
+tables ``COS, SIN`` ``[R, HEAD_DIM // 2]`` at row ``ROWS[t]``. A tile is loaded as its halves ``x1, x2``
+``[rows, HEAD_DIM // 2]``, turned into ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` in fp32, rounded once to
+the q/k dtype and joined back into ``[rows, HEAD_DIM]``, so the dot sees the values the unfused op writes (bit for
+bit where both round the same fp32 results). Key tiles are rotated again by every query tile that visits them:
+cheap next to the launch it saves when sequences are short.
 """
 
 import triton
@@ -25,14 +34,18 @@ import triton.language as tl
 _M0 = tl.constexpr(-1.0e30)
 
 
-@triton.jit(do_not_specialize=["T", "N", "LOG_N", "WINDOW", "TILES_PER_SEQ", "H"])
-def packed_attn_fwd(
+# The one program body, inlined into the two entry points below, which fix ROPE: ROPE=False compiles to the code
+# of a kernel without the flag, and the plain entry keeps the argument list it had before RoPE was fused.
+@triton.jit
+def _packed_attn(
     Q, K, V, O, CU, KL,
-    qk_scale,  # softmax scale * log2(e): exp2 on pre-scaled scores
+    COS, SIN, ROWS,  # read only with ROPE
+    qk_scale,
     T, N, LOG_N, WINDOW, TILES_PER_SEQ, H,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, scs_r,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
     LOCAL: tl.constexpr, PER_SEQ: tl.constexpr, DOT_F32: tl.constexpr, HAS_KL: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     head_group = tl.program_id(1)
@@ -84,10 +97,27 @@ def packed_attn_fwd(
 
     # int64 row offsets: T * stride of the fused qkv (3 * hidden) passes 2**31 near 700k tokens.
     t64 = t.to(tl.int64)
+    if ROPE:
+        # Half-width tiles: each element is loaded once (no partner gather) and the rotation keeps few registers.
+        HALF: tl.constexpr = HEAD_DIM // 2
+        offs_h = tl.arange(0, HALF)
+        # the query rows' table entries serve every head: read once per program
+        q_tab = tl.load(ROWS + t64, mask=q_ok, other=0).to(tl.int64)[:, None] * scs_r + offs_h[None, :]
+        q_cos = tl.load(COS + q_tab, mask=q_ok[:, None], other=0.0)
+        q_sin = tl.load(SIN + q_tab, mask=q_ok[:, None], other=0.0)
     for hh in tl.static_range(HEADS_PER_PROGRAM):
         h = head_group * HEADS_PER_PROGRAM + hh
         h_ok = h < H
-        q = tl.load(Q + t64[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=q_ok[:, None] & h_ok, other=0.0)
+        if ROPE:
+            q_at = Q + t64[:, None] * sq_t + h * sq_h + offs_h[None, :]
+            q1 = tl.load(q_at, mask=q_ok[:, None] & h_ok, other=0.0).to(tl.float32)
+            q2 = tl.load(q_at + HALF, mask=q_ok[:, None] & h_ok, other=0.0).to(tl.float32)
+            # ops.rope_qkv's expressions in fp32, one rounding, then the halves side by side again
+            rq1 = (q1 * q_cos - q2 * q_sin).to(Q.dtype.element_ty)
+            rq2 = (q2 * q_cos + q1 * q_sin).to(Q.dtype.element_ty)
+            q = tl.reshape(tl.permute(tl.join(rq1, rq2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
+        else:
+            q = tl.load(Q + t64[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=q_ok[:, None] & h_ok, other=0.0)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _M0
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -95,8 +125,19 @@ def packed_attn_fwd(
             kt = start + offs_n
             kt_ok = kt < k_end
             kt64 = kt.to(tl.int64)
-            k = tl.load(K + kt64[:, None] * sk_t + h * sk_h + offs_d[None, :], mask=kt_ok[:, None] & h_ok,
-                        other=0.0)
+            if ROPE:  # as q; rows past k_end read nothing (masked loads) and rotate to zeros
+                k_tab = tl.load(ROWS + kt64, mask=kt_ok, other=0).to(tl.int64)[:, None] * scs_r + offs_h[None, :]
+                k_cos = tl.load(COS + k_tab, mask=kt_ok[:, None], other=0.0)
+                k_sin = tl.load(SIN + k_tab, mask=kt_ok[:, None], other=0.0)
+                k_at = K + kt64[:, None] * sk_t + h * sk_h + offs_h[None, :]
+                k1 = tl.load(k_at, mask=kt_ok[:, None] & h_ok, other=0.0).to(tl.float32)
+                k2 = tl.load(k_at + HALF, mask=kt_ok[:, None] & h_ok, other=0.0).to(tl.float32)
+                rk1 = (k1 * k_cos - k2 * k_sin).to(K.dtype.element_ty)
+                rk2 = (k2 * k_cos + k1 * k_sin).to(K.dtype.element_ty)
+                k = tl.reshape(tl.permute(tl.join(rk1, rk2), (0, 2, 1)), (BLOCK_N, HEAD_DIM))
+            else:
+                k = tl.load(K + kt64[:, None] * sk_t + h * sk_h + offs_d[None, :], mask=kt_ok[:, None] & h_ok,
+                            other=0.0)
             if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns as integers; same maths in fp32
                 s = tl.dot(q.to(tl.float32), tl.trans(k).to(tl.float32))
             else:
@@ -118,3 +159,37 @@ def packed_attn_fwd(
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(O + t64[:, None] * so_t + h * so_h + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=q_ok[:, None] & h_ok)
+
+
+_DO_NOT_SPECIALIZE = ["T", "N", "LOG_N", "WINDOW", "TILES_PER_SEQ", "H"]
+
+
+@triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
+def packed_attn_fwd(
+    Q, K, V, O, CU, KL,
+    qk_scale,  # softmax scale * log2(e): exp2 on pre-scaled scores
+    T, N, LOG_N, WINDOW, TILES_PER_SEQ, H,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    LOCAL: tl.constexpr, PER_SEQ: tl.constexpr, DOT_F32: tl.constexpr, HAS_KL: tl.constexpr,
+):
+    """``q, k`` already rotated (or no RoPE at all)."""
+    _packed_attn(Q, K, V, O, CU, KL, Q, Q, CU, qk_scale, T, N, LOG_N, WINDOW, TILES_PER_SEQ, H,
+                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, 0,
+                 HEAD_DIM, BLOCK_M, BLOCK_N, HEADS_PER_PROGRAM, LOCAL, PER_SEQ, DOT_F32, HAS_KL, False)
+
+
+@triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
+def packed_attn_rope_fwd(
+    Q, K, V, O, CU, KL,
+    COS, SIN, ROWS,  # fp32 [R, HEAD_DIM // 2] tables (row stride scs_r, unit column stride); int [T] rows
+    qk_scale,
+    T, N, LOG_N, WINDOW, TILES_PER_SEQ, H,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, scs_r,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    LOCAL: tl.constexpr, PER_SEQ: tl.constexpr, DOT_F32: tl.constexpr, HAS_KL: tl.constexpr,
+):
+    """``q, k`` unrotated: RoPE fused (inference only)."""
+    _packed_attn(Q, K, V, O, CU, KL, COS, SIN, ROWS, qk_scale, T, N, LOG_N, WINDOW, TILES_PER_SEQ, H,
+                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, so_t, so_h, scs_r,
+                 HEAD_DIM, BLOCK_M, BLOCK_N, HEADS_PER_PROGRAM, LOCAL, PER_SEQ, DOT_F32, HAS_KL, True)

@@ -167,12 +167,17 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
         qkv = _linear(normed, layer.attn.Wqkv)
         cos, sin, rows = rope[params.layer_is_global[index]]
-        q, k, v = ops.rope_qkv(qkv, cos, sin, rows, nh, hd)
         window = params.layer_window(index)
         if window is not None and window >= batch.max_seqlen - 1:
             window = None
         backend = BACKENDS[attention[window].backend]
         extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
+        if backend.fuse_rope(grad):
+            # the attention kernel rotates q and k as it loads them: no separate RoPE launch (inference only)
+            q, k, v = qkv.view(total, 3, nh, hd).unbind(1)
+            extra["rope"] = (cos, sin, rows)
+        else:
+            q, k, v = ops.rope_qkv(qkv, cos, sin, rows, nh, hd)
         attn_p = params.attention_dropout if layer.attn.training else 0.0
         a = backend.fn(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=scale, dropout_p=attn_p,
                        **extra)

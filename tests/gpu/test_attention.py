@@ -133,3 +133,46 @@ def test_dispatch_on_this_card():
     assert BACKENDS[trained.backend].has_backward
     if available("triton"):
         assert resolve("triton", w).backend == "triton"
+
+
+@pytest.mark.parametrize("kind", ["per_token", "theta"])
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("total", [256, 4097])
+def test_triton_fused_rope_matches_unfused(total, window, kind):
+    """RoPE fused into the Triton kernel (rope=(cos, sin, rows), unrotated q/k views of qkv) against the unfused
+    path (ops.rope_qkv, then the kernel) and the fp32 reference, 12 x 64 bf16, default launch shapes and launcher."""
+    from packed_encoders.ops import rope_qkv_ref, rope_qkv_torch, rope_tables
+    from packed_encoders.ops.fused import rope_qkv as rope_qkv_triton
+
+    heads, head_dim, dtype = 12, 64, torch.bfloat16
+    smax = 64 if total == 256 else 1024  # short queries (<= 64 tokens); a ragged mix at the global envelope edge
+    lengths = calibrate.lengths_for(total, smax, seed=total)
+    lengths = lengths[:2] + [0] + lengths[2:]  # an empty sequence inside cu_seqlens
+    g = torch.Generator().manual_seed(total)
+    qkv = torch.randn(total, 3 * heads * head_dim, generator=g).to("cuda", dtype)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    pos = torch.cat([torch.arange(n) for n in lengths]).cuda()
+    if kind == "per_token":  # the forward's tables from HF's inv_freq: [T, hd/2], rows = arange(T)
+        inv = 1.0 / (160000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        freqs = pos.float()[:, None] * inv.cuda()[None, :]
+        rope = (freqs.cos(), freqs.sin(), torch.arange(total, device="cuda"))
+    else:  # cached theta tables indexed by position ids
+        cos, sin = rope_tables(10000.0, head_dim, smax, "cuda")
+        rope = (cos, sin, pos)
+    q, k, v = qkv.view(total, 3, heads, head_dim).unbind(1)
+    fused = triton_short_attention(q, k, v, cu, smax, window=window, scale=0.125, rope=rope)
+    results = {}
+    for name, rope_op in (("torch", rope_qkv_torch), ("triton", rope_qkv_triton)):
+        rq, rk, rv = rope_op(qkv, *rope, heads, head_dim)
+        results[name] = triton_short_attention(rq, rk, rv, cu, smax, window=window, scale=0.125)
+    q32, k32, v32 = rope_qkv_ref(qkv, *rope, heads, head_dim)
+    ref = attention_ref(q32, k32, v32, cu, window, 0.125)
+    rq, rk, rv = rope_qkv_torch(qkv, *rope, heads, head_dim)
+    yard = (attention_same_dtype(rq, rk, rv, cu, window, 0.125).float() - ref).abs().max().item()
+    err = (fused.float() - ref).abs().max().item()
+    assert err <= 2 * yard + 1e-3, f"fused vs fp32 reference: {err:.4g} > 2 * {yard:.4g} + 1e-3"
+    for name, unfused in results.items():
+        # same fp32 maths and one rounding: only FMA contraction can move a rare q/k element by one bf16 ulp
+        diff = (fused.float() - unfused.float()).abs().max().item()
+        assert diff <= yard + 1e-3, f"fused vs unfused ({name} rope op): {diff:.4g} > {yard:.4g} + 1e-3"
+    assert torch.equal(fused, triton_short_attention(q, k, v, cu, smax, window=window, scale=0.125, rope=rope))
