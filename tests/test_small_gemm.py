@@ -215,3 +215,67 @@ def test_compiles_for_sm90():
                     out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                          check=True).stdout
                 assert re.search(r"STACK:0\b", out), (cfg, glu, out)
+
+
+# ---------------------------------------------------------------------------------- op set and forward wiring
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count launches of the GLU-fused GEMM behind the op set."""
+    from packed_encoders.ops import fused
+
+    calls = []
+    real = small_gemm.glu_linear
+    monkeypatch.setattr(fused._small_gemm, "glu_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    fused.reset_fallbacks()
+    return fused, calls
+
+
+def test_op_set_glu_linear_routes_by_size_grad_and_dtype(counted, monkeypatch):
+    from packed_encoders.ops import geglu_torch
+
+    fused, calls = counted
+    x, w, b = _inputs(9, 64, 96, torch.bfloat16, True, seed=3)
+    got = fused.glu_linear(x, w, b, "gelu")
+    assert len(calls) == 1 and got.shape == (9, 48)
+    ref32 = geglu_torch(F.linear(x.double(), w.double(), b.double()), "gelu")
+    same = geglu_torch(F.linear(x, w, b), "gelu")
+    assert_rule(got, ref32, same, "op set glu_linear")
+    monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 8)        # above the bound: cuBLAS + GLU
+    assert torch.equal(fused.glu_linear(x, w, b, "gelu"), fused.glu(F.linear(x, w, b), "gelu"))
+    monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 512)
+    xg = x.float().requires_grad_()
+    out = fused.glu_linear(xg, w.float(), None, "gelu")           # gradient wanted: the differentiable ops
+    assert out.requires_grad and len(calls) == 1
+    fused.glu_linear(x.double(), w.double(), None, "gelu")         # a dtype the kernel lacks: visible fallback
+    assert len(calls) == 1 and "glu_linear" in fused.fallbacks()
+    fused.reset_fallbacks()
+
+
+def test_forward_uses_glu_linear_without_grad_only(counted, monkeypatch):
+    from packed_encoders.batch import from_packed
+    from packed_encoders.model.forward import encoder_forward
+    from packed_encoders.model.params import ModernBertParams
+
+    from .test_kernels_triton_interpret import _tiny_modernbert
+
+    fused, calls = counted
+    model, config = _tiny_modernbert()
+    params = ModernBertParams.from_hf_config(config)
+    lengths = [3, 11, 1, 20]
+    ids = torch.randint(3, 101, (sum(lengths),), generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    batch = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=max(lengths),
+                        position_ids=None, vocab_size=101)
+    with torch.no_grad():
+        got = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa")
+        assert len(calls) == len(model.layers)
+        monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 0)
+        ref = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa")
+    assert len(calls) == len(model.layers)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 512)
+    encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa").sum().backward()
+    assert len(calls) == len(model.layers), "a forward with gradient never takes the fused GEMM"
+    assert fused.fallbacks() == {}

@@ -183,7 +183,12 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                        **extra)
         o = _dropout(_linear(a.reshape(total, nh * hd), layer.attn.Wo), layer.attn.out_drop)
         x, normed = ops.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
-        g = _dropout(ops.glu(_linear(normed, layer.mlp.Wi), params.activation), layer.mlp.drop)
+        wi = layer.mlp.Wi
+        if ops.glu_linear is not None and not grad:
+            h = ops.glu_linear(normed, wi.weight, wi.bias, params.activation)  # one launch for short batches
+        else:
+            h = ops.glu(_linear(normed, wi), params.activation)
+        g = _dropout(h, layer.mlp.drop)
         return x, _linear(g, layer.mlp.Wo)
 
     use_ckpt = gradient_checkpointing and training and grad

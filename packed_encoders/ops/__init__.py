@@ -20,6 +20,8 @@ class OpSet:
     - ``residual_layer_norm(x, delta, weight, bias, eps) -> (x + delta, LN(x + delta))``
     - ``rope_qkv(qkv [T, 3*nh*hd], cos, sin, position_ids [T], nh, hd) -> (q, k, v)``, each ``[T, nh, hd]``
     - ``glu(x [T, 2I], activation) -> [T, I]``
+    - ``glu_linear(x [T, K], weight [2I, K], bias [2I] | None, activation) -> [T, I]``, or ``None``: the ``Wi``
+      projection and the GLU in one op, for forwards without gradient only (no backward)
     """
 
     name: str
@@ -27,6 +29,7 @@ class OpSet:
     residual_layer_norm: Callable
     rope_qkv: Callable
     glu: Callable
+    glu_linear: Callable | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

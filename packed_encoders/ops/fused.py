@@ -17,6 +17,7 @@ Importing this module imports Triton (``select_ops`` imports it only when asked 
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Optional
 
@@ -30,6 +31,7 @@ from .rope import rope_qkv_torch
 from .triton import glu as _glu
 from .triton import layer_norm as _ln
 from .triton import rope as _rope
+from .triton import small_gemm as _small_gemm
 from .triton._runtime import interpreter_unavailable
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -371,6 +373,47 @@ def glu(x: Tensor, activation: str = "gelu") -> Tensor:
     y = (_glu.forward if _direct(x) else _glu_fwd)(x.reshape(-1, shape[-1]), activation)
     return y.view(*shape[:-1], shape[-1] // 2)
 
+
+# Largest token count served by the GLU-fused Wi GEMM: measured on the H200 (benchmarks/gemm_small.py, bf16,
+# ModernBERT-base 768 -> 2 x 1152) against cuBLAS + the GLU kernel: 1.24x at 128 tokens, 1.08x at 256, 1.02x
+# at 512, 0.89x at 1024. PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at import) turns it off, for A/B runs.
+GLU_LINEAR_MAX_TOKENS = 0 if os.environ.get("PACKED_ENCODERS_FUSED_GLU_GEMM", "1").strip().lower() in (
+    "0", "false", "off", "no") else 512
+
+
+@torch.library.custom_op("packed_encoders::triton_glu_linear", mutates_args=())
+def _glu_linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str) -> Tensor:
+    return _small_gemm.glu_linear(x, weight, bias, activation)
+
+
+@_glu_linear_op.register_fake
+def _(x, weight, bias, activation):
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+def glu_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "gelu") -> Tensor:
+    """``act(x @ W[:I].T + b[:I]) * (x @ W[I:].T + b[I:])`` ``[T, I]`` for ``x`` ``[T, K]`` and HF's ``Wi``
+    weight ``[2I, K]`` (read in place), forward only: with gradient, above :data:`GLU_LINEAR_MAX_TOKENS`
+    tokens (where cuBLAS + the GLU kernel is faster) or outside the kernel's cover it is ``F.linear`` then
+    :func:`glu` (the last case recorded as a fallback)."""
+    t = x.shape[0] if x.dim() == 2 else 0
+    if not 0 < t <= GLU_LINEAR_MAX_TOKENS or (torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
+        return glu(torch.nn.functional.linear(x, weight, bias), activation)
+    why = _unsupported(x, weight, bias)
+    if not why:
+        if activation not in _glu.ACTIVATIONS:
+            why = f"activation {activation!r}"
+        elif weight.dim() != 2 or weight.shape[0] % 2 or weight.shape[1] != x.shape[1]:
+            why = f"Wi weight of shape {tuple(weight.shape)} for x {tuple(x.shape)}"
+        elif weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+            why = f"mixed dtypes (x {x.dtype}, weight {weight.dtype})"
+    if why:
+        _record("glu_linear", why)
+        return glu(torch.nn.functional.linear(x, weight, bias), activation)
+    return (_small_gemm.glu_linear if _direct(x) else _glu_linear_op)(x, weight, bias, activation)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # toolchain check
 
@@ -395,7 +438,8 @@ def smoke(device) -> None:
         raise RuntimeError(f"Triton smoke test on {device}: max error {err:.3g} against the fp32 reference")
 
 
-TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, smoke=smoke, fallbacks=fallbacks)
+TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,
+                        fallbacks=fallbacks)
 
-__all__ = ["TRITON_OPS", "fallbacks", "glu", "layer_norm", "reset_fallbacks", "residual_layer_norm", "rope_qkv",
-           "smoke"]
+__all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "reset_fallbacks", "residual_layer_norm",
+           "rope_qkv", "smoke"]

@@ -102,5 +102,5 @@ def smoke(device) -> None:
     _triton.smoke(device)
 
 
-CUTE_OPS = FusedOpSet("cute", layer_norm, residual_layer_norm, _triton.rope_qkv, _triton.glu,
+CUTE_OPS = FusedOpSet("cute", layer_norm, residual_layer_norm, _triton.rope_qkv, _triton.glu, _triton.glu_linear,
                       smoke=smoke, fallbacks=fallbacks)
