@@ -83,11 +83,13 @@ def _versions() -> dict:
                                 capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
     except Exception:
         driver = None
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=20).stdout.strip() or None
-    except Exception:
-        sha = None
+    sha = os.environ.get("PE_GIT_SHA")  # as benchmarks/common.py: a copied tree's own git may be stale
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=20).stdout.strip() or None
+        except Exception:
+            sha = None
     return {"gpu": torch.cuda.get_device_name(), "driver": driver, "torch": torch.__version__,
             "cuda": torch.version.cuda, "transformers": ver("transformers"), "triton": ver("triton"),
             "cutlass_dsl": ver("nvidia-cutlass-dsl"), "git_sha": sha or os.environ.get("GIT_SHA")}
