@@ -244,7 +244,7 @@ def test_op_set_glu_linear_routes_by_size_grad_and_dtype(counted, monkeypatch):
     assert_rule(got, ref32, same, "op set glu_linear")
     monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 8)        # above the bound: cuBLAS + GLU
     assert torch.equal(fused.glu_linear(x, w, b, "gelu"), fused.glu(F.linear(x, w, b), "gelu"))
-    monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 512)
+    monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 256)
     xg = x.float().requires_grad_()
     out = fused.glu_linear(xg, w.float(), None, "gelu")           # gradient wanted: the differentiable ops
     assert out.requires_grad and len(calls) == 1
@@ -275,7 +275,7 @@ def test_forward_uses_glu_linear_without_grad_only(counted, monkeypatch):
         ref = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa")
     assert len(calls) == len(model.layers)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
-    monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 512)
+    monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 256)
     encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa").sum().backward()
     assert len(calls) == len(model.layers), "a forward with gradient never takes the fused GEMM"
     assert fused.fallbacks() == {}

@@ -374,11 +374,13 @@ def glu(x: Tensor, activation: str = "gelu") -> Tensor:
     return y.view(*shape[:-1], shape[-1] // 2)
 
 
-# Largest token count served by the GLU-fused Wi GEMM: measured on the H200 (benchmarks/gemm_small.py, bf16,
-# ModernBERT-base 768 -> 2 x 1152) against cuBLAS + the GLU kernel: 1.24x at 128 tokens, 1.08x at 256, 1.02x
-# at 512, 0.89x at 1024. PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at import) turns it off, for A/B runs.
+# Largest token count served by the GLU-fused Wi GEMM. Measured on the H200 (bf16, ModernBERT-base 768 -> 2 x
+# 1152) against cuBLAS + the GLU kernel: alone (benchmarks/gemm_small.py, cold weights) 1.24x at 128 tokens,
+# 1.08x at 256, 1.02x at 512, 0.89x at 1024; inside a graph replay of the whole forward (profiled per kernel)
+# 6.6 vs 6.95 us per layer at 256 tokens but 8.4 vs 8.2 us at 512. PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at
+# import) turns it off, for A/B runs.
 GLU_LINEAR_MAX_TOKENS = 0 if os.environ.get("PACKED_ENCODERS_FUSED_GLU_GEMM", "1").strip().lower() in (
-    "0", "false", "off", "no") else 512
+    "0", "false", "off", "no") else 256
 
 
 @torch.library.custom_op("packed_encoders::triton_glu_linear", mutates_args=())
