@@ -78,6 +78,20 @@ def _raise_if(count: int, message: str) -> None:
         raise PackedEncodersError(message.format(count=count))
 
 
+def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """``input_ids`` as int32/int64: narrower integer dtypes are widened (their comparisons with a vocabulary
+    size past their range would wrap, and the embedding takes int32/int64 only).
+
+    Raises:
+        PackedEncodersError: floating, complex or bool ids.
+    """
+    if input_ids is None:
+        return None
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise PackedEncodersError(f"input_ids must be an integer tensor (got {input_ids.dtype})")
+    return input_ids if input_ids.dtype in (torch.int32, torch.int64) else input_ids.long()
+
+
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
@@ -100,8 +114,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     if inputs_embeds is not None and inputs_embeds.dim() != 3:
         raise PackedEncodersError(
             f"inputs_embeds must be [batch, seq_len, hidden]; got shape {tuple(inputs_embeds.shape)}")
-    if input_ids is not None and (input_ids.is_floating_point() or input_ids.is_complex()):
-        raise PackedEncodersError(f"input_ids must be an integer tensor (got {input_ids.dtype})")
+    input_ids = _integer_ids(input_ids)
     b, s = int(src.shape[0]), int(src.shape[1])
     device = src.device
     for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
@@ -218,6 +231,7 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
             not ending at ``T``, a wrong ``max_seqlen``, ids outside the vocabulary, non-zero
             ``token_type_ids``, negative positions.
     """
+    input_ids = _integer_ids(input_ids)
     src = input_ids if input_ids is not None else inputs_embeds
     total = int(src.shape[0])
     device = src.device

@@ -75,3 +75,28 @@ def test_from_packed_checks():
     derived = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=None, max_seqlen=None,
                           position_ids=torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3, 4]), vocab_size=50)
     assert derived.cu_seqlens.tolist() == [0, 3, 5, 10] and derived.max_seqlen == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8, torch.int32])
+def test_narrow_integer_ids_are_widened_not_wrapped(dtype):
+    """A vocabulary size past the ids' own range must not wrap in the checks (int8 ids against 211)."""
+    ids, mask = padded_batch([3, 5])
+    ids = ids % 100
+    ref = _unpad(ids, mask)
+    got = _unpad(ids.to(dtype), mask)
+    assert got.input_ids.dtype in (torch.int32, torch.int64) and torch.equal(got.input_ids.long(), ref.input_ids)
+    with pytest.raises(PackedEncodersError, match="outside the vocabulary"):
+        _unpad(ids.to(dtype), mask, vocab_size=50)
+    packed = from_packed(input_ids=ref.input_ids.to(dtype), inputs_embeds=None, cu_seqlens=ref.cu_seqlens,
+                         max_seqlen=ref.max_seqlen, position_ids=None, vocab_size=211)
+    assert torch.equal(packed.input_ids.long(), ref.input_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_float_and_bool_ids_are_refused(dtype):
+    ids, mask = padded_batch([3, 5])
+    with pytest.raises(PackedEncodersError, match="integer tensor"):
+        _unpad(ids.to(dtype), mask)
+    with pytest.raises(PackedEncodersError, match="integer tensor"):
+        from_packed(input_ids=ids.reshape(-1).to(dtype), inputs_embeds=None, cu_seqlens=None, max_seqlen=None,
+                    position_ids=None, vocab_size=211)

@@ -135,9 +135,11 @@ def test_config_field_default_validation_and_grid():
     assert GraphConfig(sync_free=True, max_seqlen=100).sync_free_seqlen_grid == (32, 48, 64, 96, 100)
     assert replace(SF, max_seqlen=128).sync_free_seqlen_grid == (32, 48, 64, 96, 128)
     assert SF.sync_free_max_tokens == 2048
-    for bad in (0, -1, 1.5, True):
+    for bad in (0, -1, 1.5, True, 16, 255):   # 16 and 255: below the smallest graph, 8 rows x 32
         with pytest.raises(PackedEncodersError, match="sync_free_max_tokens"):
             GraphConfig(sync_free=True, sync_free_max_tokens=bad)
+    assert GraphConfig(sync_free=True, sync_free_max_tokens=256).sync_free_max_tokens == 256
+    assert GraphConfig(sync_free_max_tokens=16).sync_free is False   # unread without sync_free
     assert GraphConfig(max_seqlen=64, seqlen_buckets=(16,), sync_free=True).sync_free_seqlen_grid == (16, 64)
     assert SF.seqlen_grid == GraphConfig().seqlen_grid, "the packed grid is unchanged"
     assert pe.pack(tiny_model(), validate=False, cuda_graph=SF) is not None
@@ -526,6 +528,8 @@ def test_check_errors_needs_a_packed_model():
         pe.check_errors(tiny_model())
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
     assert pe.check_errors(model) is model
+    with pytest.raises(PackedEncodersError, match="wait"):
+        pe.check_errors(model, wait="x")
 
 
 def test_cpu_model_off_the_fake_takes_the_synced_path():

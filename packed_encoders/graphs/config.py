@@ -82,12 +82,19 @@ class GraphConfig:
             run. ``check_errors(model, wait=True)`` waits for every pending check (use it at the end of a
             loop). This mode trades the immediate error for no sync.
         sync_free_max_tokens: the largest rectangular graph, in padded rows ``B_b * S_b`` (default 2048:
-            batch 8 up to 256 wide, batch 32 up to 64); larger calls take the packed path.
+            batch 8 up to 256 wide, batch 32 up to 64; on the H200 the break-even against the packed graphs);
+            larger calls take the packed path. Read only with ``sync_free``.
+
+    The padded widths ``S_b`` of the sync-free graphs are the property ``sync_free_seqlen_grid``: with
+    ``seqlen_buckets`` unset, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048 below
+    ``max_seqlen``, then ``max_seqlen`` itself (``max_seqlen=100``: 32, 48, 64, 96, 100); else
+    ``seqlen_buckets`` (and ``max_seqlen``).
 
     Raises:
         PackedEncodersError: a bound that is not a positive int, a grid parameter that is not a power of two,
             ``seqlen_buckets`` that are not increasing positive ints, a precapture entry that is not 2 or 3
-            ints or lies outside the bounds, or more precapture buckets than ``max_graphs``.
+            ints or lies outside the bounds, more precapture buckets than ``max_graphs``, or (with
+            ``sync_free``) a ``sync_free_max_tokens`` below the smallest rectangular graph.
     """
 
     max_seqlen: int = 2048
@@ -156,6 +163,15 @@ class GraphConfig:
             raise PackedEncodersError(f"GraphConfig.precapture maps to {count} buckets but max_graphs="
                                       f"{self.max_graphs}: the LRU would evict pre-captured graphs before "
                                       "traffic arrives")
+        if self.sync_free:
+            from .buckets import round_seqs
+
+            smallest = round_seqs(1, self.min_seq_bucket) * self.sync_free_seqlen_grid[0]
+            if self.sync_free_max_tokens < smallest:
+                raise PackedEncodersError(
+                    f"GraphConfig.sync_free_max_tokens={self.sync_free_max_tokens} is below the smallest "
+                    f"rectangular graph ({smallest} padded rows: min_seq_bucket rows of the narrowest width "
+                    f"{self.sync_free_seqlen_grid[0]}), so no call could be served sync-free")
 
     @property
     def token_limit(self) -> int:

@@ -289,8 +289,10 @@ def check_errors(model, *, wait: bool = False):
 
     Raises:
         PackedEncodersError: an earlier sync-free call failed its input checks (each failure reported once), or
-            ``model`` has no packed encoder.
+            ``model`` has no packed encoder, or ``wait`` is not a bool.
     """
+    if not isinstance(wait, bool):
+        raise PackedEncodersError(f"check_errors: wait={wait!r} must be a bool")
     pairs = _packed_states(model)
     if not pairs:
         raise PackedEncodersError("check_errors: no packed ModernBERT encoder inside the model; call pe.pack first")
