@@ -232,7 +232,7 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
     plan = plan_attention(params, batch, requested, grad=grad, dtype=activation_dtype(model), dropout=dropout,
                           policy=state.policy)
     state.last_plan = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
-    state.last_fallbacks = [r for d in plan.values() for r in d.reasons]
+    state.last_fallbacks = list(dict.fromkeys(r for d in plan.values() for r in d.reasons))  # once per reason
     out = encoder_forward(model, params, batch, attention=plan, ops=state.ops,
                           gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
                           hidden_pre_norm_last=hidden_pre_norm_last)

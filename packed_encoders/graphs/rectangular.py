@@ -174,7 +174,7 @@ class RectRunner:
             self.plan = plan_attention(params, probe, requested, grad=False, dtype=weight.dtype, dropout=False,
                                        policy=state.policy)
             self.plan_summary = {("global" if w is None else f"window {w}"): d.backend for w, d in self.plan.items()}
-            self.plan_reasons = [r for d in self.plan.values() for r in d.reasons]
+            self.plan_reasons = list(dict.fromkeys(r for d in self.plan.values() for r in d.reasons))
             self.fused = fused_unpad_available(device) if fused is None else fused
             forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs, fused=self.fused)
             if not capture:

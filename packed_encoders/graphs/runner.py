@@ -71,7 +71,7 @@ class GraphRunner:
             self.plan = plan_attention(params, batch, requested, grad=False, dtype=weight.dtype, dropout=False,
                                        policy=state.policy)
             self.plan_summary = {("global" if w is None else f"window {w}"): d.backend for w, d in self.plan.items()}
-            self.plan_reasons = [r for d in self.plan.values() for r in d.reasons]
+            self.plan_reasons = list(dict.fromkeys(r for d in self.plan.values() for r in d.reasons))
             ops, plan = state.ops, self.plan
 
             def forward():
