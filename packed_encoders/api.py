@@ -172,7 +172,7 @@ def describe(target) -> dict:
                 "kernels": state.ops.name,
                 "kernels_reason": state.ops_reason,
                 "kernel_fallbacks": state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {},
-                "cuda_graph": describe_graphs(state),
+                "cuda_graph": describe_graphs(state, weight.device),
                 "padded_outputs": ("zeros" if state.trailing_max_len is None else
                                    "trailing masked positions computed" + (
                                        "" if state.trailing_max_len >= ALWAYS else

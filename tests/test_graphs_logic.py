@@ -589,6 +589,17 @@ def test_pack_gate_is_a_no_op_off_cuda():
     assert not any(c.startswith("cuda_graph") for c in get_state(model).report.checks)
 
 
+def test_describe_says_why_graphs_are_idle(monkeypatch):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    idle = lambda: pe.describe(model)["encoders"][0]["cuda_graph"]["idle_reason"]  # noqa: E731
+    assert "on cpu" in idle(), "before any call, a CPU model says graphs cannot engage"
+    with pe.no_cuda_graph(model):
+        assert "no_cuda_graph" in idle()
+    monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
+    assert "PACKED_ENCODERS_GRAPH" in idle()
+    assert "idle_reason" not in pe.describe(pe.pack(tiny_model(), validate=False))["encoders"][0]["cuda_graph"]
+
+
 def test_query_only_tails_get_their_own_graphs(cpu_graphs):
     """ColBERT query expansion (trailing masked positions computed): key_lens are staged, not dropped."""
     model = tiny_model()

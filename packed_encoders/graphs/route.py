@@ -371,13 +371,19 @@ def set_cuda_graph(model, enabled: bool, config: GraphConfig | None = None):
     return model
 
 
-def describe_graphs(state) -> dict:
-    """JSON-serialisable graph state of one encoder for ``describe()``."""
+def describe_graphs(state, device: torch.device | None = None) -> dict:
+    """JSON-serialisable graph state of one encoder for ``describe()``; with the encoder's ``device``, also
+    ``idle_reason``: why no call can replay a graph right now (``None`` when calls can)."""
     config = state.options.cuda_graph
     out = {"enabled": config is not None, "kill_switch": kill_switch(),
            "suspended": state.runtime.get("graphs_suspended", 0) > 0}
     if config is None:
         return out
+    if device is not None:
+        out["idle_reason"] = (f"{ENV} is off" if out["kill_switch"] else
+                              "inside no_cuda_graph()" if out["suspended"] else
+                              None if device.type == "cuda" else
+                              f"the model is on {device.type}: graphs engage on CUDA only (calls run eagerly)")
     out["config"] = asdict(config)
     mgr = state.runtime.get("graphs")
     if config.sync_free:
