@@ -14,6 +14,7 @@ packed-vs-stock through 22 to 28 random-init fp32 layers on the H200).
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 from dataclasses import dataclass, field
@@ -63,10 +64,13 @@ class ValidationReport:
         lines = []
         for e in self.encoders:
             status = "ok" if e.passed else "FAILED: " + "; ".join(e.failures)
-            lines.append(
-                f"[{e.path or 'encoder'}] {e.model_type} {e.dtype} on {e.device}, kernels={e.kernels}, "
-                f"attention={e.attention}, lengths={list(e.lengths)}: per-token cosine min {e.cos_min:.6f} "
-                f"mean {e.cos_mean:.6f}, max rel err {e.max_rel_err:.2e} ({e.seconds:.2f} s) -> {status}")
+            head = (f"[{e.path or 'encoder'}] {e.model_type} {e.dtype} on {e.device}, kernels={e.kernels}, "
+                    f"attention={e.attention}, lengths={list(e.lengths)}")
+            if math.isnan(e.cos_min) and not e.passed:  # the packed path never produced an output: the reason first
+                lines.append(f"{head} -> {status}")
+                continue
+            lines.append(f"{head}: per-token cosine min {e.cos_min:.6f} mean {e.cos_mean:.6f}, max rel err "
+                         f"{e.max_rel_err:.2e} ({e.seconds:.2f} s) -> {status}")
         return "\n".join(lines)
 
 

@@ -213,6 +213,14 @@ def test_validation_failure_leaves_model_unchanged(monkeypatch):
     assert model.__dict__[STATE_ATTR].ops.name == "torch"  # the earlier, valid packing is kept
 
 
+def test_a_backend_that_cannot_run_is_named_first():
+    """No output to compare: the summary gives the reason, not NaN statistics."""
+    model = make_model("base_like")
+    with pytest.raises(pe.ValidationError, match="varlen_attn needs CUDA") as info:
+        pe.pack(model, attention_backend="varlen")
+    assert "nan" not in str(info.value) and "packed path raised" in str(info.value)
+
+
 def test_structure_mismatch_fails_validation():
     model = make_model("base_like")
     model.layers[1].attention_type = "full_attention"  # disagrees with config.layer_types
