@@ -10,17 +10,17 @@ also take ``rope=(cos, sin, rows)`` with unrotated ``q, k`` and apply the rotary
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..switches import switched_off
 from . import flash, sdpa
 
 FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"
 # Read once at import (an A/B switch for benchmarks: =0 keeps the separate RoPE op everywhere).
-FUSED_ROPE = os.environ.get(FUSED_ROPE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+FUSED_ROPE = not switched_off(FUSED_ROPE_ENV)
 
 
 @dataclass(frozen=True)

@@ -112,26 +112,27 @@ class CallFacts:
     max_seqlen: int = 1
 
 
+def _mode_checks(facts: CallFacts | RectFacts) -> tuple:
+    """``(failed, reason)`` for the modes no captured forward honours, shared by both graph paths."""
+    return ((facts.kill_switch, KILL_SWITCH), (facts.suspended, SUSPENDED), (facts.grad, GRAD),
+            (facts.autocast, AUTOCAST), (facts.dropout, DROPOUT), (facts.hidden_states, HIDDEN_STATES),
+            (facts.inputs_embeds, EMBEDS))
+
+
+def _first_failed(checks) -> str | None:
+    return next((reason for failed, reason in checks if failed), None)
+
+
 def admit(config: GraphConfig, facts: CallFacts) -> Bucket | str:
     """The bucket serving this call, or the reason it runs eagerly (first failing check)."""
-    checks = (
-        (facts.kill_switch, KILL_SWITCH),
-        (facts.suspended, SUSPENDED),
-        (facts.grad, GRAD),
-        (facts.autocast, AUTOCAST),
-        (facts.dropout, DROPOUT),
-        (facts.hidden_states, HIDDEN_STATES),
-        (facts.inputs_embeds, EMBEDS),
+    reason = _first_failed(_mode_checks(facts) + (
         (not facts.model_on_cuda, NOT_CUDA),
         (not facts.same_device, OTHER_DEVICE),
         (facts.num_seqs > config.max_seqs, TOO_MANY_SEQS),
         (facts.total_tokens > config.token_limit, TOO_MANY_TOKENS),
         (facts.max_seqlen > config.max_seqlen, TOO_LONG),
-    )
-    for failed, reason in checks:
-        if failed:
-            return reason
-    return bucket_for(config, facts.num_seqs, facts.total_tokens, facts.max_seqlen)
+    ))
+    return reason or bucket_for(config, facts.num_seqs, facts.total_tokens, facts.max_seqlen)
 
 
 # ----------------------------------------------------------------------- sync-free (rectangular) graphs
@@ -199,14 +200,7 @@ def rect_bucket_for(config: GraphConfig, batch: int, width: int, vocab: int) -> 
 def admit_rect(config: GraphConfig, facts: RectFacts, vocab: int) -> RectBucket | str:
     """The rectangular bucket serving this padded call, or the reason it takes the synced path. Reads only
     shapes and flags: never a device value."""
-    checks = (
-        (facts.kill_switch, KILL_SWITCH),
-        (facts.suspended, SUSPENDED),
-        (facts.grad, GRAD),
-        (facts.autocast, AUTOCAST),
-        (facts.dropout, DROPOUT),
-        (facts.hidden_states, HIDDEN_STATES),
-        (facts.inputs_embeds, EMBEDS),
+    reason = _first_failed(_mode_checks(facts) + (
         (facts.position_ids, POSITION_IDS),
         (facts.query_only, QUERY_ONLY),
         (not facts.integer_inputs, INPUT_DTYPES),
@@ -216,9 +210,8 @@ def admit_rect(config: GraphConfig, facts: RectFacts, vocab: int) -> RectBucket 
         (facts.batch > config.max_seqs, TOO_MANY_SEQS),
         (facts.width > config.max_seqlen, TOO_WIDE),
         (facts.batch * facts.width > config.token_limit, TOO_MANY_PADDED),
-    )
-    for failed, reason in checks:
-        if failed:
-            return reason
+    ))
+    if reason:
+        return reason
     bucket = rect_bucket_for(config, facts.batch, facts.width, vocab)
     return TOO_MANY_PADDED if bucket.tokens > config.sync_free_max_tokens else bucket

@@ -38,11 +38,10 @@ import contextlib
 import torch
 
 from ..batch import PackedBatch
-from ..model.forward import encoder_forward, live_inv_freq, plan_attention
-from ..ops import rope_tables
+from ..model.forward import encoder_forward
 from .buckets import RectBucket
 from .deferred import CHECKS
-from .runner import _capture
+from .runner import capture_or_run, resolve_plan, theta_tables
 
 
 def device_unpad(bufs: dict, width: int, vocab: int) -> dict:
@@ -163,26 +162,16 @@ class RectRunner:
                 "nan": torch.full((), float("nan"), dtype=weight.dtype, device=device),
                 "zero": torch.zeros((), dtype=weight.dtype, device=device),
             }
-            # Theta-table fallback only (live inv_freq buffers need no table): positions are < S by layout.
-            needs_tables = any(live_inv_freq(model, g, params)[0] is None for g in set(params.layer_is_global))
-            self.tables = [rope_tables(theta, params.head_dim, s, device)
-                           for theta in sorted({params.rope_theta_global, params.rope_theta_local})] \
-                if needs_tables else []
+            self.tables = theta_tables(model, params, s, device)   # positions are < S by layout
             probe = PackedBatch(input_ids=self.bufs["ids"].reshape(-1), inputs_embeds=None,
                                 cu_seqlens=torch.zeros(2 * b + 1, dtype=torch.int32, device=device), max_seqlen=s,
                                 position_ids=self.bufs["pos"], max_position=s)
-            self.plan = plan_attention(params, probe, requested, grad=False, dtype=weight.dtype, dropout=False,
-                                       policy=state.policy)
-            self.plan_summary = {("global" if w is None else f"window {w}"): d.backend for w, d in self.plan.items()}
-            self.plan_reasons = list(dict.fromkeys(r for d in self.plan.values() for r in d.reasons))
+            self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, probe, requested, weight.dtype,
+                                                                           state.policy)
             self.fused = fused_unpad_available(device) if fused is None else fused
             forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs, fused=self.fused)
-            if not capture:
-                self.graph, self._forward = None, forward
-                self.out, self.flags = forward()
-            else:
-                self._forward = None
-                self.graph, (self.out, self.flags) = _capture(forward, device, pool, stream, warmup)
+            self.graph, self._forward, (self.out, self.flags) = capture_or_run(forward, device, capture, pool,
+                                                                               stream, warmup)
         self._extent = (0, 0)      # the block of `mask` the last staging wrote
         self._tt_dirty = False     # `tt` holds a previous call's token_type_ids
         static = tuple(v for v in self.bufs.values()) + (self.out, self.flags)

@@ -13,27 +13,25 @@ nesting depth under ``"graphs_suspended"``; pending sync-free input checks under
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import asdict, replace
 
 import torch
 
 from ..errors import PackedEncodersError
+from ..switches import switched_off
 from . import buckets as B
 from .buckets import Bucket, CallFacts, RectBucket, RectFacts, admit, admit_rect, precapture_buckets
 from .config import GraphConfig, normalize
 from .manager import GraphManager
 
 ENV = "PACKED_ENCODERS_GRAPH"
-_OFF = frozenset({"0", "false", "off", "no"})
 _RUNTIME_LOCK = threading.Lock()
 
 
 def kill_switch() -> bool:
     """True when ``PACKED_ENCODERS_GRAPH`` is 0/false/off/no (read on every call)."""
-    value = os.environ.get(ENV)
-    return value is not None and value.strip().lower() in _OFF
+    return switched_off(ENV)
 
 
 def _manager(state) -> GraphManager | None:
@@ -72,19 +70,21 @@ def fingerprint(model, mgr: GraphManager) -> tuple:
     return (w0.device, w0.dtype, *(p.data_ptr() for _, _, p in weights))
 
 
+def _mode_facts(model, state, weight: torch.Tensor, hidden_states: bool) -> dict:
+    """The facts both graph paths admit on: switches, grad / autocast / dropout modes, the model's device."""
+    on_cuda = weight.device.type == "cuda"
+    return dict(kill_switch=kill_switch(), suspended=state.runtime.get("graphs_suspended", 0) > 0,
+                grad=torch.is_grad_enabled(), autocast=on_cuda and torch.is_autocast_enabled("cuda"),
+                dropout=model.training and state.params.has_dropout, hidden_states=hidden_states,
+                model_on_cuda=on_cuda)
+
+
 def call_facts(model, state, batch, *, hidden_states: bool) -> CallFacts:
     """Host-visible facts of one call (no device reads)."""
     weight = model.embeddings.tok_embeddings.weight
-    on_cuda = weight.device.type == "cuda"
     return CallFacts(
-        kill_switch=kill_switch(),
-        suspended=state.runtime.get("graphs_suspended", 0) > 0,
-        grad=torch.is_grad_enabled(),
-        autocast=on_cuda and torch.is_autocast_enabled("cuda"),
-        dropout=model.training and state.params.has_dropout,
-        hidden_states=hidden_states,
+        **_mode_facts(model, state, weight, hidden_states),
         inputs_embeds=batch.inputs_embeds is not None,
-        model_on_cuda=on_cuda,
         same_device=batch.device == weight.device,
         num_seqs=batch.num_seqs,
         total_tokens=batch.total_tokens,
@@ -92,17 +92,20 @@ def call_facts(model, state, batch, *, hidden_states: bool) -> CallFacts:
     )
 
 
-def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, query_only: bool = False):
-    from .runner import GraphRunner
-
+def _capture_kw(model, mgr: GraphManager) -> dict:
+    """The shared pool, the capture side stream on the model's device and the warm-up count, for a runner."""
     device = model.embeddings.tok_embeddings.weight.device
     if mgr.pool is None:
         mgr.pool = torch.cuda.graph_pool_handle()
-    stream = mgr.stream
-    if stream is None or stream.device != device:
-        stream = mgr.stream = torch.cuda.Stream(device)
-    return GraphRunner(model, state, bucket, requested, pool=mgr.pool, stream=stream, warmup=mgr.config.warmup,
-                       query_only=query_only)
+    if mgr.stream is None or mgr.stream.device != device:
+        mgr.stream = torch.cuda.Stream(device)
+    return dict(pool=mgr.pool, stream=mgr.stream, warmup=mgr.config.warmup)
+
+
+def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, query_only: bool = False):
+    from .runner import GraphRunner
+
+    return GraphRunner(model, state, bucket, requested, query_only=query_only, **_capture_kw(model, mgr))
 
 
 def _precapture(model, state, mgr: GraphManager) -> None:
@@ -176,22 +179,15 @@ def rect_call_facts(model, state, *, input_ids, inputs_embeds, attention_mask, p
                     trailing: bool, hidden_states: bool) -> RectFacts:
     """Host-visible facts of one padded call for the sync-free path (shapes, dtypes, devices, flags)."""
     weight = model.embeddings.tok_embeddings.weight
-    on_cuda = weight.device.type == "cuda"
     src = input_ids if input_ids is not None else inputs_embeds
     tensors = [t for t in (input_ids, attention_mask, token_type_ids) if t is not None]
     return RectFacts(
-        kill_switch=kill_switch(),
-        suspended=state.runtime.get("graphs_suspended", 0) > 0,
-        grad=torch.is_grad_enabled(),
-        autocast=on_cuda and torch.is_autocast_enabled("cuda"),
-        dropout=model.training and state.params.has_dropout,
-        hidden_states=hidden_states,
+        **_mode_facts(model, state, weight, hidden_states),
         inputs_embeds=inputs_embeds is not None,
         position_ids=position_ids is not None,
         query_only=trailing,
         integer_inputs=_integer(input_ids, allow_bool=False) and _integer(attention_mask)
         and _integer(token_type_ids),
-        model_on_cuda=on_cuda,
         same_device=all(t.device == weight.device for t in tensors),
         batch=int(src.shape[0]),
         width=int(src.shape[1]),
@@ -201,13 +197,7 @@ def rect_call_facts(model, state, *, input_ids, inputs_embeds, attention_mask, p
 def _build_rect(model, state, mgr: GraphManager, bucket: RectBucket, requested: str):
     from .rectangular import RectRunner
 
-    device = model.embeddings.tok_embeddings.weight.device
-    if mgr.pool is None:
-        mgr.pool = torch.cuda.graph_pool_handle()
-    stream = mgr.stream
-    if stream is None or stream.device != device:
-        stream = mgr.stream = torch.cuda.Stream(device)
-    return RectRunner(model, state, bucket, requested, pool=mgr.pool, stream=stream, warmup=mgr.config.warmup)
+    return RectRunner(model, state, bucket, requested, **_capture_kw(model, mgr))
 
 
 def deferred_checks(state):

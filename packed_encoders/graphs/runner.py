@@ -56,33 +56,19 @@ class GraphRunner:
             self.cu[1:] = self.steps.clamp(max=t)                  # capture layout: sequences of s tokens
             self.ids = torch.zeros(t, dtype=torch.long, device=device)
             self.pos = torch.arange(t, device=device) % s
-            # RoPE from HF's live inv_freq buffers is computed inside the graph for any position. Only the
-            # theta-table fallback needs its tables pre-grown (building them under capture would copy
-            # host->device) and kept alive (a later eager call may replace the cached entry); positions past
-            # them run eagerly.
-            needs_tables = any(live_inv_freq(model, g, params)[0] is None for g in set(params.layer_is_global))
-            self.tables = [rope_tables(theta, params.head_dim, s, device)
-                           for theta in sorted({params.rope_theta_global, params.rope_theta_local})] \
-                if needs_tables else []
+            self.tables = theta_tables(model, params, s, device)   # positions past them run eagerly
             self.rope_rows = min(cos.shape[0] for cos, _ in self.tables) if self.tables else 1 << 62
             self.kl = torch.full((n,), s, dtype=torch.int32, device=device) if query_only else None
             batch = PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
                                 position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)
-            self.plan = plan_attention(params, batch, requested, grad=False, dtype=weight.dtype, dropout=False,
-                                       policy=state.policy)
-            self.plan_summary = {("global" if w is None else f"window {w}"): d.backend for w, d in self.plan.items()}
-            self.plan_reasons = list(dict.fromkeys(r for d in self.plan.values() for r in d.reasons))
+            self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, batch, requested, weight.dtype,
+                                                                           state.policy)
             ops, plan = state.ops, self.plan
 
             def forward():
                 return encoder_forward(model, params, batch, attention=plan, ops=ops)
 
-            if not capture:
-                self.graph, self._forward = None, forward
-                self.out = forward()
-            else:
-                self._forward = None
-                self.graph, self.out = _capture(forward, device, pool, stream, warmup)
+            self.graph, self._forward, self.out = capture_or_run(forward, device, capture, pool, stream, warmup)
         static = (self.steps, self.cu, self.ids, self.pos, self.out) + ((self.kl,) if query_only else ())
         self.static_bytes = sum(x.numel() * x.element_size() for x in static)
 
@@ -109,6 +95,35 @@ class GraphRunner:
             with torch.no_grad():
                 out = self._forward()
         return finish(out[:total])
+
+
+def theta_tables(model, params, rows: int, device) -> list:
+    """The RoPE tables of ``rows`` positions a runner keeps for the theta fallback, or ``[]``.
+
+    RoPE from HF's live ``inv_freq`` buffers is computed inside the graph for any position; only the fallback
+    reads tables, which must exist before capture (building them under capture would copy host -> device)
+    and stay referenced by the runner (a later eager call may replace the cached entry)."""
+    if all(live_inv_freq(model, g, params)[0] is not None for g in set(params.layer_is_global)):
+        return []
+    return [rope_tables(theta, params.head_dim, rows, device)
+            for theta in sorted({params.rope_theta_global, params.rope_theta_local})]
+
+
+def resolve_plan(params, batch: PackedBatch, requested: str, dtype: torch.dtype, policy):
+    """``(plan, summary, reasons)`` baked into a graph: the attention plan for the bucket's shapes, the backend
+    per layer kind (for ``describe()``), and each fallback reason once."""
+    plan = plan_attention(params, batch, requested, grad=False, dtype=dtype, dropout=False, policy=policy)
+    summary = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
+    return plan, summary, list(dict.fromkeys(r for d in plan.values() for r in d.reasons))
+
+
+def capture_or_run(forward, device, capture: bool, pool, stream, warmup: int):
+    """``(graph, forward, static output)``: with ``capture`` the captured graph and ``None``; without, no graph
+    and ``forward`` itself, run once here and again at every replay."""
+    if not capture:
+        return None, forward, forward()
+    graph, out = _capture(forward, device, pool, stream, warmup)
+    return graph, None, out
 
 
 def _capture(forward, device, pool, stream, warmup: int):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import numpy as np
@@ -24,6 +23,7 @@ import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from ...switches import switched_off
 from . import interpret_enabled
 
 
@@ -71,7 +71,7 @@ FAST_LAUNCH_TRITON = ("3.6.",)
 def _fast_launch_enabled() -> bool:
     import triton
 
-    if os.environ.get(FAST_LAUNCH_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+    if switched_off(FAST_LAUNCH_ENV):
         return False
     return triton.__version__.startswith(FAST_LAUNCH_TRITON)
 
