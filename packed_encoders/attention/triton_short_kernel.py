@@ -12,8 +12,8 @@ One program owns ``BLOCK_M`` query rows and ``HEADS_PER_PROGRAM`` heads. Two gri
 Either way each query row ``t`` gets a key interval ``[lo, hi)``: its own sequence clipped to
 ``|t - j| <= WINDOW`` on local layers. Positions within a sequence differ exactly as packed rows do, so the
 window needs no position ids. The key loop runs over the union of the tile's intervals only: it stops at the
-last sequence's end and never visits key tiles outside the window. With ``HAS_KL`` the key interval also ends at ``cu[s] + KL[s]`` (query-only
-tail rows, ColBERT query expansion); a row left with no key writes zeros. Masked scores are ``-inf``; the running
+last sequence's end and never visits key tiles outside the window. With ``HAS_KL`` the key interval also ends
+at ``cu[s] + KL[s]`` (query-only tail rows, ColBERT query expansion); a row left with no key writes zeros. Masked scores are ``-inf``; the running
 max starts finite so a row whose first key tiles are all masked stays NaN-free, and its masked keys add
 exact zeros (a sequence's output does not depend on its neighbours' values, bit for bit).
 
@@ -36,6 +36,24 @@ _M0 = tl.constexpr(-1.0e30)
 
 # The one program body, inlined into the two entry points below, which fix ROPE: ROPE=False compiles to the code
 # of a kernel without the flag, and the plain entry keeps the argument list it had before RoPE was fused.
+@triton.jit
+def _rope_rows(COS, SIN, ROWS, rows64, ok, scs_r, offs_h):
+    """``cos, sin`` ``[rows, HEAD_DIM // 2]`` fp32 for the tokens ``rows64`` (their table rows read from ``ROWS``)."""
+    at = tl.load(ROWS + rows64, mask=ok, other=0).to(tl.int64)[:, None] * scs_r + offs_h[None, :]
+    return tl.load(COS + at, mask=ok[:, None], other=0.0), tl.load(SIN + at, mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _rotated(X, offs, ok, cos, sin, HALF: tl.constexpr, ROWS_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A ``[ROWS_N, HEAD_DIM]`` q or k tile rotated: its two halves loaded at ``X + offs`` and ``+ HALF``,
+    ops.rope_qkv's expressions in fp32, one rounding to ``X``'s dtype, the halves side by side again."""
+    x1 = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(X + offs + HALF, mask=ok, other=0.0).to(tl.float32)
+    r1 = (x1 * cos - x2 * sin).to(X.dtype.element_ty)
+    r2 = (x2 * cos + x1 * sin).to(X.dtype.element_ty)
+    return tl.reshape(tl.permute(tl.join(r1, r2), (0, 2, 1)), (ROWS_N, HEAD_DIM))
+
+
 @triton.jit
 def _packed_attn(
     Q, K, V, O, CU, KL,
@@ -102,20 +120,13 @@ def _packed_attn(
         HALF: tl.constexpr = HEAD_DIM // 2
         offs_h = tl.arange(0, HALF)
         # the query rows' table entries serve every head: read once per program
-        q_tab = tl.load(ROWS + t64, mask=q_ok, other=0).to(tl.int64)[:, None] * scs_r + offs_h[None, :]
-        q_cos = tl.load(COS + q_tab, mask=q_ok[:, None], other=0.0)
-        q_sin = tl.load(SIN + q_tab, mask=q_ok[:, None], other=0.0)
+        q_cos, q_sin = _rope_rows(COS, SIN, ROWS, t64, q_ok, scs_r, offs_h)
     for hh in tl.static_range(HEADS_PER_PROGRAM):
         h = head_group * HEADS_PER_PROGRAM + hh
         h_ok = h < H
         if ROPE:
-            q_at = Q + t64[:, None] * sq_t + h * sq_h + offs_h[None, :]
-            q1 = tl.load(q_at, mask=q_ok[:, None] & h_ok, other=0.0).to(tl.float32)
-            q2 = tl.load(q_at + HALF, mask=q_ok[:, None] & h_ok, other=0.0).to(tl.float32)
-            # ops.rope_qkv's expressions in fp32, one rounding, then the halves side by side again
-            rq1 = (q1 * q_cos - q2 * q_sin).to(Q.dtype.element_ty)
-            rq2 = (q2 * q_cos + q1 * q_sin).to(Q.dtype.element_ty)
-            q = tl.reshape(tl.permute(tl.join(rq1, rq2), (0, 2, 1)), (BLOCK_M, HEAD_DIM))
+            q = _rotated(Q, t64[:, None] * sq_t + h * sq_h + offs_h[None, :], q_ok[:, None] & h_ok, q_cos, q_sin,
+                         HALF, BLOCK_M, HEAD_DIM)
         else:
             q = tl.load(Q + t64[:, None] * sq_t + h * sq_h + offs_d[None, :], mask=q_ok[:, None] & h_ok, other=0.0)
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _M0
@@ -126,15 +137,9 @@ def _packed_attn(
             kt_ok = kt < k_end
             kt64 = kt.to(tl.int64)
             if ROPE:  # as q; rows past k_end read nothing (masked loads) and rotate to zeros
-                k_tab = tl.load(ROWS + kt64, mask=kt_ok, other=0).to(tl.int64)[:, None] * scs_r + offs_h[None, :]
-                k_cos = tl.load(COS + k_tab, mask=kt_ok[:, None], other=0.0)
-                k_sin = tl.load(SIN + k_tab, mask=kt_ok[:, None], other=0.0)
-                k_at = K + kt64[:, None] * sk_t + h * sk_h + offs_h[None, :]
-                k1 = tl.load(k_at, mask=kt_ok[:, None] & h_ok, other=0.0).to(tl.float32)
-                k2 = tl.load(k_at + HALF, mask=kt_ok[:, None] & h_ok, other=0.0).to(tl.float32)
-                rk1 = (k1 * k_cos - k2 * k_sin).to(K.dtype.element_ty)
-                rk2 = (k2 * k_cos + k1 * k_sin).to(K.dtype.element_ty)
-                k = tl.reshape(tl.permute(tl.join(rk1, rk2), (0, 2, 1)), (BLOCK_N, HEAD_DIM))
+                k_cos, k_sin = _rope_rows(COS, SIN, ROWS, kt64, kt_ok, scs_r, offs_h)
+                k = _rotated(K, kt64[:, None] * sk_t + h * sk_h + offs_h[None, :], kt_ok[:, None] & h_ok, k_cos,
+                             k_sin, HALF, BLOCK_N, HEAD_DIM)
             else:
                 k = tl.load(K + kt64[:, None] * sk_t + h * sk_h + offs_d[None, :], mask=kt_ok[:, None] & h_ok,
                             other=0.0)
