@@ -94,3 +94,13 @@ def assert_close_real(a, b, mask, atol=1e-4, rtol=1e-4):
 @pytest.fixture(params=list(CONFIGS))
 def config_name(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def triton_interpret():
+    """``TRITON_INTERPRET=1`` for one test module (``pytestmark = pytest.mark.usefixtures("triton_interpret")``):
+    its Triton kernels run interpreted on CPU; compiled kernels elsewhere in the process are unaffected, since
+    interpretation is chosen per launch."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield

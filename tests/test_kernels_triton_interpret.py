@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+
 from packed_encoders.errors import PackedEncodersError  # noqa: E402
 from packed_encoders.ops import TORCH_OPS, geglu_ref, geglu_torch, layer_norm_ref, layer_norm_torch  # noqa: E402
 from packed_encoders.ops import residual_layer_norm_ref, residual_layer_norm_torch, rope_qkv_ref  # noqa: E402
@@ -25,13 +27,6 @@ from packed_encoders.ops.select import select_ops  # noqa: E402
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPES = [FP32, BF16, FP16]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpret():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 @pytest.fixture(scope="module")

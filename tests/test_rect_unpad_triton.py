@@ -8,6 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+
 import packed_encoders as pe  # noqa: E402
 from packed_encoders.adapters.state import get_state  # noqa: E402
 from packed_encoders.graphs.buckets import rect_bucket_for  # noqa: E402
@@ -18,13 +20,6 @@ from .test_graphs_logic import VOCAB, tiny_model  # noqa: E402
 from .test_graphs_sync_free import fwd, padded  # noqa: E402
 
 SF = GraphConfig(sync_free=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpret():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+
 from packed_encoders.ops.triton import small_gemm
 from packed_encoders.ops.triton.small_gemm import CONFIGS, Config, default_config, glu_linear, linear
 
@@ -24,13 +26,6 @@ ACTS = {
     "silu": F.silu,
     "relu": F.relu,
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpret():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
 
 
 def _rand(shape, dtype, seed, scale=1.0):
