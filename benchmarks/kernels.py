@@ -419,7 +419,8 @@ def sweep_rows(tokens: int, copy_gbps: float) -> list[dict]:
     cases = [
         ("residual_layer_norm", "fwd", L, [(ln_block, r, nw, None) for r in (1, 2, 4, 8) for nw in (4, 8)],
          lambda: L.forward(x, d, w, None, 1e-5, DTYPE, DTYPE), 4 * t * HIDDEN * es),
-        ("residual_layer_norm", "bwd", L, [(ln_block, r, nw, ps) for r in (1, 2, 4) for nw in (4, 8) for ps in (2, 4, 8)],
+        ("residual_layer_norm", "bwd", L, [(ln_block, r, nw, (ps, st)) for r in (1, 2, 4) for nw in (4, 8)
+                                           for ps in (4, 8, 12) for st in (1, 2, 3)],
          lambda: L.backward(dy, s, w, mean, rstd, ds, False, DTYPE, None), 4 * t * HIDDEN * es),
         ("rope_qkv", "fwd", R, [(rope_block, r, nw, None) for r in (1, 2, 4, 8) for nw in (2, 4, 8)],
          lambda: R.forward(qkv, cos, sin, pos, HEADS, HEAD_DIM), 4 * t * HEADS * HEAD_DIM * es),
@@ -436,27 +437,28 @@ def sweep_rows(tokens: int, copy_gbps: float) -> list[dict]:
     for op, direction, module, candidates, fn, nbytes in cases:
         default = (L.config(HIDDEN, 2, direction == "bwd") if module is L else
                    R.config(HEADS, HEAD_DIM) if module is R else G.config(INNER))
-        original, original_ps = module.config, L.BWD_PROGRAMS_PER_SM
+        original, original_ps, original_st = module.config, L.BWD_PROGRAMS_PER_SM, L.BWD_STAGES
         results = []
         for a, b, nw, ps in candidates:
-            module.config = lambda *args, _c=(a, b, nw): _c
-            if ps is not None:
-                L.BWD_PROGRAMS_PER_SM = ps
+            module.config = lambda *args, _c=(a, b, nw), **kw: _c
+            if ps is not None:  # (programs per SM, pipeline stages) of the persistent LayerNorm backward
+                L.BWD_PROGRAMS_PER_SM, L.BWD_STAGES = ps
             try:
                 ms = bench_ms(fn)
             except Exception as exc:
                 print(f"[sweep] {op} {direction} {(a, b, nw, ps)}: {exc!r}"[:200], flush=True)
                 continue
             finally:
-                module.config, L.BWD_PROGRAMS_PER_SM = original, original_ps
+                module.config, L.BWD_PROGRAMS_PER_SM, L.BWD_STAGES = original, original_ps, original_st
             gbps = nbytes / ms / 1e6
             results.append(dict(section="sweep", op=op, direction=direction, tokens=t, config=[a, b, nw],
-                                programs_per_sm=ps,
-                                is_default=(a, b, nw) == tuple(default) and ps in (None, L.BWD_WARPS_PER_SM // nw),
+                                programs_per_sm=None if ps is None else ps[0], stages=None if ps is None else ps[1],
+                                is_default=(a, b, nw) == tuple(default) and ps in (None, (L.BWD_WARPS_PER_SM // nw,
+                                                                                          L.BWD_STAGES)),
                                 ms=round(ms, 5), gbps=round(gbps, 1), pct_copy=round(100 * gbps / copy_gbps, 1)))
         results.sort(key=lambda r: r["ms"])
         for r in results[:3] + [r for r in results[3:] if r["is_default"]]:
-            print(f"[sweep] {op:20s} {direction} cfg={r['config']} per_sm={r['programs_per_sm']} "
+            print(f"[sweep] {op:20s} {direction} cfg={r['config']} per_sm={r['programs_per_sm']} stages={r.get('stages')} "
                   f"{r['ms']:.4f} ms {r['gbps']:.0f} GB/s ({r['pct_copy']}%){' <- default' if r['is_default'] else ''}",
                   flush=True)
         rows += results

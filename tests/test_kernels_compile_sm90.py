@@ -68,12 +68,25 @@ def test_layer_norm_compiles(hidden, dt, residual, bias):
     bwd = _compile(L._bwd_kernel, dict(DY=p, X=p, W=p, MEAN="*fp32", RSTD="*fp32", DRES=p, DX=p, DX2="*bf16",
                                        DW="*fp32", DB="*fp32", n_rows="i32", n_tiles="i32", n_programs="i32"),
                    dict(N=hidden, BLOCK_N=block_n, ROWS=rows, HAS_W=True, HAS_B=bias, HAS_DRES=residual,
-                        HAS_DX2=dt == "fp32"), warps)
+                        HAS_DX2=dt == "fp32", STAGES=L.BWD_STAGES), warps)
     for k in (fwd, bwd):
         res = _resources(k)
         assert res.get("STACK", 0) == 0, res
     # the persistent backward's programs (BWD_WARPS_PER_SM warps) must all be resident at once
     assert _resources(bwd).get("REG", 0) * 32 * L.BWD_WARPS_PER_SM <= 65536, _resources(bwd)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_layer_norm_backward_pipelined_compiles(stages):
+    """The software-pipelined tile loop (``BWD_STAGES`` > 1, swept by benchmarks/kernels.py) lowers for sm_90
+    without spills."""
+    block_n, rows, warps = L.config(768, 2, backward=True)
+    bwd = _compile(L._bwd_kernel, dict(DY="*bf16", X="*bf16", W="*bf16", MEAN="*fp32", RSTD="*fp32", DRES="*bf16",
+                                       DX="*bf16", DX2="*bf16", DW="*fp32", DB="*fp32", n_rows="i32", n_tiles="i32",
+                                       n_programs="i32"),
+                   dict(N=768, BLOCK_N=block_n, ROWS=rows, HAS_W=True, HAS_B=False, HAS_DRES=True, HAS_DX2=False,
+                        STAGES=stages), warps)
+    assert _resources(bwd).get("STACK", 0) == 0, _resources(bwd)
 
 
 @pytest.mark.parametrize("nh,hd,dt", [(12, 64, "bf16"), (16, 64, "fp16"), (6, 96, "bf16"), (4, 256, "fp32"),

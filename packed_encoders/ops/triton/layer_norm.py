@@ -19,10 +19,17 @@ import triton.language as tl
 from ._runtime import cdiv, device_guard, kernel, next_pow2, persistent_programs
 
 MAX_HIDDEN = 16384  # one row lives in registers; beyond this the torch op is used
-# Persistent backward: 16 warps per multiprocessor (2 programs of 8 warps, 4 of 4), all resident at once since
+# Persistent backward: 16 warps per multiprocessor (4 programs of 4 warps, 2 of 8), all resident at once since
 # config() keeps registers <= 128 per thread. A set value overrides it (benchmarks/kernels.py --sweep).
 BWD_WARPS_PER_SM = 16
 BWD_PROGRAMS_PER_SM: int | None = None
+# Software-pipelining depth of the backward's tile loop (tl.range num_stages): the next tiles' loads are
+# issued (cp.async) before the current tile is reduced, so each program keeps several rows in flight
+# without holding them in registers. Measured on the H200 (residual LN backward, 64k x 768 bf16, graph
+# device time, this config): 61 % of copy bandwidth with 1 stage, 82 % with 3 (the best of the sweep, 83 %,
+# needs 8 resident programs per SM, which other hidden sizes' register counts do not allow); see
+# docs/results/h200-kernels.md.
+BWD_STAGES = 3
 
 
 def config(hidden: int, elem_bytes: int = 2, backward: bool = False) -> tuple[int, int, int]:
@@ -32,7 +39,7 @@ def config(hidden: int, elem_bytes: int = 2, backward: bool = False) -> tuple[in
     checks this on the compiled sm_90 code)."""
     block_n = next_pow2(hidden)
     budget = (4096 if backward else 8192) // elem_bytes
-    rows = max(1, min(16, budget // block_n))
+    rows = max(1, min(4 if backward else 16, budget // block_n))  # pipelined stages multiply a tile's registers
     warps = min(16, max(4, block_n * rows // 512))
     return block_n, rows, warps
 
@@ -73,7 +80,8 @@ def _fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
 @kernel(do_not_specialize=("n_rows", "n_tiles", "n_programs"))
 def _bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, n_tiles, n_programs,
                 N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr, HAS_DX2: tl.constexpr):
+                HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr, HAS_DX2: tl.constexpr,
+                STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -81,7 +89,7 @@ def _bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, n_tiles, n_
         w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for tile in range(pid, n_tiles, n_programs):
+    for tile in tl.range(pid, n_tiles, n_programs, num_stages=STAGES):
         rows = tile * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_rows
         mask = rmask[:, None] & cmask[None, :]
@@ -179,7 +187,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mea
                 dx, dx2 if dx2 is not None else dx, dw_part if dw_part is not None else mean,
                 db_part if db_part is not None else mean, t, tiles, programs,
                 N=n, BLOCK_N=block_n, ROWS=rows, HAS_W=weight is not None, HAS_B=has_bias,
-                HAS_DRES=dres is not None, HAS_DX2=dx2 is not None, num_warps=warps)
+                HAS_DRES=dres is not None, HAS_DX2=dx2 is not None, STAGES=BWD_STAGES, num_warps=warps)
     dw = dw_part.sum(0) if dw_part is not None else None
     db = db_part.sum(0) if db_part is not None else None
     return dx, dx2, dw, db
