@@ -116,10 +116,11 @@ def pending_events(monkeypatch):
     return FakeEvent
 
 
-def rect_runner(model, lengths_or_shape, backend="sdpa", config=SF):
+def rect_runner(model, lengths_or_shape, backend="sdpa", config=SF, dead_padding=None):
     b, s = lengths_or_shape
     state = get_state(model)
-    return RectRunner(model, state, rect_bucket_for(config, b, s, VOCAB), backend, capture=False)
+    return RectRunner(model, state, rect_bucket_for(config, b, s, VOCAB), backend, capture=False,
+                      dead_padding=dead_padding)
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -182,12 +183,14 @@ def test_rect_bucket_and_admission():
     ([0, 12, 0, 30], "mixed", None), ([3] * 9, "right", 40), ([64, 1, 64, 20], "mixed", None),
     ([0, 0], "right", 7),
 ])
-@pytest.mark.parametrize("backend", ["sdpa", "auto"])
-def test_rect_layout_matches_eager(lengths, side, width, backend):
+@pytest.mark.parametrize("backend,dead_padding", [("sdpa", None), ("auto", None), ("sdpa", True)])
+def test_rect_layout_matches_eager(lengths, side, width, backend, dead_padding):
+    """``dead_padding=True``: padding sequences get no keys (zeros out of attention); real tokens unchanged."""
     model = pe.pack(tiny_model(), validate=False, attention_backend=backend)
     ids, mask = padded(lengths, side, width)
     b, s = ids.shape
-    runner = rect_runner(model, (b, s), backend)
+    runner = rect_runner(model, (b, s), backend, dead_padding=dead_padding)
+    assert runner.dead_padding is bool(dead_padding)  # on CPU the plan is sdpa: off unless asked
     assert runner.bucket.batch >= b and runner.bucket.width >= s
     assert runner.bucket.batch > b or runner.bucket.width > s, "the bucket is larger than the call"
     with torch.no_grad():

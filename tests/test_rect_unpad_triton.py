@@ -79,9 +79,12 @@ def test_unpad_and_scatter_match_the_reference(kernels, lengths, side, s_b, b_b,
     ids, mask, tt = _inputs(lengths, side, min(s_b, max(lengths) + 3) if max(lengths) < s_b else s_b, problem)
     bufs = _bufs(ids, mask, tt, b_b, s_b)
     ref = device_unpad(bufs, s_b, VOCAB)
-    stream_ids, cu, first, row_flags = kernels.unpad(bufs["mask"], bufs["ids"], bufs["tt"], VOCAB)
+    stream_ids, cu, first, row_flags, kl = kernels.unpad(bufs["mask"], bufs["ids"], bufs["tt"], VOCAB,
+                                                         key_lens=True)
     lens = ref["lens"]
     assert cu.dtype == torch.int32 and cu.tolist() == ref["cu"].tolist()
+    assert kl.dtype == torch.int32 and kl.tolist() == ref["kl"].tolist()
+    assert kl[0::2].tolist() == lens.tolist() and not kl[1::2].any()
     assert first[lens > 0].tolist() == ref["first"][lens > 0].tolist()
     assert row_flags.sum(0).tolist() == ref["flags"].tolist()
     # real tokens in order at the head of every row's block; padding rows hold in-vocabulary ids
@@ -104,7 +107,8 @@ def test_unpad_and_scatter_match_the_reference(kernels, lengths, side, s_b, b_b,
 def test_scatter_keeps_the_dtype_and_bf16_bits(kernels):
     ids, mask = padded([7, 30, 1], "mixed", 32)
     bufs = _bufs(ids, mask, None, 4, 32)
-    _, _, first, flags = kernels.unpad(bufs["mask"], bufs["ids"], bufs["tt"], VOCAB)
+    _, _, first, flags, kl = kernels.unpad(bufs["mask"], bufs["ids"], bufs["tt"], VOCAB)
+    assert kl is None
     ref = device_unpad(bufs, 32, VOCAB)
     hidden = torch.randn(4 * 32, 40).to(torch.bfloat16)
     out, _ = kernels.scatter(hidden, bufs["mask"], first, flags)
@@ -112,17 +116,20 @@ def test_scatter_keeps_the_dtype_and_bf16_bits(kernels):
     assert out.dtype == torch.bfloat16 and torch.equal(out, expect)
 
 
-def _runner(model, shape, fused):
+def _runner(model, shape, fused, dead_padding=None):
     return RectRunner(model, get_state(model), rect_bucket_for(SF, *shape, VOCAB), "sdpa", capture=False,
-                      fused=fused)
+                      fused=fused, dead_padding=dead_padding)
 
 
+@pytest.mark.parametrize("dead_padding", [None, True])
 @pytest.mark.parametrize("lengths,side", [([5, 17, 33, 2, 30], "mixed"), ([0, 12, 0, 30], "left"), ([64, 1], "right")])
-def test_fused_runner_matches_the_reference_runner_and_eager(lengths, side):
+def test_fused_runner_matches_the_reference_runner_and_eager(lengths, side, dead_padding):
     model = pe.pack(tiny_model(), validate=False, attention_backend="sdpa")
     ids, mask = padded(lengths, side)
-    fused, plain = _runner(model, ids.shape, True), _runner(model, ids.shape, False)
+    fused = _runner(model, ids.shape, True, dead_padding)
+    plain = _runner(model, ids.shape, False, dead_padding)
     assert fused.fused and not plain.fused
+    assert fused.dead_padding is plain.dead_padding is bool(dead_padding)  # sdpa: off unless asked
     with torch.no_grad():
         got, flags = fused.replay(ids, mask)
         ref, ref_flags = plain.replay(ids, mask)

@@ -20,6 +20,10 @@ rows:
   holds: stale ids outside the staged block, padding ids) never reaches a real token, exactly as in the
   packed buckets of :mod:`.buckets`. Positions are static, ``k`` for stream row ``b * S + k``: they restart
   at every sequence's first real token; padding rows get positions ``< S``;
+- **dead padding** (when every layer's attention backend is the Triton kernel): the batch also carries
+  ``key_lens`` ``[lens[0], 0, lens[1], 0, ...]``, so padding sequences have no keys and the kernel's programs
+  over their rows skip the key loop and write zeros: attention costs the real tokens only (the GEMMs still run
+  all ``N`` rows, their shapes being static);
 - ids are clamped into ``[0, vocab)`` before the embedding lookup, so no input can trigger a device-side
   assert (an out-of-vocabulary id is reported by ``flags``);
 - ``encoder_forward`` on that ``PackedBatch`` with the attention plan resolved at capture (``plan_attention``
@@ -37,6 +41,7 @@ import contextlib
 
 import torch
 
+from ..attention.backends import BACKENDS
 from ..batch import PackedBatch
 from ..model.forward import encoder_forward
 from .buckets import RectBucket
@@ -49,7 +54,9 @@ def device_unpad(bufs: dict, width: int, vocab: int) -> dict:
 
     Returns ``real`` bool ``[B, S]``, ``first`` / ``lens`` int64 ``[B]``, ``flags`` int64 ``[4]`` (the counts
     of :data:`.deferred.CHECKS`), the stream's ``ids`` int64 ``[N]`` (clamped into the vocabulary) and
-    ``cu_seqlens`` int32 ``[2B + 1]``, and ``back`` int64 ``[B * S]``: the stream row of each padded position.
+    ``cu_seqlens`` int32 ``[2B + 1]``, ``back`` int64 ``[B * S]``: the stream row of each padded position, and
+    ``kl`` int32 ``[2B]``: the key lengths of the dead-padding layout (``lens[b]`` for row ``b``'s sequence, 0 for
+    its padding sequence).
     """
     s = width
     mask, ids, tt = bufs["mask"], bufs["ids"], bufs["tt"]
@@ -70,7 +77,9 @@ def device_unpad(bufs: dict, width: int, vocab: int) -> dict:
     starts = row0[:, 0]
     cu = torch.cat([torch.stack([starts, starts + lens], 1).reshape(-1), bufs["end"]]).to(torch.int32)
     back = (row0 + torch.remainder(cols[None, :] - first[:, None], s)).reshape(-1)
-    return {"real": real, "first": first, "lens": lens, "flags": flags, "ids": stream_ids, "cu": cu, "back": back}
+    kl = torch.stack([lens, torch.zeros_like(lens)], 1).reshape(-1).to(torch.int32)
+    return {"real": real, "first": first, "lens": lens, "flags": flags, "ids": stream_ids, "cu": cu, "back": back,
+            "kl": kl}
 
 
 def fused_unpad_available(device: torch.device) -> bool:
@@ -85,11 +94,14 @@ def fused_unpad_available(device: torch.device) -> bool:
     return True
 
 
-def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *, fused: bool = False):
+def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *, fused: bool = False,
+                    dead_padding: bool = False):
     """The forward captured for ``bucket``: static ``bufs`` in, ``(out [B, S, H], flags [4])`` out.
 
     ``fused``: unpad and scatter back with the two Triton kernels of ``ops.triton.rect_unpad`` (same layout
-    and checks as :func:`device_unpad`, 2 launches instead of ~45)."""
+    and checks as :func:`device_unpad`, 2 launches instead of ~45).
+    ``dead_padding``: the batch carries ``key_lens`` that give every padding sequence no key, so the attention
+    backend (it must support ``key_lens``) writes zeros for its rows without computing them."""
     b, s = bucket.batch, bucket.width
     assert bufs["pos"].numel() == b * s
 
@@ -97,9 +109,10 @@ def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *,
         from ..ops.triton import rect_unpad
 
         def forward_fused():
-            ids, cu, first, row_flags = rect_unpad.unpad(bufs["mask"], bufs["ids"], bufs["tt"], bucket.vocab)
+            ids, cu, first, row_flags, kl = rect_unpad.unpad(bufs["mask"], bufs["ids"], bufs["tt"], bucket.vocab,
+                                                             key_lens=dead_padding)
             batch = PackedBatch(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=s,
-                                position_ids=bufs["pos"], max_position=s)
+                                position_ids=bufs["pos"], max_position=s, key_lens=kl)
             hidden = encoder_forward(model, params, batch, attention=plan, ops=ops)    # [N, H]
             return rect_unpad.scatter(hidden, bufs["mask"], first, row_flags)
 
@@ -108,7 +121,7 @@ def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *,
     def forward():
         u = device_unpad(bufs, s, bucket.vocab)
         batch = PackedBatch(input_ids=u["ids"], inputs_embeds=None, cu_seqlens=u["cu"], max_seqlen=s,
-                            position_ids=bufs["pos"], max_position=s)
+                            position_ids=bufs["pos"], max_position=s, key_lens=u["kl"] if dead_padding else None)
         hidden = encoder_forward(model, params, batch, attention=plan, ops=ops)        # [N, H]
         gathered = hidden.index_select(0, u["back"]).view(b, s, -1)
         bad = u["flags"].sum() > 0
@@ -129,6 +142,9 @@ class RectRunner:
             graph, on any device (the CPU tests of the layout use it).
         fused: the Triton unpad / scatter kernels (``None``: on CUDA when Triton imports; ``True`` on CPU
             needs ``TRITON_INTERPRET=1``).
+        dead_padding: give the padding sequences no keys (see :func:`rect_forward_fn`); ``None``: when every
+            layer's backend is the Triton kernel, whose programs then skip those rows (padding is often more
+            than half of a rectangular batch's rows).
 
     Raises:
         PackedEncodersError: the requested backend cannot run the bucket (as the eager path would).
@@ -139,7 +155,8 @@ class RectRunner:
     query_only = False
 
     def __init__(self, model, state, bucket: RectBucket, requested: str, *, pool=None, stream=None,
-                 warmup: int = 1, capture: bool = True, fused: bool | None = None):
+                 warmup: int = 1, capture: bool = True, fused: bool | None = None,
+                 dead_padding: bool | None = None):
         params = state.params
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
@@ -169,7 +186,13 @@ class RectRunner:
             self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, probe, requested, weight.dtype,
                                                                            state.policy)
             self.fused = fused_unpad_available(device) if fused is None else fused
-            forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs, fused=self.fused)
+            if dead_padding is None:
+                dead_padding = all(d.backend == "triton" for d in self.plan.values())
+            elif dead_padding and not all(BACKENDS[d.backend].supports_key_lens for d in self.plan.values()):
+                raise ValueError(f"dead_padding needs key_lens support; the plan is {self.plan_summary}")
+            self.dead_padding = dead_padding
+            forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs, fused=self.fused,
+                                      dead_padding=dead_padding)
             self.graph, self._forward, (self.out, self.flags) = capture_or_run(forward, device, capture, pool,
                                                                                stream, warmup)
         self._extent = (0, 0)      # the block of `mask` the last staging wrote

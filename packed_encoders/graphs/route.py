@@ -392,7 +392,8 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
 
     buckets = [{"backend": req, "tokens": b.tokens, "seqs": b.seqs, "seqlen": b.seqlen, "query_only": q,
                 "attention": dict(getattr(r, "plan_summary", {})),
-                **({"layout": "rectangular", "batch": b.batch} if isinstance(b, RectBucket) else {})}
+                **({"layout": "rectangular", "batch": b.batch, "dead_padding": getattr(r, "dead_padding", False)}
+                   if isinstance(b, RectBucket) else {})}
                for (req, b, q), r in zip(mgr.keys(), mgr.runners())]
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                invalidations=mgr.invalidations, capture_seconds=round(mgr.capture_seconds, 4),

@@ -17,7 +17,8 @@ from ._runtime import device_guard, kernel, next_pow2
 
 
 @kernel(do_not_specialize=("S", "vocab"))
-def _unpad_kernel(MASK, IDS, TT, OUT_IDS, CU, FIRST, FLAGS, S, vocab, B, BLOCK_S: tl.constexpr):
+def _unpad_kernel(MASK, IDS, TT, OUT_IDS, CU, FIRST, FLAGS, KL, S, vocab, B, BLOCK_S: tl.constexpr,
+                  HAS_KL: tl.constexpr):
     b = tl.program_id(0)
     cols = tl.arange(0, BLOCK_S)
     inside = cols < S
@@ -49,6 +50,9 @@ def _unpad_kernel(MASK, IDS, TT, OUT_IDS, CU, FIRST, FLAGS, S, vocab, B, BLOCK_S
     if b == 0:
         tl.store(CU + 2 * B, (B * S).to(tl.int32))
     tl.store(FIRST + b, first.to(tl.int64))
+    if HAS_KL:  # the row's real tokens are all keys; its padding sequence has none
+        tl.store(KL + 2 * b, lens.to(tl.int32))
+        tl.store(KL + 2 * b + 1, (lens * 0).to(tl.int32))
 
 
 @kernel(do_not_specialize=("S",))
@@ -79,11 +83,13 @@ def _scatter_kernel(HIDDEN, MASK, FIRST, FLAGS, FLAGS_SUM, OUT, S, H, B, BLOCK_R
     tl.store(OUT + dst, x.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def unpad(mask: torch.Tensor, ids: torch.Tensor, tt: torch.Tensor, vocab: int):
+def unpad(mask: torch.Tensor, ids: torch.Tensor, tt: torch.Tensor, vocab: int, key_lens: bool = False):
     """The rectangular layout of padded ``[B, S]`` int64 ``mask`` / ``ids`` / ``token_type_ids``.
 
     Returns ``(stream_ids int64 [B*S] clamped into [0, vocab), cu_seqlens int32 [2B+1], first int64 [B],
-    flags int64 [B, 4])``; ``flags`` holds per row the counts of ``rectangular.device_unpad``'s checks.
+    flags int64 [B, 4], kl)``; ``flags`` holds per row the counts of ``rectangular.device_unpad``'s checks;
+    ``kl`` (with ``key_lens``, else ``None``) is int32 ``[2B]``: each real sequence's length, 0 for each
+    padding sequence (see ``rectangular.device_unpad``).
     """
     b, s = mask.shape
     dev = mask.device
@@ -91,10 +97,11 @@ def unpad(mask: torch.Tensor, ids: torch.Tensor, tt: torch.Tensor, vocab: int):
     cu = torch.empty(2 * b + 1, dtype=torch.int32, device=dev)
     first = torch.empty(b, dtype=torch.long, device=dev)
     flags = torch.empty(b, 4, dtype=torch.long, device=dev)
+    kl = torch.empty(2 * b, dtype=torch.int32, device=dev) if key_lens else None
     with device_guard(mask):
-        _unpad_kernel.on(mask)[(b,)](mask, ids, tt, out_ids, cu, first, flags, s, vocab, b,
-                                     BLOCK_S=next_pow2(s), num_warps=4 if s > 256 else 1)
-    return out_ids, cu, first, flags
+        _unpad_kernel.on(mask)[(b,)](mask, ids, tt, out_ids, cu, first, flags, kl if key_lens else cu, s, vocab, b,
+                                     BLOCK_S=next_pow2(s), HAS_KL=key_lens, num_warps=4 if s > 256 else 1)
+    return out_ids, cu, first, flags, kl
 
 
 def scatter(hidden: torch.Tensor, mask: torch.Tensor, first: torch.Tensor, flags: torch.Tensor):
