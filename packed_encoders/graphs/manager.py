@@ -31,7 +31,7 @@ class GraphManager:
         self.pool: Any = None                # torch.cuda graph pool handle, created by the first capture
         self.last_stream: Any = None         # the stream of the last replay (cross-stream ordering)
         self.precaptured_for: Any = None     # the fingerprint precapture last ran for
-        self.weights: list | None = None      # parameter objects, listed once (see route.fingerprint)
+        self.weights: tuple | None = None     # parameter slots, listed once (see route.fingerprint)
         self.stream: Any = None               # side stream for warm-up and capture
         self._runners: OrderedDict[Hashable, Any] = OrderedDict()
         self._failed: dict[Hashable, str] = {}
