@@ -628,3 +628,25 @@ def test_replaced_parameter_objects_drop_graphs(cpu_graphs):
     assert _graph_info(model)["invalidations"] >= 1
     assert not torch.equal(before, after)
     torch.testing.assert_close(after, eager, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("change", ["parameters_dict", "bias_added"])
+def test_parameter_slot_changes_drop_graphs(cpu_graphs, change):
+    """A module given a whole new ``_parameters`` dict, or a bias where there was none, is seen (the slots are
+    read live each call)."""
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    ids, mask = padded([4, 9])
+    with torch.no_grad():
+        before = _forward(model, ids, mask)
+        layer = model.layers[1].mlp.Wo
+        if change == "parameters_dict":
+            layer._parameters = {"weight": torch.nn.Parameter(layer.weight * 2), "bias": layer.bias}
+        else:
+            assert layer.bias is None
+            layer.bias = torch.nn.Parameter(torch.full((layer.out_features,), 0.5))
+        after = _forward(model, ids, mask)
+        with pe.no_cuda_graph(model):
+            eager = _forward(model, ids, mask)
+    assert _graph_info(model)["invalidations"] >= 1
+    assert not torch.equal(before, after)
+    torch.testing.assert_close(after, eager, atol=2e-5, rtol=2e-5)

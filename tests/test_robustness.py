@@ -60,6 +60,28 @@ def test_changes_after_pack_run_the_stock_forward(change):
         pe.packed_forward(model, None, ids[0], torch.tensor([0, ids.shape[1]], dtype=torch.int32), ids.shape[1])
 
 
+@pytest.mark.parametrize("kind", ["forward", "pre"])
+def test_hook_registered_into_a_new_hook_dict_is_seen(kind):
+    """Code that clears hooks by assigning a fresh dict, then registers one: the per-call check reads the live
+    dicts, so the stock forward runs (the hook is not skipped)."""
+    import collections
+
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12])
+    _out(model, ids, mask)  # the structure snapshot exists
+    mod = model.layers[0].mlp.Wi
+    if kind == "forward":
+        mod._forward_hooks = collections.OrderedDict()
+        mod.register_forward_hook(lambda m, i, o: o * 0)
+    else:
+        mod._forward_pre_hooks = collections.OrderedDict()
+        mod.register_forward_pre_hook(lambda m, i: (i[0] * 0,))
+    with pytest.warns(RuntimeWarning, match="stock forward"):
+        out = _out(model, ids, mask)
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
 def test_mc_dropout_modules_are_honoured():
     model = pe.pack(make_model("base_like", embedding_dropout=0.2, mlp_dropout=0.2))
     ids, mask = padded_batch([9, 14])

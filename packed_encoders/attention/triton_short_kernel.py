@@ -108,8 +108,11 @@ def _packed_attn(
     else:
         k_lo = seq_start
         k_hi = seq_stop
-    k_lo = tl.where(q_ok, k_lo, T)  # rows past the end take no keys and do not widen the loop
-    k_hi = tl.where(q_ok, k_hi, 0)
+    # rows past the end, and rows with no key (query-only rows past a window, the padding sequences of the
+    # rectangular graphs' dead-padding layout), take no keys and do not widen the loop
+    has_keys = q_ok & (k_hi > k_lo)
+    k_lo = tl.where(has_keys, k_lo, T)
+    k_hi = tl.where(has_keys, k_hi, 0)
     k_begin = tl.min(k_lo, axis=0)
     k_end = tl.max(k_hi, axis=0)
 

@@ -49,15 +49,17 @@ def _manager(state) -> GraphManager | None:
     return mgr
 
 
-def _weights(model) -> tuple:
-    """``(dicts, names, params)``: for every parameter its module's ``_parameters`` dict, its name and the
-    Parameter itself, listed once per manager as three parallel tuples (so a call checks them with C-level
-    ``map`` instead of a Python loop: ~10 us instead of ~40 us for ModernBERT-base on the H200 host)."""
-    slots = [(m._parameters, n, p) for m in model.modules() for n, p in m._parameters.items() if p is not None]
-    return tuple(d for d, _, _ in slots), tuple(n for _, n, _ in slots), tuple(p for _, _, p in slots)
-
-
+_PARAMETERS = operator.itemgetter("_parameters")  # from a module's instance __dict__ (cheaper than getattr)
 _DATA_PTR = torch.Tensor.data_ptr
+
+
+def _weights(model) -> tuple:
+    """``(module __dict__s, names, slot values, params)``: every ``_parameters`` slot of every module (``None``
+    ones too, so a bias added later is seen) as parallel tuples, and the non-``None`` parameters; listed once
+    per manager, so a call checks them with C-level ``map`` instead of a Python loop."""
+    slots = [(vars(m), n, p) for m in model.modules() for n, p in m._parameters.items()]
+    return (tuple(m for m, _, _ in slots), tuple(n for _, n, _ in slots), tuple(p for _, _, p in slots),
+            tuple(p for _, _, p in slots if p is not None))
 
 
 def fingerprint(model, mgr: GraphManager) -> tuple:
@@ -65,15 +67,17 @@ def fingerprint(model, mgr: GraphManager) -> tuple:
     so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it.
 
     The ``(module, name)`` slots are listed once per manager (walking the module tree every call costs more
-    than the graph saves); each call checks that every slot still holds the listed Parameter object, so
-    ``load_state_dict(assign=True)`` or ``param = nn.Parameter(...)`` re-lists and, storage having moved,
-    drops the graphs. Swapping whole submodules is not seen: call ``set_cuda_graph(model, True)`` after it.
-    The listed objects stay referenced, so a replaced parameter's old storage is never freed under a graph.
+    than the graph saves); each call checks, reading each module's ``_parameters`` live, that every slot still
+    holds the listed Parameter object (or ``None``), so ``load_state_dict(assign=True)``, ``param =
+    nn.Parameter(...)`` or a bias added where there was none re-lists and, storage having moved, drops the
+    graphs. Swapping whole submodules is not seen: call ``set_cuda_graph(model, True)`` after it. The listed
+    objects stay referenced, so a replaced parameter's old storage is never freed under a graph.
     """
     weights = mgr.weights
-    if weights is None or not all(map(operator.is_, map(dict.get, weights[0], weights[1]), weights[2])):
+    if weights is None or not all(map(operator.is_, map(dict.get, map(_PARAMETERS, weights[0]), weights[1]),
+                                      weights[2])):
         weights = mgr.weights = _weights(model)
-    params = weights[2]
+    params = weights[3]
     w0 = params[0]
     return (w0.device, w0.dtype, *map(_DATA_PTR, params))
 
