@@ -4,7 +4,7 @@
 
 Runs :func:`packed_encoders.calibrate.sweep` (parity first, then CUDA-event medians; total tokens x max
 length x heads 12x64 / 16x64, global and window 64, grad off and on, every available backend, plus Triton
-launch-shape variants), then times DESIGN.md's two query workloads (8 queries <= 64 tokens, ~250 tokens;
+launch-shape variants), then times the design notes' two query workloads (8 queries <= 64 tokens, ~250 tokens;
 256 queries <= 128 tokens, ~8.6k tokens) on lognormal query lengths. Writes, under ``--out-dir``:
 
 - ``attention-<card>-<timestamp>.json``: a sweep file (``calibrate --from-sweep`` reads it) with the
@@ -37,7 +37,7 @@ HEADLINE = (("8 queries <= 64", 8, 64), ("256 queries <= 128", 256, 128))
 
 
 def query_lengths(n: int, cap: int, seed: int = 0) -> list[int]:
-    """``n`` query lengths, lognormal around 30 tokens, capped (DESIGN.md's query distribution)."""
+    """``n`` query lengths, lognormal around 30 tokens, capped (the design notes' query distribution)."""
     rng = random.Random(seed)
     return [max(1, min(cap, round(rng.lognormvariate(math.log(28), 0.5)))) for _ in range(n)]
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
           f"torch {meta['torch']}, triton {meta['triton']}, flash_attn {meta['flash_attn']}, "
           f"cutlass-dsl {meta['cutlass_dsl']}, driver {meta.get('driver')}, git {meta['git_sha']}, "
           f"timing {meta['timing']}, {meta['wall_s']} s",
-          "", "## DESIGN.md's query workloads", headline_markdown(data["headline"]),
+          "", "## The design notes' query workloads", headline_markdown(data["headline"]),
           "", "## Triton vs the best of torch varlen_attn / FA4 (inside its envelope)",
           calibrate.triton_speedup_markdown(data["rows"]),
           "", "## Crossovers", calibrate.crossover_markdown(data["rows"]),
