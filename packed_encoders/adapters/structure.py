@@ -48,17 +48,20 @@ def _expected(model: nn.Module) -> list[tuple[str, nn.Module, tuple | None]]:
 
 
 def snapshot(model: nn.Module) -> dict:
-    """The module slots the packed forward was set up for: ``(parent's _modules, attribute, module)``, the same
-    as parallel tuples (``children``, ``names``, ``modules``) for a C-level check per call, and the activation
-    module types (a swapped activation would be skipped: the GLU applies the config's)."""
-    slots = []
+    """The module slots the packed forward was set up for, as parallel tuples for a C-level check per call:
+    ``children`` (each parent's ``_modules``), ``names`` (the attribute), ``modules`` and ``module_dicts`` (each
+    module's instance ``__dict__``); and the activation module types (a swapped activation would be skipped:
+    the GLU applies the config's)."""
+    children, names, modules = [], [], []
     for path, m, _ in _expected(model):
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
-        slots.append((parent._modules, name, m))
-    return {"slots": slots, "layers": model.layers, "acts": [type(layer.mlp.act) for layer in model.layers],
-            "children": tuple(c for c, _, _ in slots), "names": tuple(n for _, n, _ in slots),
-            "modules": tuple(m for _, _, m in slots), "module_dicts": tuple(vars(m) for _, _, m in slots)}
+        children.append(parent._modules)
+        names.append(name)
+        modules.append(m)
+    return {"layers": model.layers, "acts": [type(layer.mlp.act) for layer in model.layers],
+            "children": tuple(children), "names": tuple(names), "modules": tuple(modules),
+            "module_dicts": tuple(vars(m) for m in modules)}
 
 
 # read from each module's instance __dict__: a dict lookup, ~2.5x cheaper than getattr on an nn.Module
@@ -66,7 +69,7 @@ _FORWARD_HOOKS = operator.itemgetter("_forward_hooks")
 _FORWARD_PRE_HOOKS = operator.itemgetter("_forward_pre_hooks")
 
 
-def _snapshot_holds(model: nn.Module, snap: dict) -> bool:
+def _snapshot_holds(snap: dict) -> bool:
     """Every slot still holds its module and no module has a forward hook (~50 us for ModernBERT-base on a
     2-core CI host: ``map`` runs the loops in C). The hook dicts are read live (code may assign a module a new
     dict and register into it)."""
@@ -90,9 +93,9 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
         return (f"model.layers has {len(model.layers)} layers but the packed config has {params.num_hidden_layers} "
                 "(re-pack after pruning or adding layers)"), False
     if snap is not None and snap["layers"] is model.layers:
-        if "module_dicts" in snap and _snapshot_holds(model, snap):
+        if _snapshot_holds(snap):
             return None, True
-        for children, name, then in snap["slots"]:
+        for children, name, then in zip(snap["children"], snap["names"], snap["modules"]):
             if children.get(name) is not then or ((then._forward_hooks or then._forward_pre_hooks)
                                                   and _foreign_hooks(then)):
                 break  # rare: find and name the problem on the slow path below
