@@ -96,6 +96,24 @@ def config_name(request):
     return request.param
 
 
+@pytest.fixture
+def interpreter_fixes():
+    """For modules that launch a ``@triton.jit`` kernel directly (``pytestmark =
+    pytest.mark.usefixtures("interpreter_fixes")``): on CPU each test runs with ``TRITON_INTERPRET=1`` inside
+    ``ops.triton._runtime._interpreter_fixes()``, so Triton's standard library is in its interpreted form whatever
+    mode Triton was imported in, fp32 -> bf16 casts round as on the GPU, and every interpreter patch is undone
+    afterwards (the module passes in any order with the other interpreter modules). On CUDA it does nothing."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from packed_encoders.ops.triton._runtime import _interpreter_fixes
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")  # read per call by the wrapper; another module may have reset it
+        with _interpreter_fixes():
+            yield
+
+
 @pytest.fixture(scope="module")
 def triton_interpret():
     """``TRITON_INTERPRET=1`` for one test module (``pytestmark = pytest.mark.usefixtures("triton_interpret")``):

@@ -25,23 +25,11 @@ from packed_encoders.attention.dispatch import DEFAULT_POLICY, Cell, Policy, Tab
 from packed_encoders.attention.reference import parity  # noqa: E402
 from packed_encoders.attention.triton_short import TileConfig, triton_short_attention  # noqa: E402
 from packed_encoders.errors import PackedEncodersError  # noqa: E402
-from packed_encoders.ops.triton._runtime import _interpreter_fixes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _interpreted():
-    """On CPU each test runs inside ``_interpreter_fixes()`` (as tests/test_attention_fused_rope.py does): Triton's
-    standard library is in its interpreted form whatever mode Triton was imported in, and every interpreter patch
-    is undone afterwards, so this module passes in any order with the other interpreter modules."""
-    if DEV == "cuda":
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")  # read per call by the wrapper; another module may have reset it
-        with _interpreter_fixes():
-            yield
+pytestmark = pytest.mark.usefixtures("interpreter_fixes")  # CPU: the Triton kernel runs interpreted, cleanly
 
 
 def packed(lengths, heads=2, head_dim=64, dtype=torch.bfloat16, seed=0):

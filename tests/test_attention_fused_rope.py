@@ -30,7 +30,6 @@ from packed_encoders.attention.backends import BACKENDS  # noqa: E402
 from packed_encoders.attention.reference import attention_ref, attention_same_dtype  # noqa: E402
 from packed_encoders.attention.triton_short import TileConfig, triton_short_attention  # noqa: E402
 from packed_encoders.ops import TORCH_OPS, rope_qkv_ref, rope_qkv_torch, rope_tables  # noqa: E402
-from packed_encoders.ops.triton._runtime import _interpreter_fixes  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -40,15 +39,7 @@ LENGTHS = [0, 5, 6, 0, 0, 11, 1, 20, 3, 0]
 SMALL = TileConfig(16, 16)
 
 
-@pytest.fixture(autouse=True)
-def _interpreted():
-    if DEV == "cuda":
-        yield
-        return
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")  # read per call by the wrapper; another module may have reset it
-        with _interpreter_fixes():
-            yield
+pytestmark = pytest.mark.usefixtures("interpreter_fixes")  # CPU: see tests/conftest.py
 
 
 def make(lengths, heads=2, head_dim=64, dtype=BF16, kind="per_token", seed=0):
