@@ -2,6 +2,7 @@
 
     python -m packed_encoders.calibrate [--out PATH] [--quick] [--sweep-out PATH]
     python -m packed_encoders.calibrate --from-sweep SWEEP.json --out PATH   # refit only, no GPU needed
+    python -m packed_encoders.calibrate --timing graph [--merge BASE.json]    # graph tables, joined to a policy
 
 Sweeps total tokens x max sequence length x geometry (12 x 64 and 16 x 64 heads), global and local (half
 window 64) layers, gradients off and on, timing every attention backend that can run here; fits a policy
@@ -12,6 +13,12 @@ user_policy_path`, or ``--out``; ``PACKED_ENCODERS_POLICY=path`` makes ``pack()`
 
 The sweep (:func:`sweep`) and the fit (:func:`fit_policy`, a pure function of the sweep rows) are shared with
 ``benchmarks/attention.py``.
+
+``--timing graph`` times inference calls as CUDA-graph replays (GPU time only: what a backend costs inside the
+captured graphs, where its host time per call does not count) and fits *graph tables*
+(:class:`~packed_encoders.attention.dispatch.Table` ``graph=True``), which dispatch uses only when it plans a
+graph capture. Those are joined to the eager tables of ``--merge BASE.json`` (default: the file at the output
+path if there is one, else the policy ``pack()`` selects for this card), so one file serves both.
 """
 
 from __future__ import annotations
@@ -25,12 +32,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
 
 from .attention.backends import BACKENDS, Workload
-from .attention.dispatch import Cell, Policy, Table, user_policy_path, window_kind
+from .attention.dispatch import Cell, Policy, Table, select_policy, user_policy_path, window_kind
 from .attention.reference import parity
 
 SWEEP_FORMAT = "packed_encoders.attention_sweep"
@@ -360,19 +368,20 @@ def _fit_rows(grid: dict, tolerance: float) -> tuple:
 
 
 def fit_policy(rows: Iterable[dict], *, tolerance: float = 0.05, name: str = "calibrated", match: dict | None = None,
-               meta: dict | None = None) -> tuple[Policy, dict]:
+               meta: dict | None = None, graph: bool = False) -> tuple[Policy, dict]:
     """Fit a policy from sweep rows (pure: no GPU, no clock). Returns ``(policy, report)``.
 
     One table per measured (grad, window kind, heads, head_dim), plus a geometry-free table per (grad,
     window kind) for unmeasured geometries (its cells must hold for every measured geometry at once).
-    ``report`` is :func:`evaluate` of the fitted policy on the same rows.
+    ``report`` is :func:`evaluate` of the fitted policy on the same rows. ``graph``: the inference rows were
+    timed as CUDA-graph replays, so their tables are graph tables (``Table.graph``).
     """
     rows = list(rows)
     points = _points(rows)
     tables = []
     for (grad, kind, heads, head_dim), pts in sorted(points.items(), key=lambda kv: str(kv[0])):
         grid = {p: _ratios(t) for p, t in pts.items()}
-        tables.append(Table(grad, kind, _fit_rows(grid, tolerance), heads, head_dim))
+        tables.append(Table(grad, kind, _fit_rows(grid, tolerance), heads, head_dim, graph and not grad))
     for grad in (False, True):
         for kind in ("global", "local"):
             geos = [pts for (g, k, _, _), pts in points.items() if g == grad and k == kind]
@@ -384,26 +393,27 @@ def fit_policy(rows: Iterable[dict], *, tolerance: float = 0.05, name: str = "ca
                 names = {b for r in here for b in r}
                 # worst ratio over the geometries; a backend missing at one of them cannot be vouched for
                 combined[p] = {b: max(r.get(b, math.inf) for r in here) for b in names}
-            tables.append(Table(grad, kind, _fit_rows(combined, tolerance)))
+            tables.append(Table(grad, kind, _fit_rows(combined, tolerance), graph=graph and not grad))
     policy = Policy(name, tuple(tables), dict(match or {}), dict(meta or {}) | {"fitted": True, "tolerance": tolerance})
-    report = evaluate(policy, rows, tolerance)
+    report = evaluate(policy, rows, tolerance, graph=graph)
     summary = {k: report[k] for k in ("points", "worst_ratio", "violations")}  # the per-point picks stay out
     policy = Policy(policy.name, policy.tables, policy.match, policy.meta | {"fit_report": summary})
     return policy, report
 
 
-def evaluate(policy: Policy, rows: Iterable[dict], tolerance: float = 0.05) -> dict:
+def evaluate(policy: Policy, rows: Iterable[dict], tolerance: float = 0.05, graph: bool = False) -> dict:
     """The policy's pick against the best measured backend at every measured point.
 
     The pick is the first backend of the policy's order that was measured at the point (as dispatch skips
     what cannot run). Returns ``{"points", "worst_ratio", "violations": [...], "picks": [...]}`` where a
-    violation is a point whose pick is slower than ``(1 + tolerance)`` x the best.
+    violation is a point whose pick is slower than ``(1 + tolerance)`` x the best. ``graph``: the inference
+    rows were timed as graph replays, so they are looked up as graph captures.
     """
     picks, violations = [], []
     for (grad, kind, heads, head_dim), pts in sorted(_points(rows).items(), key=lambda kv: str(kv[0])):
         for (smax, total), times in sorted(pts.items()):
             w = Workload(0, total, smax, heads, head_dim, None if kind == "global" else WINDOW, grad, torch.bfloat16,
-                         "cuda")
+                         "cuda", graph=graph and not grad)
             order = policy.order(w)
             pick = next((b for b in order if b in times), None)
             best = min(times, key=times.get)
@@ -485,7 +495,18 @@ def policy_from_sweep(data: dict, *, tolerance: float = 0.05) -> tuple[Policy, d
     keep = {k: meta.get(k) for k in ("date", "torch", "triton", "flash_attn", "cutlass_dsl", "driver", "git_sha",
                                      "timing")}
     return fit_policy(data["rows"], tolerance=tolerance, name=f"{gpu or 'unknown GPU'} (calibrated {meta.get('date')})",
-                      match=match, meta={"source": "packed_encoders.calibrate sweep", **keep})
+                      match=match, meta={"source": "packed_encoders.calibrate sweep", **keep},
+                      graph=meta.get("timing") == "graph")
+
+
+def _merge_base(merge: str | None, out, meta: dict) -> Policy:
+    """The policy whose eager tables a graph-timed fit joins: ``merge``, else the file at ``out``, else the
+    policy selected for the sweep's card (shipped or calibrated)."""
+    if merge:
+        return Policy.load(merge)
+    if Path(out).exists():
+        return Policy.load(out)
+    return select_policy(meta.get("gpu") or "", tuple(meta.get("capability") or (0, 0)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,14 +517,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-out", metavar="PATH", help="also write the raw sweep rows here")
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--timing", choices=("loop", "graph"), default="loop",
-                    help="loop: eager back-to-back calls (default); graph: CUDA-graph replay of inference calls")
+                    help="loop: eager back-to-back calls (default); graph: CUDA-graph replay of inference calls "
+                         "only, fitted as graph tables and joined to the eager tables of --merge")
+    ap.add_argument("--merge", metavar="BASE_JSON",
+                    help="with graph timing: the policy whose eager tables the graph tables join (default: the "
+                         "file at the output path if it exists, else the policy pack() selects for this card)")
     args = ap.parse_args(argv)
 
     if args.from_sweep:
         with open(args.from_sweep) as f:
             data = json.load(f)
     else:
-        data = sweep(QUICK if args.quick else FULL, timing=args.timing, log=lambda s: print(s, file=sys.stderr))
+        grid = QUICK if args.quick else FULL
+        if args.timing == "graph":  # training calls are never captured: graph timing covers inference only
+            grid = Grid(grid.total_tokens, grid.max_seqlen, grid.geometries, grid.windows, (False,))
+        data = sweep(grid, timing=args.timing, log=lambda s: print(s, file=sys.stderr))
         if args.sweep_out:
             with open(args.sweep_out, "w") as f:
                 json.dump(data, f)
@@ -518,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
             print("no GPU named in the sweep: pass --out", file=sys.stderr)
             return 2
         out = user_policy_path(meta["gpu"], tuple(meta["capability"]))
+    if any(t.graph for t in policy.tables):
+        base = _merge_base(args.merge, out, data["meta"])
+        policy = base.with_graph_tables(policy)
+        print(f"graph tables joined to the eager tables of {base.name!r}")
     policy.save(out)
     print(f"\nwrote {out}")
     return 0

@@ -237,11 +237,67 @@ def test_policy_geometry_and_grad_tables():
     assert Policy.from_dict(json.loads(json.dumps(p.to_dict()))) == p
 
 
+def test_graph_tables_serve_graph_captures_only():
+    def table(kind, name, graph=False, heads=None):
+        return Table(False, kind, ((None, _cells((None, [name]))),), heads, 64 if heads else None, graph)
+
+    p = Policy("p", (table("global", "eager"), table("global", "graph", graph=True), table("local", "local")))
+    assert p.order(_w()) == ("eager",)
+    assert p.order(_w(graph=True)) == ("graph",)
+    assert p.order(_w(graph=True, window=64)) == ("local",)  # no graph table for local: the eager one
+    assert p.order(_w(grad=True, graph=True)) == ("graph",)  # training falls back to the inference tables
+    assert p.order(_w(grad=True)) == ("eager",)
+    only_graph = Policy("g", (table("global", "graph", graph=True),))
+    assert only_graph.order(_w()) == DEFAULT_POLICY.order(_w())  # eager calls never read graph tables
+    # a graph table of the nearest geometry beats none, an eager table of the exact geometry does not matter
+    q = Policy("q", (table("global", "eager12", heads=12), table("global", "graph16", graph=True, heads=16)))
+    assert q.order(_w(heads=12, graph=True)) == ("graph16",)
+    data = p.to_dict()
+    assert [t.get("graph", False) for t in data["tables"]] == [False, True, False]
+    assert "graph" not in data["tables"][0]  # files without graph tables keep their old form
+    assert Policy.from_dict(json.loads(json.dumps(data))) == p
+    merged = Policy("base", (table("global", "old"), table("global", "stale", graph=True)), {"x": 1},
+                    {"date": "a"}).with_graph_tables(Policy("new", p.tables, {}, {"date": "b"}))
+    assert merged.order(_w()) == ("old",) and merged.order(_w(graph=True)) == ("graph",)
+    assert merged.match == {"x": 1} and merged.meta["graph_tables"] == {"date": "b"}
+    with pytest.raises(ValueError, match="no graph tables"):
+        merged.with_graph_tables(Policy("none", (table("global", "e"),)))
+
+
+def test_graph_timed_sweep_fits_graph_tables_joined_to_a_base(tmp_path, capsys):
+    rows = [r for r in synthetic_rows() if not r["grad"]]
+    policy, report = calibrate.fit_policy(rows, graph=True)
+    assert report["violations"] == [] and all(t.graph for t in policy.tables)
+    base = Policy("base", (Table(False, "global", ((None, _cells((None, ["varlen"]))),)),),
+                  {"device_name": "NVIDIA H200", "capability": [9, 0]}, {"date": "base"})
+    base.save(tmp_path / "base.json")
+    sweep = {"format": calibrate.SWEEP_FORMAT, "rows": rows,
+             "meta": {"gpu": "NVIDIA H200", "capability": [9, 0], "date": "2026-12-01", "timing": "graph"}}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    out = tmp_path / "out.json"
+    assert calibrate.main(["--from-sweep", str(tmp_path / "sweep.json"), "--merge", str(tmp_path / "base.json"),
+                           "--out", str(out)]) == 0
+    assert "joined to the eager tables of 'base'" in capsys.readouterr().out
+    joined = Policy.load(out)
+    assert joined.name == "base" and joined.meta["graph_tables"]["timing"] == "graph"
+    assert joined.order(_w(max_seqlen=2048, total_tokens=65536)) == ("varlen",)  # eager: the base's table
+    assert joined.order(_w(max_seqlen=64, total_tokens=256, graph=True))[0] == best_at(
+        rows, window=None, heads=12, max_seqlen=64, total_tokens=256)
+    # again without --merge: the file already at the output path is the base, its old graph tables replaced
+    assert calibrate.main(["--from-sweep", str(tmp_path / "sweep.json"), "--out", str(out)]) == 0
+    again = Policy.load(out)
+    assert again.name == "base" and sum(t.graph for t in again.tables) == sum(t.graph for t in joined.tables)
+
+
 def test_shipped_policies_and_card_matching(tmp_path):
     h200 = select_policy("NVIDIA H200", (9, 0), user_dir=tmp_path)
     assert h200.match.get("device_name") == "NVIDIA H200"
     assert h200.order(_w()) [0] == "triton"
     assert h200.order(_w(grad=True))[0] != "triton"
+    # 8 documents: eager calls keep varlen (FA4's host time per call), graph captures take FA4 (GPU time)
+    docs = dict(max_seqlen=1884, total_tokens=7600)
+    assert h200.order(_w(**docs))[0] == "varlen" and h200.order(_w(graph=True, **docs))[0] == "fa4"
+    assert h200.order(_w(graph=True, window=64, **docs))[0] == "triton"
     h100 = select_policy("NVIDIA H100 80GB HBM3", (9, 0), user_dir=tmp_path)
     assert h100.match == {"capability_major": 9}
     assert select_policy("NVIDIA A100-SXM4-40GB", (8, 0), user_dir=tmp_path).match == {"capability_major": 8}

@@ -38,6 +38,7 @@ class Workload:
     device_type: str
     dropout: bool = False
     query_only: bool = False  # some tokens attend without being attended to (key_lens)
+    graph: bool = False  # captured into a CUDA graph: only GPU time counts (the policy's graph tables)
 
 
 @dataclass(frozen=True)

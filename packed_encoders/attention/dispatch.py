@@ -47,7 +47,9 @@ class Table:
 
     A workload takes the first row with ``max_seqlen <= max_seqlen_le`` and in it the first cell with
     ``total_tokens <= total_tokens_le``; past the last bound, the last row / cell. ``heads`` / ``head_dim``
-    ``None`` means any geometry.
+    ``None`` means any geometry. ``graph``: the table serves only calls captured into CUDA graphs, where a
+    backend's host time per call does not count (fitted from ``calibrate --timing graph``); other tables serve
+    eager calls, and graph captures too when no graph table matches.
     """
 
     grad: bool
@@ -55,6 +57,7 @@ class Table:
     rows: tuple[tuple[int | None, tuple[Cell, ...]], ...]
     heads: int | None = None
     head_dim: int | None = None
+    graph: bool = False
 
     def order(self, w: Workload) -> tuple[str, ...]:
         cells = next((c for le, c in self.rows if le is None or w.max_seqlen <= le), self.rows[-1][1])
@@ -63,6 +66,7 @@ class Table:
 
     def to_dict(self) -> dict:
         return {"grad": self.grad, "window": self.window, "heads": self.heads, "head_dim": self.head_dim,
+                **({"graph": True} if self.graph else {}),
                 "rows": [{"max_seqlen_le": le, "cells": [{"total_tokens_le": c.total_tokens_le, "order": list(c.order)}
                                                            for c in cells]} for le, cells in self.rows]}
 
@@ -78,7 +82,8 @@ class Table:
             rows.append((row.get("max_seqlen_le"), cells))
         if not rows:
             raise ValueError("a policy table needs at least one row")
-        return cls(bool(d["grad"]), d["window"], tuple(rows), d.get("heads"), d.get("head_dim"))
+        return cls(bool(d["grad"]), d["window"], tuple(rows), d.get("heads"), d.get("head_dim"),
+                   bool(d.get("graph", False)))
 
 
 def window_kind(window: int | None) -> str:
@@ -99,7 +104,8 @@ class Policy:
     meta: dict = field(default_factory=dict, hash=False, compare=False)
 
     def table_for(self, w: Workload) -> Table | None:
-        """The table for ``w``: same grad and window kind, then the closest geometry.
+        """The table for ``w``: same grad and window kind, a graph table for a graph capture when there is one
+        (else the eager tables), then the closest geometry.
 
         Training workloads use an inference table when no grad table exists (dispatch then keeps only
         backends with a backward).
@@ -107,9 +113,20 @@ class Policy:
         kind = window_kind(w.window)
         for grad in ((True, False) if w.grad else (False,)):
             same = [t for t in self.tables if t.grad == grad and t.window == kind]
+            graph = [t for t in same if t.graph] if w.graph else []
+            same = graph or [t for t in same if not t.graph]
             if same:
                 return min(same, key=lambda t: _geometry_distance(t, w))
         return None
+
+    def with_graph_tables(self, other: "Policy") -> "Policy":
+        """This policy's eager tables plus ``other``'s graph tables (``meta["graph_tables"]`` says where those
+        came from): how a ``calibrate --timing graph`` sweep joins an existing policy."""
+        graph = tuple(t for t in other.tables if t.graph)
+        if not graph:
+            raise ValueError(f"policy {other.name!r} has no graph tables")
+        meta = dict(self.meta) | {"graph_tables": {k: v for k, v in other.meta.items() if k != "graph_tables"}}
+        return Policy(self.name, tuple(t for t in self.tables if not t.graph) + graph, dict(self.match), meta)
 
     def order(self, w: Workload) -> tuple[str, ...]:
         table = self.table_for(w)

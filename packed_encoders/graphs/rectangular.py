@@ -184,7 +184,7 @@ class RectRunner:
                                 cu_seqlens=torch.zeros(2 * b + 1, dtype=torch.int32, device=device), max_seqlen=s,
                                 position_ids=self.bufs["pos"], max_position=s)
             self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, probe, requested, weight.dtype,
-                                                                           state.policy)
+                                                                           state.policy, graph=capture)
             self.fused = fused_unpad_available(device) if fused is None else fused
             if dead_padding is None:
                 dead_padding = all(d.backend == "triton" for d in self.plan.values())

@@ -62,7 +62,7 @@ class GraphRunner:
             batch = PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
                                 position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)
             self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, batch, requested, weight.dtype,
-                                                                           state.policy)
+                                                                           state.policy, graph=capture)
             ops, plan = state.ops, self.plan
 
             def forward():
@@ -109,10 +109,12 @@ def theta_tables(model, params, rows: int, device) -> list:
             for theta in sorted({params.rope_theta_global, params.rope_theta_local})]
 
 
-def resolve_plan(params, batch: PackedBatch, requested: str, dtype: torch.dtype, policy):
-    """``(plan, summary, reasons)`` baked into a graph: the attention plan for the bucket's shapes, the backend
-    per layer kind (for ``describe()``), and each fallback reason once."""
-    plan = plan_attention(params, batch, requested, grad=False, dtype=dtype, dropout=False, policy=policy)
+def resolve_plan(params, batch: PackedBatch, requested: str, dtype: torch.dtype, policy, *, graph: bool = True):
+    """``(plan, summary, reasons)`` baked into a graph: the attention plan for the bucket's shapes (from the
+    policy's graph tables; ``graph=False`` for runners that do not capture), the backend per layer kind (for
+    ``describe()``), and each fallback reason once."""
+    plan = plan_attention(params, batch, requested, grad=False, dtype=dtype, dropout=False, policy=policy,
+                          graph=graph)
     summary = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
     return plan, summary, list(dict.fromkeys(r for d in plan.values() for r in d.reasons))
 

@@ -95,8 +95,10 @@ def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) 
 
 
 def plan_attention(params: ModernBertParams, batch: PackedBatch, requested: str, *, grad: bool,
-                   dtype: torch.dtype, dropout: bool, policy: Policy | None = None) -> dict[int | None, Decision]:
-    """Resolve the attention backend once per distinct window (global: ``None``) from host-visible shapes."""
+                   dtype: torch.dtype, dropout: bool, policy: Policy | None = None,
+                   graph: bool = False) -> dict[int | None, Decision]:
+    """Resolve the attention backend once per distinct window (global: ``None``) from host-visible shapes;
+    ``graph``: the plan is baked into a CUDA graph (the policy's graph tables apply)."""
     plan: dict[int | None, Decision] = {}
     for layer in range(params.num_hidden_layers):
         window = params.layer_window(layer)
@@ -107,7 +109,7 @@ def plan_attention(params: ModernBertParams, batch: PackedBatch, requested: str,
         w = Workload(num_seqs=batch.num_seqs, total_tokens=batch.total_tokens, max_seqlen=batch.max_seqlen,
                      heads=params.num_attention_heads, head_dim=params.head_dim, window=window, grad=grad,
                      dtype=dtype, device_type=batch.device.type, dropout=dropout,
-                     query_only=batch.key_lens is not None)
+                     query_only=batch.key_lens is not None, graph=graph)
         plan[window] = resolve(requested, w, policy)
     return plan
 
