@@ -27,6 +27,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -38,7 +39,8 @@ from typing import Callable, Iterable
 import torch
 
 from .attention.backends import BACKENDS, Workload
-from .attention.dispatch import Cell, Policy, Table, select_policy, user_policy_path, window_kind
+from .attention.dispatch import (DEFAULT_POLICY, POLICY_ENV, Cell, Policy, Table, select_policy, user_policy_path,
+                                 window_kind)
 from .attention.reference import parity
 
 SWEEP_FORMAT = "packed_encoders.attention_sweep"
@@ -499,14 +501,32 @@ def policy_from_sweep(data: dict, *, tolerance: float = 0.05) -> tuple[Policy, d
                       graph=meta.get("timing") == "graph")
 
 
-def _merge_base(merge: str | None, out, meta: dict) -> Policy:
-    """The policy whose eager tables a graph-timed fit joins: ``merge``, else the file at ``out``, else the
-    policy selected for the sweep's card (shipped or calibrated)."""
+def _base_policy(merge: str | None, out, gpu: str | None, capability) -> Policy | None:
+    """The policy a new fit is joined to: ``merge``, else the file at ``out``, else the policy ``pack()`` would
+    select for the card (``$PACKED_ENCODERS_POLICY`` included); ``None`` when that is the built-in default."""
     if merge:
         return Policy.load(merge)
-    if Path(out).exists():
+    if out is not None and Path(out).exists():
         return Policy.load(out)
-    return select_policy(meta.get("gpu") or "", tuple(meta.get("capability") or (0, 0)))
+    base = select_policy(gpu or "", tuple(capability or (0, 0)), explicit=os.environ.get(POLICY_ENV) or None)
+    return None if base is DEFAULT_POLICY else base
+
+
+def _join(fitted: Policy, base: Policy | None, graph_timed: bool) -> tuple[Policy, str | None]:
+    """``(policy to write, what was joined)``. A graph-timed fit keeps ``base``'s eager tables and replaces its
+    graph tables; an eager fit keeps ``base``'s graph tables (a recalibration must not drop them). The card
+    ``match`` and name are the fit's: the graph tables were measured on that card."""
+    if graph_timed:
+        if not any(t.graph for t in fitted.tables):
+            raise ValueError("the graph-timed sweep has no inference rows: no graph table to fit")
+        if base is None:
+            return fitted, None
+        joined = base.with_graph_tables(fitted)
+        return Policy(fitted.name, joined.tables, fitted.match or base.match, joined.meta), \
+            f"graph tables joined to the eager tables of {base.name!r}"
+    if base is None or not any(t.graph for t in base.tables):
+        return fitted, None
+    return fitted.with_graph_tables(base), f"kept the graph tables of {base.name!r}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,14 +540,23 @@ def main(argv: list[str] | None = None) -> int:
                     help="loop: eager back-to-back calls (default); graph: CUDA-graph replay of inference calls "
                          "only, fitted as graph tables and joined to the eager tables of --merge")
     ap.add_argument("--merge", metavar="BASE_JSON",
-                    help="with graph timing: the policy whose eager tables the graph tables join (default: the "
-                         "file at the output path if it exists, else the policy pack() selects for this card)")
+                    help="the policy the fit joins: a graph-timed fit keeps its eager tables, an eager fit its "
+                         "graph tables (default: the file at the output path if it exists, else the policy "
+                         "pack() selects for this card)")
     args = ap.parse_args(argv)
 
+    out = args.out
     if args.from_sweep:
         with open(args.from_sweep) as f:
             data = json.load(f)
+        base = None
     else:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        gpu = torch.cuda.get_device_name(device) if device is not None else None
+        cap = torch.cuda.get_device_capability(device) if device is not None else None
+        if out is None and gpu:
+            out = user_policy_path(gpu, tuple(cap))
+        base = _base_policy(args.merge, out, gpu, cap)  # read before the sweep: a bad file fails in seconds
         grid = QUICK if args.quick else FULL
         if args.timing == "graph":  # training calls are never captured: graph timing covers inference only
             grid = Grid(grid.total_tokens, grid.max_seqlen, grid.geometries, grid.windows, (False,))
@@ -535,21 +564,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep_out:
             with open(args.sweep_out, "w") as f:
                 json.dump(data, f)
+    meta = data.get("meta", {})
     policy, report = policy_from_sweep(data, tolerance=args.tolerance)
     print(crossover_markdown(data["rows"]))
     print()
     print(report_markdown(report, args.tolerance))
-    out = args.out
     if out is None:
-        meta = data["meta"]
         if not meta.get("gpu"):
             print("no GPU named in the sweep: pass --out", file=sys.stderr)
             return 2
         out = user_policy_path(meta["gpu"], tuple(meta["capability"]))
-    if any(t.graph for t in policy.tables):
-        base = _merge_base(args.merge, out, data["meta"])
-        policy = base.with_graph_tables(policy)
-        print(f"graph tables joined to the eager tables of {base.name!r}")
+    if args.from_sweep:
+        base = _base_policy(args.merge, out, meta.get("gpu"), meta.get("capability"))
+    try:
+        policy, joined = _join(policy, base, meta.get("timing") == "graph")
+    except ValueError as exc:
+        print(f"calibrate: {exc}", file=sys.stderr)
+        return 2
+    if joined:
+        print(joined)
     policy.save(out)
     print(f"\nwrote {out}")
     return 0

@@ -279,14 +279,33 @@ def test_graph_timed_sweep_fits_graph_tables_joined_to_a_base(tmp_path, capsys):
                            "--out", str(out)]) == 0
     assert "joined to the eager tables of 'base'" in capsys.readouterr().out
     joined = Policy.load(out)
-    assert joined.name == "base" and joined.meta["graph_tables"]["timing"] == "graph"
+    assert joined.name.startswith("NVIDIA H200") and joined.meta["graph_tables"]["timing"] == "graph"
+    assert joined.match == {"device_name": "NVIDIA H200", "capability": [9, 0]} and joined.meta["date"] == "base"
     assert joined.order(_w(max_seqlen=2048, total_tokens=65536)) == ("varlen",)  # eager: the base's table
     assert joined.order(_w(max_seqlen=64, total_tokens=256, graph=True))[0] == best_at(
         rows, window=None, heads=12, max_seqlen=64, total_tokens=256)
     # again without --merge: the file already at the output path is the base, its old graph tables replaced
     assert calibrate.main(["--from-sweep", str(tmp_path / "sweep.json"), "--out", str(out)]) == 0
     again = Policy.load(out)
-    assert again.name == "base" and sum(t.graph for t in again.tables) == sum(t.graph for t in joined.tables)
+    assert again.tables == joined.tables
+    # an eager recalibration over that file keeps its graph tables
+    eager = dict(sweep, meta=dict(sweep["meta"], timing="loop"), rows=synthetic_rows())
+    (tmp_path / "eager.json").write_text(json.dumps(eager))
+    assert calibrate.main(["--from-sweep", str(tmp_path / "eager.json"), "--out", str(out)]) == 0
+    assert "kept the graph tables" in capsys.readouterr().out
+    kept = Policy.load(out)
+    assert [t for t in kept.tables if t.graph] == [t for t in joined.tables if t.graph]
+    assert any(t.grad for t in kept.tables) and not any(t.grad for t in joined.tables)
+    # a graph-timed sweep without inference rows writes nothing
+    (tmp_path / "train.json").write_text(json.dumps(dict(sweep, rows=[r for r in synthetic_rows() if r["grad"]])))
+    assert calibrate.main(["--from-sweep", str(tmp_path / "train.json"), "--out", str(tmp_path / "x.json")]) == 2
+    assert not (tmp_path / "x.json").exists()
+    # a family default as the base: the written file names the measured card, not the family
+    family = tmp_path / "family.json"
+    Policy("family", base.tables, {"capability_major": 9}).save(family)
+    assert calibrate.main(["--from-sweep", str(tmp_path / "sweep.json"), "--merge", str(family),
+                           "--out", str(tmp_path / "card.json")]) == 0
+    assert Policy.load(tmp_path / "card.json").specificity("NVIDIA H100", (9, 0)) is None
 
 
 def test_shipped_policies_and_card_matching(tmp_path):
