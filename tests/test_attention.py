@@ -295,6 +295,7 @@ def test_graph_timed_sweep_fits_graph_tables_joined_to_a_base(tmp_path, capsys):
     assert "kept the graph tables" in capsys.readouterr().out
     kept = Policy.load(out)
     assert [t for t in kept.tables if t.graph] == [t for t in joined.tables if t.graph]
+    assert kept.meta["graph_tables"] == joined.meta["graph_tables"]  # the graph tables' provenance, not the base's
     assert any(t.grad for t in kept.tables) and not any(t.grad for t in joined.tables)
     # a graph-timed sweep without inference rows writes nothing
     (tmp_path / "train.json").write_text(json.dumps(dict(sweep, rows=[r for r in synthetic_rows() if r["grad"]])))

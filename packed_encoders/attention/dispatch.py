@@ -120,12 +120,14 @@ class Policy:
         return None
 
     def with_graph_tables(self, other: "Policy") -> "Policy":
-        """This policy's eager tables plus ``other``'s graph tables (``meta["graph_tables"]`` says where those
-        came from): how a ``calibrate --timing graph`` sweep joins an existing policy."""
+        """This policy's eager tables plus ``other``'s graph tables, ``meta["graph_tables"]`` saying where those
+        came from (``other``'s own ``graph_tables`` entry when it has one, else its meta): how calibration joins
+        a graph-timed fit to a policy, or keeps a policy's graph tables across an eager recalibration."""
         graph = tuple(t for t in other.tables if t.graph)
         if not graph:
             raise ValueError(f"policy {other.name!r} has no graph tables")
-        meta = dict(self.meta) | {"graph_tables": {k: v for k, v in other.meta.items() if k != "graph_tables"}}
+        source = other.meta.get("graph_tables") or {k: v for k, v in other.meta.items() if k != "graph_tables"}
+        meta = dict(self.meta) | {"graph_tables": source}
         return Policy(self.name, tuple(t for t in self.tables if not t.graph) + graph, dict(self.match), meta)
 
     def order(self, w: Workload) -> tuple[str, ...]:

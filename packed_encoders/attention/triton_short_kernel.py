@@ -13,9 +13,10 @@ Either way each query row ``t`` gets a key interval ``[lo, hi)``: its own sequen
 ``|t - j| <= WINDOW`` on local layers. Positions within a sequence differ exactly as packed rows do, so the
 window needs no position ids. The key loop runs over the union of the tile's intervals only: it stops at the
 last sequence's end and never visits key tiles outside the window. With ``HAS_KL`` the key interval also ends
-at ``cu[s] + KL[s]`` (query-only tail rows, ColBERT query expansion); a row left with no key writes zeros. Masked scores are ``-inf``; the running
-max starts finite so a row whose first key tiles are all masked stays NaN-free, and its masked keys add
-exact zeros (a sequence's output does not depend on its neighbours' values, bit for bit).
+at ``cu[s] + KL[s]`` (query-only tail rows, ColBERT query expansion); a row left with no key writes zeros.
+Masked scores are ``-inf``; the running max starts finite so a row whose first key tiles are all masked stays
+NaN-free, and its masked keys add exact zeros (a sequence's output does not depend on its neighbours' values,
+bit for bit).
 
 Two entry points share that body: ``packed_attn_fwd`` takes rotated ``q, k``; ``packed_attn_rope_fwd``
 (``ROPE``, inference only) takes the unrotated projections and rotates each loaded q tile and k tile in registers
@@ -23,10 +24,11 @@ before its dot, as ``ops.rope_qkv`` would have in a launch of its own: split-hal
 tables ``COS, SIN`` ``[R, HEAD_DIM // 2]`` at row ``ROWS[t]``. Both entry points load q and k tiles as their halves
 ``x1, x2`` ``[rows, HEAD_DIM // 2]`` and form the scores as two chained dots over the halves; with RoPE the halves
 become ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin`` in fp32, rounded once to the q/k dtype, so the dots see
-the values the unfused op writes (bit for bit where both round the same fp32 results). Rejoining the rotated halves
-into one ``[rows, HEAD_DIM]`` tile (an earlier version) cost a register shuffle per key tile: on the H200 the
-fused kernel then ran 1.45x the unfused one on 8 documents (45 vs 31 us per layer, T=7.7k, window 64). Key tiles are rotated again by every query tile that visits them:
-cheap next to the launch it saves when sequences are short.
+the values the unfused op writes (bit for bit where both round the same fp32 results). Key tiles are rotated again
+by every query tile that visits them (about 3 at window 64): cheap next to the launch it saves when sequences are
+short; on long documents the fused kernel costs about what the separate RoPE pass it saves costs (H200, window 64:
+44 vs 28 + ~14 us per layer on 8 documents, T=7.7k). Forming the scores from the half tiles instead of rejoining
+them into one tile saved 1-3 % there.
 """
 
 import triton
@@ -36,8 +38,6 @@ import triton.language as tl
 _M0 = tl.constexpr(-1.0e30)
 
 
-# The one program body, inlined into the two entry points below, which fix ROPE: ROPE=False compiles to the code
-# of a kernel without the flag, and the plain entry keeps the argument list it had before RoPE was fused.
 @triton.jit
 def _rope_rows(COS, SIN, ROWS, rows64, ok, scs_r, offs_h):
     """``cos, sin`` ``[rows, HEAD_DIM // 2]`` fp32 for the tokens ``rows64`` (their table rows read from ``ROWS``)."""
@@ -68,6 +68,8 @@ def _scores(q1, q2, k1, k2, DOT_F32: tl.constexpr):
     return tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1)))
 
 
+# The one program body, inlined into the two entry points below, which fix ROPE: ROPE=False compiles to the code
+# of a kernel without the flag, and the plain entry keeps the argument list it had before RoPE was fused.
 @triton.jit
 def _packed_attn(
     Q, K, V, O, CU, KL,
