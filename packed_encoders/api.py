@@ -171,6 +171,7 @@ def describe(target) -> dict:
                 "attention_policy": None if state.policy is None else state.policy.name,
                 "kernels": state.ops.name,
                 "kernels_reason": state.ops_reason,
+                "gemm": state.ops.gemm,
                 "kernel_fallbacks": state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {},
                 "cuda_graph": describe_graphs(state, weight.device),
                 "padded_outputs": ("zeros" if state.trailing_max_len is None else

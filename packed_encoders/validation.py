@@ -14,6 +14,8 @@ packed-vs-stock through 22 to 28 random-init fp32 layers on the H200).
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import numbers
 import time
@@ -167,6 +169,14 @@ def _stock_forward(model: nn.Module, **kwargs):
     return type(model).forward(model, **kwargs)
 
 
+def _quack_forced(state):
+    if state.ops.gemm != "quack":
+        return contextlib.nullcontext()
+    from .ops.quack_gemm import forced
+
+    return forced()
+
+
 @torch.no_grad()
 def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: int = 0) -> EncoderReport:
     """Run every gate on one encoder with the options in ``state`` (installed or not)."""
@@ -199,9 +209,12 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     if smoke is not None:
         try:
             smoke(device)
-            report.checks.append(f"toolchain: {state.ops.name} kernels compiled and ran")
+            gemms = " and quack GEMMs" if state.ops.gemm == "quack" else ""
+            report.checks.append(f"toolchain: {state.ops.name} kernels{gemms} compiled and ran")
         except Exception as exc:  # a broken toolchain must not pass silently
-            report.failures.append(f"kernel toolchain ({state.ops.name}) failed: {exc.__class__.__name__}: {exc}")
+            hint = ("" if state.ops.gemm != "quack" else
+                    " (PACKED_ENCODERS_QUACK_GEMM=0 keeps the GEMMs on cuBLAS if quack's are the cause)")
+            report.failures.append(f"kernel toolchain ({state.ops.name}) failed: {exc.__class__.__name__}: {exc}{hint}")
     if report.failures:
         return report
 
@@ -216,7 +229,9 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
                                return_dict=True).last_hidden_state
         batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
                       token_type_ids=None, vocab_size=params.vocab_size)
-        fast = batch.pad(run_packed(model, state, batch))
+        # quack GEMMs engage from thousands of tokens; the check batch is short, so force them to be checked
+        with _quack_forced(state):
+            fast = batch.pad(run_packed(model, state, batch))
         fp64_err = None
         if dtype == torch.float32 and rel_err(fast[mask.bool()].float(), stock[mask.bool()].float()) > FP32_MAX_REL:
             fp64_err = _fp64_yardstick(model, ids, mask, positions, fast, stock)

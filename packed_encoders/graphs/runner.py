@@ -17,7 +17,7 @@ import torch
 
 from ..batch import PackedBatch
 from ..model.forward import encoder_forward, live_inv_freq, plan_attention
-from ..ops import rope_tables
+from ..ops import quack_gemm, rope_tables
 from .buckets import Bucket
 
 
@@ -129,7 +129,15 @@ def capture_or_run(forward, device, capture: bool, pool, stream, warmup: int):
 
 
 def _capture(forward, device, pool, stream, warmup: int):
-    """Warm up on ``stream``, then capture one ``forward()`` into ``pool``; returns ``(graph, static output)``."""
+    """Warm up on ``stream``, then capture one ``forward()`` into ``pool``; returns ``(graph, static output)``.
+
+    Both under the in-graph size rule of the quack GEMM route, so that the warm-up compiles what the capture
+    launches (compiling under capture would load modules, which capture forbids)."""
+    with quack_gemm.graph_rules():
+        return _warm_and_capture(forward, device, pool, stream, warmup)
+
+
+def _warm_and_capture(forward, device, pool, stream, warmup: int):
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(warmup):

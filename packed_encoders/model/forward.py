@@ -23,7 +23,9 @@ from ..ops import TORCH_OPS, OpSet, rope_tables
 from .params import ModernBertParams
 
 
-def _linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+def _linear(x: torch.Tensor, m: nn.Linear, ops: OpSet = TORCH_OPS, grad: bool = True) -> torch.Tensor:
+    if ops.linear is not None and not grad:
+        return ops.linear(x, m.weight, m.bias)
     return F.linear(x, m.weight, m.bias)
 
 
@@ -173,7 +175,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         else:
             normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
         pending = None
-        qkv = _linear(normed, layer.attn.Wqkv)
+        qkv = _linear(normed, layer.attn.Wqkv, ops, grad)
         normed = None
         cos, sin, rows = rope[params.layer_is_global[index]]
         window = params.layer_window(index)
@@ -191,19 +193,19 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         a = backend.fn(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=scale, dropout_p=attn_p,
                        **extra)
         qkv = q = k = v = extra = None
-        o = _dropout(_linear(a.reshape(total, nh * hd), layer.attn.Wo), layer.attn.out_drop)
+        o = _dropout(_linear(a.reshape(total, nh * hd), layer.attn.Wo, ops, grad), layer.attn.out_drop)
         a = None
         x, normed = ops.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
         o = None
         wi = layer.mlp.Wi
         if ops.glu_linear is not None and not grad:
-            h = ops.glu_linear(normed, wi.weight, wi.bias, params.activation)  # one launch for short batches
+            h = ops.glu_linear(normed, wi.weight, wi.bias, params.activation)  # GLU fused into the Wi GEMM
         else:
             h = ops.glu(_linear(normed, wi), params.activation)
         normed = None
         g = _dropout(h, layer.mlp.drop)
         h = None
-        return x, _linear(g, layer.mlp.Wo)
+        return x, _linear(g, layer.mlp.Wo, ops, grad)
 
     use_ckpt = gradient_checkpointing and training and grad
     pending = None

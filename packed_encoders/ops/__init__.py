@@ -22,6 +22,10 @@ class OpSet:
     - ``glu(x [T, 2I], activation) -> [T, I]``
     - ``glu_linear(x [T, K], weight [2I, K], bias [2I] | None, activation) -> [T, I]``, or ``None``: the ``Wi``
       projection and the GLU in one op, for forwards without gradient only (no backward)
+    - ``linear(x [T, K], weight [N, K], bias [N] | None) -> [T, N]``, or ``None`` (``F.linear``): the
+      projections of forwards without gradient (:mod:`.quack_gemm` routes measured shapes to quack)
+    - ``gemm``: which GEMMs the op set runs, for ``describe()``: ``"torch"`` (``F.linear``: cuBLAS on CUDA) or
+      ``"quack"`` (quack where :mod:`.quack_gemm` routes a call, ``F.linear`` for the rest)
     """
 
     name: str
@@ -30,6 +34,8 @@ class OpSet:
     rope_qkv: Callable
     glu: Callable
     glu_linear: Callable | None = field(default=None, compare=False)
+    linear: Callable | None = field(default=None, compare=False)
+    gemm: str = field(default="torch", compare=False)
 
 
 @dataclass(frozen=True)

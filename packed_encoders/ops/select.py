@@ -8,6 +8,10 @@
 - ``"cute"``: quack's CuteDSL LayerNorm with Triton RoPE/GLU (:mod:`packed_encoders.ops.cute`); CUDA sm_90+.
 - ``"auto"``: on CUDA the first family of :data:`AUTO_ORDER` that imports, else plain PyTorch.
 
+With a fused family on an sm_90 GPU where quack imports, the projections of forwards without gradient go to
+quack's CuteDSL GEMMs where they were measured faster than cuBLAS (the ``Wi`` GEMM with the GLU in its
+epilogue; :mod:`packed_encoders.ops.quack_gemm`); ``PACKED_ENCODERS_QUACK_GEMM=0`` turns that off per call.
+
 Returns the op set and a sentence saying why, for ``describe()``. Nothing is imported until asked for:
 ``import packed_encoders`` works with neither Triton nor cutlass installed.
 """
@@ -63,6 +67,18 @@ def _cute_ops(device: torch.device) -> tuple[OpSet, str]:
 _FAMILIES = {"triton": _triton_ops, "cute": _cute_ops}
 
 
+def _with_gemms(ops: OpSet, reason: str, device: torch.device) -> tuple[OpSet, str]:
+    """The fused op set with quack GEMMs where the route can run on ``device``; the reason says which."""
+    from . import quack_gemm
+
+    why = quack_gemm.unavailable(device)
+    if why:
+        return ops, f"{reason}; GEMMs: F.linear ({why})"
+    return quack_gemm.with_quack_gemms(ops), (
+        f"{reason}; GEMMs: quack CuteDSL for Wi + GLU from {quack_gemm.GLU_MIN_TOKENS} tokens and the measured "
+        "projection shapes (forwards without gradient), cuBLAS otherwise")
+
+
 def select_ops(kernels: str, device: torch.device) -> tuple[OpSet, str]:
     """``(op_set, reason)`` for ``kernels`` on ``device``.
 
@@ -77,7 +93,7 @@ def select_ops(kernels: str, device: torch.device) -> tuple[OpSet, str]:
         return TORCH_OPS, "plain PyTorch ops (requested)"
     if kernels != "auto":
         ops, what = _FAMILIES[kernels](device)
-        return ops, f"{what} (requested)"
+        return _with_gemms(ops, f"{what} (requested)", device)
     if device.type != "cuda":
         return TORCH_OPS, f"plain PyTorch ops (auto: fused kernels run on CUDA; device is {device.type})"
     refused = []
@@ -87,5 +103,5 @@ def select_ops(kernels: str, device: torch.device) -> tuple[OpSet, str]:
         except PackedEncodersError as exc:
             refused.append(str(exc))
             continue
-        return ops, f"{what} (auto: first of {AUTO_ORDER} that runs here)"
+        return _with_gemms(ops, f"{what} (auto: first of {AUTO_ORDER} that runs here)", device)
     return TORCH_OPS, "plain PyTorch ops (auto: no fused family runs here: " + "; ".join(refused) + ")"

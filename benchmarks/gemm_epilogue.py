@@ -1,0 +1,197 @@
+"""GEMM epilogue fusions at document / indexing token counts, side by side on one CUDA GPU (sm90+ for quack).
+
+    python benchmarks/gemm_epilogue.py [--out benchmarks/results/gemm_epilogue.json] [--ms 7424,122880]
+                                       [--models base,large] [--quick]
+
+What each row compares, per (model shape, M tokens), bf16, bias off (as ModernBERT):
+
+- ``glu``: ``Wi`` + GLU (exact-erf GeGLU). ``cublas+glu``: ``F.linear`` then the Triton GLU kernel (the
+  packed forward today); ``triton_fused``: ``ops.triton.small_gemm.glu_linear``; ``quack[...]``:
+  ``ops.cute.gemm.glu_linear`` (quack's CuteDSL GEMM, our erf-GeGLU epilogue, HF's weight read in
+  place through ``concat_layout``) under quack's default config and each of :data:`QUACK_CONFIGS`.
+- ``residual``: the output projection followed by the next norm. ``linear+res_ln``: ``F.linear`` then the
+  Triton residual + LayerNorm (reads two ``[M, H]`` tensors, writes two); ``addmm+ln``: cuBLAS
+  ``addmm(residual, a, W.T)`` (the residual added in cuBLAS's epilogue) then a plain LayerNorm;
+  ``quack_add+ln``: quack's ``gemm_add`` then the LayerNorm.
+- ``linear``: plain projections, cuBLAS ``F.linear`` vs quack's ``gemm`` (its default config).
+
+Timing: calls captured in one CUDA graph after a warm-up on a side stream (compilation happens there and is
+reported as ``first_call_s``), replayed; per-call GPU microseconds. Every implementation is first checked
+against an fp32 reference (max abs error / max abs value); a mismatch is recorded and not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gemm_small import graph_us  # noqa: E402
+
+DTYPE = torch.bfloat16
+MODELS = {"base": (768, 1152), "large": (1024, 2624)}  # hidden_size, intermediate_size
+MS = (7424, 122880)  # 8 and 128 real documents of ~930 tokens (the inference and indexing benchmarks)
+TOLERANCE = 2e-2
+
+
+def quack_configs():
+    from quack.gemm_config import GemmConfig
+
+    def c(m, n, pingpong, cm, cn):
+        return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cm, cluster_n=cn,
+                          is_dynamic_persistent=False, device_capacity=9)
+    return [c(128, 192, True, 2, 1), c(128, 128, True, 2, 1), c(128, 256, False, 2, 1), c(256, 128, False, 2, 1),
+            c(256, 192, False, 2, 1), c(128, 192, True, 1, 2), c(256, 160, False, 1, 2)]
+
+
+def rel_err(out, ref) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def measure(row: dict, fn, ref, calls: int) -> dict:
+    t0 = time.perf_counter()
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  recorded, not fatal: one config that does not build must not end the run
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        return row
+    row["first_call_s"] = round(time.perf_counter() - t0, 3)
+    out = out[1] if isinstance(out, tuple) else out
+    row["rel_err"] = rel_err(out, ref)
+    if not row["rel_err"] < TOLERANCE:
+        row["error"] = f"mismatch: rel err {row['rel_err']:.3g}"
+        return row
+    try:
+        row["us"] = round(graph_us(lambda i: fn(), n_calls=calls, replays=5), 2)
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"timing: {type(e).__name__}: {str(e)[:300]}"
+        return row
+    # host time of an eager call (what a forward outside CUDA graphs pays per launch), GPU work not awaited
+    torch.cuda.synchronize()
+    n = 20
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    row["host_us"] = round((time.perf_counter() - t0) * 1e6 / n, 1)
+    torch.cuda.synchronize()
+    return row
+
+
+def glu_rows(h: int, inter: int, m: int, gen, calls: int, quick: bool):
+    from packed_encoders.ops.cute import gemm as glu_gemm
+    from packed_encoders.ops.triton import glu as tglu
+    from packed_encoders.ops.triton import small_gemm as sg
+
+    x = torch.randn((m, h), generator=gen, device="cuda").to(DTYPE)
+    w = (torch.randn((2 * inter, h), generator=gen, device="cuda") * h ** -0.5).to(DTYPE)
+    hf = F.linear(x.float(), w.float())
+    ref = F.gelu(hf[:, :inter]) * hf[:, inter:]
+    del hf
+    impls = [("cublas+glu", lambda: tglu.forward(F.linear(x, w), "gelu")),
+             ("triton_fused", lambda: sg.glu_linear(x, w, None, "gelu")),
+             ("quack[default]", lambda: glu_gemm.glu_linear(x, w, "gelu"))]
+    if not quick:
+        impls += [(f"quack{(c.tile_m, c.tile_n, 'pp' if c.pingpong else 'coop', c.cluster_m, c.cluster_n)}",
+                   lambda c=c: glu_gemm.glu_linear(x, w, "gelu", config=c)) for c in quack_configs()]
+    for name, fn in impls:
+        yield measure({"op": "glu", "impl": name}, fn, ref, calls)
+
+
+def residual_rows(h: int, k: int, m: int, gen, calls: int):
+    from packed_encoders.ops import fused
+
+    a = torch.randn((m, k), generator=gen, device="cuda").to(DTYPE)
+    x = torch.randn((m, h), generator=gen, device="cuda").to(DTYPE)
+    w = (torch.randn((h, k), generator=gen, device="cuda") * k ** -0.5).to(DTYPE)
+    nw = torch.randn(h, generator=gen, device="cuda").to(DTYPE)
+    s = x.float() + F.linear(a.float(), w.float())
+    ref = F.layer_norm(s, (h,), nw.float(), None, 1e-5)
+
+    def quack_add():
+        from quack.gemm_interface import gemm_add
+
+        s2 = gemm_add(a, w.t(), x, tuned=False)
+        return s2, fused.layer_norm(s2, nw, None, 1e-5)
+
+    impls = [("linear+res_ln", lambda: fused.residual_layer_norm(x, F.linear(a, w), nw, None, 1e-5)),
+             ("addmm+ln", lambda: (lambda s2: (s2, fused.layer_norm(s2, nw, None, 1e-5)))(torch.addmm(x, a, w.t()))),
+             ("quack_add+ln", quack_add)]
+    for name, fn in impls:
+        yield measure({"op": "residual", "impl": name, "K": k}, fn, ref, calls)
+
+
+def linear_rows(k: int, n: int, m: int, gen, calls: int):
+    a = torch.randn((m, k), generator=gen, device="cuda").to(DTYPE)
+    w = (torch.randn((n, k), generator=gen, device="cuda") * k ** -0.5).to(DTYPE)
+    ref = F.linear(a.float(), w.float())
+
+    def quack_gemm():
+        from quack.gemm_interface import gemm
+
+        return gemm(a, w.t(), tuned=False)
+
+    for name, fn in (("cublas", lambda: F.linear(a, w)), ("quack", quack_gemm)):
+        yield measure({"op": "linear", "impl": name, "K": k, "N": n}, fn, ref, calls)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--ms", default=",".join(map(str, MS)))
+    p.add_argument("--models", default="base")
+    p.add_argument("--ops", default="glu,residual,linear")
+    p.add_argument("--quick", action="store_true", help="quack's default config only (no config sweep)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemm_epilogue: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ops = args.ops.split(",")
+    rows = []
+    for model in args.models.split(","):
+        h, inter = MODELS[model]
+        for m in map(int, args.ms.split(",")):
+            calls = max(4, min(50, 1_000_000 // m))
+            groups = []
+            if "glu" in ops:
+                groups.append(glu_rows(h, inter, m, gen, calls, args.quick))
+            if "residual" in ops:
+                groups += [residual_rows(h, h, m, gen, calls), residual_rows(h, inter, m, gen, calls)]
+            if "linear" in ops:
+                groups += [linear_rows(h, 3 * h, m, gen, calls), linear_rows(h, h, m, gen, calls),
+                           linear_rows(inter, h, m, gen, calls)]
+            for group in groups:
+                for row in group:
+                    row.update(model=model, M=m)
+                    rows.append(row)
+                    shape = {k: row[k] for k in ("K", "N") if k in row}
+                    status = (f"{row['us']:.1f} us (host {row['host_us']} us)" if "us" in row
+                              else row.get("error"))
+                    print(f"{model} M={m} {row['op']} {shape} {row['impl']}: {status} "
+                          f"(first {row.get('first_call_s', '-')} s, err {row.get('rel_err', float('nan')):.2g})",
+                          flush=True)
+                torch.cuda.empty_cache()
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+        try:
+            import quack
+
+            meta["quack"] = getattr(quack, "__version__", "?")
+        except Exception:  # noqa: BLE001
+            pass
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,232 @@
+"""Route the encoder's projections to quack's CuteDSL GEMMs where they beat cuBLAS (forwards without gradient).
+
+Measured on the H200 (``benchmarks/gemm_epilogue.py``, bf16, CUDA-graph GPU time, 2026-11-29, quack 0.6.5):
+
+- ``Wi`` with the GLU in the GEMM epilogue (:mod:`.cute.gemm`) against cuBLAS + the Triton GLU kernel:
+  ModernBERT-base 1.13x at 1,024 tokens, 1.19x at 2,048, 1.47x at 4,096, 1.47x at 7,424, 1.53x at 16k,
+  1.40x at 123k; ModernBERT-large 1.46x at 7,424, 1.40x at 123k; 0.68-0.83x at 256-512 tokens. Hence
+  :data:`GLU_MIN_TOKENS`.
+- Plain projections (quack's ``gemm``, its default config) against cuBLAS ``F.linear``: shape-dependent, so
+  only the measured winners are in :data:`LINEAR_MIN_TOKENS`. Base ``Wqkv`` (2304 x 768) 1.08x at 7,424 and
+  1.11x at 123k; ``attn.Wo`` (768 x 768) 1.12x / 1.32x; ``mlp.Wo`` (768 x 1152) 1.07x / 1.14x; all ~1.0x at
+  4,096 and 0.4-0.7x below 2,048. Large ``Wqkv`` (3072 x 1024) 1.06x / 1.04x, ``attn.Wo`` (1024 x 1024) 0.88x
+  / 1.16x, ``mlp.Wo`` (1024 x 2624) 0.90x / 0.91x (never routed).
+
+A quack launch costs ~10-20 us more host time than cuBLAS's, which an eager forward of a few thousand tokens
+pays (it is host-bound there); inside a CUDA-graph capture only GPU time counts. So plain projections take
+quack from ``graph`` tokens while capturing and from ``eager`` tokens otherwise.
+
+Only on sm_90 (where it was measured) and only when the whole toolchain imports. Gradient-carrying calls,
+``torch.compile`` tracing, biases, fp32 and mixed dtypes, and unaligned strides stay on cuBLAS; the last
+kinds are recorded (:func:`fallbacks`) since they are limits of this route rather than choices. The
+environment switch ``PACKED_ENCODERS_QUACK_GEMM=0`` (read at every call) turns the route off, for A/B runs.
+Importing this module imports neither quack nor cutlass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..switches import switched_off
+from . import OpSet
+
+ENV = "PACKED_ENCODERS_QUACK_GEMM"
+CAPABILITY = (9, 0)
+GLU_MIN_TOKENS = 1024
+GLU_ACTIVATIONS = frozenset({"gelu", "gelu_tanh", "silu", "relu"})  # ops.cute.gemm.EPILOGUES
+# (N, K) of the weight -> (min tokens while capturing a CUDA graph, min tokens eager)
+LINEAR_MIN_TOKENS: dict[tuple[int, int], tuple[int, int]] = {
+    (2304, 768): (4096, 16384),    # ModernBERT-base Wqkv
+    (768, 768): (4096, 16384),     # base attn.Wo
+    (768, 1152): (4096, 16384),    # base mlp.Wo
+    (3072, 1024): (7424, 16384),   # large Wqkv
+    (1024, 1024): (122880, 122880),  # large attn.Wo: lost at 7,424, won at 122,880; not measured between
+}
+
+_LOCK = threading.Lock()
+_ROUTES: dict[str, dict[str, int]] = {}
+_FORCED = [0]  # > 0 inside forced(): every eligible call takes quack whatever its size (validation, tests)
+_GRAPH_RULES = threading.local()  # .depth > 0 inside graph_rules() on this thread (warm-up before a capture)
+
+
+def _record(op: str, reason: str) -> None:
+    with _LOCK:
+        per_op = _ROUTES.setdefault(op, {})
+        key = f"cublas: {reason}"
+        per_op[key] = per_op.get(key, 0) + 1
+
+
+def fallbacks() -> dict[str, dict[str, int]]:
+    """``{op: {"cublas: <why>": calls}}``: calls that met the size rule but could not take quack."""
+    with _LOCK:
+        return {op: dict(r) for op, r in _ROUTES.items()}
+
+
+def reset_fallbacks() -> None:
+    with _LOCK:
+        _ROUTES.clear()
+
+
+@contextlib.contextmanager
+def forced():
+    """Within the block, every call quack can take goes to quack regardless of its token count."""
+    with _LOCK:
+        _FORCED[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _FORCED[0] -= 1
+
+
+@contextlib.contextmanager
+def graph_rules():
+    """Within the block, calls follow the size rule of CUDA-graph captures even when not capturing: the
+    warm-up before a capture must run (and compile) the kernels the capture will bake in."""
+    _GRAPH_RULES.depth = getattr(_GRAPH_RULES, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _GRAPH_RULES.depth -= 1
+
+
+def _kernels():
+    from .cute import gemm
+
+    return gemm
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why the route cannot run on ``device`` (``None`` when it can): not sm_90 CUDA, or the CuteDSL stack
+    (cutlass, quack) does not import."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"quack GEMMs run on CUDA (device is {device.type})"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != CAPABILITY:
+        return f"quack GEMMs are routed on sm_90 only, where they were measured (this GPU is sm_{cap[0]}{cap[1]})"
+    try:
+        _kernels()
+    except Exception as exc:  # ImportError, or a DSL that fails to initialise
+        return f"quack GEMM epilogues not importable ({exc.__class__.__name__}: {exc})"
+    return None
+
+
+def _on_one_cuda_device(x: Tensor, weight: Tensor) -> bool:
+    return x.device == weight.device and x.device.type == "cuda"
+
+
+def _refusal(x: Tensor, weight: Tensor, bias: Tensor | None) -> str | None:
+    """Why quack cannot take this call (recorded), or ``None``."""
+    if bias is not None:
+        return "bias (the epilogues here take none)"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {x.dtype}"
+    if weight.dtype != x.dtype:
+        return f"mixed dtypes (x {x.dtype}, weight {weight.dtype})"
+    if not _on_one_cuda_device(x, weight):
+        return "tensors not on one CUDA device"
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        return f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}"
+    # TMA: unit inner stride, 16-byte aligned rows and base addresses
+    if x.stride(1) != 1 or x.stride(0) % 8 or weight.stride(1) != 1 or weight.stride(0) % 8:
+        return "strides not 16-byte aligned"
+    if x.data_ptr() % 16 or weight.data_ptr() % 16 or weight.shape[0] % 8:
+        return "addresses or rows not 16-byte aligned"
+    return None
+
+
+def _wanted(x: Tensor, weight: Tensor, bias: Tensor | None, min_tokens: int) -> bool:
+    """The size rule and the modes quack does not serve (not recorded: choices, not limits)."""
+    if x.shape[0] < min_tokens and not _FORCED[0]:
+        return False
+    if switched_off(ENV) or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    return True
+
+
+def _capturing(x: Tensor) -> bool:
+    return x.is_cuda and (getattr(_GRAPH_RULES, "depth", 0) > 0 or torch.cuda.is_current_stream_capturing())
+
+
+def _linear_min_tokens(x: Tensor, weight: Tensor) -> int | None:
+    rule = LINEAR_MIN_TOKENS.get((int(weight.shape[0]), int(weight.shape[1])))
+    if rule is None:
+        return None
+    return rule[0] if _capturing(x) else rule[1]
+
+
+def with_quack_gemms(base: OpSet) -> OpSet:
+    """``base`` with ``linear`` and ``glu_linear`` routed to quack by the rules above (the rest is ``base``'s)."""
+    base_glu_linear = base.glu_linear
+
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        min_tokens = _linear_min_tokens(x, weight) if x.dim() == 2 else None
+        if min_tokens is not None and _wanted(x, weight, bias, min_tokens):
+            why = _refusal(x, weight, bias)
+            if why is None:
+                return _kernels().linear(x, weight)
+            _record("linear", why)
+        return F.linear(x, weight, bias)
+
+    def glu_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+        if x.dim() == 2 and _wanted(x, weight, bias, GLU_MIN_TOKENS):
+            why = _refusal(x, weight, bias)
+            if why is None and activation not in GLU_ACTIVATIONS:
+                why = f"activation {activation!r}"
+            if why is None and weight.shape[0] % 32:
+                why = f"{weight.shape[0]} Wi rows (the gated epilogue pairs 16-column halves)"
+            if why is None:
+                return _kernels().glu_linear(x, weight, activation)
+            _record("glu_linear", why)
+        if base_glu_linear is not None:
+            return base_glu_linear(x, weight, bias, activation)
+        return base.glu(F.linear(x, weight, bias), activation)
+
+    base_fallbacks = getattr(base, "fallbacks", None)
+
+    def merged_fallbacks() -> dict:
+        out = {op: dict(r) for op, r in (base_fallbacks() if base_fallbacks else {}).items()}
+        for op, reasons in fallbacks().items():
+            out.setdefault(op, {}).update(reasons)
+        return out
+
+    base_smoke = getattr(base, "smoke", None)
+
+    def smoke(device) -> None:
+        if base_smoke is not None:
+            base_smoke(device)
+        smoke_quack(device)
+
+    extra = {}
+    if hasattr(base, "smoke"):  # a FusedOpSet
+        extra = dict(smoke=smoke, fallbacks=merged_fallbacks)
+    return replace(base, linear=linear, glu_linear=glu_linear, gemm="quack", **extra)
+
+
+def smoke_quack(device) -> None:
+    """Compile (or load from quack's disk cache) and run the GLU-epilogue GEMM and the plain GEMM on a small
+    bf16 problem and check them against fp32 references; raises on any failure."""
+    from .geglu import geglu_ref
+
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(200, 64, generator=g).to(device, torch.bfloat16)
+    w = (torch.randn(256, 64, generator=g) * 0.125).to(device, torch.bfloat16)
+    k = _kernels()
+    ref = geglu_ref(F.linear(x.float(), w.float()), "gelu")
+    err = ((k.glu_linear(x, w, "gelu").float() - ref).abs().max() / ref.abs().max()).item()
+    if not err < 2e-2:
+        raise RuntimeError(f"quack GLU GEMM smoke test on {device}: relative error {err:.3g} against fp32")
+    ref = F.linear(x.float(), w.float())
+    err = ((k.linear(x, w).float() - ref).abs().max() / ref.abs().max()).item()
+    if not err < 2e-2:
+        raise RuntimeError(f"quack GEMM smoke test on {device}: relative error {err:.3g} against fp32")

@@ -1,0 +1,168 @@
+"""The quack GEMM route (``ops.quack_gemm``) on CPU, with the quack kernels replaced by exact torch maths.
+
+What is checked here is the routing: which calls go to quack (size rule, graph capture, grad, switches,
+forced mode), which are refused and recorded, and that the packed forward sends every projection through
+the op set. The kernels themselves run on the GPU (``tests/gpu/test_quack_gemm.py``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from packed_encoders.ops import TORCH_OPS, quack_gemm
+from packed_encoders.ops.geglu import geglu_torch
+
+from .conftest import make_model, padded_batch
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    calls = {"linear": 0, "glu_linear": 0}
+
+    def linear(x, w):
+        calls["linear"] += 1
+        return F.linear(x, w)
+
+    def glu_linear(x, w, activation):
+        calls["glu_linear"] += 1
+        return geglu_torch(F.linear(x, w), activation)
+
+    monkeypatch.setattr(quack_gemm, "_kernels", lambda: SimpleNamespace(linear=linear, glu_linear=glu_linear))
+    monkeypatch.setattr(quack_gemm, "_on_one_cuda_device", lambda x, w: x.device == w.device)
+    monkeypatch.delenv(quack_gemm.ENV, raising=False)
+    quack_gemm.reset_fallbacks()
+    yield calls
+    quack_gemm.reset_fallbacks()
+
+
+def _glu_inputs(m, k=64, n=256, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(m, k, generator=g).to(dtype), (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+
+
+def test_glu_linear_takes_quack_from_the_threshold(fake):
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    assert ops.gemm == "quack" and TORCH_OPS.gemm == "torch"
+    big = quack_gemm.GLU_MIN_TOKENS
+    x, w = _glu_inputs(big)
+    out = ops.glu_linear(x, w, None, "gelu")
+    assert fake["glu_linear"] == 1
+    torch.testing.assert_close(out, geglu_torch(F.linear(x, w), "gelu"))
+    x, w = _glu_inputs(big - 1)
+    out = ops.glu_linear(x, w, None, "silu")
+    assert fake["glu_linear"] == 1  # below the threshold: the base op set's path
+    torch.testing.assert_close(out, geglu_torch(F.linear(x, w), "silu"))
+    assert quack_gemm.fallbacks() == {}  # the size rule is a choice, not a fallback
+
+
+def test_glu_linear_modes_quack_does_not_serve(fake, monkeypatch):
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    x, w = _glu_inputs(quack_gemm.GLU_MIN_TOKENS)
+    with torch.enable_grad():
+        wg = w.clone().requires_grad_()
+        out = ops.glu_linear(x, wg, None, "gelu")
+        assert out.requires_grad  # F.linear + GLU, differentiable
+    monkeypatch.setenv(quack_gemm.ENV, "off")
+    ops.glu_linear(x, w, None, "gelu")
+    assert fake["glu_linear"] == 0 and quack_gemm.fallbacks() == {}
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("bias", "bias"), ("fp32", "dtype torch.float32"), ("activation", "activation 'gelu_new'"),
+    ("rows", "Wi rows"), ("stride", "strides"),
+])
+def test_glu_linear_refusals_are_recorded_and_correct(fake, case, reason):
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    m = quack_gemm.GLU_MIN_TOKENS
+    x, w = _glu_inputs(m, dtype=torch.float32 if case == "fp32" else torch.bfloat16)
+    bias, act = None, "gelu"
+    if case == "bias":
+        bias = torch.randn(w.shape[0]).to(w.dtype)
+    if case == "activation":
+        act = "gelu_new"
+    if case == "rows":
+        x, w = _glu_inputs(m, n=48)
+    if case == "stride":
+        x = torch.randn(m, 130).to(torch.bfloat16)[:, :64]  # rows 260 bytes apart
+    if act == "gelu_new":
+        with pytest.raises(Exception):  # the plain op does not know it either: nothing silently computed
+            ops.glu_linear(x, w, bias, act)
+    else:
+        out = ops.glu_linear(x, w, bias, act)
+        torch.testing.assert_close(out, geglu_torch(F.linear(x, w, bias), act))
+    assert fake["glu_linear"] == 0
+    recorded = quack_gemm.fallbacks()["glu_linear"]
+    assert any(reason in why and why.startswith("cublas: ") for why in recorded), recorded
+
+
+def test_linear_rule_per_shape_and_capture(fake, monkeypatch):
+    monkeypatch.setitem(quack_gemm.LINEAR_MIN_TOKENS, (256, 64), (8, 16))
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    x, w = _glu_inputs(12)
+    torch.testing.assert_close(ops.linear(x, w, None), F.linear(x, w))
+    assert fake["linear"] == 0  # eager: 16 tokens needed
+    monkeypatch.setattr(quack_gemm, "_capturing", lambda x: True)
+    ops.linear(x, w, None)
+    assert fake["linear"] == 1  # capturing a graph: only GPU time counts, 8 tokens suffice
+    x2, w2 = _glu_inputs(4096, n=128)
+    ops.linear(x2, w2, None)
+    assert fake["linear"] == 1  # a shape not measured stays on cuBLAS
+    with quack_gemm.forced():
+        ops.linear(x2[:3], w[:, :64], None)
+    assert fake["linear"] == 2  # forced: any size of a routed shape
+
+
+def test_forward_routes_every_projection_and_matches(fake, monkeypatch):
+    from packed_encoders.batch import unpad
+    from packed_encoders.model.forward import encoder_forward
+    from packed_encoders.model.params import ModernBertParams
+
+    model = make_model("base_like").to(torch.bfloat16)
+    params = ModernBertParams.from_hf_config(model.config)
+    h, i = params.hidden_size, params.intermediate_size
+    for shape in ((3 * h, h), (h, h), (h, i)):
+        monkeypatch.setitem(quack_gemm.LINEAR_MIN_TOKENS, shape, (1, 1))
+    ids, mask = padded_batch([7, 3, 11])
+    batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                  token_type_ids=None, vocab_size=model.config.vocab_size)
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    with torch.no_grad():
+        want = encoder_forward(model, params, batch, ops=TORCH_OPS)
+        with quack_gemm.forced():
+            got = encoder_forward(model, params, batch, ops=ops)
+    layers = params.num_hidden_layers
+    assert fake == {"linear": 3 * layers, "glu_linear": layers}
+    torch.testing.assert_close(got, want, atol=0, rtol=0)  # the same maths in the same order
+    with torch.enable_grad():
+        encoder_forward(model, params, batch, ops=ops)
+    assert fake == {"linear": 3 * layers, "glu_linear": layers}  # with grad: F.linear everywhere
+
+
+def test_validation_checks_the_quack_route(fake, monkeypatch):
+    import packed_encoders as pe
+    from packed_encoders import api
+
+    model = make_model("base_like").to(torch.bfloat16)
+    monkeypatch.setattr(api, "select_ops", lambda kernels, device: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
+    pe.pack(model)  # validate=True: the check batch is far below GLU_MIN_TOKENS, yet quack is what is checked
+    assert fake["glu_linear"] >= model.config.num_hidden_layers
+    entry = pe.describe(model)["encoders"][0]
+    assert entry["gemm"] == "quack" and entry["validated"] is True
+    seen = fake["glu_linear"]
+    ids, mask = padded_batch([5, 9])
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert fake["glu_linear"] == seen  # outside validation the size rule holds again
+    pe.unpack(model)
+
+
+def test_select_reports_the_gemm_route_on_cpu():
+    from packed_encoders.ops.select import select_ops
+
+    ops, reason = select_ops("torch", torch.device("cpu"))
+    assert ops.gemm == "torch"
+    assert quack_gemm.unavailable(torch.device("cpu")).startswith("quack GEMMs run on CUDA")
