@@ -350,17 +350,16 @@ def test_replay_output_is_owned_by_the_caller():
 def cpu_graphs(monkeypatch):
     """Route on CPU: pretend the model is on CUDA and build capture-free runners; count builds."""
     builds = []
-    real_facts = route.call_facts
+    real_mode = route._mode_facts
 
-    def facts(model, state, batch, *, hidden_states):
-        f = real_facts(model, state, batch, hidden_states=hidden_states)
-        return CallFacts(**{**f.__dict__, "model_on_cuda": True})
+    def mode(*a, **k):  # read by prepare() before the sync and by call_facts() after it
+        return {**real_mode(*a, **k), "model_on_cuda": True}
 
     def build(model, state, mgr, bucket, requested, query_only=False):
         builds.append(bucket)
         return GraphRunner(model, state, bucket, requested, capture=False, query_only=query_only)
 
-    monkeypatch.setattr(route, "call_facts", facts)
+    monkeypatch.setattr(route, "_mode_facts", mode)
     monkeypatch.setattr(route, "_build", build)
     monkeypatch.delenv("PACKED_ENCODERS_GRAPH", raising=False)
     return builds
@@ -637,3 +636,22 @@ def test_replaced_parameter_objects_drop_graphs(cpu_graphs, change):
     assert _graph_info(model)["invalidations"] >= 1
     assert not torch.equal(before, after)
     torch.testing.assert_close(after, eager, atol=2e-5, rtol=2e-5)
+
+
+def test_weights_are_checked_before_the_sync_once_per_call(cpu_graphs, monkeypatch):
+    """The fingerprint (and any invalidation it causes) is read before unpad's host sync, so that after the
+    sync only batch-dependent work stands between it and the replay; it is not read twice."""
+    from packed_encoders.adapters import hf_call
+
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    ids, mask = padded([4, 9])
+    events = []
+    real_fp, real_unpad = route.fingerprint, hf_call.unpad
+    monkeypatch.setattr(route, "fingerprint", lambda *a: events.append("fingerprint") or real_fp(*a))
+    monkeypatch.setattr(hf_call, "unpad", lambda **k: events.append("unpad") or real_unpad(**k))
+    with torch.no_grad():
+        _forward(model, ids, mask)
+        events.clear()
+        _forward(model, ids, mask)
+    assert events == ["fingerprint", "unpad"]
+

@@ -155,3 +155,42 @@ def test_fused_runner_flags_bad_input_and_recovers():
 
 def test_fused_is_chosen_on_cuda_only():
     assert fused_unpad_available(torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize("lengths,query_only", [
+    ([5, 17, 33], False), ([40] * 7, False), ([64, 64], False), ([1, 17, 33, 2, 64], False),
+    ([3, 0, 9], True),  # key_lens staged for the real sequences only
+])
+def test_one_launch_staging_matches_the_torch_staging(lengths, query_only):
+    """``ops.triton.stage`` writes exactly what the runner's five PyTorch staging ops write (interpreted)."""
+    from packed_encoders.graphs.buckets import bucket_for
+    from packed_encoders.graphs.runner import GraphRunner
+
+    from .test_graphs_logic import batch_of
+
+    model = tiny_model()
+    pe.pack(model, validate=False)
+    state = get_state(model)
+    batch = batch_of(lengths)
+    if query_only:
+        batch = type(batch)(**{**batch.__dict__, "key_lens": torch.tensor(lengths, dtype=torch.int32)})
+    bucket = bucket_for(GraphConfig(max_seqlen=64), batch.num_seqs, batch.total_tokens, batch.max_seqlen)
+    assert bucket.seqs > batch.num_seqs  # dummy or empty sequences to write
+    outs, bufs = [], []
+    for fused in (False, True):
+        runner = GraphRunner(model, state, bucket, "sdpa", capture=False, query_only=query_only, fused_stage=fused)
+        runner.ids.fill_(7)
+        runner.pos.fill_(3)  # padding rows keep what they held: staging must not touch them
+        with torch.no_grad():
+            outs.append(runner.replay(batch, torch.clone))
+        bufs.append([runner.ids.clone(), runner.pos.clone(), runner.cu.clone()]
+                    + ([runner.kl.clone()] if query_only else []))
+    for a, b in zip(*bufs):
+        assert torch.equal(a, b)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_staging_kernel_only_on_cuda():
+    from packed_encoders.graphs.runner import fused_stage_available
+
+    assert fused_stage_available(torch.device("cpu")) is False

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..batch import PackedBatch, from_packed, unpad
 from ..errors import PackedEncodersError
-from ..graphs.route import graph_forward, poll_deferred, sync_free_forward
+from ..graphs.route import graph_forward, poll_deferred, prepare, sync_free_forward
 from ..model.forward import activation_dtype, encoder_forward, plan_attention
 from .structure import snapshot, structure_problem
 
@@ -138,6 +138,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     src = input_ids if input_ids is not None else inputs_embeds
     packed = bool(packed_kw) or (position_ids is not None and attention_mask is None and src.shape[0] == 1
                                  and src.dim() == (2 if input_ids is not None else 3))
+    prepared = None
     if packed or src.dim() == (1 if input_ids is not None else 2):
         batch, squeeze = _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids,
                                        token_type_ids, packed_kw)
@@ -152,6 +153,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
                                      hidden_states=output_hidden_states)
             if last is not None:
                 return _output(model, last, None, return_dict)
+        # before unpad's host sync, while the GPU may still run the previous call: after it, the GPU idles
+        prepared = None if graphs is None else prepare(model, state, hidden_states=output_hidden_states)
         batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                       position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=vocab_size,
                       trailing_query_only=trailing)
@@ -169,7 +172,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         if state.options.cuda_graph is not None:
             # batch.pad copies; a packed call's view of the graph's static output must be cloned
             finish = batch.pad if squeeze is None else (lambda t: squeeze(t.clone()))
-            last = graph_forward(model, state, batch, finish, hidden_states=hidden is not None)
+            last = graph_forward(model, state, batch, finish, hidden_states=hidden is not None,
+                                 prepared=prepared)
         if last is None:
             out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=_transformers_major() < 5,
                              structure_checked=True)

@@ -16,6 +16,7 @@ import contextlib
 import operator
 import threading
 from dataclasses import asdict, replace
+from typing import Any, NamedTuple
 
 import torch
 
@@ -91,11 +92,11 @@ def _mode_facts(model, state, weight: torch.Tensor, hidden_states: bool) -> dict
                 model_on_cuda=on_cuda)
 
 
-def call_facts(model, state, batch, *, hidden_states: bool) -> CallFacts:
-    """Host-visible facts of one call (no device reads)."""
+def call_facts(model, state, batch, *, hidden_states: bool, mode: dict | None = None) -> CallFacts:
+    """Host-visible facts of one call (no device reads); ``mode``: :func:`_mode_facts`, when read already."""
     weight = model.embeddings.tok_embeddings.weight
     return CallFacts(
-        **_mode_facts(model, state, weight, hidden_states),
+        **(mode if mode is not None else _mode_facts(model, state, weight, hidden_states)),
         inputs_embeds=batch.inputs_embeds is not None,
         same_device=batch.device == weight.device,
         num_seqs=batch.num_seqs,
@@ -141,16 +142,49 @@ def _order_streams(mgr: GraphManager, device: torch.device) -> None:
     mgr.last_stream = stream
 
 
-def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, backend: str | None = None):
-    """Serve ``batch`` from a captured graph and return ``finish(out)`` (``out``: a view of the static
-    ``[T, hidden]`` output, which ``finish`` must copy), or ``None`` when the call must run eagerly.
+class Prepared(NamedTuple):
+    """What :func:`prepare` read before the call's host sync: the manager, the mode facts, and the weights
+    fingerprint it checked (``None``: not checked)."""
 
-    A bucket whose capture fails (warned once, listed by ``describe()``) runs eagerly from then on.
-    """
+    mgr: GraphManager
+    mode: dict
+    fingerprint: Any
+
+
+def prepare(model, state, *, hidden_states: bool) -> Prepared | None:
+    """The batch-independent part of :func:`graph_forward`, run before the call's one host sync.
+
+    After the sync the GPU idles until the graph is launched, so everything that does not depend on the
+    batch's sizes happens here, while the previous replay still runs: the mode facts, the weights fingerprint
+    (with the invalidation and precapture it may trigger). ``None`` when graphs are off for the encoder."""
     mgr = _manager(state)
     if mgr is None:
         return None
-    bucket = admit(mgr.config, call_facts(model, state, batch, hidden_states=hidden_states))
+    weight = model.embeddings.tok_embeddings.weight
+    mode = _mode_facts(model, state, weight, hidden_states)
+    checked = None
+    if mode["model_on_cuda"] and not (mode["kill_switch"] or mode["suspended"]):
+        with mgr.lock:
+            mgr.check_fingerprint(fingerprint(model, mgr))
+            _precapture(model, state, mgr)
+            checked = mgr.fingerprint
+    return Prepared(mgr, mode, checked)
+
+
+def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, backend: str | None = None,
+                  prepared: Prepared | None = None):
+    """Serve ``batch`` from a captured graph and return ``finish(out)`` (``out``: a view of the static
+    ``[T, hidden]`` output, which ``finish`` must copy), or ``None`` when the call must run eagerly.
+
+    ``prepared``: :func:`prepare`'s result for this call, read before its host sync (``None``: read here).
+    A bucket whose capture fails (warned once, listed by ``describe()``) runs eagerly from then on.
+    """
+    if prepared is None:
+        prepared = prepare(model, state, hidden_states=hidden_states)
+        if prepared is None:
+            return None
+    mgr = prepared.mgr
+    bucket = admit(mgr.config, call_facts(model, state, batch, hidden_states=hidden_states, mode=prepared.mode))
     if isinstance(bucket, str):
         mgr.note_fallback(bucket)
         if bucket == B.NOT_CUDA and len(mgr):
@@ -162,8 +196,9 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
     key = (requested, bucket, query_only)
     device = batch.device
     with mgr.lock:
-        mgr.check_fingerprint(fingerprint(model, mgr))
-        _precapture(model, state, mgr)
+        if prepared.fingerprint is None:  # not checked before the sync (a thread that changed weights since
+            mgr.check_fingerprint(fingerprint(model, mgr))  # and checked them cleared the graphs: get() rebuilds)
+            _precapture(model, state, mgr)
         cached = key in mgr
         runner = mgr.get(key, lambda: _build(model, state, mgr, bucket, requested, query_only))
         if isinstance(runner, str):

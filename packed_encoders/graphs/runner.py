@@ -33,6 +33,8 @@ class GraphRunner:
             the same layout and staging, on any device (CPU tests of the bucket layout use it).
         query_only: batches carry ``key_lens`` (query-only tails, ColBERT query expansion); a static ``kl``
             buffer is staged per replay, dummy sequences keep ``kl = seqlen`` (all their rows are keys).
+        fused_stage: stage each batch with the one-launch Triton kernel (:mod:`packed_encoders.ops.triton.stage`)
+            instead of five PyTorch ops; ``None``: on CUDA when Triton imports.
 
     Raises:
         PackedEncodersError: the requested backend cannot run the bucket (as the eager path would).
@@ -40,12 +42,13 @@ class GraphRunner:
     """
 
     def __init__(self, model, state, bucket: Bucket, requested: str, *, pool=None, stream=None, warmup: int = 1,
-                 capture: bool = True, query_only: bool = False):
+                 capture: bool = True, query_only: bool = False, fused_stage: bool | None = None):
         params = state.params
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
         self.device = device
         self.bucket = bucket
+        self.fused_stage = fused_stage_available(device) if fused_stage is None else fused_stage
         self.requested = requested
         t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -76,18 +79,24 @@ class GraphRunner:
         """Serve ``batch`` (within the bucket, on this device; the router checked) and return
         ``finish(out[:T])``; ``finish`` must copy. Launches copies and the graph on the current stream."""
         total, num = batch.total_tokens, batch.num_seqs
-        self.ids[:total].copy_(batch.input_ids)
-        self.pos[:total].copy_(batch.position_ids)
-        self.cu[:num + 1].copy_(batch.cu_seqlens)
         if (batch.key_lens is None) != (self.kl is None):
             raise RuntimeError("graph bucket captured with and without key_lens mixed up (router bug)")
-        if self.kl is not None:
-            self.kl[:num].copy_(batch.key_lens)
-        extra = self.bucket.seqs - num
-        if extra:
-            tail = self.cu[num + 1:]
-            torch.add(self.steps[:extra], total, out=tail)   # dummy sequences of <= seqlen padding tokens,
-            tail.clamp_(max=self.bucket.tokens)               # then empty sequences at the end
+        if self.fused_stage and _stageable(batch):
+            from ..ops.triton.stage import stage
+
+            stage(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.key_lens, self.ids, self.pos, self.cu,
+                  self.kl, self.bucket.seqlen)
+        else:
+            self.ids[:total].copy_(batch.input_ids)
+            self.pos[:total].copy_(batch.position_ids)
+            self.cu[:num + 1].copy_(batch.cu_seqlens)
+            if self.kl is not None:
+                self.kl[:num].copy_(batch.key_lens)
+            extra = self.bucket.seqs - num
+            if extra:
+                tail = self.cu[num + 1:]
+                torch.add(self.steps[:extra], total, out=tail)   # dummy sequences of <= seqlen padding tokens,
+                tail.clamp_(max=self.bucket.tokens)               # then empty sequences at the end
         if self.graph is not None:
             self.graph.replay()
             out = self.out
@@ -95,6 +104,25 @@ class GraphRunner:
             with torch.no_grad():
                 out = self._forward()
         return finish(out[:total])
+
+
+def fused_stage_available(device: torch.device) -> bool:
+    """Whether the one-launch staging kernel can run on ``device`` (CUDA with Triton importable)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from ..ops.triton import stage  # noqa: F401
+    except Exception:  # noqa: BLE001 - no (working) Triton: the PyTorch ops stage
+        return False
+    return True
+
+
+def _stageable(batch: PackedBatch) -> bool:
+    """The kernel's contract: int64 ids / positions, int32 ``cu_seqlens`` / ``key_lens``, all contiguous."""
+    ids, pos, cu, kl = batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.key_lens
+    return (ids is not None and ids.dtype == torch.long and pos.dtype == torch.long and cu.dtype == torch.int32
+            and (kl is None or (kl.dtype == torch.int32 and kl.is_contiguous()))
+            and ids.is_contiguous() and pos.is_contiguous() and cu.is_contiguous())
 
 
 def theta_tables(model, params, rows: int, device) -> list:
