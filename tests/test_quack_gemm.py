@@ -166,3 +166,8 @@ def test_select_reports_the_gemm_route_on_cpu():
     ops, reason = select_ops("torch", torch.device("cpu"))
     assert ops.gemm == "torch"
     assert quack_gemm.unavailable(torch.device("cpu")).startswith("quack GEMMs run on CUDA")
+
+
+def test_switch_off_at_pack_skips_the_route(monkeypatch):
+    monkeypatch.setenv(quack_gemm.ENV, "0")
+    assert quack_gemm.unavailable(torch.device("cpu")) == f"{quack_gemm.ENV} is off"

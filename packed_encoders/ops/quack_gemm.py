@@ -19,7 +19,8 @@ quack from ``graph`` tokens while capturing and from ``eager`` tokens otherwise.
 Only on sm_90 (where it was measured) and only when the whole toolchain imports. Gradient-carrying calls,
 ``torch.compile`` tracing, biases, fp32 and mixed dtypes, and unaligned strides stay on cuBLAS; the last
 kinds are recorded (:func:`fallbacks`) since they are limits of this route rather than choices. The
-environment switch ``PACKED_ENCODERS_QUACK_GEMM=0`` (read at every call) turns the route off, for A/B runs.
+environment switch ``PACKED_ENCODERS_QUACK_GEMM=0`` turns the route off: read at ``pack()`` (quack is then not
+even imported) and at every call, for A/B runs.
 Importing this module imports neither quack nor cutlass.
 """
 
@@ -103,9 +104,11 @@ def _kernels():
 
 
 def unavailable(device: torch.device) -> str | None:
-    """Why the route cannot run on ``device`` (``None`` when it can): not sm_90 CUDA, or the CuteDSL stack
-    (cutlass, quack) does not import."""
+    """Why the route cannot run on ``device`` (``None`` when it can): the switch is off, not sm_90 CUDA, or the
+    CuteDSL stack (cutlass, quack) does not import (checked by importing it: the switch off skips that cost)."""
     device = torch.device(device)
+    if switched_off(ENV):
+        return f"{ENV} is off"
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"quack GEMMs run on CUDA (device is {device.type})"
     cap = torch.cuda.get_device_capability(device)
@@ -204,7 +207,8 @@ def with_quack_gemms(base: OpSet) -> OpSet:
     def smoke(device) -> None:
         if base_smoke is not None:
             base_smoke(device)
-        smoke_quack(device)
+        if not switched_off(ENV):
+            smoke_quack(device)
 
     extra = {}
     if hasattr(base, "smoke"):  # a FusedOpSet
