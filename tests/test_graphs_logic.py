@@ -655,3 +655,23 @@ def test_weights_are_checked_before_the_sync_once_per_call(cpu_graphs, monkeypat
         _forward(model, ids, mask)
     assert events == ["fingerprint", "unpad"]
 
+
+
+@pytest.mark.parametrize("mode", ["grad_training", "hidden_states"])
+def test_refused_calls_capture_nothing_before_the_sync(cpu_graphs, mode):
+    """prepare() runs before admission: for a call admission refuses it must neither check the weights nor
+    run the (deferred) precapture, or a graph would be captured in a mode it must not bake in."""
+    model = tiny_model()
+    pe.pack(model, validate=False, cuda_graph=GraphConfig(precapture=((2, 64),)))
+    ids, mask = padded([4, 9])
+    if mode == "grad_training":
+        model.train()
+        _forward(model, ids, mask)
+    else:
+        with torch.no_grad():
+            _forward(model, ids, mask, output_hidden_states=True)
+    assert cpu_graphs == []
+    model.eval()
+    with torch.no_grad():
+        _forward(model, ids, mask)
+    assert len(cpu_graphs) >= 1  # an admissible call runs the precapture

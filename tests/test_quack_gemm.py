@@ -168,6 +168,90 @@ def test_select_reports_the_gemm_route_on_cpu():
     assert quack_gemm.unavailable(torch.device("cpu")).startswith("quack GEMMs run on CUDA")
 
 
-def test_switch_off_at_pack_skips_the_route(monkeypatch):
+def test_switch_off_at_pack_skips_the_route_without_importing_quack(monkeypatch):
+    def no_import():
+        raise AssertionError("quack imported although the switch is off")
+
+    monkeypatch.setattr(quack_gemm, "_kernels", no_import)
     monkeypatch.setenv(quack_gemm.ENV, "0")
-    assert quack_gemm.unavailable(torch.device("cpu")) == f"{quack_gemm.ENV} is off"
+    assert quack_gemm.unavailable(torch.device("cuda")) == f"{quack_gemm.ENV} is off"
+
+
+def test_quack_op_set_pickles_and_deep_copies(fake):
+    import copy
+    import pickle
+
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    for clone in (pickle.loads(pickle.dumps(ops)), copy.deepcopy(ops)):
+        assert clone.gemm == "quack"
+        x, w = _glu_inputs(quack_gemm.GLU_MIN_TOKENS)
+        torch.testing.assert_close(clone.glu_linear(x, w, None, "gelu"), geglu_torch(F.linear(x, w), "gelu"))
+    assert fake["glu_linear"] == 2
+
+
+def test_packed_model_with_the_quack_route_pickles(fake, monkeypatch):
+    import pickle
+
+    import packed_encoders as pe
+    from packed_encoders import api
+
+    model = make_model("base_like").to(torch.bfloat16)
+    monkeypatch.setattr(api, "select_ops", lambda kernels, device: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
+    pe.pack(model, validate=False)
+    clone = pickle.loads(pickle.dumps(model))
+    ids, mask = padded_batch([5, 9])
+    with torch.no_grad():
+        torch.testing.assert_close(clone(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert pe.describe(clone)["encoders"][0]["gemm"] == "quack"
+
+
+def test_nothing_is_routed_or_guarded_under_torch_compile(fake, monkeypatch):
+    """Tracing must not see the size rules (each threshold would be a guard, i.e. a recompile)."""
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    x, w = _glu_inputs(quack_gemm.GLU_MIN_TOKENS)
+    monkeypatch.setitem(quack_gemm.LINEAR_MIN_TOKENS, (256, 64), (1, 1))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    def untouchable(*a, **k):
+        raise AssertionError("size rule read while compiling")
+
+    monkeypatch.setattr(quack_gemm, "_linear_min_tokens", untouchable)
+    monkeypatch.setattr(quack_gemm, "_modes_ok", untouchable)
+    torch.testing.assert_close(ops.linear(x, w, None), F.linear(x, w))
+    torch.testing.assert_close(ops.glu_linear(x, w, None, "gelu"), geglu_torch(F.linear(x, w), "gelu"))
+    assert fake == {"linear": 0, "glu_linear": 0}
+
+
+def test_forced_is_per_thread(fake):
+    import threading
+
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    x, w = _glu_inputs(8)
+    inside, leave = threading.Event(), threading.Event()
+
+    def validating_thread():
+        with quack_gemm.forced():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=validating_thread)
+    t.start()
+    inside.wait(10)
+    try:
+        ops.glu_linear(x, w, None, "gelu")  # another thread is inside forced(): this one keeps its size rule
+    finally:
+        leave.set()
+        t.join()
+    assert fake["glu_linear"] == 0
+    with quack_gemm.forced():
+        ops.glu_linear(x, w, None, "gelu")
+    assert fake["glu_linear"] == 1
+
+
+def test_forced_calls_do_not_record_refusals(fake):
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    x, w = _glu_inputs(8, dtype=torch.float32)
+    with quack_gemm.forced():
+        ops.glu_linear(x, w, None, "gelu")  # fp32: refused, but it never met the size rule
+    assert quack_gemm.fallbacks() == {}

@@ -154,7 +154,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
             if last is not None:
                 return _output(model, last, None, return_dict)
         # before unpad's host sync, while the GPU may still run the previous call: after it, the GPU idles
-        prepared = None if graphs is None else prepare(model, state, hidden_states=output_hidden_states)
+        prepared = None if graphs is None else prepare(model, state, hidden_states=output_hidden_states,
+                                                       inputs_embeds=inputs_embeds is not None)
         batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                       position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=vocab_size,
                       trailing_query_only=trailing)

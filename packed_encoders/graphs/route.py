@@ -151,21 +151,31 @@ class Prepared(NamedTuple):
     fingerprint: Any
 
 
-def prepare(model, state, *, hidden_states: bool) -> Prepared | None:
+_REFUSING_MODES = ("kill_switch", "suspended", "grad", "autocast", "dropout", "hidden_states")
+
+
+def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -> Prepared | None:
     """The batch-independent part of :func:`graph_forward`, run before the call's one host sync.
 
     After the sync the GPU idles until the graph is launched, so everything that does not depend on the
-    batch's sizes happens here, while the previous replay still runs: the mode facts, the weights fingerprint
-    (with the invalidation and precapture it may trigger). ``None`` when graphs are off for the encoder."""
+    batch's sizes happens here, while the previous replay still runs: the mode facts and, for a call whose
+    modes admission accepts, the weights fingerprint (with the invalidation and precapture it may trigger).
+    A call that admission will refuse touches no graph, as when admission came first. ``None`` when graphs are
+    off for the encoder."""
     mgr = _manager(state)
     if mgr is None:
         return None
     weight = model.embeddings.tok_embeddings.weight
     mode = _mode_facts(model, state, weight, hidden_states)
     checked = None
-    if mode["model_on_cuda"] and not (mode["kill_switch"] or mode["suspended"]):
+    if mode["model_on_cuda"] and not inputs_embeds and not any(mode[k] for k in _REFUSING_MODES):
         with mgr.lock:
-            mgr.check_fingerprint(fingerprint(model, mgr))
+            fp = fingerprint(model, mgr)
+            if fp != mgr.fingerprint and len(mgr) and weight.is_cuda:
+                # graphs are about to be dropped while the previous call's replay may still run (we are
+                # before this call's sync): wait for it first; weights change rarely, so this sync is too
+                torch.cuda.current_stream(weight.device).synchronize()
+            mgr.check_fingerprint(fp)
             _precapture(model, state, mgr)
             checked = mgr.fingerprint
     return Prepared(mgr, mode, checked)
@@ -179,10 +189,12 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
     ``prepared``: :func:`prepare`'s result for this call, read before its host sync (``None``: read here).
     A bucket whose capture fails (warned once, listed by ``describe()``) runs eagerly from then on.
     """
-    if prepared is None:
-        prepared = prepare(model, state, hidden_states=hidden_states)
-        if prepared is None:
+    if prepared is None:  # the fingerprint is then checked below, once admission has accepted the call
+        mgr = _manager(state)
+        if mgr is None:
             return None
+        weight = model.embeddings.tok_embeddings.weight
+        prepared = Prepared(mgr, _mode_facts(model, state, weight, hidden_states), None)
     mgr = prepared.mgr
     bucket = admit(mgr.config, call_facts(model, state, batch, hidden_states=hidden_states, mode=prepared.mode))
     if isinstance(bucket, str):

@@ -1,9 +1,9 @@
 """`GraphRunner`: one captured packed forward for one bucket (CUDA; a capture-free mode runs anywhere).
 
 Static buffers: ``ids`` / ``pos`` int64 ``[tokens]``, ``cu`` int32 ``[seqs + 1]``; the output ``[tokens,
-hidden]`` lives in the shared graph pool. A replay stages the real batch into the buffers with
-device-to-device copies (no host sync), rewrites the dummy/empty tail of ``cu`` from host ints, replays,
-and hands the first ``T`` output rows to ``finish``, which must copy them (the caller owns the result).
+hidden]`` lives in the shared graph pool. A replay stages the real batch into the buffers (no host sync): on
+CUDA with one Triton launch (:mod:`packed_encoders.ops.triton.stage`), elsewhere with device-to-device copies
+and a rewrite of the dummy/empty tail of ``cu`` from host ints. It then replays and hands the first ``T`` output rows to ``finish``, which must copy them (the caller owns the result).
 Padding rows keep whatever ids and positions they last held: always valid, and by construction
 (see :mod:`.buckets`) never visible to real tokens.
 """
@@ -53,7 +53,9 @@ class GraphRunner:
         t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         # Normal (non-inference) tensors, so staging works whether the caller is in inference_mode or not.
-        with on_device, torch.inference_mode(False), torch.no_grad():
+        # a capture never bakes in autocast casts (admission refuses autocast calls; this guards precapture)
+        no_autocast = torch.autocast("cuda", enabled=False) if device.type == "cuda" else contextlib.nullcontext()
+        with on_device, no_autocast, torch.inference_mode(False), torch.no_grad():
             self.steps = torch.arange(1, n + 1, dtype=torch.int32, device=device) * s   # dummy boundaries
             self.cu = torch.zeros(n + 1, dtype=torch.int32, device=device)
             self.cu[1:] = self.steps.clamp(max=t)                  # capture layout: sequences of s tokens

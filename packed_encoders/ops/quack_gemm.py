@@ -8,20 +8,21 @@ Measured on the H200 (``benchmarks/gemm_epilogue.py``, bf16, CUDA-graph GPU time
   :data:`GLU_MIN_TOKENS`.
 - Plain projections (quack's ``gemm``, its default config) against cuBLAS ``F.linear``: shape-dependent, so
   only the measured winners are in :data:`LINEAR_MIN_TOKENS`. Base ``Wqkv`` (2304 x 768) 1.08x at 7,424 and
-  1.11x at 123k; ``attn.Wo`` (768 x 768) 1.12x / 1.32x; ``mlp.Wo`` (768 x 1152) 1.07x / 1.14x; all ~1.0x at
-  4,096 and 0.4-0.7x below 2,048. Large ``Wqkv`` (3072 x 1024) 1.06x / 1.04x, ``attn.Wo`` (1024 x 1024) 0.88x
-  / 1.16x, ``mlp.Wo`` (1024 x 2624) 0.90x / 0.91x (never routed).
+  1.11x at 123k; ``attn.Wo`` (768 x 768) 1.12x / 1.32x; ``mlp.Wo`` (768 x 1152) 1.07x / 1.14x; at 4,096
+  tokens 1.13x / 1.03x / 1.02x; 0.4-0.7x below 2,048. Large ``Wqkv`` (3072 x 1024) 1.06x / 1.04x,
+  ``attn.Wo`` (1024 x 1024) 0.88x / 1.16x, ``mlp.Wo`` (1024 x 2624) 0.90x / 0.91x (never routed).
 
 A quack launch costs ~10-20 us more host time than cuBLAS's, which an eager forward of a few thousand tokens
 pays (it is host-bound there); inside a CUDA-graph capture only GPU time counts. So plain projections take
 quack from ``graph`` tokens while capturing and from ``eager`` tokens otherwise.
 
-Only on sm_90 (where it was measured) and only when the whole toolchain imports. Gradient-carrying calls,
-``torch.compile`` tracing, biases, fp32 and mixed dtypes, and unaligned strides stay on cuBLAS; the last
-kinds are recorded (:func:`fallbacks`) since they are limits of this route rather than choices. The
-environment switch ``PACKED_ENCODERS_QUACK_GEMM=0`` turns the route off: read at ``pack()`` (quack is then not
-even imported) and at every call, for A/B runs.
-Importing this module imports neither quack nor cutlass.
+Only on sm_90 (where it was measured) and only when the whole toolchain imports. Gradient-carrying calls and
+``torch.compile`` tracing stay on cuBLAS by choice (not recorded). Calls that meet the size rule but that quack
+cannot take (a bias, fp32 or mixed dtypes, another device, unaligned strides or rows, an unknown activation)
+stay on cuBLAS and are recorded (:func:`fallbacks`, in ``describe()["kernel_fallbacks"]``). The environment
+switch ``PACKED_ENCODERS_QUACK_GEMM=0`` turns the route off: read at ``pack()`` (quack is then not even
+imported), at every eager call and at every graph capture; graphs captured before keep their kernels until
+recaptured (``pe.set_cuda_graph(model, True)``). Importing this module imports neither quack nor cutlass.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ LINEAR_MIN_TOKENS: dict[tuple[int, int], tuple[int, int]] = {
 
 _LOCK = threading.Lock()
 _ROUTES: dict[str, dict[str, int]] = {}
-_FORCED = [0]  # > 0 inside forced(): every eligible call takes quack whatever its size (validation, tests)
+_FORCED = threading.local()  # .depth > 0 inside forced() on this thread: quack whatever the size (validation)
 _GRAPH_RULES = threading.local()  # .depth > 0 inside graph_rules() on this thread (warm-up before a capture)
 
 
@@ -76,14 +77,13 @@ def reset_fallbacks() -> None:
 
 @contextlib.contextmanager
 def forced():
-    """Within the block, every call quack can take goes to quack regardless of its token count."""
-    with _LOCK:
-        _FORCED[0] += 1
+    """Within the block, on this thread, every call quack can take goes to quack whatever its token count (the
+    validation's parity check, whose batch is far below the size rules)."""
+    _FORCED.depth = getattr(_FORCED, "depth", 0) + 1
     try:
         yield
     finally:
-        with _LOCK:
-            _FORCED[0] -= 1
+        _FORCED.depth -= 1
 
 
 @contextlib.contextmanager
@@ -145,19 +145,22 @@ def _refusal(x: Tensor, weight: Tensor, bias: Tensor | None) -> str | None:
     return None
 
 
-def _wanted(x: Tensor, weight: Tensor, bias: Tensor | None, min_tokens: int) -> bool:
-    """The size rule and the modes quack does not serve (not recorded: choices, not limits)."""
-    if x.shape[0] < min_tokens and not _FORCED[0]:
+def _modes_ok(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """The modes quack does not serve (not recorded: choices, not limits): the switch, gradients."""
+    if switched_off(ENV):
         return False
-    if switched_off(ENV) or torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
         return False
     return True
 
 
 def _capturing(x: Tensor) -> bool:
     return x.is_cuda and (getattr(_GRAPH_RULES, "depth", 0) > 0 or torch.cuda.is_current_stream_capturing())
+
+
+def _forced() -> bool:
+    return getattr(_FORCED, "depth", 0) > 0
 
 
 def _linear_min_tokens(x: Tensor, weight: Tensor) -> int | None:
@@ -167,53 +170,78 @@ def _linear_min_tokens(x: Tensor, weight: Tensor) -> int | None:
     return rule[0] if _capturing(x) else rule[1]
 
 
-def with_quack_gemms(base: OpSet) -> OpSet:
-    """``base`` with ``linear`` and ``glu_linear`` routed to quack by the rules above (the rest is ``base``'s)."""
-    base_glu_linear = base.glu_linear
+# The op set's entries are module-level classes, not closures, so that a packed model (whose state holds the
+# op set) still pickles and deep-copies.
 
-    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        min_tokens = _linear_min_tokens(x, weight) if x.dim() == 2 else None
-        if min_tokens is not None and _wanted(x, weight, bias, min_tokens):
-            why = _refusal(x, weight, bias)
-            if why is None:
-                return _kernels().linear(x, weight)
-            _record("linear", why)
+class _Linear:
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        # under torch.compile nothing below is traced: size rules would add guards (recompiles at every threshold)
+        if torch.compiler.is_compiling() or x.dim() != 2:
+            return F.linear(x, weight, bias)
+        min_tokens = _linear_min_tokens(x, weight)
+        if min_tokens is not None:
+            by_size = x.shape[0] >= min_tokens
+            if (by_size or _forced()) and _modes_ok(x, weight, bias):
+                why = _refusal(x, weight, bias)
+                if why is None:
+                    return _kernels().linear(x, weight)
+                if by_size:
+                    _record("linear", why)
         return F.linear(x, weight, bias)
 
-    def glu_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
-        if x.dim() == 2 and _wanted(x, weight, bias, GLU_MIN_TOKENS):
-            why = _refusal(x, weight, bias)
-            if why is None and activation not in GLU_ACTIVATIONS:
-                why = f"activation {activation!r}"
-            if why is None and weight.shape[0] % 32:
-                why = f"{weight.shape[0]} Wi rows (the gated epilogue pairs 16-column halves)"
-            if why is None:
-                return _kernels().glu_linear(x, weight, activation)
-            _record("glu_linear", why)
-        if base_glu_linear is not None:
-            return base_glu_linear(x, weight, bias, activation)
-        return base.glu(F.linear(x, weight, bias), activation)
 
-    base_fallbacks = getattr(base, "fallbacks", None)
+class _GluLinear:
+    def __init__(self, base: OpSet):
+        self.base = base
 
-    def merged_fallbacks() -> dict:
-        out = {op: dict(r) for op, r in (base_fallbacks() if base_fallbacks else {}).items()}
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+        if not torch.compiler.is_compiling() and x.dim() == 2:
+            by_size = x.shape[0] >= GLU_MIN_TOKENS
+            if (by_size or _forced()) and _modes_ok(x, weight, bias):
+                why = _refusal(x, weight, bias)
+                if why is None and activation not in GLU_ACTIVATIONS:
+                    why = f"activation {activation!r}"
+                if why is None and weight.shape[0] % 32:
+                    why = f"{weight.shape[0]} Wi rows (the gated epilogue pairs 16-column halves)"
+                if why is None:
+                    return _kernels().glu_linear(x, weight, activation)
+                if by_size:
+                    _record("glu_linear", why)
+        if self.base.glu_linear is not None:
+            return self.base.glu_linear(x, weight, bias, activation)
+        return self.base.glu(F.linear(x, weight, bias), activation)
+
+
+class _Fallbacks:
+    def __init__(self, base: OpSet):
+        self.base = base
+
+    def __call__(self) -> dict:
+        base = getattr(self.base, "fallbacks", None)
+        out = {op: dict(r) for op, r in (base() if base else {}).items()}
         for op, reasons in fallbacks().items():
             out.setdefault(op, {}).update(reasons)
         return out
 
-    base_smoke = getattr(base, "smoke", None)
 
-    def smoke(device) -> None:
-        if base_smoke is not None:
-            base_smoke(device)
+class _Smoke:
+    def __init__(self, base: OpSet):
+        self.base = base
+
+    def __call__(self, device) -> None:
+        base = getattr(self.base, "smoke", None)
+        if base is not None:
+            base(device)
         if not switched_off(ENV):
             smoke_quack(device)
 
+
+def with_quack_gemms(base: OpSet) -> OpSet:
+    """``base`` with ``linear`` and ``glu_linear`` routed to quack by the rules above (the rest is ``base``'s)."""
     extra = {}
     if hasattr(base, "smoke"):  # a FusedOpSet
-        extra = dict(smoke=smoke, fallbacks=merged_fallbacks)
-    return replace(base, linear=linear, glu_linear=glu_linear, gemm="quack", **extra)
+        extra = dict(smoke=_Smoke(base), fallbacks=_Fallbacks(base))
+    return replace(base, linear=_Linear(), glu_linear=_GluLinear(base), gemm="quack", **extra)
 
 
 def smoke_quack(device) -> None:
