@@ -5,7 +5,8 @@
 
 Prints per-token parity (cosine over real tokens, min and mean) and the speed of each path for queries and
 documents, and exits with status 1 when parity fails. On CPU a few documents are used so it finishes in a
-minute or two (fp32); on a GPU the whole sample runs, in bf16.
+few minutes (fp32; its speed figures come from one timed pass and are noisy there); on a GPU the whole sample
+runs, in bf16.
 """
 
 from __future__ import annotations

@@ -171,6 +171,9 @@ def test_input_errors_through_the_model():
         model(input_ids=ids, attention_mask=mask, token_type_ids=torch.ones_like(ids))
     with pytest.raises(pe.PackedEncodersError, match="positional"):
         model(ids, mask, None, None, None, None)
+    h = model.config.hidden_size
+    with pytest.raises(pe.PackedEncodersError, match=f"hidden_size {h}"):
+        model(inputs_embeds=torch.randn(2, 6, h - 1), attention_mask=mask)
     ok = model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
     assert ok.last_hidden_state.shape == (2, 6, model.config.hidden_size)
 

@@ -132,6 +132,9 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         raise PackedEncodersError(f"unsupported keyword argument(s) {sorted(kwargs)} for the packed ModernBERT forward")
     if (input_ids is None) == (inputs_embeds is None):
         raise PackedEncodersError("pass exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is not None and (inputs_embeds.dim() == 0 or inputs_embeds.shape[-1] != state.params.hidden_size):
+        raise PackedEncodersError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; its last dimension must be "
+                                  f"the model's hidden_size {state.params.hidden_size}")
 
     params = state.params
     vocab_size = model.embeddings.tok_embeddings.num_embeddings  # live: resize_token_embeddings after pack
