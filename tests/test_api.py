@@ -171,6 +171,10 @@ def test_input_errors_through_the_model():
         model(input_ids=ids, attention_mask=mask, token_type_ids=torch.ones_like(ids))
     with pytest.raises(pe.PackedEncodersError, match="positional"):
         model(ids, mask, None, None, None, None)
+    with pytest.raises(pe.PackedEncodersError, match=r"a padded batch is \[batch, seq_len\]"):
+        model(input_ids=ids[0], attention_mask=mask[0])   # 1-D by mistake
+    with pytest.raises(pe.PackedEncodersError, match=r"a padded batch is \[batch, seq_len\]"):
+        model(input_ids=ids[0])
     h = model.config.hidden_size
     with pytest.raises(pe.PackedEncodersError, match=f"hidden_size {h}"):
         model(inputs_embeds=torch.randn(2, 6, h - 1), attention_mask=mask)

@@ -194,8 +194,15 @@ def _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position
     batched = src.dim() == flat_dim + 1
     if batched and src.shape[0] != 1:
         raise PackedEncodersError(f"a packed call needs batch size 1 ([1, T] inputs); got shape {tuple(src.shape)}")
+    padded_shape = "[batch, seq_len]" if input_ids is not None else "[batch, seq_len, hidden]"
     if attention_mask is not None:
-        raise PackedEncodersError("a packed call (cu_seq_lens_q / packed position_ids) takes no attention_mask")
+        raise PackedEncodersError(
+            "a packed call (cu_seq_lens_q / packed position_ids) takes no attention_mask" +
+            ("" if batched else f"; {tuple(src.shape)} inputs make a packed call: a padded batch is {padded_shape}"))
+    if not batched and not packed_kw and position_ids is None:
+        raise PackedEncodersError(
+            f"inputs of shape {tuple(src.shape)} make a packed call, which needs cu_seq_lens_q or restarting "
+            f"position_ids; a padded batch is {padded_shape} (with an attention_mask of [batch, seq_len])")
     ids = None if input_ids is None else (input_ids[0] if batched else input_ids)
     embeds = None if inputs_embeds is None else (inputs_embeds[0] if batched else inputs_embeds)
     cu_q, cu_k = packed_kw.get("cu_seq_lens_q"), packed_kw.get("cu_seq_lens_k")
