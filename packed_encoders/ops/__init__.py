@@ -4,6 +4,7 @@ Never imports transformers."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -56,9 +57,33 @@ class FusedOpSet(OpSet):
     fallbacks: Callable = field(default=None, compare=False)
 
 
+class RouteLog:
+    """Thread-safe counts ``{op: {prefix + reason: calls}}`` of calls an op set routed away from its kernels
+    (what ``FusedOpSet.fallbacks()`` reports)."""
+
+    def __init__(self, prefix: str = ""):
+        self._prefix = prefix
+        self._lock = threading.Lock()
+        self._routes: dict[str, dict[str, int]] = {}
+
+    def record(self, op: str, reason: str) -> None:
+        key = self._prefix + reason
+        with self._lock:
+            per_op = self._routes.setdefault(op, {})
+            per_op[key] = per_op.get(key, 0) + 1
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {op: dict(reasons) for op, reasons in self._routes.items()}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._routes.clear()
+
+
 TORCH_OPS = OpSet("torch", layer_norm_torch, residual_layer_norm_torch, rope_qkv_torch, geglu_torch)
 
 __all__ = [
-    "FusedOpSet", "OpSet", "TORCH_OPS", "geglu_ref", "geglu_torch", "layer_norm_ref", "layer_norm_torch",
+    "FusedOpSet", "OpSet", "RouteLog", "TORCH_OPS", "geglu_ref", "geglu_torch", "layer_norm_ref", "layer_norm_torch",
     "residual_layer_norm_ref", "residual_layer_norm_torch", "rope_qkv_ref", "rope_qkv_torch", "rope_tables",
 ]

@@ -17,14 +17,13 @@ Importing this module imports Triton (``select_ops`` imports it only when asked 
 
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..switches import switched_off
-from . import FusedOpSet
+from . import FusedOpSet, RouteLog
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
 from .rope import rope_qkv_torch
@@ -225,25 +224,17 @@ _glu_fwd.register_autograd(_glu_backward, setup_context=_glu_setup)
 # routing
 
 
-_FALLBACKS: dict[str, dict[str, int]] = {}
-_FALLBACK_LOCK = threading.Lock()
+_LOG = RouteLog()
+_record = _LOG.record
 
 
 def fallbacks() -> dict[str, dict[str, int]]:
     """``{op: {reason: calls}}`` of calls routed to plain PyTorch since import (or :func:`reset_fallbacks`)."""
-    with _FALLBACK_LOCK:
-        return {op: dict(reasons) for op, reasons in _FALLBACKS.items()}
+    return _LOG.snapshot()
 
 
 def reset_fallbacks() -> None:
-    with _FALLBACK_LOCK:
-        _FALLBACKS.clear()
-
-
-def _record(op: str, reason: str) -> None:
-    with _FALLBACK_LOCK:
-        per_op = _FALLBACKS.setdefault(op, {})
-        per_op[reason] = per_op.get(reason, 0) + 1
+    _LOG.clear()
 
 
 def _unsupported(x: Tensor, *others: Tensor | None) -> str | None:

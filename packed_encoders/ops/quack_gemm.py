@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..switches import switched_off
-from . import OpSet
+from . import OpSet, RouteLog
 
 ENV = "PACKED_ENCODERS_QUACK_GEMM"
 CAPABILITY = (9, 0)
@@ -51,28 +51,19 @@ LINEAR_MIN_TOKENS: dict[tuple[int, int], tuple[int, int]] = {
     (1024, 1024): (122880, 122880),  # large attn.Wo: lost at 7,424, won at 122,880; not measured between
 }
 
-_LOCK = threading.Lock()
-_ROUTES: dict[str, dict[str, int]] = {}
+_LOG = RouteLog("cublas: ")
+_record = _LOG.record
 _FORCED = threading.local()  # .depth > 0 inside forced() on this thread: quack whatever the size (validation)
 _GRAPH_RULES = threading.local()  # .depth > 0 inside graph_rules() on this thread (warm-up before a capture)
 
 
-def _record(op: str, reason: str) -> None:
-    with _LOCK:
-        per_op = _ROUTES.setdefault(op, {})
-        key = f"cublas: {reason}"
-        per_op[key] = per_op.get(key, 0) + 1
-
-
 def fallbacks() -> dict[str, dict[str, int]]:
     """``{op: {"cublas: <why>": calls}}``: calls that met the size rule but could not take quack."""
-    with _LOCK:
-        return {op: dict(r) for op, r in _ROUTES.items()}
+    return _LOG.snapshot()
 
 
 def reset_fallbacks() -> None:
-    with _LOCK:
-        _ROUTES.clear()
+    _LOG.clear()
 
 
 @contextlib.contextmanager

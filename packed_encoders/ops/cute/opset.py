@@ -13,31 +13,22 @@ GEMM epilogues; a new CuteDSL kernel could not be tested on the machine this was
 
 from __future__ import annotations
 
-import threading
 
 import torch
 from torch import Tensor
 
-from .. import FusedOpSet
+from .. import FusedOpSet, RouteLog
 from .. import fused as _triton
 from . import layer_norm as _cute_ln
 
-_ROUTES: dict[str, dict[str, int]] = {}
-_LOCK = threading.Lock()
-
-
-def _route(op: str, reason: str) -> None:
-    with _LOCK:
-        per_op = _ROUTES.setdefault(op, {})
-        key = f"triton: {reason}"
-        per_op[key] = per_op.get(key, 0) + 1
+_LOG = RouteLog("triton: ")
+_route = _LOG.record
 
 
 def fallbacks() -> dict[str, dict[str, int]]:
     """Routes away from quack (``"triton: <why>"``) merged with the Triton ops' own routes to PyTorch
     (process-wide: the Triton op set's record is shared with ``TRITON_OPS``)."""
-    with _LOCK:
-        out = {op: dict(r) for op, r in _ROUTES.items()}
+    out = _LOG.snapshot()
     for op, reasons in _triton.fallbacks().items():
         out.setdefault(op, {}).update(reasons)
     return out
@@ -45,8 +36,7 @@ def fallbacks() -> dict[str, dict[str, int]]:
 
 def reset_fallbacks() -> None:
     """Clear this op set's routes and the Triton op set's record."""
-    with _LOCK:
-        _ROUTES.clear()
+    _LOG.clear()
     _triton.reset_fallbacks()
 
 
