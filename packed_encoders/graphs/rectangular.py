@@ -46,7 +46,7 @@ from ..batch import PackedBatch
 from ..model.forward import encoder_forward
 from .buckets import RectBucket
 from .deferred import CHECKS
-from .runner import capture_or_run, resolve_plan, theta_tables
+from .runner import capture_or_run, resolve_plan, theta_tables, triton_kernels_available
 
 
 def device_unpad(bufs: dict, width: int, vocab: int) -> dict:
@@ -85,13 +85,7 @@ def device_unpad(bufs: dict, width: int, vocab: int) -> dict:
 def fused_unpad_available(device: torch.device) -> bool:
     """Whether the one-launch Triton unpad / scatter (:mod:`packed_encoders.ops.triton.rect_unpad`) can run
     on ``device`` (CUDA with Triton importable); elsewhere :func:`device_unpad` runs."""
-    if device.type != "cuda":
-        return False
-    try:
-        from ..ops.triton import rect_unpad  # noqa: F401
-    except Exception:  # noqa: BLE001 - no (working) Triton: the PyTorch ops serve
-        return False
-    return True
+    return triton_kernels_available(device, "rect_unpad")
 
 
 def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *, fused: bool = False,

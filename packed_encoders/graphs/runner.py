@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 
 import torch
 
@@ -108,15 +109,21 @@ class GraphRunner:
         return finish(out[:total])
 
 
-def fused_stage_available(device: torch.device) -> bool:
-    """Whether the one-launch staging kernel can run on ``device`` (CUDA with Triton importable)."""
+def triton_kernels_available(device: torch.device, module: str) -> bool:
+    """Whether the kernels of ``packed_encoders.ops.triton.<module>`` can run on ``device``: CUDA, with Triton
+    importable (else the graphs' PyTorch ops do the same work)."""
     if device.type != "cuda":
         return False
     try:
-        from ..ops.triton import stage  # noqa: F401
-    except Exception:  # noqa: BLE001 - no (working) Triton: the PyTorch ops stage
+        importlib.import_module(f"..ops.triton.{module}", __package__)
+    except Exception:  # noqa: BLE001 - no (working) Triton
         return False
     return True
+
+
+def fused_stage_available(device: torch.device) -> bool:
+    """Whether the one-launch staging kernel (:mod:`packed_encoders.ops.triton.stage`) can run on ``device``."""
+    return triton_kernels_available(device, "stage")
 
 
 def _stageable(batch: PackedBatch) -> bool:

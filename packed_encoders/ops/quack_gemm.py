@@ -53,8 +53,24 @@ LINEAR_MIN_TOKENS: dict[tuple[int, int], tuple[int, int]] = {
 
 _LOG = RouteLog("cublas: ")
 _record = _LOG.record
-_FORCED = threading.local()  # .depth > 0 inside forced() on this thread: quack whatever the size (validation)
-_GRAPH_RULES = threading.local()  # .depth > 0 inside graph_rules() on this thread (warm-up before a capture)
+
+
+class _ThreadFlag(threading.local):
+    """A per-thread flag set within (nested) ``with flag.on():`` blocks."""
+
+    depth = 0
+
+    @contextlib.contextmanager
+    def on(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+_FORCED = _ThreadFlag()       # quack whatever the size (validation), on this thread
+_GRAPH_RULES = _ThreadFlag()  # the in-graph size rule (warm-up before a capture), on this thread
 
 
 def fallbacks() -> dict[str, dict[str, int]]:
@@ -66,26 +82,16 @@ def reset_fallbacks() -> None:
     _LOG.clear()
 
 
-@contextlib.contextmanager
 def forced():
     """Within the block, on this thread, every call quack can take goes to quack whatever its token count (the
     validation's parity check, whose batch is far below the size rules)."""
-    _FORCED.depth = getattr(_FORCED, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _FORCED.depth -= 1
+    return _FORCED.on()
 
 
-@contextlib.contextmanager
 def graph_rules():
-    """Within the block, calls follow the size rule of CUDA-graph captures even when not capturing: the
-    warm-up before a capture must run (and compile) the kernels the capture will bake in."""
-    _GRAPH_RULES.depth = getattr(_GRAPH_RULES, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _GRAPH_RULES.depth -= 1
+    """Within the block, on this thread, calls follow the size rule of CUDA-graph captures even when not
+    capturing: the warm-up before a capture must run (and compile) the kernels the capture will bake in."""
+    return _GRAPH_RULES.on()
 
 
 def _kernels():
@@ -147,11 +153,11 @@ def _modes_ok(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
 
 
 def _capturing(x: Tensor) -> bool:
-    return x.is_cuda and (getattr(_GRAPH_RULES, "depth", 0) > 0 or torch.cuda.is_current_stream_capturing())
+    return x.is_cuda and (_GRAPH_RULES.depth > 0 or torch.cuda.is_current_stream_capturing())
 
 
 def _forced() -> bool:
-    return getattr(_FORCED, "depth", 0) > 0
+    return _FORCED.depth > 0
 
 
 def _linear_min_tokens(x: Tensor, weight: Tensor) -> int | None:
