@@ -25,12 +25,12 @@ GEOMETRY = {
 LENGTHS = (1, 65, 130, 513, 2049, 8192)
 
 
-@pytest.fixture(scope="module", params=list(GEOMETRY))
-def model(request):
+def random_model(**config):
+    """A random-init bf16 ``ModernBertModel`` on the GPU (sdpa) from ``ModernBertConfig(**config)``."""
     from transformers import ModernBertConfig, ModernBertModel
 
     torch.manual_seed(0)
-    config = ModernBertConfig(**GEOMETRY[request.param])
+    config = ModernBertConfig(**config)
     config._attn_implementation = "sdpa"
     m = ModernBertModel(config).to(DEV, torch.bfloat16).eval()
     with torch.no_grad():  # LayerNorm weights of exactly 1 would hide weight bugs
@@ -38,6 +38,11 @@ def model(request):
             if isinstance(mod, torch.nn.LayerNorm):
                 mod.weight.add_(0.1 * torch.randn_like(mod.weight))
     return m
+
+
+@pytest.fixture(scope="module", params=list(GEOMETRY))
+def model(request):
+    return random_model(**GEOMETRY[request.param])
 
 
 def _batch(lengths, seed=0):

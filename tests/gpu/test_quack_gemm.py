@@ -26,6 +26,8 @@ if WHY:
 
 from packed_encoders.ops.cute import gemm as qg  # noqa: E402
 
+from .test_model_parity import _batch, random_model  # noqa: E402  (rows padded right and left alternately)
+
 
 def _rel(out, ref):
     return ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -75,27 +77,7 @@ def test_empty_inputs():
 
 @pytest.fixture(scope="module")
 def base():
-    from transformers import ModernBertConfig, ModernBertModel
-
-    torch.manual_seed(0)
-    config = ModernBertConfig(num_hidden_layers=6)
-    config._attn_implementation = "sdpa"
-    m = ModernBertModel(config).to(DEV, torch.bfloat16).eval()
-    with torch.no_grad():
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.LayerNorm):
-                mod.weight.add_(0.1 * torch.randn_like(mod.weight))
-    return m
-
-
-def _batch(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = max(lengths)
-    ids = torch.randint(5, 50000, (len(lengths), s), generator=g)
-    mask = torch.zeros(len(lengths), s, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        mask[row, :n] = 1
-    return ids.to(DEV), mask.to(DEV)
+    return random_model(num_hidden_layers=6)
 
 
 def _counting(monkeypatch):
