@@ -16,6 +16,7 @@ import contextlib
 import operator
 import threading
 from dataclasses import asdict, replace
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import torch
@@ -151,9 +152,6 @@ class Prepared(NamedTuple):
     fingerprint: Any
 
 
-_REFUSING_MODES = ("kill_switch", "suspended", "grad", "autocast", "dropout", "hidden_states")
-
-
 def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -> Prepared | None:
     """The batch-independent part of :func:`graph_forward`, run before the call's one host sync.
 
@@ -168,7 +166,7 @@ def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -
     weight = model.embeddings.tok_embeddings.weight
     mode = _mode_facts(model, state, weight, hidden_states)
     checked = None
-    if mode["model_on_cuda"] and not inputs_embeds and not any(mode[k] for k in _REFUSING_MODES):
+    if mode["model_on_cuda"] and B.mode_refusal(SimpleNamespace(**mode, inputs_embeds=inputs_embeds)) is None:
         with mgr.lock:
             fp = fingerprint(model, mgr)
             if fp != mgr.fingerprint and len(mgr) and weight.is_cuda:
