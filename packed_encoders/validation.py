@@ -14,8 +14,6 @@ packed-vs-stock through 22 to 28 random-init fp32 layers on the H200).
 
 from __future__ import annotations
 
-import contextlib
-
 import math
 import numbers
 import time
@@ -169,12 +167,12 @@ def _stock_forward(model: nn.Module, **kwargs):
     return type(model).forward(model, **kwargs)
 
 
-def _quack_forced(state):
-    if state.ops.gemm != "quack":
-        return contextlib.nullcontext()
-    from .ops.quack_gemm import forced
-
-    return forced()
+def _parity(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float, float, bool]:
+    """``(cosine min, cosine mean, max relative error, all finite)`` of packed real tokens ``a`` against stock's
+    ``r`` (both ``[N, H]`` fp32). The relative error is per token ``||a - r|| / ||r||``, the worst token: one
+    large-magnitude feature cannot hide it (as max|diff| / max|stock| would) and one tiny token cannot inflate it."""
+    cos = torch.nn.functional.cosine_similarity(a, r, dim=-1, eps=1e-12)
+    return float(cos.min()), float(cos.mean()), rel_err(a, r), bool(torch.isfinite(a).all())
 
 
 @torch.no_grad()
@@ -234,7 +232,9 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
         # forced on, so both the path short calls take and the one long calls take are held to the bars below
         forced = None
         if state.ops.gemm == "quack" and dtype != torch.float32:  # fp32 never takes quack
-            with _quack_forced(state):
+            from .ops.quack_gemm import forced as quack_forced
+
+            with quack_forced():
                 forced = batch.pad(run_packed(model, state, batch))
         fp64_err = None
         if dtype == torch.float32 and rel_err(fast[mask.bool()].float(), stock[mask.bool()].float()) > FP32_MAX_REL:
@@ -246,21 +246,14 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
         model.train(was_training)
     report.attention = dict(state.last_plan)
     real = mask.bool()
-    a, r = fast[real].float(), stock[real].float()
-    cos = torch.nn.functional.cosine_similarity(a, r, dim=-1, eps=1e-12)
-    report.cos_min = float(cos.min())
-    report.cos_mean = float(cos.mean())
-    # Per token ||fast - stock|| / ||stock||, the worst token: a relative error that one large-magnitude
-    # feature cannot hide (as max|diff| / max|stock| would) and one tiny token cannot inflate.
-    report.max_rel_err = rel_err(a, r)
-    finite = bool(torch.isfinite(a).all())
+    r = stock[real].float()
+    report.cos_min, report.cos_mean, report.max_rel_err, finite = _parity(fast[real].float(), r)
     if forced is not None:  # the worse of the two runs
-        af = forced[real].float()
-        cos_f = torch.nn.functional.cosine_similarity(af, r, dim=-1, eps=1e-12)
-        report.cos_min = min(report.cos_min, float(cos_f.min()))
-        report.cos_mean = min(report.cos_mean, float(cos_f.mean()))
-        report.max_rel_err = max(report.max_rel_err, rel_err(af, r))
-        finite = finite and bool(torch.isfinite(af).all())
+        cos_min, cos_mean, max_rel_err, finite_f = _parity(forced[real].float(), r)
+        report.cos_min = min(report.cos_min, cos_min)
+        report.cos_mean = min(report.cos_mean, cos_mean)
+        report.max_rel_err = max(report.max_rel_err, max_rel_err)
+        finite = finite and finite_f
         report.checks.append("numerics also with the quack GEMMs forced on every projection they serve")
     report.seconds = time.perf_counter() - t0
     if not finite:

@@ -10,7 +10,8 @@
 
 With a fused family on an sm_90 GPU where quack imports, the projections of forwards without gradient go to
 quack's CuteDSL GEMMs where they were measured faster than cuBLAS (the ``Wi`` GEMM with the GLU in its
-epilogue; :mod:`packed_encoders.ops.quack_gemm`); ``PACKED_ENCODERS_QUACK_GEMM=0`` turns that off per call.
+epilogue; :mod:`packed_encoders.ops.quack_gemm`); ``PACKED_ENCODERS_QUACK_GEMM=0`` turns that off (read here
+and by every eager call or graph capture).
 
 Returns the op set and a sentence saying why, for ``describe()``. Nothing is imported until asked for:
 ``import packed_encoders`` works with neither Triton nor cutlass installed.
