@@ -34,7 +34,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gemm_small import graph_us  # noqa: E402
+from benchmarks.gemm_small import graph_us, rel_err  # noqa: E402
 
 DTYPE = torch.bfloat16
 MODELS = {"base": (768, 1152), "large": (1024, 2624)}  # hidden_size, intermediate_size
@@ -50,10 +50,6 @@ def quack_configs():
                           is_dynamic_persistent=False, device_capacity=9)
     return [c(128, 192, True, 2, 1), c(128, 128, True, 2, 1), c(128, 256, False, 2, 1), c(256, 128, False, 2, 1),
             c(256, 192, False, 2, 1), c(128, 192, True, 1, 2), c(256, 160, False, 1, 2)]
-
-
-def rel_err(out, ref) -> float:
-    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def measure(row: dict, fn, ref, calls: int) -> dict:
