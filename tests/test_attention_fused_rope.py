@@ -188,8 +188,15 @@ def test_backend_capability_and_switch(monkeypatch):
     assert not any(b.fuses_rope for name, b in BACKENDS.items() if name != "triton")
     assert BACKENDS["triton"].fuse_rope(grad=False) is backends.FUSED_ROPE
     assert not BACKENDS["triton"].fuse_rope(grad=True)
+    limit = backends.FUSED_ROPE_MAX_TOKENS
+    assert BACKENDS["triton"].fuse_rope(False, limit - 1) is backends.FUSED_ROPE
+    assert not BACKENDS["triton"].fuse_rope(False, limit)  # large calls: a separate pass is cheaper
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert BACKENDS["triton"].fuse_rope(False, limit) is backends.FUSED_ROPE  # traced: no size guard
+    monkeypatch.undo()
     monkeypatch.setattr(backends, "FUSED_ROPE", False)
     assert not BACKENDS["triton"].fuse_rope(grad=False)
+    assert not BACKENDS["triton"].fuse_rope(False, 8)
     # the environment switch is read at import: a fresh process
     code = "from packed_encoders.attention import backends; print(backends.FUSED_ROPE)"
     env = dict(os.environ, PACKED_ENCODERS_FUSED_ROPE="0", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
@@ -238,9 +245,15 @@ def test_model_fused_equals_unfused_and_matches_stock(monkeypatch, tables):
     with torch.no_grad():
         fused = _forward(model, batch, ops)
         assert calls == []
+        monkeypatch.setattr(backends, "FUSED_ROPE_MAX_TOKENS", sum(lengths))  # a call this large rotates apart
+        by_size = _forward(model, batch, ops)
+        assert len(calls) == model.config.num_hidden_layers
+        monkeypatch.setattr(backends, "FUSED_ROPE_MAX_TOKENS", sum(lengths) + 1)
         monkeypatch.setattr(backends, "FUSED_ROPE", False)
+        calls.clear()
         unfused = _forward(model, batch, ops)
         assert len(calls) == model.config.num_hidden_layers
+        assert torch.equal(by_size, unfused)
         if DEV == "cpu":
             assert torch.equal(fused, unfused)
         else:

@@ -21,6 +21,14 @@ from . import flash, sdpa
 FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"
 # Read once at import (an A/B switch for benchmarks: =0 keeps the separate RoPE op everywhere).
 FUSED_ROPE = not switched_off(FUSED_ROPE_ENV)
+# Calls of this many tokens or more rotate q, k in a separate pass even where the backend could fuse RoPE. The
+# fused kernel rotates each key tile again for every query tile that visits it (about 3 at ModernBERT's window),
+# which costs more than one separate pass once launches no longer matter. H200, ModernBERT-base, bf16:
+# indexing b128 (~120k tokens) ran 0.6-3.6 % faster unfused (3 alternating rounds), and the local-attention
+# kernel alone at 169k tokens took 820 us fused against 523 us + the separate pass (~240 us). Documents b8
+# (~7.4k tokens, graphs) ran the same either way (1,625 / 1,632 vs 1,630 / 1,634 seq/s), and short batches
+# keep the launch it saves.
+FUSED_ROPE_MAX_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,16 @@ class Backend:
     supports_key_lens: bool = False
     fuses_rope: bool = False  # fn takes rope=(cos, sin, rows) with unrotated q, k (forward only, no grad)
 
-    def fuse_rope(self, grad: bool) -> bool:
+    def fuse_rope(self, grad: bool, total_tokens: int | None = None) -> bool:
         """Whether the packed forward should hand RoPE to ``fn`` rather than rotate ``q, k`` first: a backend
-        that fuses it, no gradient wanted, and :data:`FUSED_ROPE` on."""
-        return self.fuses_rope and not grad and FUSED_ROPE
+        that fuses it, no gradient wanted, :data:`FUSED_ROPE` on, and fewer than :data:`FUSED_ROPE_MAX_TOKENS`
+        tokens in the call (``total_tokens``; ``None`` or a call traced by ``torch.compile``, whose sizes are
+        not checked so that no recompile guard sits at the threshold: fused)."""
+        if not (self.fuses_rope and not grad and FUSED_ROPE):
+            return False
+        if total_tokens is None or torch.compiler.is_compiling():
+            return True
+        return total_tokens < FUSED_ROPE_MAX_TOKENS
 
     def why_not(self, w: Workload) -> str | None:
         """``None`` when this backend can run ``w``, else the reason it cannot."""

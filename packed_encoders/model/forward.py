@@ -183,7 +183,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             window = None
         backend = BACKENDS[attention[window].backend]
         extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
-        if backend.fuse_rope(grad):
+        if backend.fuse_rope(grad, total):
             # the attention kernel rotates q and k as it loads them: no separate RoPE launch (inference only)
             q, k, v = qkv.view(total, 3, nh, hd).unbind(1)
             extra["rope"] = (cos, sin, rows)
