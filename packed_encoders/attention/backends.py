@@ -21,7 +21,8 @@ from . import flash, sdpa
 FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"
 # Read once at import (an A/B switch for benchmarks: =0 keeps the separate RoPE op everywhere).
 FUSED_ROPE = not switched_off(FUSED_ROPE_ENV)
-# Calls of this many tokens or more rotate q, k in a separate pass even where the backend could fuse RoPE. The
+# Calls of this many tokens or more rotate q, k of local layers in a separate pass even where the backend could
+# fuse RoPE (a graph counts its bucket's tokens; global layers stay fused: not measured there). The
 # fused kernel rotates each key tile again for every query tile that visits it (about 3 at ModernBERT's window),
 # which costs more than one separate pass once launches no longer matter. H200, ModernBERT-base, bf16:
 # indexing b128 (~120k tokens) ran 0.6-3.6 % faster unfused (3 alternating rounds), and the local-attention
@@ -63,8 +64,9 @@ class Backend:
     def fuse_rope(self, grad: bool, total_tokens: int | None = None) -> bool:
         """Whether the packed forward should hand RoPE to ``fn`` rather than rotate ``q, k`` first: a backend
         that fuses it, no gradient wanted, :data:`FUSED_ROPE` on, and fewer than :data:`FUSED_ROPE_MAX_TOKENS`
-        tokens in the call (``total_tokens``; ``None`` or a call traced by ``torch.compile``, whose sizes are
-        not checked so that no recompile guard sits at the threshold: fused)."""
+        tokens in the call. ``total_tokens``: the call's tokens (a graph's bucket size when captured); the
+        forward passes it for local layers only, where the rule was measured. ``None``, or a call traced by
+        ``torch.compile`` (sizes not checked, so that no recompile guard sits at the threshold): fused."""
         if not (self.fuses_rope and not grad and FUSED_ROPE):
             return False
         if total_tokens is None or torch.compiler.is_compiling():

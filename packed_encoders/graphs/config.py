@@ -26,7 +26,8 @@ class GraphConfig:
     served by the graph of its bucket ``(tokens, seqs, seqlen)``:
 
     - tokens: total tokens rounded up on a geometric grid, ``token_steps_per_octave`` steps between powers
-      of two and never finer than ``token_multiple`` (padding waste <= 1 / token_steps_per_octave);
+      of two and never finer than ``token_multiple`` (padding waste <= 1 / token_steps_per_octave above
+      ``token_multiple * token_steps_per_octave`` tokens; below, the ``token_multiple`` step dominates);
     - seqs: the sequence count rounded up to a power of two (at least ``min_seq_bucket``), plus enough
       dummy-sequence slots to hold the padding tokens in sequences no longer than the bucket's seqlen;
     - seqlen: the smallest entry of ``seqlen_buckets`` (plus ``max_seqlen``) >= the longest sequence.
@@ -48,10 +49,13 @@ class GraphConfig:
             entries of ``DEFAULT_SEQLEN_BUCKETS`` = (128, 512, 2048) below ``max_seqlen`` (kept as ``None``,
             so ``dataclasses.replace(config, max_seqlen=...)`` recomputes them), ``()`` none.
         token_multiple, token_steps_per_octave: the token grid (both powers of two). 16 steps per octave
-            (default) pad at most 1/16 of a bucket; on the H200 documents benchmark (batches of 8 x ~930
-            tokens) 16 replayed 0.2-2.7 % faster than 8 in two A/B runs, at 5 graphs instead of 3.
+            (default) pad at most 1/16 of a bucket above 1,024 tokens; on the H200 documents benchmark
+            (batches of 8 x ~930 tokens) 16 replayed 0.2-2.7 % faster than 8 in two A/B runs, at 5 graphs
+            instead of 3. Broad length mixes reach about twice the buckets 8 steps would (batch-8 documents
+            of 45-2,048 tokens: 41 against 21), hence ``max_graphs`` 64.
         min_seq_bucket: smallest sequence-count bucket.
-        max_graphs: LRU bound on captured graphs (per encoder).
+        max_graphs: LRU bound on captured graphs (per encoder). Graphs share one memory pool; each keeps its
+            static input and ``[tokens, hidden]`` output buffers.
         warmup: eager forwards on a side stream before each capture (>= 1: lazy library
             initialisation and kernel compilation must not happen under capture).
         precapture: buckets captured ahead of traffic, as ``(num_seqs, total_tokens, max_seqlen)`` or
@@ -106,7 +110,7 @@ class GraphConfig:
     token_multiple: int = 64
     token_steps_per_octave: int = 16
     min_seq_bucket: int = 8
-    max_graphs: int = 32
+    max_graphs: int = 64
     warmup: int = 2
     precapture: tuple[tuple[int, ...], ...] = field(default=())
     sync_free: bool = False
@@ -202,7 +206,7 @@ class GraphConfig:
         attention plan, whereas a rectangular graph computes ``B_b * S_b`` rows, so ``S_b`` sets the GPU work
         of the whole call. Half-octave steps keep the padded width under 1.5x the call's own; nothing below
         32, where a batch-8 graph is launch-bound and a finer bucket would only add captures. Within
-        ``sync_free_max_tokens`` (2048) batch-8 traffic reaches 7 widths, within ``max_graphs`` (32).
+        ``sync_free_max_tokens`` (2048) batch-8 traffic reaches 7 widths, within ``max_graphs`` (64).
         """
         if self.seqlen_buckets is None:
             grid = tuple(b for b in SYNC_FREE_SEQLEN_BUCKETS if b < self.max_seqlen)
@@ -218,7 +222,7 @@ class GraphConfig:
     def with_precapture(self, num_seqs: int, min_tokens: int, max_tokens: int,
                         max_seqlen: int | None = None) -> "GraphConfig":
         """A copy that also pre-captures every token bucket from ``min_tokens`` to ``max_tokens`` for ``num_seqs``
-        sequences: e.g. ``(8, 8, 1024)`` for batch-8 queries, ``(8, 4096, 16384, 2048)`` for documents. Without
+        sequences: e.g. ``(8, 8, 1024)`` for batch-8 queries, ``(8, 4096, 8192, 2048)`` for documents. Without
         ``max_seqlen`` each entry takes :meth:`seqlen_for` (so ``(8, 8, 2048)`` uses the 128 bucket up to
         1,024 tokens and the 512 bucket above).
 

@@ -183,7 +183,9 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             window = None
         backend = BACKENDS[attention[window].backend]
         extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
-        if backend.fuse_rope(grad, total):
+        # the size rule was measured on local layers (key tiles rotated again by ~3 query tiles); global
+        # layers keep the fused rotation at any size
+        if backend.fuse_rope(grad, total if window is not None else None):
             # the attention kernel rotates q and k as it loads them: no separate RoPE launch (inference only)
             q, k, v = qkv.view(total, 3, nh, hd).unbind(1)
             extra["rope"] = (cos, sin, rows)
