@@ -204,10 +204,11 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         max_seqlen: host int, the longest sequence (checked).
         position_ids: int ``[T]``; ``None`` means ``arange`` within each sequence.
         backend: attention backend for this call (default: the model's pack option, else ``"auto"``).
-        inputs_embeds: ``[T, hidden_size]`` instead of ``packed_ids``.
+        inputs_embeds: ``[T, hidden_size]`` in the model's dtype, instead of ``packed_ids``.
 
     Raises:
-        PackedEncodersError: inconsistent ``cu_seqlens`` / ``max_seqlen``, ids outside the vocabulary.
+        PackedEncodersError: inconsistent ``cu_seqlens`` / ``max_seqlen`` (or a ``max_seqlen`` that is not an
+            int), ids outside the vocabulary, ``inputs_embeds`` of another shape or dtype.
     """
     from .adapters.hf_call import run_packed
 
@@ -222,6 +223,14 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         raise PackedEncodersError("pass exactly one of packed_ids or inputs_embeds")
     if packed_ids is not None and packed_ids.dim() != 1:
         raise PackedEncodersError(f"packed_ids must be 1-D [T]; got shape {tuple(packed_ids.shape)}")
+    if inputs_embeds is not None:
+        weight = encoder.embeddings.tok_embeddings.weight
+        if inputs_embeds.dim() != 2 or inputs_embeds.shape[-1] != state.params.hidden_size:
+            raise PackedEncodersError(f"inputs_embeds must be [T, hidden_size] = [T, {state.params.hidden_size}]; "
+                                      f"got shape {tuple(inputs_embeds.shape)}")
+        if inputs_embeds.dtype != weight.dtype:
+            raise PackedEncodersError(f"inputs_embeds is {inputs_embeds.dtype} but the model's weights are "
+                                      f"{weight.dtype}; cast one to the other")
     batch = from_packed(input_ids=packed_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
                         max_seqlen=max_seqlen, position_ids=position_ids,
                         vocab_size=encoder.embeddings.tok_embeddings.num_embeddings)

@@ -8,6 +8,7 @@ input checks); nothing else reads device values.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -216,6 +217,13 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     )
 
 
+def is_int_like(value) -> bool:
+    """A Python/NumPy int or a 0-d integer tensor; not a bool, float or string."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                 cu_seqlens: torch.Tensor | None, max_seqlen: int | None,
                 position_ids: torch.Tensor | None, vocab_size: int,
@@ -231,6 +239,8 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
             not ending at ``T``, a wrong ``max_seqlen``, ids outside the vocabulary, non-zero
             ``token_type_ids``, negative positions.
     """
+    if max_seqlen is not None and not is_int_like(max_seqlen):
+        raise PackedEncodersError(f"max_seqlen must be an int (or a 0-d integer tensor); got {max_seqlen!r}")
     input_ids = _integer_ids(input_ids)
     src = input_ids if input_ids is not None else inputs_embeds
     total = int(src.shape[0])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -185,10 +186,18 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     weight = model.embeddings.tok_embeddings.weight
     device, dtype = weight.device, weight.dtype
     if lengths is not None:
-        lengths = tuple(int(n) if isinstance(n, numbers.Integral) else n for n in lengths)
-        if not lengths or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in lengths):
-            raise PackedEncodersError(f"validation lengths {list(lengths)!r}: expected a non-empty list of "
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Iterable):
+            raise PackedEncodersError(f"validation lengths {lengths!r}: expected a non-empty list of positive ints "
+                                      "(real tokens per row)")
+        raw = tuple(lengths)
+        if not raw or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in raw):
+            raise PackedEncodersError(f"validation lengths {list(raw)!r}: expected a non-empty list of "
                                       "positive ints (real tokens per row)")
+        lengths = tuple(int(n) for n in raw)
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and max(lengths) > limit:
+            raise PackedEncodersError(f"validation lengths reach {max(lengths)} tokens, past the model's "
+                                      f"max_position_embeddings ({limit})")
     lengths = lengths if lengths is not None else _within_envelope(
         _lengths(params.window, device), state.options.attention_backend, params, dtype, device)
     report = EncoderReport(path=path, model_type=params.model_type, device=str(device),

@@ -192,3 +192,36 @@ def test_replaced_linear_of_the_same_type_is_read_live():
         out = _out(model, ids, mask)
     ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_bad_packed_and_scalar_inputs_get_named_errors():
+    """Inputs that used to reach raw torch errors (or pass silently) are refused by name, before any work."""
+    model = pe.pack(make_model("base_like"), validate=False)
+    h = model.config.hidden_size
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    ids = torch.randint(3, 50, (7,))
+    with torch.no_grad():
+        for embeds, what in ((torch.randn(7, h + 1), "hidden_size"), (torch.randn(1, 7, h), "hidden_size"),
+                             (torch.randn(7, h, dtype=torch.float64), "float64")):
+            with pytest.raises(pe.PackedEncodersError, match=what):
+                pe.packed_forward(model, None, None, cu, 4, inputs_embeds=embeds)
+        for bad in (4.0, "4", True, torch.tensor(4.0), torch.tensor([4])):
+            with pytest.raises(pe.PackedEncodersError, match="max_seqlen"):
+                pe.packed_forward(model, None, ids, cu, bad)
+            with pytest.raises(pe.PackedEncodersError, match="max_length_q"):
+                model(input_ids=ids[None], position_ids=None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                      max_length_q=bad, max_length_k=bad)
+        good = pe.packed_forward(model, None, ids, cu, 4)  # ints and 0-d integer tensors are accepted
+        assert torch.equal(pe.packed_forward(model, None, ids, cu, torch.tensor(4)), good)
+        with pytest.raises(pe.PackedEncodersError, match="0-d"):
+            model(input_ids=torch.tensor(5))
+
+
+@pytest.mark.parametrize("lengths,what", [(5, "list of positive ints"), ("12", "list of positive ints"),
+                                          ([True, 3], "list of positive ints"), ([], "list of positive ints"),
+                                          ([3, 10 ** 6], "max_position_embeddings")])
+def test_bad_validation_lengths_are_refused_before_validation(lengths, what):
+    model = make_model("base_like")
+    with pytest.raises(pe.PackedEncodersError, match=what):
+        pe.pack(model, validation_lengths=lengths)
+    assert not pe.is_packed(model)

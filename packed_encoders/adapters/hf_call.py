@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..batch import PackedBatch, from_packed, unpad
+from ..batch import PackedBatch, from_packed, is_int_like, unpad
 from ..errors import PackedEncodersError
 from ..graphs.route import graph_forward, poll_deferred, prepare, sync_free_forward
 from ..model.forward import activation_dtype, encoder_forward, plan_attention
@@ -132,6 +132,9 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         raise PackedEncodersError(f"unsupported keyword argument(s) {sorted(kwargs)} for the packed ModernBERT forward")
     if (input_ids is None) == (inputs_embeds is None):
         raise PackedEncodersError("pass exactly one of input_ids or inputs_embeds")
+    if input_ids is not None and input_ids.dim() == 0:
+        raise PackedEncodersError("input_ids is a 0-d tensor; a padded batch is [batch, seq_len], a packed one [T] "
+                                  "or [1, T]")
     if inputs_embeds is not None and (inputs_embeds.dim() == 0 or inputs_embeds.shape[-1] != state.params.hidden_size):
         raise PackedEncodersError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; its last dimension must be "
                                   f"the model's hidden_size {state.params.hidden_size}")
@@ -211,6 +214,9 @@ def _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position
     if cu_k is not None and cu_k is not cu_q and (cu_k.shape != cu_q.shape or not torch.equal(cu_k.to(cu_q.device), cu_q)):
         raise PackedEncodersError("cu_seq_lens_k differs from cu_seq_lens_q: an encoder attends within each sequence")
     max_q, max_k = packed_kw.get("max_length_q"), packed_kw.get("max_length_k")
+    for name, value in (("max_length_q", max_q), ("max_length_k", max_k)):
+        if value is not None and not is_int_like(value):
+            raise PackedEncodersError(f"{name} must be an int (or a 0-d integer tensor); got {value!r}")
     if max_q is not None and max_k is not None and int(max_q) != int(max_k):
         raise PackedEncodersError(f"max_length_q={int(max_q)} differs from max_length_k={int(max_k)}")
     max_len = max_q if max_q is not None else max_k
