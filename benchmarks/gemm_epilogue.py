@@ -14,6 +14,12 @@ What each row compares, per (model shape, M tokens), bf16, bias off (as ModernBE
   ``addmm(residual, a, W.T)`` (the residual added in cuBLAS's epilogue) then a plain LayerNorm;
   ``quack_add+ln``: quack's ``gemm_add`` then the LayerNorm.
 - ``linear``: plain projections, cuBLAS ``F.linear`` vs quack's ``gemm`` (its default config).
+- ``rope``: ``Wqkv`` + RoPE (q, k rotated at real document positions). ``cublas+rope`` / ``quack+rope``: the
+  plain ``Wqkv`` GEMM then the Triton RoPE kernel (the separate pass); ``rope_epi[...]``:
+  ``ops.cute.gemm.rope_linear`` for q, k (RoPE in the epilogue, pair order) plus quack's GEMM for v, under
+  :data:`packed_encoders.ops.cute.gemm.ROPE_CONFIG` and each config of :func:`rope_configs` (a config that
+  does not build is recorded); ``rope_epi_qk_only``: the q, k GEMM alone, to split the cost. The reference is
+  q, k in pair order (``ops.rope.rope_linear_ref``) and v.
 
 Timing: calls captured in one CUDA graph after a warm-up on a side stream (compilation happens there and is
 reported as ``first_call_s``), replayed; per-call GPU microseconds. Every implementation is first checked
@@ -52,7 +58,19 @@ def quack_configs():
             c(256, 192, False, 2, 1), c(128, 192, True, 1, 2), c(256, 160, False, 1, 2)]
 
 
-def measure(row: dict, fn, ref, calls: int) -> dict:
+def rope_configs():
+    from quack.gemm_config import GemmConfig
+
+    def c(m, n, pingpong, cm, cn):
+        return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cm, cluster_n=cn,
+                          is_dynamic_persistent=False, device_capacity=9)
+    # tile_n / cluster_m must hold whole 64-wide heads of the pair layout
+    return [c(128, 192, True, 1, 1), c(128, 256, False, 2, 1), c(256, 128, False, 2, 1), c(128, 128, True, 1, 2),
+            c(128, 192, True, 1, 2), c(256, 192, False, 1, 1)]
+
+
+def measure(row: dict, fn, ref, calls: int, view=None) -> dict:
+    """``view``: maps ``fn()``'s output to the layout of ``ref`` for the check only (not timed)."""
     t0 = time.perf_counter()
     try:
         out = fn()
@@ -61,7 +79,7 @@ def measure(row: dict, fn, ref, calls: int) -> dict:
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         return row
     row["first_call_s"] = round(time.perf_counter() - t0, 3)
-    out = out[1] if isinstance(out, tuple) else out
+    out = view(out) if view is not None else (out[1] if isinstance(out, tuple) else out)
     row["rel_err"] = rel_err(out, ref)
     if not row["rel_err"] < TOLERANCE:
         row["error"] = f"mismatch: rel err {row['rel_err']:.3g}"
@@ -139,12 +157,65 @@ def linear_rows(k: int, n: int, m: int, gen, calls: int):
         yield measure({"op": "linear", "impl": name, "K": k, "N": n}, fn, ref, calls)
 
 
+def rope_rows(h: int, m: int, gen, calls: int, quick: bool):
+    from quack.gemm_interface import gemm
+
+    from packed_encoders.ops import fused
+    from packed_encoders.ops.cute import gemm as qg
+    from packed_encoders.ops.rope import pair_freq_table, rope_linear_ref
+
+    heads, hd = h // 64, 64
+    x = torch.randn((m, h), generator=gen, device="cuda").to(DTYPE)
+    w = (torch.randn((3 * h, h), generator=gen, device="cuda") * h ** -0.5).to(DTYPE)
+    lengths = torch.full((m // 930 + 1,), 930)
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[:m].to("cuda")
+    inv = 1.0 / (160000.0 ** (torch.arange(0, hd, 2, device="cuda").float() / hd))
+    freqs = torch.arange(4096, device="cuda").float()[:, None] * inv[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    freq = pair_freq_table(inv, 2 * heads)
+    pos_f = positions.float()
+    # reference in pair order for q, k (the layout the epilogue writes), HF order for v
+    ref = torch.cat((rope_linear_ref(x.float(), w[:2 * h].float(), pos_f, inv, hd),
+                     F.linear(x.float(), w[2 * h:].float())), 1)
+
+    order = torch.arange(hd, device="cuda").view(2, hd // 2).t().reshape(-1)
+
+    def pair(out):  # (q, k, v) in HF order -> q, k in pair order, v
+        q, k, v = out
+        return torch.cat((q[..., order].reshape(m, -1), k[..., order].reshape(m, -1), v.reshape(m, -1)), 1)
+
+    def separate(linear):
+        return lambda: fused.rope_qkv(linear(), cos, sin, positions, heads, hd)
+
+    def epi(config=None):
+        return lambda: (qg.rope_linear(x, w[:2 * h], pos_f, freq, hd, config=config),
+                        gemm(x, w[2 * h:].t(), tuned=False))
+
+    def joined(out):
+        return torch.cat(out, 1)
+
+    impls = [("cublas+rope", separate(lambda: F.linear(x, w))),
+             ("quack+rope", separate(lambda: gemm(x, w.t(), tuned=False))),
+             ("rope_epi[default]", epi())]
+    if not quick:
+        impls += [(f"rope_epi{(c.tile_m, c.tile_n, 'pp' if c.pingpong else 'coop', c.cluster_m, c.cluster_n)}",
+                   epi(c)) for c in rope_configs()]
+    for name, fn in impls:
+        yield measure({"op": "rope", "impl": name}, fn, ref, calls, view=pair if "+rope" in name else joined)
+    # the split of the cost: q, k GEMM with and without the epilogue
+    qk_ref = F.linear(x.float(), w[:2 * h].float())
+    yield measure({"op": "rope", "impl": "quack_qk_plain"}, lambda: gemm(x, w[:2 * h].t(), tuned=False), qk_ref,
+                  calls)
+    yield measure({"op": "rope", "impl": "rope_epi_qk_only"},
+                  lambda: qg.rope_linear(x, w[:2 * h], pos_f, freq, hd), ref[:, :2 * h], calls)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--ms", default=",".join(map(str, MS)))
     p.add_argument("--models", default="base")
-    p.add_argument("--ops", default="glu,residual,linear")
+    p.add_argument("--ops", default="glu,residual,linear,rope")
     p.add_argument("--quick", action="store_true", help="quack's default config only (no config sweep)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -162,6 +233,8 @@ def main(argv=None) -> int:
                 groups.append(glu_rows(h, inter, m, gen, calls, args.quick))
             if "residual" in ops:
                 groups += [residual_rows(h, h, m, gen, calls), residual_rows(h, inter, m, gen, calls)]
+            if "rope" in ops:
+                groups.append(rope_rows(h, m, gen, calls, args.quick))
             if "linear" in ops:
                 groups += [linear_rows(h, 3 * h, m, gen, calls), linear_rows(h, h, m, gen, calls),
                            linear_rows(inter, h, m, gen, calls)]

@@ -15,23 +15,29 @@ import torch.nn.functional as F
 
 from packed_encoders.ops import TORCH_OPS, quack_gemm
 from packed_encoders.ops.geglu import geglu_torch
+from packed_encoders.ops.rope import pair_freq_table, rope_linear_torch, rotate_pairs, to_pair_order
 
 from .conftest import make_model, padded_batch
 
 
 @pytest.fixture
 def fake(monkeypatch):
-    calls = {"linear": 0, "glu_linear": 0}
+    calls = {"linear": 0, "glu_linear": 0, "rope_linear": 0}
 
     def linear(x, w):
         calls["linear"] += 1
         return F.linear(x, w)
 
+    def rope_linear(x, w, positions, freq, head_dim):
+        calls["rope_linear"] += 1
+        return rotate_pairs(to_pair_order(F.linear(x, w).float(), head_dim), positions, freq).to(x.dtype)
+
     def glu_linear(x, w, activation):
         calls["glu_linear"] += 1
         return geglu_torch(F.linear(x, w), activation)
 
-    monkeypatch.setattr(quack_gemm, "_kernels", lambda: SimpleNamespace(linear=linear, glu_linear=glu_linear))
+    monkeypatch.setattr(quack_gemm, "_kernels", lambda: SimpleNamespace(linear=linear, glu_linear=glu_linear,
+                                                                          rope_linear=rope_linear))
     monkeypatch.setattr(quack_gemm, "_on_one_cuda_device", lambda x, w: x.device == w.device)
     monkeypatch.delenv(quack_gemm.ENV, raising=False)
     quack_gemm.reset_fallbacks()
@@ -135,11 +141,14 @@ def test_forward_routes_every_projection_and_matches(fake, monkeypatch):
         with quack_gemm.forced():
             got = encoder_forward(model, params, batch, ops=ops)
     layers = params.num_hidden_layers
-    assert fake == {"linear": 3 * layers, "glu_linear": layers}
-    torch.testing.assert_close(got, want, atol=0, rtol=0)  # the same maths in the same order
+    # Wqkv: q, k through the RoPE epilogue, v through linear; then attn.Wo and mlp.Wo
+    assert fake == {"linear": 3 * layers, "glu_linear": layers, "rope_linear": layers}
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.05)  # q, k rounded after rotating
+    cos = F.cosine_similarity(got.float(), want.float(), dim=-1)
+    assert cos.min() > 0.999
     with torch.enable_grad():
         encoder_forward(model, params, batch, ops=ops)
-    assert fake == {"linear": 3 * layers, "glu_linear": layers}  # with grad: F.linear everywhere
+    assert fake == {"linear": 3 * layers, "glu_linear": layers, "rope_linear": layers}  # with grad: F.linear
 
 
 def test_validation_checks_the_quack_route(fake, monkeypatch):
@@ -220,7 +229,7 @@ def test_nothing_is_routed_or_guarded_under_torch_compile(fake, monkeypatch):
     monkeypatch.setattr(quack_gemm, "_modes_ok", untouchable)
     torch.testing.assert_close(ops.linear(x, w, None), F.linear(x, w))
     torch.testing.assert_close(ops.glu_linear(x, w, None, "gelu"), geglu_torch(F.linear(x, w), "gelu"))
-    assert fake == {"linear": 0, "glu_linear": 0}
+    assert fake == {"linear": 0, "glu_linear": 0, "rope_linear": 0}
 
 
 def test_forced_is_per_thread(fake):
@@ -255,3 +264,50 @@ def test_forced_calls_do_not_record_refusals(fake):
     with quack_gemm.forced():
         ops.glu_linear(x, w, None, "gelu")  # fp32: refused, but it never met the size rule
     assert quack_gemm.fallbacks() == {}
+
+
+def _rope_inputs(m, heads=2, head_dim=64, k=64, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(3 * heads * head_dim, k, generator=g) * 0.1).to(dtype)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    positions = (torch.arange(m) % 37).float()
+    return x, w, positions, pair_freq_table(inv, 2 * heads)
+
+
+def test_rope_linear_size_rule_capture_and_result(fake, monkeypatch):
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    graph_min, eager_min = quack_gemm.ROPE_MIN_TOKENS
+    x, w, pos, freq = _rope_inputs(graph_min)
+    assert ops.rope_linear(x, w, None, pos, freq, 2, 64) is None  # eager: below the eager rule
+    monkeypatch.setattr(quack_gemm, "_capturing", lambda x: True)
+    q, k, v = ops.rope_linear(x, w, None, pos, freq, 2, 64)
+    assert fake["rope_linear"] == 1
+    want = rope_linear_torch(x, w, None, pos, freq, 2, 64)
+    for got, ref in zip((q, k, v), want):
+        torch.testing.assert_close(got, ref)
+    with quack_gemm.forced():
+        assert ops.rope_linear(x[:5], w, None, pos[:5], freq, 2, 64) is not None
+    assert fake["rope_linear"] == 2
+    with torch.enable_grad():
+        wg = w.clone().requires_grad_()
+        assert ops.rope_linear(x, wg, None, pos, freq, 2, 64) is None  # gradients: the separate path
+    assert quack_gemm.fallbacks() == {}
+
+
+@pytest.mark.parametrize("case, reason", [("bias", "bias"), ("head_dim", "head_dim 32"), ("fp32", "dtype"),
+                                          ("rows", "Wqkv rows")])
+def test_rope_linear_refusals_are_recorded(fake, monkeypatch, case, reason):
+    ops = quack_gemm.with_quack_gemms(TORCH_OPS)
+    monkeypatch.setattr(quack_gemm, "_capturing", lambda x: True)
+    m = quack_gemm.ROPE_MIN_TOKENS[0]
+    heads, hd = (4, 32) if case == "head_dim" else (2, 64)
+    x, w, pos, freq = _rope_inputs(m, heads=heads, head_dim=hd, dtype=torch.float32 if case == "fp32" else
+                                   torch.bfloat16)
+    bias = torch.zeros(w.shape[0], dtype=w.dtype) if case == "bias" else None
+    if case == "rows":
+        w = w[:-64]
+    assert ops.rope_linear(x, w, bias, pos, freq, heads, hd) is None
+    assert fake["rope_linear"] == 0
+    (why, count), = quack_gemm.fallbacks()["rope_linear"].items()
+    assert reason in why and count == 1

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from ..attention.backends import BACKENDS, Workload
 from ..attention.dispatch import Decision, Policy, resolve
 from ..batch import PackedBatch
-from ..ops import TORCH_OPS, OpSet, rope_tables
+from ..ops import TORCH_OPS, OpSet, pair_freq_table, rope_tables
 from .params import ModernBertParams
 
 
@@ -68,6 +68,21 @@ def live_inv_freq(model: nn.Module, is_global: bool, params: ModernBertParams):
     if inv is None or inv.shape[-1] != params.head_dim // 2:
         return None, 1.0
     return inv, float(scaling or 1.0)
+
+
+def rope_pair_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch, is_global: bool):
+    """``(positions [T] fp32, freq [2 * hidden] fp32)`` for ``OpSet.rope_linear`` (:func:`..ops.pair_freq_table` of
+    the live ``inv_freq``, or of HF's default formula without a readable buffer), or ``None`` when the layer type's
+    RoPE scales cos / sin (``attention_scaling != 1``), which the pair-order rotation does not model."""
+    inv, scaling = live_inv_freq(model, is_global, params)
+    if scaling != 1.0:
+        return None
+    hd = params.head_dim
+    if inv is None:
+        theta = params.rope_theta_global if is_global else params.rope_theta_local
+        inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    inv = inv.to(device=batch.device, dtype=torch.float32)
+    return batch.position_ids.float(), pair_freq_table(inv, 2 * params.num_attention_heads)
 
 
 def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) -> dict:
@@ -144,6 +159,17 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     device = batch.device
 
     rope = rope_inputs(model, params, batch)
+    pair_rope: dict[bool, tuple | None] = {}  # built on first use: only when ops.rope_linear takes a call
+
+    def rope_linear(normed: torch.Tensor, wqkv: nn.Linear, is_global: bool):
+        if ops.rope_linear is None or grad:
+            return None
+        if is_global not in pair_rope:
+            pair_rope[is_global] = rope_pair_inputs(model, params, batch, is_global)
+        spec = pair_rope[is_global]
+        if spec is None:
+            return None
+        return ops.rope_linear(normed, wqkv.weight, wqkv.bias, spec[0], spec[1], nh, hd)
 
     emb = model.embeddings
     if batch.inputs_embeds is not None:
@@ -175,17 +201,23 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         else:
             normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
         pending = None
-        qkv = _linear(normed, layer.attn.Wqkv, ops, grad)
+        is_global = params.layer_is_global[index]
+        rotated = rope_linear(normed, layer.attn.Wqkv, is_global)
+        qkv = _linear(normed, layer.attn.Wqkv, ops, grad) if rotated is None else None
         normed = None
-        cos, sin, rows = rope[params.layer_is_global[index]]
+        cos, sin, rows = rope[is_global]
         window = params.layer_window(index)
         if window is not None and window >= batch.max_seqlen - 1:
             window = None
         backend = BACKENDS[attention[window].backend]
         extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
+        if rotated is not None:
+            # q, k rotated in the projection's epilogue, both in pair order: q . k, hence attention, is unchanged
+            q, k, v = rotated
+            rotated = None
         # the size rule was measured on local layers (key tiles rotated again by ~3 query tiles); global
         # layers keep the fused rotation at any size
-        if backend.fuse_rope(grad, total if window is not None else None):
+        elif backend.fuse_rope(grad, total if window is not None else None):
             # the attention kernel rotates q and k as it loads them: no separate RoPE launch (inference only)
             q, k, v = qkv.view(total, 3, nh, hd).unbind(1)
             extra["rope"] = (cos, sin, rows)

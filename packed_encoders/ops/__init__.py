@@ -10,7 +10,8 @@ from typing import Callable
 
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_ref, residual_layer_norm_torch
-from .rope import rope_qkv_ref, rope_qkv_torch, rope_tables
+from .rope import (pair_freq_table, pair_order, rope_linear_ref, rope_linear_torch, rope_qkv_ref, rope_qkv_torch,
+                   rope_tables, rotate_pairs, to_pair_order)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,10 @@ class OpSet:
       projection and the GLU in one op, for forwards without gradient only (no backward)
     - ``linear(x [T, K], weight [N, K], bias [N] | None) -> [T, N]``, or ``None`` (``F.linear``): the
       projections of forwards without gradient (:mod:`.quack_gemm` routes measured shapes to quack)
+    - ``rope_linear(x [T, K], weight [3*nh*hd, K], bias, positions [T] fp32, freq [2*nh*hd] fp32, nh, hd)``
+      ``-> (q, k, v) | None``, or ``None``: the ``Wqkv`` projection with RoPE applied on the way out, for forwards
+      without gradient only; q and k come back in *pair order* (:func:`.rope.pair_order`), v in HF order.
+      The callable returns ``None`` for a call it does not take (the forward then projects and rotates apart)
     - ``gemm``: which GEMMs the op set runs, for ``describe()``: ``"torch"`` (``F.linear``: cuBLAS on CUDA) or
       ``"quack"`` (quack where :mod:`.quack_gemm` routes a call, ``F.linear`` for the rest)
     """
@@ -36,6 +41,7 @@ class OpSet:
     glu: Callable
     glu_linear: Callable | None = field(default=None, compare=False)
     linear: Callable | None = field(default=None, compare=False)
+    rope_linear: Callable | None = field(default=None, compare=False)
     gemm: str = field(default="torch", compare=False)
 
 
@@ -85,5 +91,6 @@ TORCH_OPS = OpSet("torch", layer_norm_torch, residual_layer_norm_torch, rope_qkv
 
 __all__ = [
     "FusedOpSet", "OpSet", "RouteLog", "TORCH_OPS", "geglu_ref", "geglu_torch", "layer_norm_ref", "layer_norm_torch",
-    "residual_layer_norm_ref", "residual_layer_norm_torch", "rope_qkv_ref", "rope_qkv_torch", "rope_tables",
+    "pair_freq_table", "pair_order", "residual_layer_norm_ref", "residual_layer_norm_torch", "rope_linear_ref",
+    "rope_linear_torch", "rope_qkv_ref", "rotate_pairs", "to_pair_order", "rope_qkv_torch", "rope_tables",
 ]

@@ -6,6 +6,8 @@ Measured on the H200 (``benchmarks/gemm_epilogue.py``, bf16, CUDA-graph GPU time
   ModernBERT-base 1.13x at 1,024 tokens, 1.19x at 2,048, 1.47x at 4,096, 1.47x at 7,424, 1.53x at 16k,
   1.40x at 123k; ModernBERT-large 1.46x at 7,424, 1.40x at 123k; 0.68-0.83x at 256-512 tokens. Hence
   :data:`GLU_MIN_TOKENS`.
+- ``Wqkv`` with RoPE in the epilogue (q, k) plus a plain GEMM for v, against the plain ``Wqkv`` GEMM and the
+  separate (or attention-fused) rotation: :data:`ROPE_MIN_TOKENS` (to be measured on the H200).
 - Plain projections (quack's ``gemm``, its default config) against cuBLAS ``F.linear``: shape-dependent, so
   only the measured winners are in :data:`LINEAR_MIN_TOKENS`. Base ``Wqkv`` (2304 x 768) 1.08x at 7,424 and
   1.11x at 123k; ``attn.Wo`` (768 x 768) 1.12x / 1.32x; ``mlp.Wo`` (768 x 1152) 1.07x / 1.14x; at 4,096
@@ -22,7 +24,9 @@ cannot take (a bias, fp32 or mixed dtypes, another device, unaligned strides or 
 stay on cuBLAS and are recorded (:func:`fallbacks`, in ``describe()["kernel_fallbacks"]``). The environment
 switch ``PACKED_ENCODERS_QUACK_GEMM=0`` turns the route off: read at ``pack()`` (quack is then not even
 imported), at every eager call and at every graph capture; graphs captured before keep their kernels until
-recaptured (``pe.set_cuda_graph(model, True)``). Importing this module imports neither quack nor cutlass.
+recaptured (``pe.set_cuda_graph(model, True)``). ``PACKED_ENCODERS_QUACK_ROPE=0`` turns off only the RoPE
+epilogue on the q, k projection (read at every call and capture). Importing this module imports neither quack nor
+cutlass.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ LINEAR_MIN_TOKENS: dict[tuple[int, int], tuple[int, int]] = {
     (3072, 1024): (7424, 16384),   # large Wqkv
     (1024, 1024): (122880, 122880),  # large attn.Wo: lost at 7,424, won at 122,880; not measured between
 }
+
+# The q, k projection with RoPE in its epilogue (ops.cute.gemm.rope_linear) replaces the Wqkv GEMM plus the
+# separate (or attention-fused) rotation; v takes the plain linear route. (min tokens in a graph capture, eager)
+ROPE_MIN_TOKENS = (4096, 16384)
+ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"  # =0: the q, k projection stays a plain GEMM (read at every call / capture)
+ROPE_HEAD_DIMS = frozenset({64})  # ops.cute.gemm.ROPE_HEAD_DIMS (kept here so the check imports no quack)
 
 _LOG = RouteLog("cublas: ")
 _record = _LOG.record
@@ -187,6 +197,36 @@ class _Linear:
         return F.linear(x, weight, bias)
 
 
+class _RopeLinear:
+    """``OpSet.rope_linear``: quack's GEMM with RoPE in the epilogue for q, k (pair order), the ``linear`` route for
+    v; ``None`` (not taken) below the size rule, in gradient mode, under ``torch.compile`` or when quack cannot."""
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, positions: Tensor, freq: Tensor,
+                 num_heads: int, head_dim: int):
+        if torch.compiler.is_compiling() or x.dim() != 2 or switched_off(ROPE_ENV):
+            return None
+        by_size = x.shape[0] >= (ROPE_MIN_TOKENS[0] if _capturing(x) else ROPE_MIN_TOKENS[1])
+        if not ((by_size or _forced()) and _modes_ok(x, weight, bias)):
+            return None
+        n = num_heads * head_dim
+        why = _refusal(x, weight, bias)
+        if why is None and head_dim not in ROPE_HEAD_DIMS:
+            why = f"head_dim {head_dim} (RoPE epilogue measured at {sorted(ROPE_HEAD_DIMS)})"
+        if why is None and weight.shape[0] != 3 * n:
+            why = f"Wqkv rows {weight.shape[0]} != 3 * {n}"
+        if why is None and (positions.device != x.device or freq.device != x.device):
+            why = "RoPE inputs on another device"
+        if why is not None:
+            if by_size:
+                _record("rope_linear", why)
+            return None
+        t = x.shape[0]
+        qk = _kernels().rope_linear(x, weight[:2 * n], positions, freq, head_dim)
+        v = _Linear()(x, weight[2 * n:])
+        q, k = qk.view(t, 2, num_heads, head_dim).unbind(1)
+        return q, k, v.view(t, num_heads, head_dim)
+
+
 class _GluLinear:
     def __init__(self, base: OpSet):
         self.base = base
@@ -234,17 +274,19 @@ class _Smoke:
 
 
 def with_quack_gemms(base: OpSet) -> OpSet:
-    """``base`` with ``linear`` and ``glu_linear`` routed to quack by the rules above (the rest is ``base``'s)."""
+    """``base`` with ``linear``, ``glu_linear`` and ``rope_linear`` routed to quack by the rules above (the rest is ``base``'s)."""
     extra = {}
     if hasattr(base, "smoke"):  # a FusedOpSet
         extra = dict(smoke=_Smoke(base), fallbacks=_Fallbacks(base))
-    return replace(base, linear=_Linear(), glu_linear=_GluLinear(base), gemm="quack", **extra)
+    return replace(base, linear=_Linear(), glu_linear=_GluLinear(base), rope_linear=_RopeLinear(), gemm="quack",
+                   **extra)
 
 
 def smoke_quack(device) -> None:
     """Compile (or load from quack's disk cache) and run the GLU-epilogue GEMM and the plain GEMM on a small
     bf16 problem and check them against fp32 references; raises on any failure."""
     from .geglu import geglu_ref
+    from .rope import pair_freq_table, rope_linear_ref
 
     device = torch.device(device)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -259,3 +301,11 @@ def smoke_quack(device) -> None:
     err = ((k.linear(x, w).float() - ref).abs().max() / ref.abs().max()).item()
     if not err < 2e-2:
         raise RuntimeError(f"quack GEMM smoke test on {device}: relative error {err:.3g} against fp32")
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    positions = torch.arange(200, dtype=torch.float32) % 77
+    ref = rope_linear_ref(x.float().cpu(), w.float().cpu(), positions, inv_freq, 64).to(device)
+    freq = pair_freq_table(inv_freq.to(device), 4)
+    out = k.rope_linear(x, w, positions.to(device), freq, 64)
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    if not err < 2e-2:
+        raise RuntimeError(f"quack RoPE-epilogue GEMM smoke test on {device}: relative error {err:.3g} against fp32")

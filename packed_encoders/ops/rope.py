@@ -7,6 +7,7 @@ a power of two, and never rebuilt per call.
 
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
@@ -73,3 +74,75 @@ def rope_qkv_torch(qkv, cos, sin, position_ids, num_heads: int, head_dim: int):
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)
 
     return rot(q), rot(k), v
+
+
+# ---- RoPE on the q, k projection's output in "pair order" --------------------------------------------------------
+# A GEMM epilogue sees adjacent accumulator columns together, so a rotation fused into the q, k projection rotates
+# column pairs (2j, 2j + 1). Reading each head's rows d and d + head_dim / 2 into adjacent columns makes that the
+# NeoX rotation; the result keeps that column order ("pair order"). q and k share it, so q . k is unchanged.
+
+
+def pair_order(head_dim: int) -> torch.Tensor:
+    """``[head_dim]`` int64: column ``c`` of a head in pair order holds HF dim ``pair_order(head_dim)[c]``
+    (``2 d + p -> p * head_dim // 2 + d``)."""
+    half = head_dim // 2
+    return torch.arange(head_dim).view(2, half).t().reshape(-1)
+
+
+def pair_freq_table(inv_freq: torch.Tensor, heads: int) -> torch.Tensor:
+    """Per-column rotation rates for pair order: ``[heads * head_dim]`` fp32; column ``2 j`` holds the high and
+    ``2 j + 1`` the low part of ``inv_freq[j] / (2 pi)`` (turns per position) as a float-float pair, repeated for
+    each head. ``inv_freq``: ``[head_dim // 2]`` (HF's buffer). This is quack's ``make_interleaved_inv_freq``
+    format (``quack.epilogue.rotary``), built with device ops only, so it can be captured in a CUDA graph."""
+    f64 = inv_freq.detach().to(torch.float64) / (2 * math.pi)
+    hi = f64.to(torch.float32)
+    lo = (f64 - hi.to(torch.float64)).to(torch.float32)
+    return torch.stack((hi, lo), dim=-1).reshape(-1).repeat(heads)
+
+
+def rope_linear_ref(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                    head_dim: int) -> torch.Tensor:
+    """fp32 specification of the rotated projection in pair order: ``x [M, K] @ weight [heads * head_dim, K].T``,
+    each head rotated NeoX-style at ``positions [M]`` with angle ``position * inv_freq`` (float64), then its
+    columns put in pair order. Returns fp32 ``[M, heads * head_dim]``."""
+    y = x.double() @ weight.double().t()
+    m = y.shape[0]
+    y = y.view(m, -1, head_dim)
+    ang = positions.double()[:, None] * inv_freq.double()[None, :]
+    c, s = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    y1, y2 = y.chunk(2, dim=-1)
+    rot = torch.cat((y1 * c - y2 * s, y2 * c + y1 * s), dim=-1)
+    return rot[..., pair_order(head_dim).to(rot.device)].reshape(m, -1).float()
+
+
+def rotate_pairs(y: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
+    """Rotate ``y [T, N]`` (heads in pair order) column pair ``(2 j, 2 j + 1)`` by ``positions [T] * rate_j``, rates
+    from ``freq [N]`` (:func:`pair_freq_table`); fp32 maths, result in ``y.dtype``. The angle is reduced in turns
+    (float64 here; the GEMM epilogue uses float-float), so large positions keep their precision."""
+    t = y.shape[0]
+    rates = freq.view(-1, 2).double().sum(-1)  # hi + lo, one rate per pair
+    turns = positions.double()[:, None] * rates[None, :]
+    ang = ((turns - turns.round()) * (2 * math.pi)).float()
+    c, s = ang.cos(), ang.sin()
+    pairs = y.float().view(t, -1, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).reshape(y.shape).to(y.dtype)
+
+
+def to_pair_order(y: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``y [T, heads * head_dim]`` with each head's columns put in pair order (a copy)."""
+    t = y.shape[0]
+    return y.view(t, -1, head_dim)[..., pair_order(head_dim).to(y.device)].reshape(t, -1)
+
+
+def rope_linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                      freq: torch.Tensor, num_heads: int, head_dim: int):
+    """Plain PyTorch ``rope_linear`` op: ``(q, k, v)`` of ``x @ weight.T + bias`` (``weight``: HF ``Wqkv``,
+    ``[3 * num_heads * head_dim, K]``), each ``[T, num_heads, head_dim]``; q and k rotated at ``positions``
+    (``[T]`` fp32) with the rates of ``freq`` (:func:`pair_freq_table` of ``2 * num_heads`` heads) and returned
+    in pair order, v in HF order. Rotation in fp32, q and k rounded once to ``x.dtype``."""
+    t, n = x.shape[0], num_heads * head_dim
+    qkv = torch.nn.functional.linear(x, weight, bias)
+    qk = rotate_pairs(to_pair_order(qkv[:, :2 * n].float(), head_dim), positions, freq).to(x.dtype)
+    q, k = qk.view(t, 2, num_heads, head_dim).unbind(1)
+    return q, k, qkv[:, 2 * n:].view(t, num_heads, head_dim)

@@ -75,13 +75,38 @@ def test_empty_inputs():
     assert qg.linear(x, w).shape == (0, 256)
 
 
+@pytest.mark.parametrize("theta", [10000.0, 160000.0])
+@pytest.mark.parametrize("m, heads, k", [(1, 24, 768), (333, 24, 768), (5000, 24, 768), (20000, 24, 768),
+                                         (1500, 32, 1024), (700, 4, 256)])
+def test_rope_linear_matches_fp32(theta, m, heads, k):
+    from packed_encoders.ops.rope import pair_freq_table, rope_linear_ref
+
+    g = torch.Generator(device=DEV).manual_seed(m + heads)
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(heads * 64, k, device=DEV, generator=g) * k ** -0.5).to(torch.bfloat16)
+    positions = torch.randint(0, 8192, (m,), device=DEV, generator=g).float()
+    inv = 1.0 / (theta ** (torch.arange(0, 64, 2, device=DEV).float() / 64))
+    out = qg.rope_linear(x, w, positions, pair_freq_table(inv, heads), 64)
+    ref = rope_linear_ref(x.float(), w.float(), positions, inv, 64)
+    assert out.shape == (m, heads * 64) and out.dtype == torch.bfloat16
+    assert _rel(out, ref) < 1e-2
+
+
+def test_rope_linear_leaves_the_glu_gemm_alone():
+    """The pair layout is active only inside rope_linear: the GLU GEMM (same concat key) still pairs halves."""
+    g = torch.Generator(device=DEV).manual_seed(7)
+    x = torch.randn(300, 768, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(2304, 768, device=DEV, generator=g) * 0.03).to(torch.bfloat16)
+    assert _rel(qg.glu_linear(x, w, "gelu"), geglu_ref(F.linear(x.float(), w.float()), "gelu")) < 2e-2
+
+
 @pytest.fixture(scope="module")
 def base():
     return random_model(num_hidden_layers=6)
 
 
 def _counting(monkeypatch):
-    calls = {"linear": 0, "glu_linear": 0}
+    calls = {"linear": 0, "glu_linear": 0, "rope_linear": 0}
     real = qg
 
     class Counting:
@@ -94,6 +119,11 @@ def _counting(monkeypatch):
         def glu_linear(x, w, act):
             calls["glu_linear"] += 1
             return real.glu_linear(x, w, act)
+
+        @staticmethod
+        def rope_linear(x, w, positions, freq, head_dim):
+            calls["rope_linear"] += 1
+            return real.rope_linear(x, w, positions, freq, head_dim)
 
     monkeypatch.setattr(quack_gemm, "_kernels", lambda: Counting)
     return calls
@@ -114,17 +144,24 @@ def test_packed_forward_with_quack_everywhere_matches_stock(base, monkeypatch):
         with torch.no_grad(), quack_gemm.forced():
             out = base(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         layers = base.config.num_hidden_layers
-        assert calls == {"linear": 3 * layers, "glu_linear": layers}
+        # v through linear, q / k through the RoPE epilogue
+        assert calls == {"linear": 3 * layers, "glu_linear": layers, "rope_linear": layers}
+        monkeypatch.setenv(quack_gemm.ROPE_ENV, "0")
+        with torch.no_grad(), quack_gemm.forced():
+            no_rope = base(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        assert calls == {"linear": 6 * layers, "glu_linear": 2 * layers, "rope_linear": layers}
         monkeypatch.setenv(quack_gemm.ENV, "0")
         with torch.no_grad():
             off = base(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-        assert calls == {"linear": 3 * layers, "glu_linear": layers}  # switched off: nothing more routed
+        assert calls == {"linear": 6 * layers, "glu_linear": 2 * layers, "rope_linear": layers}  # switched off
     finally:
         pe.unpack(base)
     real = mask.bool()
     cos = F.cosine_similarity(out[real], ref[real], dim=-1)
     cos_off = F.cosine_similarity(off[real], ref[real], dim=-1)
+    cos_no_rope = F.cosine_similarity(no_rope[real], ref[real], dim=-1)
     assert cos.min() > 0.995 and cos.mean() > 0.999
+    assert abs(cos.mean().item() - cos_no_rope.mean().item()) < 1e-3  # the RoPE epilogue no worse
     assert abs(cos.mean().item() - cos_off.mean().item()) < 1e-3  # quack no worse than cuBLAS on average
 
 
@@ -148,6 +185,7 @@ def test_graph_capture_bakes_quack_kernels(base, monkeypatch):
     assert graphs["graphs"] >= 1 and graphs["hits"] >= 1
     assert captured["glu_linear"] >= base.config.num_hidden_layers  # warm-up + capture called quack
     assert captured["linear"] >= 3 * base.config.num_hidden_layers  # 4,100 tokens >= the in-graph rule
+    assert captured["rope_linear"] >= base.config.num_hidden_layers
     assert replayed == captured  # the replay runs the baked kernels: no Python call
     torch.testing.assert_close(first, second, atol=0, rtol=0)
     real = mask.bool()

@@ -10,16 +10,32 @@ quack ships gated epilogues for SwiGLU / ReGLU and a GeGLU with the *tanh* appro
 own, written with quack's ``@gemm_epilogue`` (activations from ``quack.activation``: ``gelu_erf``,
 ``gelu_tanh_approx``, ``silu``, ``relu``).
 
+``rope_linear``: ModernBERT's ``q, k`` projection with RoPE in the epilogue, so the rotation costs no pass of its
+own. quack's rotary epilogues rotate *adjacent* accumulator columns ``(2j, 2j + 1)``; ModernBERT (NeoX layout)
+rotates column ``d`` with ``d + head_dim / 2`` in each head. The GEMM therefore reads HF's ``Wqkv`` rows in place
+through a per-head pair layout (``(2, head_dim / 2, heads)``, the counterpart of ``concat_layout``'s
+``(2, N / 2)``), which puts rows ``d`` and ``d + head_dim / 2`` of each head in adjacent GEMM columns, and stores
+D in GEMM order: each head's dims come out as ``(0, 32, 1, 33, ...)``. q and k get the same order, so
+``q . k`` (and so attention) is unchanged; v never goes through this GEMM.
+
 Nothing here is imported until used (importing quack loads the CuteDSL compiler). Each (shape class,
 config) compiles once per process, several seconds; compiled kernels are cached on disk by quack.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
+import cutlass.cute as cute
 import quack
 import quack.activation as _qa
+import quack.layout_utils as _layout_utils
 import torch
-from quack.epilogue import gemm_epilogue, unpack
+from quack.epilogue import gemm_epilogue, pack, unpack
+from quack.epilogue import rotary as _rotary
+from quack.epilogue.ops import ColVecLoad, RowVecLoad
+from quack.gemm_config import GemmConfig
 
 
 class _Activation:
@@ -114,3 +130,132 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_empty((0, weight.shape[0]))
     return gemm(x, weight.t(), tuned=False)
+
+
+# ---- RoPE in the q, k projection's epilogue -------------------------------------------------------------------
+
+ROPE_HEAD_DIMS = frozenset({64})  # measured (ModernBERT base / large, Ettin, mmBERT); others are not routed here
+# H200, ModernBERT-base q, k (N = 1536, K = 768) + v, CUDA-graph GPU time (benchmarks/gemm_epilogue.py --ops rope):
+# 128 x 192 pingpong without a cluster was the fastest of seven configs at 4,096 / 7,424 / 16,384 tokens and
+# within 2 % of the best at 122,880. A cluster along M multicasts B in halves of tile_n, which must stay whole
+# heads of the pair layout (so 128 x 192 with cluster_m 2, quack's sm90 default, is refused).
+ROPE_CONFIG = GemmConfig(tile_m=128, tile_n=192, cluster_m=1, cluster_n=1, pingpong=True,
+                         is_dynamic_persistent=False)
+
+
+class _HeadPairs(threading.local):
+    """While set (on this thread), quack's ``concat_layout`` transform lays a mode out as per-head pairs."""
+
+    head_dim = 0
+
+    @contextlib.contextmanager
+    def on(self, head_dim: int):
+        prev, self.head_dim = self.head_dim, head_dim
+        try:
+            yield
+        finally:
+            self.head_dim = prev
+
+
+_HEAD_PAIRS = _HeadPairs()
+_PATCH_LOCK = threading.Lock()
+
+
+def head_pair_layout(a, dim: int, head_dim: int):
+    """View mode ``dim`` of ``a`` (``heads * head_dim`` rows of stride ``s``) as ``(2, head_dim // 2, heads)`` with
+    strides ``(head_dim // 2 * s, s, head_dim * s)``: GEMM column ``2 d + p`` of head ``h`` is row
+    ``h * head_dim + p * head_dim // 2 + d``."""
+    half = head_dim // 2
+    heads = cute.size(a, mode=[dim]) // head_dim
+    s = a.stride[dim]
+    shape = (*a.shape[:dim], (2, half, heads), *a.shape[dim + 1:])
+    stride = (*a.stride[:dim], (half * s, s, head_dim * s), *a.stride[dim + 1:])
+    return cute.make_tensor(a.iterator, cute.make_layout(shape, stride=stride))
+
+
+def _install_head_pairs() -> None:
+    """Wrap ``quack.layout_utils.concat_to_interleave`` (called at trace time for each operand named in
+    ``concat_layout``) so that, inside ``_HEAD_PAIRS.on(head_dim)``, it builds :func:`head_pair_layout`. Outside
+    the block it is quack's function unchanged (the GLU GEMMs' ``(2, N / 2)``)."""
+    with _PATCH_LOCK:
+        current = _layout_utils.concat_to_interleave
+        if getattr(current, "_packed_encoders_head_pairs", False):
+            return
+        original = current
+
+        def concat_to_interleave(a, dim):
+            head_dim = _HEAD_PAIRS.head_dim
+            if head_dim:
+                return head_pair_layout(a, dim, head_dim)
+            return original(a, dim)
+
+        concat_to_interleave._packed_encoders_head_pairs = True
+        _layout_utils.concat_to_interleave = concat_to_interleave
+
+
+class _PairRotation:
+    """quack's float-float angle and sincos (``rope_posfreq_epi``'s math) under a key that also names the pair
+    layout: kernels compiled with the layout must never be confused with plain ``concat_layout`` ones."""
+
+    def __call__(self, x1, x2, pos, freq):
+        s, c = _rotary._sincos_turns(*_rotary._angle_turns(pos, freq))
+        return x1 * c - x2 * s, x1 * s + x2 * c
+
+    def __quack_semantic_key__(self):
+        return ("packed_encoders.rope_linear", "head-pairs", getattr(quack, "__version__", "?"))
+
+
+_ROTATE = _PairRotation()
+
+
+@gemm_epilogue(ops={"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq")}, mode="acc_pair")
+def _neox_pair_rope(acc, pos, freq):
+    x1, x2 = unpack(acc)
+    y1, y2 = _ROTATE(x1, x2, pos, freq)
+    return {"D": pack(y1, y2)}
+
+
+def rope_linear(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor,
+                head_dim: int, config: GemmConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``rope(x @ weight.T)`` ``[M, N]`` in ``x.dtype``, each head's dims in pair order ``(0, hd/2, 1, hd/2+1, ...)``.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16 CUDA, K-contiguous.
+        weight: ``[N, K]``, ``N = heads * head_dim`` (HF ``Wqkv.weight[:2 * hidden]``: q and k rows, read in place).
+        positions: ``[M]`` fp32, each token's position in its sequence (exact up to 2**24).
+        freq: ``[N]`` fp32 per-column rates (``packed_encoders.ops.rope.pair_freq_table``).
+        head_dim: one of :data:`ROPE_HEAD_DIMS`.
+        config: a ``GemmConfig`` (default :data:`ROPE_CONFIG`); its ``tile_n / cluster_m`` must be whole heads.
+        out: optional ``[M, N]`` output buffer.
+
+    Rotation: ``(x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos)`` at ``angle = position * inv_freq`` on the fp32
+    accumulator, rounded once (HF rounds q, k before rotating); the angle is computed exactly (quack's float-float
+    turns), where HF rounds ``position * inv_freq`` to fp32.
+
+    Raises:
+        ValueError: shapes, dtypes or a ``head_dim`` this GEMM does not take.
+    """
+    if head_dim not in ROPE_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {sorted(ROPE_HEAD_DIMS)}, got {head_dim}")
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % head_dim:
+        raise ValueError(f"x [M, K] and weight [heads * {head_dim}, K] expected, got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != x.dtype:
+        raise ValueError(f"bf16/fp16 x and weight of one dtype expected, got {x.dtype} and {weight.dtype}")
+    m, n = x.shape[0], weight.shape[0]
+    if positions.shape != (m,) or positions.dtype != torch.float32:
+        raise ValueError(f"positions must be fp32 [{m}], got {positions.dtype} {tuple(positions.shape)}")
+    if freq.shape != (n,) or freq.dtype != torch.float32:
+        raise ValueError(f"freq must be fp32 [{n}] (ops.rope.pair_freq_table), got {freq.dtype} {tuple(freq.shape)}")
+    config = ROPE_CONFIG if config is None else config
+    if config.tile_n % head_dim or (config.tile_n // config.cluster_m) % head_dim:
+        raise ValueError(f"config tile_n {config.tile_n} / cluster_m {config.cluster_m} splits a head")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _install_head_pairs()
+    with _HEAD_PAIRS.on(head_dim):
+        _neox_pair_rope(x, weight.t(), None, out={"D": out}, config=config, tuned=False, concat_layout=("B",),
+                        pos=positions, freq=freq)
+    return out
