@@ -13,7 +13,8 @@ What each row compares, per (model shape, M tokens), bf16, bias off (as ModernBE
   Triton residual + LayerNorm (reads two ``[M, H]`` tensors, writes two); ``addmm+ln``: cuBLAS
   ``addmm(residual, a, W.T)`` (the residual added in cuBLAS's epilogue) then a plain LayerNorm;
   ``quack_add+ln``: quack's ``gemm_add`` then the LayerNorm.
-- ``linear``: plain projections, cuBLAS ``F.linear`` vs quack's ``gemm`` (its default config).
+- ``linear``: plain projections, cuBLAS ``F.linear`` vs quack's ``gemm`` (its default config) and, without
+  ``--quick``, ``ops.cute.gemm.linear`` under each of :data:`QUACK_CONFIGS`.
 - ``rope``: ``Wqkv`` + RoPE (q, k rotated at real document positions). ``cublas+rope`` / ``quack+rope``: the
   plain ``Wqkv`` GEMM then the Triton RoPE kernel (the separate pass); ``rope_epi[...]``:
   ``ops.cute.gemm.rope_linear`` for q, k (RoPE in the epilogue, pair order) plus quack's GEMM for v, under
@@ -143,7 +144,7 @@ def residual_rows(h: int, k: int, m: int, gen, calls: int):
         yield measure({"op": "residual", "impl": name, "K": k}, fn, ref, calls)
 
 
-def linear_rows(k: int, n: int, m: int, gen, calls: int):
+def linear_rows(k: int, n: int, m: int, gen, calls: int, sweep: bool = False):
     a = torch.randn((m, k), generator=gen, device="cuda").to(DTYPE)
     w = (torch.randn((n, k), generator=gen, device="cuda") * k ** -0.5).to(DTYPE)
     ref = F.linear(a.float(), w.float())
@@ -153,7 +154,13 @@ def linear_rows(k: int, n: int, m: int, gen, calls: int):
 
         return gemm(a, w.t(), tuned=False)
 
-    for name, fn in (("cublas", lambda: F.linear(a, w)), ("quack", quack_gemm)):
+    impls = [("cublas", lambda: F.linear(a, w)), ("quack", quack_gemm)]
+    if sweep:
+        from packed_encoders.ops.cute import gemm as qg
+
+        impls += [(f"quack{(c.tile_m, c.tile_n, 'pp' if c.pingpong else 'coop', c.cluster_m, c.cluster_n)}",
+                   lambda c=c: qg.linear(a, w, config=c)) for c in quack_configs()]
+    for name, fn in impls:
         yield measure({"op": "linear", "impl": name, "K": k, "N": n}, fn, ref, calls)
 
 
@@ -236,8 +243,9 @@ def main(argv=None) -> int:
             if "rope" in ops:
                 groups.append(rope_rows(h, m, gen, calls, args.quick))
             if "linear" in ops:
-                groups += [linear_rows(h, 3 * h, m, gen, calls), linear_rows(h, h, m, gen, calls),
-                           linear_rows(inter, h, m, gen, calls)]
+                sweep = not args.quick
+                groups += [linear_rows(h, 3 * h, m, gen, calls, sweep), linear_rows(h, h, m, gen, calls, sweep),
+                           linear_rows(inter, h, m, gen, calls, sweep)]
             for group in groups:
                 for row in group:
                     row.update(model=model, M=m)

@@ -91,6 +91,22 @@ def _reglu(acc):
 EPILOGUES = {"gelu": _geglu_erf, "gelu_tanh": _geglu_tanh, "silu": _swiglu, "relu": _reglu}
 
 
+# Per-size configs for the GLU GEMM (H200, ModernBERT-base Wi 2304 x 768, CUDA-graph GPU time,
+# benchmarks/gemm_epilogue.py): at 7,424 tokens 128 x 128 with a cluster of 2 along M took 36.5 us against 38.4
+# for quack's sm90 default (128 x 192, cluster 2 x 1); at 122,880 tokens 128 x 192 with a cluster of 2 along N took
+# 563.4 us against 622.5. Sizes between were not measured: the switch sits near their geometric mean.
+GLU_LARGE_TOKENS = 32768
+GLU_CONFIG_SMALL = GemmConfig(tile_m=128, tile_n=128, cluster_m=2, cluster_n=1, pingpong=True,
+                              is_dynamic_persistent=False)
+GLU_CONFIG_LARGE = GemmConfig(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True,
+                              is_dynamic_persistent=False)
+
+
+def glu_config(m: int) -> GemmConfig:
+    """The measured config for a GLU GEMM of ``m`` rows (:data:`GLU_LARGE_TOKENS`)."""
+    return GLU_CONFIG_LARGE if m >= GLU_LARGE_TOKENS else GLU_CONFIG_SMALL
+
+
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, activation: str, config=None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """``act(x @ weight[:I].T) * (x @ weight[I:].T)`` ``[M, I]`` in ``x.dtype``.
@@ -99,7 +115,7 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, activation: str, config=No
         x: ``[M, K]`` bf16/fp16 CUDA, K-contiguous.
         weight: ``[2I, K]`` (HF ``Wi.weight``, read in place), same dtype and device.
         activation: a key of :data:`EPILOGUES`.
-        config: a ``quack.gemm_config.GemmConfig`` (``None``: quack's default for the GPU, no autotuning).
+        config: a ``quack.gemm_config.GemmConfig`` (``None``: :func:`glu_config` of ``M``; no autotuning).
         out: optional ``[M, I]`` output buffer.
 
     Raises:
@@ -116,31 +132,47 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, activation: str, config=No
         out = torch.empty((m, i), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
+    config = glu_config(m) if config is None else config
     EPILOGUES[activation](x, weight.t(), None, out={"postact": out}, store_d=False, config=config,
                           tuned=False, concat_layout=("B",))
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` ``[M, N]`` in ``x.dtype`` with quack's GEMM (its default config for the GPU).
+@gemm_epilogue(mode="element")
+def _plain(acc):
+    return {"D": acc}
 
-    ``x`` ``[M, K]`` and ``weight`` ``[N, K]`` (HF ``nn.Linear.weight``, read in place), bf16/fp16 CUDA."""
-    from quack.gemm_interface import gemm
 
+def linear(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ weight.T`` ``[M, N]`` in ``x.dtype`` with quack's GEMM.
+
+    ``x`` ``[M, K]`` and ``weight`` ``[N, K]`` (HF ``nn.Linear.weight``, read in place), bf16/fp16 CUDA.
+    ``config``: ``None`` runs ``quack.gemm_interface.gemm`` with quack's default config for the GPU; a
+    ``GemmConfig`` runs the same GEMM (identity epilogue) under that config."""
     if x.shape[0] == 0:
         return x.new_empty((0, weight.shape[0]))
-    return gemm(x, weight.t(), tuned=False)
+    if config is None:
+        from quack.gemm_interface import gemm
+
+        return gemm(x, weight.t(), tuned=False)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    _plain(x, weight.t(), None, out={"D": out}, config=config, tuned=False)
+    return out
 
 
 # ---- RoPE in the q, k projection's epilogue -------------------------------------------------------------------
 
 ROPE_HEAD_DIMS = frozenset({64})  # measured (ModernBERT base / large, Ettin, mmBERT); others are not routed here
 # H200, ModernBERT-base q, k (N = 1536, K = 768) + v, CUDA-graph GPU time (benchmarks/gemm_epilogue.py --ops rope):
-# 128 x 192 pingpong without a cluster was the fastest of seven configs at 4,096 / 7,424 / 16,384 tokens and
-# within 2 % of the best at 122,880. A cluster along M multicasts B in halves of tile_n, which must stay whole
-# heads of the pair layout (so 128 x 192 with cluster_m 2, quack's sm90 default, is refused).
+# 128 x 192 pingpong without a cluster was the fastest of seven configs at 4,096 / 7,424 / 16,384 tokens
+# (25.6 / 43.0 / 90.4 us with v); at 122,880 tokens a cluster of 2 along N was (664.4 against 674.6 us). A
+# cluster along M multicasts B in halves of tile_n, which must stay whole heads of the pair layout (quack's sm90
+# default, 128 x 192 with cluster 2 x 1, would split one).
+ROPE_LARGE_TOKENS = 65536
 ROPE_CONFIG = GemmConfig(tile_m=128, tile_n=192, cluster_m=1, cluster_n=1, pingpong=True,
                          is_dynamic_persistent=False)
+ROPE_CONFIG_LARGE = GemmConfig(tile_m=128, tile_n=192, cluster_m=1, cluster_n=2, pingpong=True,
+                               is_dynamic_persistent=False)
 
 
 class _HeadPairs(threading.local):
@@ -225,7 +257,8 @@ def rope_linear(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, 
         positions: ``[M]`` fp32, each token's position in its sequence (exact up to 2**24).
         freq: ``[N]`` fp32 per-column rates (``packed_encoders.ops.rope.pair_freq_table``).
         head_dim: one of :data:`ROPE_HEAD_DIMS`.
-        config: a ``GemmConfig`` (default :data:`ROPE_CONFIG`); its ``tile_n / cluster_m`` must be whole heads.
+        config: a ``GemmConfig`` (default :data:`ROPE_CONFIG`, :data:`ROPE_CONFIG_LARGE` from
+            :data:`ROPE_LARGE_TOKENS` rows); its ``tile_n / cluster_m`` must be whole heads.
         out: optional ``[M, N]`` output buffer.
 
     Rotation: ``(x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos)`` at ``angle = position * inv_freq`` on the fp32
@@ -247,7 +280,8 @@ def rope_linear(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, 
         raise ValueError(f"positions must be fp32 [{m}], got {positions.dtype} {tuple(positions.shape)}")
     if freq.shape != (n,) or freq.dtype != torch.float32:
         raise ValueError(f"freq must be fp32 [{n}] (ops.rope.pair_freq_table), got {freq.dtype} {tuple(freq.shape)}")
-    config = ROPE_CONFIG if config is None else config
+    if config is None:
+        config = ROPE_CONFIG_LARGE if m >= ROPE_LARGE_TOKENS else ROPE_CONFIG
     if config.tile_n % head_dim or (config.tile_n // config.cluster_m) % head_dim:
         raise ValueError(f"config tile_n {config.tile_n} / cluster_m {config.cluster_m} splits a head")
     if out is None:
