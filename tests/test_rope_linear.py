@@ -148,3 +148,42 @@ def test_rope_scaling_keeps_the_separate_rotation(monkeypatch):
     with torch.no_grad():
         fwd.encoder_forward(model, params, batch, ops=ops)
     assert calls == []
+
+
+def test_pair_table_cache_follows_the_live_buffer():
+    from packed_encoders.ops.rope import cached_pair_freq_table
+
+    inv = _inv_freq()
+    first = cached_pair_freq_table(inv, 4, "cpu")
+    assert cached_pair_freq_table(inv, 4, "cpu") is first  # a graph replay reads this table, rebuilt never
+    torch.testing.assert_close(first, pair_freq_table(inv, 4))
+    inv.mul_(0.5)  # an in-place edit bumps the version: rebuilt
+    second = cached_pair_freq_table(inv, 4, "cpu")
+    assert second is not first
+    torch.testing.assert_close(second, pair_freq_table(inv, 4))
+    other = inv.clone()
+    assert cached_pair_freq_table(other, 4, "cpu") is not second
+    by_theta = cached_pair_freq_table(("theta", 10000.0, 64), 4, "cpu")
+    assert cached_pair_freq_table(("theta", 10000.0, 64), 4, "cpu") is by_theta
+    torch.testing.assert_close(by_theta, pair_freq_table(_inv_freq(), 4))
+
+
+def test_a_forward_whose_projections_all_rotate_builds_no_cos_sin(monkeypatch):
+    from packed_encoders.batch import unpad
+    from packed_encoders.model import forward as fwd
+    from packed_encoders.model.params import ModernBertParams
+
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    ids, mask = padded_batch([5, 8])
+    batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                  vocab_size=model.config.vocab_size)
+
+    def unused(*a, **k):
+        raise AssertionError("cos / sin built although every layer rotates in its projection")
+
+    monkeypatch.setattr(fwd, "rope_inputs", unused)
+    ops, calls = _rope_ops()
+    with torch.no_grad():
+        fwd.encoder_forward(model, params, batch, ops=ops)
+    assert len(calls) == params.num_hidden_layers

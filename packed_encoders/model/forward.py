@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from ..attention.backends import BACKENDS, Workload
 from ..attention.dispatch import Decision, Policy, resolve
 from ..batch import PackedBatch
-from ..ops import TORCH_OPS, OpSet, pair_freq_table, rope_tables
+from ..ops import TORCH_OPS, OpSet, rope_tables
+from ..ops.rope import cached_pair_freq_table
 from .params import ModernBertParams
 
 
@@ -70,19 +71,19 @@ def live_inv_freq(model: nn.Module, is_global: bool, params: ModernBertParams):
     return inv, float(scaling or 1.0)
 
 
-def rope_pair_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch, is_global: bool):
-    """``(positions [T] fp32, freq [2 * hidden] fp32)`` for ``OpSet.rope_linear`` (:func:`..ops.pair_freq_table` of
-    the live ``inv_freq``, or of HF's default formula without a readable buffer), or ``None`` when the layer type's
-    RoPE scales cos / sin (``attention_scaling != 1``), which the pair-order rotation does not model."""
+def rope_pair_inputs(model: nn.Module, params: ModernBertParams, device: torch.device, is_global: bool):
+    """``freq [2 * hidden]`` fp32 for ``OpSet.rope_linear`` (:func:`..ops.pair_freq_table` of the live ``inv_freq``,
+    or of HF's default formula without a readable buffer), or ``None`` when the layer type's RoPE scales cos / sin
+    (``attention_scaling != 1``), which the pair-order rotation does not model. Cached per source (see
+    :func:`..ops.rope.cached_pair_freq_table`), so a graph replay reads a table instead of rebuilding it."""
     inv, scaling = live_inv_freq(model, is_global, params)
     if scaling != 1.0:
         return None
-    hd = params.head_dim
+    heads = 2 * params.num_attention_heads
     if inv is None:
         theta = params.rope_theta_global if is_global else params.rope_theta_local
-        inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    inv = inv.to(device=batch.device, dtype=torch.float32)
-    return batch.position_ids.float(), pair_freq_table(inv, 2 * params.num_attention_heads)
+        return cached_pair_freq_table(("theta", float(theta), params.head_dim), heads, device)
+    return cached_pair_freq_table(inv, heads, device)
 
 
 def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) -> dict:
@@ -158,18 +159,27 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     total = batch.total_tokens
     device = batch.device
 
-    rope = rope_inputs(model, params, batch)
-    pair_rope: dict[bool, tuple | None] = {}  # built on first use: only when ops.rope_linear takes a call
+    # RoPE inputs are built on first use: a forward whose q, k projections all rotate in their epilogue
+    # (ops.rope_linear) needs no cos / sin, and each small op here is a kernel in every graph replay
+    rope: dict = {}
+    pair_rope: dict = {}
+
+    def rope_tables_for(is_global: bool):
+        if not rope:
+            rope.update(rope_inputs(model, params, batch))
+        return rope[is_global]
 
     def rope_linear(normed: torch.Tensor, wqkv: nn.Linear, is_global: bool):
         if ops.rope_linear is None or grad:
             return None
         if is_global not in pair_rope:
-            pair_rope[is_global] = rope_pair_inputs(model, params, batch, is_global)
-        spec = pair_rope[is_global]
-        if spec is None:
+            pair_rope[is_global] = rope_pair_inputs(model, params, device, is_global)
+        freq = pair_rope[is_global]
+        if freq is None:
             return None
-        return ops.rope_linear(normed, wqkv.weight, wqkv.bias, spec[0], spec[1], nh, hd)
+        if "positions" not in pair_rope:
+            pair_rope["positions"] = batch.position_ids.float()
+        return ops.rope_linear(normed, wqkv.weight, wqkv.bias, pair_rope["positions"], freq, nh, hd)
 
     emb = model.embeddings
     if batch.inputs_embeds is not None:
@@ -205,7 +215,6 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         rotated = rope_linear(normed, layer.attn.Wqkv, is_global)
         qkv = _linear(normed, layer.attn.Wqkv, ops, grad) if rotated is None else None
         normed = None
-        cos, sin, rows = rope[is_global]
         window = params.layer_window(index)
         if window is not None and window >= batch.max_seqlen - 1:
             window = None
@@ -220,9 +229,9 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         elif backend.fuse_rope(grad, total if window is not None else None):
             # the attention kernel rotates q and k as it loads them: no separate RoPE launch (inference only)
             q, k, v = qkv.view(total, 3, nh, hd).unbind(1)
-            extra["rope"] = (cos, sin, rows)
+            extra["rope"] = rope_tables_for(is_global)
         else:
-            q, k, v = ops.rope_qkv(qkv, cos, sin, rows, nh, hd)
+            q, k, v = ops.rope_qkv(qkv, *rope_tables_for(is_global), nh, hd)
         attn_p = params.attention_dropout if layer.attn.training else 0.0
         a = backend.fn(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=scale, dropout_p=attn_p,
                        **extra)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 
 import torch
 
@@ -98,6 +99,39 @@ def pair_freq_table(inv_freq: torch.Tensor, heads: int) -> torch.Tensor:
     hi = f64.to(torch.float32)
     lo = (f64 - hi.to(torch.float64)).to(torch.float32)
     return torch.stack((hi, lo), dim=-1).reshape(-1).repeat(heads)
+
+
+_PAIR_TABLES: dict = {}
+
+
+def cached_pair_freq_table(source, heads: int, device) -> torch.Tensor:
+    """:func:`pair_freq_table` on ``device``, cached per source.
+
+    ``source``: HF's live ``inv_freq`` buffer (keyed by identity and ``_version``, so an in-place edit or a new
+    buffer rebuilds; the entry goes when the buffer does), or a hashable ``("theta", theta, head_dim)`` for HF's
+    default formula. A table is never cached while a CUDA graph is being captured (it would live in the graph's
+    memory pool and hold garbage until a replay): the capture then records the few small ops that build it. A graph
+    captured with a cached table keeps reading that table; rebuild graphs after editing ``inv_freq`` in place."""
+    device = torch.device(device)
+    if isinstance(source, torch.Tensor):
+        key = (id(source), heads, str(device))
+        hit = _PAIR_TABLES.get(key)
+        if hit is not None and hit[0]() is source and hit[1] == source._version:
+            return hit[2]
+        table = pair_freq_table(source.to(device=device, dtype=torch.float32), heads)
+        version, ref = source._version, weakref.ref(source, lambda _, k=key: _PAIR_TABLES.pop(k, None))
+    else:
+        key = (source, heads, str(device))
+        hit = _PAIR_TABLES.get(key)
+        if hit is not None:
+            return hit[2]
+        _, theta, head_dim = source
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+        table = pair_freq_table(1.0 / (theta ** exponent), heads)  # device ops only: capturable
+        version, ref = None, None
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _PAIR_TABLES[key] = (ref, version, table)
+    return table
 
 
 def rope_linear_ref(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
