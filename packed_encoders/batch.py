@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import PackedEncodersError
+from .switches import switched_off
 
 
 @dataclass
@@ -139,11 +140,77 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
             cu_seqlens=torch.zeros(b + 1, dtype=torch.int32, device=device), max_seqlen=0, position_ids=empty,
             max_position=1, indices=empty, padded_shape=(b, s),
             key_lens=torch.zeros(b, dtype=torch.int32, device=device) if trailing_query_only else None)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+    if _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b):
+        from .ops.triton import unpad as triton_unpad
+
+        stats_t, cu, ids_all, pos_all, indices_all, key_lens = triton_unpad.unpad(
+            attention_mask, input_ids, token_type_ids, position_ids, vocab_size, trailing_query_only)
+        embeds_all = None
+        stats = stats_t.tolist()  # the one sync
+    else:
+        stats, cu, ids_all, embeds_all, pos_all, indices_all, key_lens = _torch_unpad(
+            input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, vocab_size, trailing_query_only,
+            b, s, device)
+    host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
+    _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} other values at real tokens)")
+    _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): real tokens must be contiguous "
+                       "(padding on the left and/or right only)")
+    _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
+    _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
+    _raise_if(n_negpos, "position_ids has {count} negative entries")
+
+    total = sum(host_lens)
+    max_seqlen = max(host_lens, default=0)
+    max_position = int(max_pos) + 1 if position_ids is not None else max_seqlen
+    return PackedBatch(
+        input_ids=None if ids_all is None else ids_all[:total],
+        inputs_embeds=None if embeds_all is None else embeds_all[:total],
+        cu_seqlens=cu,
+        max_seqlen=int(max_seqlen),
+        position_ids=pos_all[:total],
+        max_position=max(int(max_position), 1),
+        indices=indices_all[:total],
+        padded_shape=(b, s),
+        key_lens=key_lens,
+    )
+
+
+_FUSED_UNPAD: dict = {}
+FUSED_UNPAD_ENV = "PACKED_ENCODERS_FUSED_UNPAD"
+
+
+def _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b: int) -> bool:
+    """Whether this call unpads with the two Triton launches of ``ops.triton.unpad`` (CUDA ids, Triton importable,
+    integer inputs; ``PACKED_ENCODERS_FUSED_UNPAD=0`` turns it off) instead of ~40 PyTorch ops."""
+    if input_ids is None or inputs_embeds is not None or input_ids.device.type != "cuda":
+        return False
+    if switched_off(FUSED_UNPAD_ENV):
+        return False
+    ok = _FUSED_UNPAD.get("importable")
+    if ok is None:
+        try:
+            from .ops.triton import unpad as triton_unpad  # noqa: F401
+            ok = True
+        except Exception:  # noqa: BLE001 - no (working) Triton: the PyTorch ops do the same work
+            ok = False
+        _FUSED_UNPAD["importable"] = ok
+    if not ok:
+        return False
+    from .ops.triton import unpad as triton_unpad
+
+    return triton_unpad.supported(attention_mask, input_ids, token_type_ids, position_ids, b)
+
+
+def _torch_unpad(input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, vocab_size: int,
+                 trailing_query_only: bool, b: int, s: int, device):
+    """The PyTorch layout of :func:`unpad` (and its reference): ``(stats, cu, ids, embeds, positions, indices,
+    key_lens)``; ``stats`` is a host list (the one sync)."""
     if attention_mask is None:
         real = torch.ones(b, s, dtype=torch.bool, device=device)
         bad_values = torch.zeros((), dtype=torch.long, device=device)
     else:
-        attention_mask = attention_mask.to(device)
         real = attention_mask != 0
         bad_values = (real & (attention_mask != 1)).sum()
     lens = real.sum(1)
@@ -193,28 +260,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     embeds_all = None if inputs_embeds is None else scatter(inputs_embeds.reshape(flat, -1))
 
     stats = torch.cat([seg.long(), torch.stack([c.long() for c in checks])]).tolist()  # the one sync
-    host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
-    _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} other values at real tokens)")
-    _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): real tokens must be contiguous "
-                       "(padding on the left and/or right only)")
-    _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
-    _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
-    _raise_if(n_negpos, "position_ids has {count} negative entries")
-
-    total = sum(host_lens)
-    max_seqlen = max(host_lens, default=0)
-    max_position = int(max_pos) + 1 if position_ids is not None else max_seqlen
-    return PackedBatch(
-        input_ids=None if ids_all is None else ids_all[:total],
-        inputs_embeds=None if embeds_all is None else embeds_all[:total],
-        cu_seqlens=cu,
-        max_seqlen=int(max_seqlen),
-        position_ids=pos_all[:total],
-        max_position=max(int(max_position), 1),
-        indices=indices_all[:total],
-        padded_shape=(b, s),
-        key_lens=lens.to(torch.int32) if trailing_query_only else None,
-    )
+    key_lens = lens.to(torch.int32) if trailing_query_only else None
+    return stats, cu, ids_all, embeds_all, pos_all, indices_all, key_lens
 
 
 def is_int_like(value) -> bool:
