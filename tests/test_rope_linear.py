@@ -157,10 +157,17 @@ def test_pair_table_cache_follows_the_live_buffer():
     first = cached_pair_freq_table(inv, 4, "cpu")
     assert cached_pair_freq_table(inv, 4, "cpu") is first  # a graph replay reads this table, rebuilt never
     torch.testing.assert_close(first, pair_freq_table(inv, 4))
+    import gc
+    import weakref
+
+    old = weakref.ref(first)
     inv.mul_(0.5)  # an in-place edit bumps the version: rebuilt
     second = cached_pair_freq_table(inv, 4, "cpu")
     assert second is not first
     torch.testing.assert_close(second, pair_freq_table(inv, 4))
+    del first
+    gc.collect()
+    assert old() is not None  # a graph captured with the old table may still read it: kept while inv lives
     other = inv.clone()
     assert cached_pair_freq_table(other, 4, "cpu") is not second
     by_theta = cached_pair_freq_table(("theta", 10000.0, 64), 4, "cpu")
@@ -187,3 +194,34 @@ def test_a_forward_whose_projections_all_rotate_builds_no_cos_sin(monkeypatch):
     with torch.no_grad():
         fwd.encoder_forward(model, params, batch, ops=ops)
     assert len(calls) == params.num_hidden_layers
+
+
+def test_inference_tensor_buffers_are_not_cached():
+    """Inference tensors have no version counter: the table is built per call (and nothing raises)."""
+    from packed_encoders.ops.rope import cached_pair_freq_table
+
+    with torch.inference_mode():
+        inv = _inv_freq()
+    a = cached_pair_freq_table(inv, 2, "cpu")
+    b = cached_pair_freq_table(inv, 2, "cpu")
+    assert a is not b
+    torch.testing.assert_close(a, b)
+
+
+def test_forward_of_a_model_moved_under_inference_mode():
+    from packed_encoders.batch import unpad
+    from packed_encoders.model.forward import encoder_forward
+    from packed_encoders.model.params import ModernBertParams
+
+    model = make_model("base_like")
+    with torch.inference_mode():
+        model.half().float()  # buffers become inference tensors
+        params = ModernBertParams.from_hf_config(model.config)
+        ids, mask = padded_batch([5, 8])
+        batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                      token_type_ids=None, vocab_size=model.config.vocab_size)
+        ops, calls = _rope_ops()
+        got = encoder_forward(model, params, batch, ops=ops)
+        want = encoder_forward(model, params, batch, ops=TORCH_OPS)
+    assert len(calls) == params.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -6,8 +6,11 @@ Measured on the H200 (``benchmarks/gemm_epilogue.py``, bf16, CUDA-graph GPU time
   ModernBERT-base 1.13x at 1,024 tokens, 1.19x at 2,048, 1.47x at 4,096, 1.47x at 7,424, 1.53x at 16k,
   1.40x at 123k; ModernBERT-large 1.46x at 7,424, 1.40x at 123k; 0.68-0.83x at 256-512 tokens. Hence
   :data:`GLU_MIN_TOKENS`.
-- ``Wqkv`` with RoPE in the epilogue (q, k) plus a plain GEMM for v, against the plain ``Wqkv`` GEMM and the
-  separate (or attention-fused) rotation: :data:`ROPE_MIN_TOKENS` (to be measured on the H200).
+- ``Wqkv`` with RoPE in the epilogue (q, k) plus a plain GEMM for v, against quack's plain ``Wqkv`` GEMM and the
+  separate RoPE pass: 1.20x at 4,096 tokens, 1.21x at 7,424, 1.16x at 16,384, 1.14x at 122,880 (H200,
+  ``benchmarks/gemm_epilogue.py --ops rope``). In the forward: indexing b128 +1.3-4.9 %, documents b8 with graphs
+  +3.7-7.4 % (in-process A/B). Not measured below 4,096 tokens, hence :data:`ROPE_MIN_TOKENS` (in graphs; the
+  eager rule is the plain projections' one, where quack's extra host time per launch stops mattering).
 - Plain projections (quack's ``gemm``, its default config) against cuBLAS ``F.linear``: shape-dependent, so
   only the measured winners are in :data:`LINEAR_MIN_TOKENS`. Base ``Wqkv`` (2304 x 768) 1.08x at 7,424 and
   1.11x at 123k; ``attn.Wo`` (768 x 768) 1.12x / 1.32x; ``mlp.Wo`` (768 x 1152) 1.07x / 1.14x; at 4,096

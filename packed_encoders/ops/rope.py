@@ -107,30 +107,41 @@ _PAIR_TABLES: dict = {}
 def cached_pair_freq_table(source, heads: int, device) -> torch.Tensor:
     """:func:`pair_freq_table` on ``device``, cached per source.
 
-    ``source``: HF's live ``inv_freq`` buffer (keyed by identity and ``_version``, so an in-place edit or a new
-    buffer rebuilds; the entry goes when the buffer does), or a hashable ``("theta", theta, head_dim)`` for HF's
-    default formula. A table is never cached while a CUDA graph is being captured (it would live in the graph's
-    memory pool and hold garbage until a replay): the capture then records the few small ops that build it. A graph
-    captured with a cached table keeps reading that table; rebuild graphs after editing ``inv_freq`` in place."""
+    ``source``: HF's live ``inv_freq`` buffer (keyed by identity and ``_version``: an in-place edit through the
+    tensor, or a new buffer, rebuilds; the entry goes when the buffer does), or a hashable
+    ``("theta", theta, head_dim)`` for HF's default formula. Not cached (built on each call, a few small device
+    ops): while a CUDA graph is being captured (the table would live in the graph's pool), and for inference
+    tensors (they have no version counter to notice edits by).
+
+    Captured graphs read the table they were captured with: an in-place edit of ``inv_freq`` after a capture is
+    not seen by them (as for a swapped submodule: call ``pe.set_cuda_graph(model, True)``). Edits through
+    ``.data`` do not bump the version and are not seen at all. A replaced table is kept while its buffer lives,
+    so such a graph never reads freed memory."""
     device = torch.device(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if isinstance(source, torch.Tensor):
+        if source.is_inference():
+            return pair_freq_table(source.to(device=device, dtype=torch.float32), heads)
         key = (id(source), heads, str(device))
         hit = _PAIR_TABLES.get(key)
         if hit is not None and hit[0]() is source and hit[1] == source._version:
             return hit[2]
         table = pair_freq_table(source.to(device=device, dtype=torch.float32), heads)
-        version, ref = source._version, weakref.ref(source, lambda _, k=key: _PAIR_TABLES.pop(k, None))
-    else:
-        key = (source, heads, str(device))
-        hit = _PAIR_TABLES.get(key)
-        if hit is not None:
-            return hit[2]
-        _, theta, head_dim = source
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-        table = pair_freq_table(1.0 / (theta ** exponent), heads)  # device ops only: capturable
-        version, ref = None, None
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _PAIR_TABLES[key] = (ref, version, table)
+        if capturing:
+            return table
+        retired = (hit[3] + [hit[2]]) if hit is not None and hit[0]() is source else []
+        ref = weakref.ref(source, lambda _, k=key: _PAIR_TABLES.pop(k, None))
+        _PAIR_TABLES[key] = (ref, source._version, table, retired)
+        return table
+    key = (source, heads, str(device))
+    hit = _PAIR_TABLES.get(key)
+    if hit is not None:
+        return hit[2]
+    _, theta, head_dim = source
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    table = pair_freq_table(1.0 / (theta ** exponent), heads)  # device ops only: capturable
+    if not capturing:
+        _PAIR_TABLES[key] = (None, None, table, [])
     return table
 
 
@@ -174,7 +185,8 @@ def rope_linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """Plain PyTorch ``rope_linear`` op: ``(q, k, v)`` of ``x @ weight.T + bias`` (``weight``: HF ``Wqkv``,
     ``[3 * num_heads * head_dim, K]``), each ``[T, num_heads, head_dim]``; q and k rotated at ``positions``
     (``[T]`` fp32) with the rates of ``freq`` (:func:`pair_freq_table` of ``2 * num_heads`` heads) and returned
-    in pair order, v in HF order. Rotation in fp32, q and k rounded once to ``x.dtype``."""
+    in pair order, v in HF order. The projection is rounded to ``x.dtype`` (as ``F.linear`` returns it), rotated
+    in fp32 and rounded again; the GEMM epilogue rotates the fp32 accumulator and rounds once."""
     t, n = x.shape[0], num_heads * head_dim
     qkv = torch.nn.functional.linear(x, weight, bias)
     qk = rotate_pairs(to_pair_order(qkv[:, :2 * n].float(), head_dim), positions, freq).to(x.dtype)

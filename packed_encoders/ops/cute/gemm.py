@@ -234,7 +234,9 @@ class _PairRotation:
         return x1 * c - x2 * s, x1 * s + x2 * c
 
     def __quack_semantic_key__(self):
-        return ("packed_encoders.rope_linear", "head-pairs", getattr(quack, "__version__", "?"))
+        # names the layout and every head_dim it is traced with (ROPE_HEAD_DIMS): extend both together
+        return ("packed_encoders.rope_linear", "head-pairs", tuple(sorted(ROPE_HEAD_DIMS)),
+                getattr(quack, "__version__", "?"))
 
 
 _ROTATE = _PairRotation()

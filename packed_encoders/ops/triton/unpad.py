@@ -20,7 +20,8 @@ from ._runtime import cdiv, device_guard, kernel, next_pow2
 SEG, FIRST, LENS, BAD, HOLES, OOV, TT, NEGPOS, MAXPOS = range(9)
 ROW_FIELDS = 9
 BLOCK = 1024       # columns per step of a row (256 for rows up to 256 wide: two compiled variants in all)
-MAX_ROWS = 16384   # the second kernel's prefix over rows is one block of next_pow2(B) lanes
+MAX_ROWS = 1024    # every program of the second kernel sums the row lengths before its row (O(B) lanes each):
+                   # larger batches take the PyTorch path, whose ops are no longer launch-bound there
 
 
 @kernel(do_not_specialize=("S", "vocab", "sm_b", "sm_s", "si_b", "si_s", "st_b", "st_s", "sp_b", "sp_s"))
