@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -130,6 +132,13 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         planned.append((model, state))
     for model, state in planned:
         install(model, state)
+    idle = sorted({str(model.embeddings.tok_embeddings.weight.device) for model, state in planned
+                   if state.options.cuda_graph is not None and model.embeddings.tok_embeddings.weight.device.type
+                   != "cuda"})
+    if idle:
+        warnings.warn(f"pack(cuda_graph=...): the model is on {', '.join(idle)}; CUDA graphs start once it is on a "
+                      "CUDA device, calls run eagerly until then (describe(model)['encoders'][i]['cuda_graph']"
+                      "['idle_reason'])", stacklevel=2)
     precapture_encoders(planned)
     return target
 
@@ -221,6 +230,10 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         raise PackedEncodersError("params do not match the model's config (ModernBertParams.from_hf_config)")
     if (packed_ids is None) == (inputs_embeds is None):
         raise PackedEncodersError("pass exactly one of packed_ids or inputs_embeds")
+    for name, t in (("packed_ids", packed_ids), ("cu_seqlens", cu_seqlens), ("position_ids", position_ids),
+                    ("inputs_embeds", inputs_embeds)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise PackedEncodersError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
     if packed_ids is not None and packed_ids.dim() != 1:
         raise PackedEncodersError(f"packed_ids must be 1-D [T]; got shape {tuple(packed_ids.shape)}")
     if inputs_embeds is not None:

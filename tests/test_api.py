@@ -244,3 +244,31 @@ def test_fp32_fp64_yardstick_path(monkeypatch):
     report = pe.validate(model).encoders[0]
     assert report.passed and any("fp64" in c for c in report.checks), report
     assert not hasattr(model, "_packed_encoders") and "forward" not in model.__dict__
+
+
+def test_cuda_graph_on_a_cpu_model_warns_at_pack():
+    import warnings as _w
+
+    import packed_encoders as pe
+
+    from .conftest import make_model
+
+    model = make_model("base_like")
+    with pytest.warns(UserWarning, match="CUDA graphs start once it is on a CUDA device"):
+        pe.pack(model, cuda_graph=True, validate=False)
+    pe.unpack(model)
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        pe.pack(model, validate=False)  # no graphs asked: nothing to say
+    pe.unpack(model)
+
+
+def test_packed_forward_names_a_non_tensor_argument():
+    import packed_encoders as pe
+
+    from .conftest import make_model
+
+    model = make_model("base_like")
+    ids = torch.randint(3, 200, (29,))
+    with pytest.raises(pe.PackedEncodersError, match="cu_seqlens must be a torch.Tensor"):
+        pe.packed_forward(model, None, ids, [0, 5, 8, 28, 29], 20)
