@@ -8,6 +8,7 @@ input checks); nothing else reads device values.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
@@ -143,9 +144,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
     if _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b):
-        from .ops.triton import unpad as triton_unpad
-
-        stats_t, cu, ids_all, pos_all, indices_all, key_lens = triton_unpad.unpad(
+        stats_t, cu, ids_all, pos_all, indices_all, key_lens = _triton_unpad().unpad(
             attention_mask, input_ids, token_type_ids, position_ids, vocab_size, trailing_query_only)
         embeds_all = None
         stats = stats_t.tolist()  # the one sync
@@ -177,8 +176,17 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     )
 
 
-_FUSED_UNPAD: dict = {}
 FUSED_UNPAD_ENV = "PACKED_ENCODERS_FUSED_UNPAD"
+
+
+@functools.cache
+def _triton_unpad():
+    """``ops.triton.unpad``, or ``None`` without a working Triton (imported once, on the first CUDA call)."""
+    try:
+        from .ops.triton import unpad as triton_unpad
+    except Exception:  # noqa: BLE001 - no (working) Triton: the PyTorch ops do the same work
+        return None
+    return triton_unpad
 
 
 def _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b: int) -> bool:
@@ -188,19 +196,8 @@ def _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, posit
         return False
     if switched_off(FUSED_UNPAD_ENV):
         return False
-    ok = _FUSED_UNPAD.get("importable")
-    if ok is None:
-        try:
-            from .ops.triton import unpad as triton_unpad  # noqa: F401
-            ok = True
-        except Exception:  # noqa: BLE001 - no (working) Triton: the PyTorch ops do the same work
-            ok = False
-        _FUSED_UNPAD["importable"] = ok
-    if not ok:
-        return False
-    from .ops.triton import unpad as triton_unpad
-
-    return triton_unpad.supported(attention_mask, input_ids, token_type_ids, position_ids, b)
+    kernels = _triton_unpad()
+    return kernels is not None and kernels.supported(attention_mask, input_ids, token_type_ids, position_ids, b)
 
 
 def _torch_unpad(input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, vocab_size: int,

@@ -162,7 +162,8 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     # RoPE inputs are built on first use: a forward whose q, k projections all rotate in their epilogue
     # (ops.rope_linear) needs no cos / sin, and each small op here is a kernel in every graph replay
     rope: dict = {}
-    pair_rope: dict = {}
+    pair_freq: dict = {}
+    positions = None
 
     def rope_tables_for(is_global: bool):
         if not rope:
@@ -170,16 +171,17 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         return rope[is_global]
 
     def rope_linear(normed: torch.Tensor, wqkv: nn.Linear, is_global: bool):
+        nonlocal positions
         if ops.rope_linear is None or grad:
             return None
-        if is_global not in pair_rope:
-            pair_rope[is_global] = rope_pair_inputs(model, params, device, is_global)
-        freq = pair_rope[is_global]
+        if is_global not in pair_freq:
+            pair_freq[is_global] = rope_pair_inputs(model, params, device, is_global)
+        freq = pair_freq[is_global]
         if freq is None:
             return None
-        if "positions" not in pair_rope:
-            pair_rope["positions"] = batch.position_ids.float()
-        return ops.rope_linear(normed, wqkv.weight, wqkv.bias, pair_rope["positions"], freq, nh, hd)
+        if positions is None:
+            positions = batch.position_ids.float()
+        return ops.rope_linear(normed, wqkv.weight, wqkv.bias, positions, freq, nh, hd)
 
     emb = model.embeddings
     if batch.inputs_embeds is not None:

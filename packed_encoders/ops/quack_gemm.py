@@ -286,8 +286,8 @@ def with_quack_gemms(base: OpSet) -> OpSet:
 
 
 def smoke_quack(device) -> None:
-    """Compile (or load from quack's disk cache) and run the GLU-epilogue GEMM and the plain GEMM on a small
-    bf16 problem and check them against fp32 references; raises on any failure."""
+    """Compile (or load from quack's disk cache) and run the GLU-epilogue GEMM, the plain GEMM and the
+    RoPE-epilogue GEMM on a small bf16 problem and check them against fp32 references; raises on any failure."""
     from .geglu import geglu_ref
     from .rope import pair_freq_table, rope_linear_ref
 

@@ -190,7 +190,6 @@ class _HeadPairs(threading.local):
 
 
 _HEAD_PAIRS = _HeadPairs()
-_PATCH_LOCK = threading.Lock()
 
 
 def head_pair_layout(a, dim: int, head_dim: int):
@@ -205,24 +204,26 @@ def head_pair_layout(a, dim: int, head_dim: int):
     return cute.make_tensor(a.iterator, cute.make_layout(shape, stride=stride))
 
 
-def _install_head_pairs() -> None:
+def _wrap_concat_to_interleave() -> None:
     """Wrap ``quack.layout_utils.concat_to_interleave`` (called at trace time for each operand named in
     ``concat_layout``) so that, inside ``_HEAD_PAIRS.on(head_dim)``, it builds :func:`head_pair_layout`. Outside
-    the block it is quack's function unchanged (the GLU GEMMs' ``(2, N / 2)``)."""
-    with _PATCH_LOCK:
-        current = _layout_utils.concat_to_interleave
-        if getattr(current, "_packed_encoders_head_pairs", False):
-            return
-        original = current
+    the block it is quack's function unchanged (the GLU GEMMs' ``(2, N / 2)``). Done once, when this module is
+    imported (a re-import finds the wrapper in place)."""
+    original = _layout_utils.concat_to_interleave
+    if getattr(original, "_packed_encoders_head_pairs", False):
+        return
 
-        def concat_to_interleave(a, dim):
-            head_dim = _HEAD_PAIRS.head_dim
-            if head_dim:
-                return head_pair_layout(a, dim, head_dim)
-            return original(a, dim)
+    def concat_to_interleave(a, dim):
+        head_dim = _HEAD_PAIRS.head_dim
+        if head_dim:
+            return head_pair_layout(a, dim, head_dim)
+        return original(a, dim)
 
-        concat_to_interleave._packed_encoders_head_pairs = True
-        _layout_utils.concat_to_interleave = concat_to_interleave
+    concat_to_interleave._packed_encoders_head_pairs = True
+    _layout_utils.concat_to_interleave = concat_to_interleave
+
+
+_wrap_concat_to_interleave()
 
 
 class _PairRotation:
@@ -290,7 +291,6 @@ def rope_linear(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, 
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    _install_head_pairs()
     with _HEAD_PAIRS.on(head_dim):
         _neox_pair_rope(x, weight.t(), None, out={"D": out}, config=config, tuned=False, concat_layout=("B",),
                         pos=positions, freq=freq)
