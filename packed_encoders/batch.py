@@ -98,13 +98,16 @@ def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
-          trailing_query_only: bool = False) -> PackedBatch:
+          trailing_query_only: bool = False, before_sync=None) -> PackedBatch:
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
     token unless ``position_ids`` ``[B, S]`` (or ``[1, S]``, broadcast) is given, which is then read
     at the real tokens. With ``trailing_query_only``, the padded positions after each non-empty row's last
     real token join its sequence as query-only tokens (see ``PackedBatch.key_lens``), positions continuing.
+    ``before_sync(ids, positions, cu_seqlens, key_lens)``, when given, is called just before the sync with the
+    device buffers the batch will be sliced from (``ids`` / ``positions`` hold ``B * S + 1`` rows, the first
+    ``cu_seqlens[-1]`` of them the batch's; ``ids`` is ``None`` for ``inputs_embeds``); it must not sync.
 
     Raises:
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
@@ -147,11 +150,13 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         stats_t, cu, ids_all, pos_all, indices_all, key_lens = _triton_unpad().unpad(
             attention_mask, input_ids, token_type_ids, position_ids, vocab_size, trailing_query_only)
         embeds_all = None
-        stats = stats_t.tolist()  # the one sync
     else:
-        stats, cu, ids_all, embeds_all, pos_all, indices_all, key_lens = _torch_unpad(
+        stats_t, cu, ids_all, embeds_all, pos_all, indices_all, key_lens = _torch_unpad(
             input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, vocab_size, trailing_query_only,
             b, s, device)
+    if before_sync is not None:
+        before_sync(ids_all, pos_all, cu, key_lens)
+    stats = stats_t.tolist()  # the one sync
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
     _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} other values at real tokens)")
     _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): real tokens must be contiguous "
@@ -203,7 +208,7 @@ def _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, posit
 def _torch_unpad(input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, vocab_size: int,
                  trailing_query_only: bool, b: int, s: int, device):
     """The PyTorch layout of :func:`unpad` (and its reference): ``(stats, cu, ids, embeds, positions, indices,
-    key_lens)``; ``stats`` is a host list (the one sync)."""
+    key_lens)``; ``stats`` is an int64 device tensor (the caller's one sync reads it)."""
     if attention_mask is None:
         real = torch.ones(b, s, dtype=torch.bool, device=device)
         bad_values = torch.zeros((), dtype=torch.long, device=device)
@@ -256,7 +261,7 @@ def _torch_unpad(input_ids, inputs_embeds, attention_mask, position_ids, token_t
     ids_all = None if input_ids is None else scatter(input_ids.reshape(-1))
     embeds_all = None if inputs_embeds is None else scatter(inputs_embeds.reshape(flat, -1))
 
-    stats = torch.cat([seg.long(), torch.stack([c.long() for c in checks])]).tolist()  # the one sync
+    stats = torch.cat([seg.long(), torch.stack([c.long() for c in checks])])
     key_lens = lens.to(torch.int32) if trailing_query_only else None
     return stats, cu, ids_all, embeds_all, pos_all, indices_all, key_lens
 

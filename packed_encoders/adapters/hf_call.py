@@ -20,7 +20,7 @@ from torch import nn
 
 from ..batch import PackedBatch, from_packed, is_int_like, unpad
 from ..errors import PackedEncodersError
-from ..graphs.route import graph_forward, poll_deferred, prepare, sync_free_forward
+from ..graphs.route import graph_forward, poll_deferred, prepare, prestage, sync_free_forward
 from ..model.forward import activation_dtype, encoder_forward, plan_attention
 from .structure import snapshot, structure_problem
 
@@ -164,7 +164,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
                                                        inputs_embeds=inputs_embeds is not None)
         batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                       position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=vocab_size,
-                      trailing_query_only=trailing)
+                      trailing_query_only=trailing,
+                      before_sync=None if prepared is None else functools.partial(prestage, prepared))
         squeeze = None
 
     hidden = [] if output_hidden_states else None

@@ -33,6 +33,7 @@ class GraphManager:
         self.precaptured_for: Any = None     # the fingerprint precapture last ran for
         self.weights: tuple | None = None     # parameter slots, listed once (see route.fingerprint)
         self.stream: Any = None               # side stream for warm-up and capture
+        self.inbox: Any = None                # ops.triton.stage.Inbox shared by the packed graphs (CUDA)
         self._runners: OrderedDict[Hashable, Any] = OrderedDict()
         self._failed: dict[Hashable, str] = {}
         self.hits = 0                         # calls served by an already captured graph (counted by the router)

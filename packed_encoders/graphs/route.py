@@ -117,9 +117,22 @@ def _capture_kw(model, mgr: GraphManager) -> dict:
 
 
 def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, query_only: bool = False):
-    from .runner import GraphRunner
+    from .runner import GraphRunner, fused_stage_available
 
-    return GraphRunner(model, state, bucket, requested, query_only=query_only, **_capture_kw(model, mgr))
+    device = model.embeddings.tok_embeddings.weight.device
+    fused = fused_stage_available(device)
+    return GraphRunner(model, state, bucket, requested, query_only=query_only, fused_stage=fused,
+                       inbox=_inbox(mgr, device) if fused else None, **_capture_kw(model, mgr))
+
+
+def _inbox(mgr: GraphManager, device: torch.device):
+    """The encoder's inbox on ``device``, sized for every admitted call (caller holds ``mgr.lock``)."""
+    inbox = mgr.inbox
+    if inbox is None or inbox.device != device:
+        from ..ops.triton.stage import Inbox
+
+        inbox = mgr.inbox = Inbox(mgr.config.token_limit, mgr.config.max_seqs, device)
+    return inbox
 
 
 def _precapture(model, state, mgr: GraphManager) -> None:
@@ -179,6 +192,35 @@ def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -
     return Prepared(mgr, mode, checked)
 
 
+PRESTAGE_ENV = "PACKED_ENCODERS_GRAPH_PRESTAGE"  # "0": stage after the sync (A/B, or to rule it out)
+
+
+def prestage(prepared: Prepared | None, ids: torch.Tensor | None, pos: torch.Tensor, cu: torch.Tensor,
+             key_lens: torch.Tensor | None) -> None:
+    """``unpad``'s hook before its host sync: copy the batch into the encoder's inbox, so that after the sync a
+    replay is one launch (see :mod:`packed_encoders.ops.triton.stage`). ``ids`` / ``pos`` may hold more rows
+    than the batch's tokens (``unpad``'s padded-size buffers). Skipped, leaving the staging to the replay, when
+    the call's modes refuse graphs, it is not on the model's CUDA device, it has more sequences than
+    ``max_seqs``, or the kernels cannot take it. The inbox then names ``prepared`` as its owner:
+    :func:`graph_forward` stages again when another call has filled it since."""
+    if prepared is None or prepared.fingerprint is None or ids is None or switched_off(PRESTAGE_ENV):
+        return
+    from ..ops.triton.stage import fill_inbox, fillable
+    from .runner import fused_stage_available
+
+    mgr = prepared.mgr
+    num = cu.shape[0] - 1
+    if num > mgr.config.max_seqs or not fillable(ids, pos, cu, key_lens) or not fused_stage_available(cu.device):
+        return  # (fused_stage_available: CUDA with Triton)
+    with mgr.lock:
+        if mgr.fingerprint is not prepared.fingerprint or mgr.fingerprint[0] != cu.device:
+            return  # the weights moved since prepare(), or the batch is on another device: no graph serves it
+        inbox = _inbox(mgr, cu.device)
+        _order_streams(mgr, cu.device)  # a replay on another stream may still read the inbox
+        fill_inbox(inbox, ids, pos, cu, key_lens)
+        inbox.owner = prepared
+
+
 def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, backend: str | None = None,
                   prepared: Prepared | None = None):
     """Serve ``batch`` from a captured graph and return ``finish(out)`` (``out``: a view of the static
@@ -218,7 +260,11 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
             mgr.note_fallback(B.POSITIONS)
             return None
         _order_streams(mgr, device)
-        out = runner.replay(batch, finish)
+        inbox = getattr(runner, "inbox", None)
+        staged = inbox is not None and prepared is not None and inbox.owner is prepared
+        out = runner.replay(batch, finish, staged=staged)
+        if inbox is not None:
+            inbox.owner = None  # a later replay must not take the inbox for its own batch
         mgr.hits += cached
     state.last_plan = dict(runner.plan_summary)
     state.last_fallbacks = list(runner.plan_reasons)

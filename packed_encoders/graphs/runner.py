@@ -1,9 +1,12 @@
 """`GraphRunner`: one captured packed forward for one bucket (CUDA; a capture-free mode runs anywhere).
 
 Static buffers: ``ids`` / ``pos`` int64 ``[tokens]``, ``cu`` int32 ``[seqs + 1]``; the output ``[tokens,
-hidden]`` lives in the shared graph pool. A replay stages the real batch into the buffers (no host sync): on
-CUDA with one Triton launch (:mod:`packed_encoders.ops.triton.stage`), elsewhere with device-to-device copies
-and a rewrite of the dummy/empty tail of ``cu`` from host ints. It then replays and hands the first ``T`` output rows to ``finish``, which must copy them (the caller owns the result).
+hidden]`` lives in the shared graph pool. On CUDA (with Triton) the graph's first node copies the batch from the
+encoder's shared :class:`~packed_encoders.ops.triton.stage.Inbox` into these buffers, reading only device
+values, so the router can fill the inbox before the call's host sync and the replay is one launch after it
+(:mod:`packed_encoders.ops.triton.stage`). Elsewhere a replay stages with device-to-device copies and a rewrite
+of the dummy/empty tail of ``cu`` from host ints. The replay hands the first ``T`` output rows to ``finish``,
+which must copy them (the caller owns the result).
 Padding rows keep whatever ids and positions they last held: always valid, and by construction
 (see :mod:`.buckets`) never visible to real tokens.
 """
@@ -34,8 +37,10 @@ class GraphRunner:
             the same layout and staging, on any device (CPU tests of the bucket layout use it).
         query_only: batches carry ``key_lens`` (query-only tails, ColBERT query expansion); a static ``kl``
             buffer is staged per replay, dummy sequences keep ``kl = seqlen`` (all their rows are keys).
-        fused_stage: stage each batch with the one-launch Triton kernel (:mod:`packed_encoders.ops.triton.stage`)
-            instead of five PyTorch ops; ``None``: on CUDA when Triton imports.
+        fused_stage: stage through an inbox and the in-graph Triton copy (:mod:`packed_encoders.ops.triton.stage`)
+            instead of five PyTorch ops per replay; ``None``: on CUDA when Triton imports.
+        inbox: the encoder's shared :class:`~packed_encoders.ops.triton.stage.Inbox` (``fused_stage`` only; ``None``:
+            one of the bucket's size, owned by this runner). It must stay on this device.
 
     Raises:
         PackedEncodersError: the requested backend cannot run the bucket (as the eager path would).
@@ -43,7 +48,8 @@ class GraphRunner:
     """
 
     def __init__(self, model, state, bucket: Bucket, requested: str, *, pool=None, stream=None, warmup: int = 1,
-                 capture: bool = True, query_only: bool = False, fused_stage: bool | None = None):
+                 capture: bool = True, query_only: bool = False, fused_stage: bool | None = None,
+                 inbox=None):
         params = state.params
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
@@ -70,25 +76,33 @@ class GraphRunner:
             self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, batch, requested, weight.dtype,
                                                                            state.policy, graph=capture)
             ops, plan = state.ops, self.plan
+            self.inbox = None
+            if self.fused_stage:
+                from ..ops.triton.stage import Inbox, unbox
+
+                self.inbox = inbox if inbox is not None else Inbox(t, n, device)
+                if self.inbox.device != device:
+                    raise RuntimeError(f"an inbox on {self.inbox.device} for a graph on {device} (router bug)")
 
             def forward():
+                if self.inbox is not None:  # captured: the replay reads whatever batch the inbox holds then
+                    unbox(self.inbox, self.ids, self.pos, self.cu, self.kl, s)
                 return encoder_forward(model, params, batch, attention=plan, ops=ops)
 
             self.graph, self._forward, self.out = capture_or_run(forward, device, capture, pool, stream, warmup)
         static = (self.steps, self.cu, self.ids, self.pos, self.out) + ((self.kl,) if query_only else ())
         self.static_bytes = sum(x.numel() * x.element_size() for x in static)
 
-    def replay(self, batch: PackedBatch, finish):
+    def replay(self, batch: PackedBatch, finish, staged: bool = False):
         """Serve ``batch`` (within the bucket, on this device; the router checked) and return
-        ``finish(out[:T])``; ``finish`` must copy. Launches copies and the graph on the current stream."""
+        ``finish(out[:T])``; ``finish`` must copy. Launches copies and the graph on the current stream.
+        ``staged``: the inbox already holds ``batch`` (filled before the sync, nothing written since)."""
         total, num = batch.total_tokens, batch.num_seqs
         if (batch.key_lens is None) != (self.kl is None):
             raise RuntimeError("graph bucket captured with and without key_lens mixed up (router bug)")
-        if self.fused_stage and _stageable(batch):
-            from ..ops.triton.stage import stage
-
-            stage(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.key_lens, self.ids, self.pos, self.cu,
-                  self.kl, self.bucket.seqlen)
+        if self.inbox is not None:
+            if not staged:
+                fill_from(self.inbox, batch)
         else:
             self.ids[:total].copy_(batch.input_ids)
             self.pos[:total].copy_(batch.position_ids)
@@ -122,16 +136,20 @@ def triton_kernels_available(device: torch.device, module: str) -> bool:
 
 
 def fused_stage_available(device: torch.device) -> bool:
-    """Whether the one-launch staging kernel (:mod:`packed_encoders.ops.triton.stage`) can run on ``device``."""
+    """Whether the inbox staging kernels (:mod:`packed_encoders.ops.triton.stage`) can run on ``device``."""
     return triton_kernels_available(device, "stage")
 
 
-def _stageable(batch: PackedBatch) -> bool:
-    """The kernel's contract: int64 ids / positions, int32 ``cu_seqlens`` / ``key_lens``, all contiguous."""
+def fill_from(inbox, batch: PackedBatch) -> None:
+    """Fill ``inbox`` with ``batch`` after its sync (one launch; dtypes and layout normalised for the kernel)."""
+    from ..ops.triton.stage import fill_inbox, fillable
+
     ids, pos, cu, kl = batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.key_lens
-    return (ids is not None and ids.dtype == torch.long and pos.dtype == torch.long and cu.dtype == torch.int32
-            and (kl is None or (kl.dtype == torch.int32 and kl.is_contiguous()))
-            and ids.is_contiguous() and pos.is_contiguous() and cu.is_contiguous())
+    if not fillable(ids, pos, cu, kl):
+        ids, pos = ids.long().contiguous(), pos.long().contiguous()
+        cu = cu.to(torch.int32).contiguous()
+        kl = None if kl is None else kl.to(torch.int32).contiguous()
+    fill_inbox(inbox, ids, pos, cu, kl)
 
 
 def theta_tables(model, params, rows: int, device) -> list:

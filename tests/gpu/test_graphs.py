@@ -310,6 +310,48 @@ def test_inference_mode_and_streams():
     assert info(model)["misses"] == 1 and info(model)["hits"] == 3
 
 
+def test_inbox_is_filled_before_the_sync_and_refilled_when_taken(monkeypatch):
+    """A graph call copies its batch into the inbox before its one sync and launches only the graph after it;
+    a call whose inbox another call (here on another stream) refilled in between stages again."""
+    import functools
+
+    from packed_encoders import batch as PB
+    from packed_encoders.graphs import route
+    from packed_encoders.ops.triton import stage
+
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
+    vocab = model.config.vocab_size
+    (ids_a, mask_a), (ids_b, mask_b) = padded([33, 12, 90], vocab, 1), padded([60, 30, 45], vocab, 2)  # one bucket
+    with torch.no_grad():
+        with pe.no_cuda_graph(model):
+            want_a, want_b = fwd(model, ids_a, mask_a), fwd(model, ids_b, mask_b)
+        fwd(model, ids_a, mask_a)  # capture
+        events = []
+        real_fill, real_tolist = stage.fill_inbox, torch.Tensor.tolist
+        monkeypatch.setattr(stage, "fill_inbox", lambda *a: events.append("fill") or real_fill(*a))
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: events.append("sync") or real_tolist(t))
+        got_a = fwd(model, ids_a, mask_a)
+        assert events == ["fill", "sync"]
+        state = get_state(model)
+        prepared = route.prepare(model, state, hidden_states=False)
+        batch_a = PB.unpad(input_ids=ids_a, inputs_embeds=None, attention_mask=mask_a, position_ids=None,
+                           token_type_ids=None, vocab_size=vocab, before_sync=functools.partial(route.prestage, prepared))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got_b = fwd(model, ids_b, mask_b)
+        events.clear()
+        again_a = route.graph_forward(model, state, batch_a, batch_a.pad, prepared=prepared)
+        assert events == ["fill"]
+        torch.cuda.synchronize()
+    assert torch.equal(again_a, got_a)  # the same graph on the same batch
+    assert info(model)["misses"] == 1  # a and b shared the graph (and its buffers)
+    for got, want, mask in ((got_a, want_a, mask_a), (got_b, want_b, mask_b)):
+        real = mask.bool()
+        cos = torch.nn.functional.cosine_similarity(got[real].float(), want[real].float(), dim=-1)
+        assert float(cos.min()) >= 0.995
+
+
 def test_precapture_at_pack_and_set_cuda_graph():
     cfg = GraphConfig().with_precapture(8, 8, 512)
     model = pe.pack(make_model("tiny64"), validate=True, cuda_graph=cfg)

@@ -1,0 +1,148 @@
+"""The graph inbox (``ops.triton.stage``): a batch is copied into fixed-address buffers before the call's host
+sync and into the bucket's buffers by the graph's first node, so that after the sync a replay is one launch.
+On CPU under the Triton interpreter, with capture-free runners (the same layout and kernels as a capture)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+
+import packed_encoders as pe  # noqa: E402
+from packed_encoders import batch as PB  # noqa: E402
+from packed_encoders.adapters.state import get_state  # noqa: E402
+from packed_encoders.graphs import route  # noqa: E402
+from packed_encoders.graphs import runner as grunner  # noqa: E402
+from packed_encoders.graphs.buckets import bucket_for  # noqa: E402
+from packed_encoders.graphs.config import GraphConfig  # noqa: E402
+from packed_encoders.ops.triton import stage  # noqa: E402
+
+from .test_graphs_logic import VOCAB, batch_of, padded, tiny_model  # noqa: E402
+
+
+def _torch_staging(batch, bucket, ids, pos, cu, kl):
+    """What the runner's PyTorch staging writes (its reference)."""
+    total, num = batch.total_tokens, batch.num_seqs
+    ids[:total] = batch.input_ids
+    pos[:total] = batch.position_ids
+    cu[:num + 1] = batch.cu_seqlens
+    cu[num + 1:] = torch.tensor(bucket.dummy_tail(total, num), dtype=torch.int32)
+    if kl is not None:
+        kl[:num] = batch.key_lens
+
+
+@pytest.mark.parametrize("lengths,query_only", [([5, 17, 33], False), ([40] * 7, False), ([1, 0, 64], False),
+                                                ([3, 0, 9], True)])
+def test_fill_then_unbox_writes_what_the_torch_staging_writes(lengths, query_only):
+    batch = batch_of(lengths)
+    kl = torch.tensor(lengths, dtype=torch.int32) if query_only else None
+    batch = type(batch)(**{**batch.__dict__, "key_lens": kl})
+    bucket = bucket_for(GraphConfig(max_seqlen=64), batch.num_seqs, batch.total_tokens, batch.max_seqlen)
+    inbox = stage.Inbox(512, 16, torch.device("cpu"))
+    # extra rows past T (unpad's padded-size buffers) must be ignored: T is read on the device
+    spare = torch.full((5,), 99, dtype=torch.long)
+    stage.fill_inbox(inbox, torch.cat([batch.input_ids, spare]), torch.cat([batch.position_ids, spare]),
+                     batch.cu_seqlens, kl)
+    assert int(inbox.num) == batch.num_seqs
+    got = [torch.full((bucket.tokens,), 7, dtype=torch.long), torch.full((bucket.tokens,), 3, dtype=torch.long),
+           torch.zeros(bucket.seqs + 1, dtype=torch.int32)] + ([torch.zeros(bucket.seqs, dtype=torch.int32)]
+                                                                if query_only else [])
+    want = [t.clone() for t in got]
+    stage.unbox(inbox, *got[:3], got[3] if query_only else None, bucket.seqlen)
+    _torch_staging(batch, bucket, *want[:3], want[3] if query_only else None)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)  # padding rows untouched (7 / 3), real rows and cu_seqlens tail as the reference
+
+
+def test_fill_stops_at_the_inbox_size():
+    batch = batch_of([30, 30])
+    inbox = stage.Inbox(40, 4, torch.device("cpu"))
+    inbox.ids.fill_(-1)
+    stage.fill_inbox(inbox, batch.input_ids, batch.position_ids, batch.cu_seqlens, None)
+    assert torch.equal(inbox.ids, batch.input_ids[:40])  # no write past the buffer; never replayed (admission)
+
+
+@pytest.fixture
+def inbox_graphs(monkeypatch):
+    """Route on CPU with capture-free runners staged through the encoder's inbox (the CUDA layout); logs
+    inbox fills and host syncs in call order."""
+    events = []
+    real_mode, real_fill, real_tolist = route._mode_facts, stage.fill_inbox, torch.Tensor.tolist
+
+    def mode(*a, **k):
+        return {**real_mode(*a, **k), "model_on_cuda": True}
+
+    def build(model, state, mgr, bucket, requested, query_only=False):
+        return grunner.GraphRunner(model, state, bucket, requested, capture=False, query_only=query_only,
+                                   fused_stage=True, inbox=route._inbox(mgr, torch.device("cpu")))
+
+    def fill(*a, **k):
+        events.append("fill")
+        return real_fill(*a, **k)
+
+    def tolist(self):
+        events.append("sync")
+        return real_tolist(self)
+
+    monkeypatch.setattr(route, "_mode_facts", mode)
+    monkeypatch.setattr(route, "_build", build)
+    monkeypatch.setattr(grunner, "fused_stage_available", lambda device: True)
+    monkeypatch.setattr(stage, "fill_inbox", fill)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    monkeypatch.setattr(PB, "_fused_unpad", lambda *a: False)  # the PyTorch unpad (one tolist): events stay simple
+    monkeypatch.delenv("PACKED_ENCODERS_GRAPH", raising=False)
+    return events
+
+
+def _forward(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+@pytest.mark.parametrize("padded_outputs", ["zeros", "all"])
+def test_a_graph_call_stages_before_its_sync_only(inbox_graphs, padded_outputs):
+    model = tiny_model()
+    calls = [padded([5, 17, 33]), padded([4, 9], seed=1), padded([30, 2, 8, 11], seed=2), padded([5, 17, 33])]
+    with torch.no_grad():
+        pe.pack(model, validate=False, padded_outputs=padded_outputs)
+        eager = [_forward(model, ids, mask) for ids, mask in calls]
+        pe.pack(model, validate=False, padded_outputs=padded_outputs, cuda_graph=True)
+        for (ids, mask), want in zip(calls, eager):
+            inbox_graphs.clear()
+            got = _forward(model, ids, mask)
+            assert inbox_graphs == ["fill", "sync"]  # nothing staged after the sync
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    info = pe.describe(model)["encoders"][0]["cuda_graph"]
+    assert info["hits"] >= 1 and not info["fallbacks"]
+
+
+def test_a_call_whose_inbox_was_refilled_stages_again(inbox_graphs):
+    """Call A fills the inbox before its sync; call B fills and replays before A's replay: A must serve its
+    own batch (it stages again after its sync), not B's."""
+    model = tiny_model()
+    (ids_a, mask_a), (ids_b, mask_b) = padded([5, 17, 33]), padded([4, 9, 12], seed=1)
+    with torch.no_grad():
+        pe.pack(model, validate=False)
+        want_a = _forward(model, ids_a, mask_a)
+        pe.pack(model, validate=False, cuda_graph=True)
+        _forward(model, ids_b, mask_b)  # captures the bucket
+        state = get_state(model)
+        prepared = route.prepare(model, state, hidden_states=False)
+        batch_a = PB.unpad(input_ids=ids_a, inputs_embeds=None, attention_mask=mask_a, position_ids=None,
+                           token_type_ids=None, vocab_size=VOCAB, before_sync=functools.partial(route.prestage, prepared))
+        _forward(model, ids_b, mask_b)
+        inbox_graphs.clear()
+        got_a = route.graph_forward(model, state, batch_a, batch_a.pad, prepared=prepared)
+    assert inbox_graphs == ["fill"]  # staged again after the sync
+    torch.testing.assert_close(got_a, want_a, atol=2e-5, rtol=2e-5)
+
+
+def test_refused_calls_leave_the_inbox_alone(inbox_graphs):
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    ids, mask = padded([5, 17])
+    _forward(model, ids, mask)  # grad enabled: refused before the sync
+    assert "fill" not in inbox_graphs
