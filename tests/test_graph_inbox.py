@@ -146,3 +146,16 @@ def test_refused_calls_leave_the_inbox_alone(inbox_graphs):
     ids, mask = padded([5, 17])
     _forward(model, ids, mask)  # grad enabled: refused before the sync
     assert "fill" not in inbox_graphs
+
+
+def test_unbox_stays_inside_the_bucket_whatever_the_inbox_holds():
+    """A batch larger than the bucket (never replayed by the router) still yields ``cu_seqlens`` inside the
+    bucket's rows and sequence count: garbage at worst, never an out-of-bounds read in the graph."""
+    batch = batch_of([40, 40, 40, 40, 40])
+    inbox = stage.Inbox(512, 16, torch.device("cpu"))
+    stage.fill_inbox(inbox, batch.input_ids, batch.position_ids, batch.cu_seqlens, None)
+    ids, pos = torch.zeros(64, dtype=torch.long), torch.zeros(64, dtype=torch.long)
+    cu = torch.full((4,), -1, dtype=torch.int32)  # 3 sequences of a 64-token bucket
+    stage.unbox(inbox, ids, pos, cu, None, 64)
+    assert cu.tolist() == [0, 40, 64, 64]
+    assert torch.equal(ids, batch.input_ids[:64])

@@ -45,7 +45,9 @@ def _fill_kernel(IDS, POS, CU, KL, IN_IDS, IN_POS, IN_CU, IN_KL, IN_NUM, num, li
 def _unbox_kernel(IN_IDS, IN_POS, IN_CU, IN_KL, IN_NUM, OUT_IDS, OUT_POS, OUT_CU, OUT_KL, seqs, seqlen, tokens,
                   rows, BLOCK: tl.constexpr, BLOCK_CU: tl.constexpr, HAS_KL: tl.constexpr):
     pid = tl.program_id(0)
-    num = tl.load(IN_NUM)
+    # Clamped to the bucket so that whatever the inbox holds, the graph reads inside its buffers (the router
+    # only replays a batch that fits; a replay of anything else computes garbage, never out of bounds).
+    num = tl.minimum(tl.load(IN_NUM), seqs)
     total = tl.minimum(tl.load(IN_CU + num), tokens)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < tl.minimum(total, rows)  # rows: what both buffers hold (admission keeps T below it)
@@ -54,7 +56,7 @@ def _unbox_kernel(IN_IDS, IN_POS, IN_CU, IN_KL, IN_NUM, OUT_IDS, OUT_POS, OUT_CU
     if pid == 0:
         j = tl.arange(0, BLOCK_CU)
         real = j <= num
-        given = tl.load(IN_CU + j, mask=real, other=0)
+        given = tl.minimum(tl.load(IN_CU + j, mask=real, other=0), tokens)
         # the bucket's dummy sequences of <= seqlen padding tokens, then empty ones (graphs.runner)
         dummy = tl.minimum(total + (j - num) * seqlen, tokens)
         tl.store(OUT_CU + j, tl.where(real, given, dummy).to(tl.int32), mask=j <= seqs)
