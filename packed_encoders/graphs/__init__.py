@@ -21,7 +21,9 @@ call removes that floor. Design, and why:
   next session's tests and ``benchmarks/graphs.py --variants graphs,graphs_sync_free``).
 - **One pool per encoder** shared by its graphs, packed and rectangular (replays are serialised by a lock
   and, across streams, by a stream wait), warm-up on a side stream, static input buffers, outputs copied for
-  the caller.
+  the caller. A call copies its batch into the encoder's fixed-address inbox before its host sync, and each
+  graph's first node copies it on into the bucket's buffers, so after the sync a replay is one launch
+  (:mod:`packed_encoders.ops.triton.stage`; on CPU the runner stages with PyTorch copies).
 - **Eager whenever the graph could differ** from the eager forward: grad, autocast, dropout,
   ``output_hidden_states``, ``inputs_embeds``, another device, out of bounds, the kill switch
   ``PACKED_ENCODERS_GRAPH=0``, or inside ``no_cuda_graph(model)``. Graphs are dropped when the weights'
