@@ -157,12 +157,14 @@ def _order_streams(mgr: GraphManager, device: torch.device) -> None:
 
 
 class Prepared(NamedTuple):
-    """What :func:`prepare` read before the call's host sync: the manager, the mode facts, and the weights
-    fingerprint it checked (``None``: not checked)."""
+    """What :func:`prepare` read before the call's host sync: the manager, the mode facts, the weights
+    fingerprint it checked (``None``: not checked), and the call's token for inbox ownership (a bare object,
+    so the inbox never references the manager back)."""
 
     mgr: GraphManager
     mode: dict
     fingerprint: Any
+    token: Any = None
 
 
 def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -> Prepared | None:
@@ -189,7 +191,7 @@ def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -
             mgr.check_fingerprint(fp)
             _precapture(model, state, mgr)
             checked = mgr.fingerprint
-    return Prepared(mgr, mode, checked)
+    return Prepared(mgr, mode, checked, object())
 
 
 PRESTAGE_ENV = "PACKED_ENCODERS_GRAPH_PRESTAGE"  # "0": stage after the sync (A/B, or to rule it out)
@@ -201,8 +203,9 @@ def prestage(prepared: Prepared | None, ids: torch.Tensor | None, pos: torch.Ten
     replay is one launch (see :mod:`packed_encoders.ops.triton.stage`). ``ids`` / ``pos`` may hold more rows
     than the batch's tokens (``unpad``'s padded-size buffers). Skipped, leaving the staging to the replay, when
     the call's modes refuse graphs, it is not on the model's CUDA device, it has more sequences than
-    ``max_seqs``, or the kernels cannot take it. The inbox then names ``prepared`` as its owner:
-    :func:`graph_forward` stages again when another call has filled it since."""
+    ``max_seqs``, or the kernels cannot take it. The inbox then names ``prepared.token`` as its owner:
+    :func:`graph_forward` stages again when another call has filled it (or a capture has emptied it) since. A
+    call that admission refuses after the sync has paid one launch here for nothing."""
     if prepared is None or prepared.fingerprint is None or ids is None or switched_off(PRESTAGE_ENV):
         return
     from ..ops.triton.stage import fill_inbox, fillable
@@ -218,7 +221,7 @@ def prestage(prepared: Prepared | None, ids: torch.Tensor | None, pos: torch.Ten
         inbox = _inbox(mgr, cu.device)
         _order_streams(mgr, cu.device)  # a replay on another stream may still read the inbox
         fill_inbox(inbox, ids, pos, cu, key_lens)
-        inbox.owner = prepared
+        inbox.owner = prepared.token
 
 
 def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, backend: str | None = None,
@@ -261,10 +264,10 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
             return None
         _order_streams(mgr, device)
         inbox = getattr(runner, "inbox", None)
-        staged = inbox is not None and prepared is not None and inbox.owner is prepared
-        out = runner.replay(batch, finish, staged=staged)
+        staged = inbox is not None and prepared.token is not None and inbox.owner is prepared.token
         if inbox is not None:
-            inbox.owner = None  # a later replay must not take the inbox for its own batch
+            inbox.owner = None  # cleared before the replay: if it raises, no later call takes the inbox as its own
+        out = runner.replay(batch, finish, staged=staged)
         mgr.hits += cached
     state.last_plan = dict(runner.plan_summary)
     state.last_fallbacks = list(runner.plan_reasons)

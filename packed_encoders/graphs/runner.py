@@ -83,6 +83,10 @@ class GraphRunner:
                 self.inbox = inbox if inbox is not None else Inbox(t, n, device)
                 if self.inbox.device != device:
                     raise RuntimeError(f"an inbox on {self.inbox.device} for a graph on {device} (router bug)")
+                # The warm-up reads the inbox: empty it (on the current stream, which the warm-up waits for), or
+                # it would run on whatever an earlier call left, a batch that may not fit this bucket or that
+                # failed its input checks. The call being served then stages again (owner cleared).
+                self.inbox.clear()
 
             def forward():
                 if self.inbox is not None:  # captured: the replay reads whatever batch the inbox holds then

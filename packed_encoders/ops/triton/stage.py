@@ -45,8 +45,9 @@ def _fill_kernel(IDS, POS, CU, KL, IN_IDS, IN_POS, IN_CU, IN_KL, IN_NUM, num, li
 def _unbox_kernel(IN_IDS, IN_POS, IN_CU, IN_KL, IN_NUM, OUT_IDS, OUT_POS, OUT_CU, OUT_KL, seqs, seqlen, tokens,
                   rows, BLOCK: tl.constexpr, BLOCK_CU: tl.constexpr, HAS_KL: tl.constexpr):
     pid = tl.program_id(0)
-    # Clamped to the bucket so that whatever the inbox holds, the graph reads inside its buffers (the router
-    # only replays a batch that fits; a replay of anything else computes garbage, never out of bounds).
+    # Clamped to the bucket so that this copy stays inside its buffers whatever the inbox holds. That does not
+    # make any batch safe to run: the router replays a graph only on a batch that fits its bucket, and empties
+    # the inbox before a warm-up or capture (Inbox.clear).
     num = tl.minimum(tl.load(IN_NUM), seqs)
     total = tl.minimum(tl.load(IN_CU + num), tokens)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -67,8 +68,9 @@ def _unbox_kernel(IN_IDS, IN_POS, IN_CU, IN_KL, IN_NUM, OUT_IDS, OUT_POS, OUT_CU
 class Inbox:
     """Fixed-address buffers holding the packed batch the next replay serves: int64 ``ids`` / ``pos``
     ``[tokens]``, int32 ``cu`` ``[seqs + 1]``, ``kl`` ``[seqs]`` and ``num`` ``[1]`` (the batch's ``N``), on
-    ``device``. Zero-filled: a graph captured before any fill reads an empty batch (all rows padding).
-    ``owner`` names whoever filled it last (the router compares it before a replay)."""
+    ``device``. Created empty (``N = 0``: a graph run on it sees only padding), and emptied again by
+    :meth:`clear` before every warm-up and capture. ``owner`` is the token of the call that filled it last
+    (the router compares it before a replay)."""
 
     def __init__(self, tokens: int, seqs: int, device: torch.device):
         self.tokens, self.seqs, self.device = int(tokens), int(seqs), device
@@ -79,8 +81,11 @@ class Inbox:
         self.num = torch.zeros(1, dtype=torch.int32, device=device)
         self.owner = None
 
-    def fits(self, num: int, device: torch.device) -> bool:
-        return num <= self.seqs and device == self.device
+    def clear(self) -> None:
+        """Make the inbox hold an empty batch (two small writes on the current stream) and drop its owner."""
+        self.num.zero_()
+        self.cu[:1].zero_()
+        self.owner = None
 
 
 def fillable(ids: torch.Tensor | None, pos: torch.Tensor, cu: torch.Tensor, kl: torch.Tensor | None) -> bool:
@@ -100,9 +105,14 @@ def fill_inbox(inbox: Inbox, ids: torch.Tensor, pos: torch.Tensor, cu: torch.Ten
     ``ids`` / ``pos`` hold at least ``T = cu[N]`` rows (extra rows are ignored: ``unpad``'s ``[B * S + 1]``
     buffers can be passed before ``T`` is known on the host); ``cu`` int32 ``[N + 1]`` with ``N <=
     inbox.seqs``; ``kl`` int32 ``[N]`` or ``None``. Rows past ``inbox.tokens`` are not copied (such a batch is
-    never replayed). The caller checks :func:`fillable` and ``inbox.fits``.
+    never replayed). The caller checks :func:`fillable`.
+
+    Raises:
+        RuntimeError: more sequences than the inbox holds (a caller bug: admission bounds them).
     """
     num = cu.shape[0] - 1
+    if num > inbox.seqs:
+        raise RuntimeError(f"{num} sequences for an inbox of {inbox.seqs}")
     rows = min(ids.shape[0], inbox.tokens)
     has_kl = kl is not None
     with device_guard(ids):
