@@ -104,11 +104,12 @@ def _forward(model, ids, mask):
     return model(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
-@pytest.mark.parametrize("padded_outputs", ["zeros", "all"])
-def test_a_graph_call_stages_before_its_sync_only(inbox_graphs, padded_outputs):
+@pytest.mark.parametrize("padded_outputs,grad_mode", [("zeros", torch.no_grad), ("all", torch.no_grad),
+                                                       ("zeros", torch.inference_mode)])
+def test_a_graph_call_stages_before_its_sync_only(inbox_graphs, padded_outputs, grad_mode):
     model = tiny_model()
     calls = [padded([5, 17, 33]), padded([4, 9], seed=1), padded([30, 2, 8, 11], seed=2), padded([5, 17, 33])]
-    with torch.no_grad():
+    with grad_mode():
         pe.pack(model, validate=False, padded_outputs=padded_outputs)
         eager = [_forward(model, ids, mask) for ids, mask in calls]
         pe.pack(model, validate=False, padded_outputs=padded_outputs, cuda_graph=True)

@@ -74,17 +74,20 @@ class Inbox:
 
     def __init__(self, tokens: int, seqs: int, device: torch.device):
         self.tokens, self.seqs, self.device = int(tokens), int(seqs), device
-        self.ids = torch.zeros(self.tokens, dtype=torch.long, device=device)
-        self.pos = torch.zeros(self.tokens, dtype=torch.long, device=device)
-        self.cu = torch.zeros(self.seqs + 1, dtype=torch.int32, device=device)
-        self.kl = torch.zeros(self.seqs, dtype=torch.int32, device=device)
-        self.num = torch.zeros(1, dtype=torch.int32, device=device)
+        # normal tensors even when created under inference_mode: clear() writes them in place from any mode
+        with torch.inference_mode(False):
+            self.ids = torch.zeros(self.tokens, dtype=torch.long, device=device)
+            self.pos = torch.zeros(self.tokens, dtype=torch.long, device=device)
+            self.cu = torch.zeros(self.seqs + 1, dtype=torch.int32, device=device)
+            self.kl = torch.zeros(self.seqs, dtype=torch.int32, device=device)
+            self.num = torch.zeros(1, dtype=torch.int32, device=device)
         self.owner = None
 
     def clear(self) -> None:
         """Make the inbox hold an empty batch (two small writes on the current stream) and drop its owner."""
-        self.num.zero_()
-        self.cu[:1].zero_()
+        with torch.inference_mode(False), torch.no_grad():
+            self.num.zero_()
+            self.cu[:1].zero_()
         self.owner = None
 
 
