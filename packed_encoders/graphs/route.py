@@ -121,6 +121,7 @@ def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, quer
 
     device = model.embeddings.tok_embeddings.weight.device
     fused = fused_stage_available(device)
+    _order_streams(mgr, device)  # the capture empties the shared inbox, which a replay on another stream may read
     return GraphRunner(model, state, bucket, requested, query_only=query_only, fused_stage=fused,
                        inbox=_inbox(mgr, device) if fused else None, **_capture_kw(model, mgr))
 
