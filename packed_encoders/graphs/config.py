@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numbers
 from dataclasses import dataclass, field, fields, replace
 
@@ -187,7 +189,7 @@ class GraphConfig:
             return self.max_tokens
         return min(DEFAULT_MAX_TOKENS, self.max_seqs * self.max_seqlen)
 
-    @property
+    @functools.cached_property  # read by every admitted call; the config is frozen
     def seqlen_grid(self) -> tuple[int, ...]:
         """Every seqlen bucket, increasing; the last is ``max_seqlen``."""
         if self.seqlen_buckets is None:

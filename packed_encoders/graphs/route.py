@@ -166,6 +166,7 @@ class Prepared(NamedTuple):
     mode: dict
     fingerprint: Any
     token: Any = None
+    device: Any = None  # the model's device when the modes were accepted (``fingerprint`` set)
 
 
 def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -> Prepared | None:
@@ -192,7 +193,7 @@ def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -
             mgr.check_fingerprint(fp)
             _precapture(model, state, mgr)
             checked = mgr.fingerprint
-    return Prepared(mgr, mode, checked, object())
+    return Prepared(mgr, mode, checked, object(), weight.device)
 
 
 PRESTAGE_ENV = "PACKED_ENCODERS_GRAPH_PRESTAGE"  # "0": stage after the sync (A/B, or to rule it out)
@@ -240,7 +241,11 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
         weight = model.embeddings.tok_embeddings.weight
         prepared = Prepared(mgr, _mode_facts(model, state, weight, hidden_states), None)
     mgr = prepared.mgr
-    bucket = admit(mgr.config, call_facts(model, state, batch, hidden_states=hidden_states, mode=prepared.mode))
+    if prepared.fingerprint is not None:  # prepare() accepted the modes, with the model on CUDA
+        bucket = B.admit_sizes(mgr.config, batch.device == prepared.device, batch.num_seqs, batch.total_tokens,
+                               batch.max_seqlen)
+    else:
+        bucket = admit(mgr.config, call_facts(model, state, batch, hidden_states=hidden_states, mode=prepared.mode))
     if isinstance(bucket, str):
         mgr.note_fallback(bucket)
         if bucket == B.NOT_CUDA and len(mgr):
