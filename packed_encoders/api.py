@@ -108,6 +108,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     """
     from .validation import ValidationReport, check_encoder
 
+    if not isinstance(validate, bool):
+        raise PackedEncodersError(f"validate={validate!r} must be True or False")
     options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate,
                           padded_outputs=padded_outputs, cuda_graph=normalize_graph_option(cuda_graph))
     encoders = find_encoders(target)

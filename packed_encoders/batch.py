@@ -158,7 +158,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         before_sync(ids_all, pos_all, cu, key_lens)
     stats = stats_t.tolist()  # the one sync
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
-    _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} other values at real tokens)")
+    _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} entries that are neither)")
     _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): real tokens must be contiguous "
                        "(padding on the left and/or right only)")
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")

@@ -141,7 +141,7 @@ def test_bad_options():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(output_attentions=True), "output_attentions"),
     (dict(foo=1), "foo"),
-    (dict(sliding_window_mask=torch.zeros(1)), "v4"),
+    (dict(sliding_window_mask=torch.zeros(1)), "sliding_window_mask: a custom sliding-window mask"),
     (dict(indices=torch.zeros(1)), "v4"),
     (dict(output_hidden_states=[1, 2]), "output_hidden_states"),
 ])
@@ -178,6 +178,15 @@ def test_input_errors_through_the_model():
     h = model.config.hidden_size
     with pytest.raises(pe.PackedEncodersError, match=f"hidden_size {h}"):
         model(inputs_embeds=torch.randn(2, 6, h - 1), attention_mask=mask)
+    with pytest.raises(pe.PackedEncodersError, match="inputs_embeds must be a floating tensor"):
+        model(inputs_embeds=torch.zeros(2, 6, h, dtype=torch.long), attention_mask=mask)
+    with pytest.raises(pe.PackedEncodersError, match="sliding_window_mask: a custom sliding-window mask"):
+        model(input_ids=ids, attention_mask=mask, sliding_window_mask=torch.zeros(2, 1, 6, 6))
+    bad = mask.float().masked_fill(mask == 0, float("nan"))
+    with pytest.raises(pe.PackedEncodersError, match=r"must hold only 0 and 1 \(2 entries that are neither\)"):
+        model(input_ids=ids, attention_mask=bad)
+    with pytest.raises(pe.PackedEncodersError, match="validate='no' must be True or False"):
+        pe.pack(model, validate="no")
     ok = model(input_ids=ids, attention_mask=mask, token_type_ids=torch.zeros_like(ids))
     assert ok.last_hidden_state.shape == (2, 6, model.config.hidden_size)
 

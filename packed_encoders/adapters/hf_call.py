@@ -124,6 +124,10 @@ def hf_forward(model: nn.Module, *args, **kwargs):
                                   "probabilities; call pe.unpack(model) or run the stock forward for them")
     if not isinstance(output_hidden_states, bool):
         raise PackedEncodersError(f"output_hidden_states={output_hidden_states!r}: only True/False are supported")
+    if "sliding_window_mask" in v4:
+        raise PackedEncodersError(
+            "sliding_window_mask: a custom sliding-window mask is not supported by the packed path (its local "
+            "layers use config.local_attention); call pe.unpack(model) or run the stock forward for it")
     if v4:
         raise PackedEncodersError(
             f"{v4}: transformers v4's internal unpadding kwargs are not accepted by the packed path; load the "
@@ -132,6 +136,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         raise PackedEncodersError(f"unsupported keyword argument(s) {sorted(kwargs)} for the packed ModernBERT forward")
     if (input_ids is None) == (inputs_embeds is None):
         raise PackedEncodersError("pass exactly one of input_ids or inputs_embeds")
+    if inputs_embeds is not None and not inputs_embeds.is_floating_point():
+        raise PackedEncodersError(f"inputs_embeds must be a floating tensor (got {inputs_embeds.dtype})")
     if input_ids is not None and input_ids.dim() == 0:
         raise PackedEncodersError("input_ids is a 0-d tensor; a padded batch is [batch, seq_len], a packed one [T] "
                                   "or [1, T]")

@@ -34,7 +34,7 @@ def describe_flags(counts, vocab: int) -> list[str]:
     bad, holes, oov, tt = (int(c) for c in counts)
     out = []
     if bad:
-        out.append(f"attention_mask must hold only 0 and 1 ({bad} other values at real tokens)")
+        out.append(f"attention_mask must hold only 0 and 1 ({bad} entries that are neither)")
     if holes:
         out.append(f"attention_mask has holes inside {holes} sequence(s): real tokens must be contiguous "
                    "(padding on the left and/or right only)")
