@@ -126,6 +126,8 @@ def test_a_graph_call_stages_before_its_sync_only(inbox_graphs, padded_outputs, 
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     info = pe.describe(model)["encoders"][0]["cuda_graph"]
     assert info["hits"] >= len(calls) and info["misses"] >= 1 and not info["fallbacks"]
+    # every capture call staged again after its sync; every other call was served as filled before it
+    assert info["staged"] == {"before_sync": 2 * len(calls) - info["misses"], "after_sync": info["misses"]}
 
 
 def test_a_call_whose_inbox_was_refilled_stages_again(inbox_graphs):

@@ -34,6 +34,8 @@ class GraphManager:
         self.weights: tuple | None = None     # parameter slots, listed once (see route.fingerprint)
         self.stream: Any = None               # side stream for warm-up and capture
         self.inbox: Any = None                # ops.triton.stage.Inbox shared by the packed graphs (CUDA)
+        self.staged_before_sync = 0           # inbox replays served as filled before the call's sync
+        self.staged_after_sync = 0            # ... that staged again after it (no prestage, refilled, or captured)
         self._runners: OrderedDict[Hashable, Any] = OrderedDict()
         self._failed: dict[Hashable, str] = {}
         self.hits = 0                         # calls served by an already captured graph (counted by the router)

@@ -275,6 +275,11 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
             inbox.owner = None  # cleared before the replay: if it raises, no later call takes the inbox as its own
         out = runner.replay(batch, finish, staged=staged)
         mgr.hits += cached
+        if inbox is not None:
+            if staged:
+                mgr.staged_before_sync += 1
+            else:
+                mgr.staged_after_sync += 1
     state.last_plan = dict(runner.plan_summary)
     state.last_fallbacks = list(runner.plan_reasons)
     return out
@@ -510,6 +515,8 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                invalidations=mgr.invalidations, capture_seconds=round(mgr.capture_seconds, 4),
                fallbacks=dict(mgr.fallbacks), capture_failures=mgr.failures(),
-               static_bytes=sum(getattr(r, "static_bytes", 0) for r in mgr.runners()),
+               staged={"before_sync": mgr.staged_before_sync, "after_sync": mgr.staged_after_sync},
+               static_bytes=sum(getattr(r, "static_bytes", 0) for r in mgr.runners())
+               + (0 if mgr.inbox is None else mgr.inbox.nbytes),
                pool_reserved_bytes=pool_reserved_bytes(mgr.pool) if mgr.pool is not None else 0)
     return out

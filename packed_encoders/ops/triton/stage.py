@@ -83,6 +83,10 @@ class Inbox:
             self.num = torch.zeros(1, dtype=torch.int32, device=device)
         self.owner = None
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.pos, self.cu, self.kl, self.num))
+
     def clear(self) -> None:
         """Make the inbox hold an empty batch (two small writes on the current stream) and drop its owner."""
         with torch.inference_mode(False), torch.no_grad():
