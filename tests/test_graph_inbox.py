@@ -130,20 +130,30 @@ def test_a_graph_call_stages_before_its_sync_only(inbox_graphs, padded_outputs, 
     assert info["staged"] == {"before_sync": 2 * len(calls) - info["misses"], "after_sync": info["misses"]}
 
 
+def _unpad(ids, mask, hook=None):
+    return PB.unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                    token_type_ids=None, vocab_size=VOCAB, before_sync=hook)
+
+
+def _graphed_with_reference(ids, mask):
+    """A tiny model packed with graphs, and its eager packed output for ``(ids, mask)``; call under no_grad."""
+    model = tiny_model()
+    pe.pack(model, validate=False)
+    want = _forward(model, ids, mask)
+    pe.pack(model, validate=False, cuda_graph=True)
+    return model, want
+
+
 def test_a_call_whose_inbox_was_refilled_stages_again(inbox_graphs):
     """Call A fills the inbox before its sync; call B fills and replays before A's replay: A must serve its
     own batch (it stages again after its sync), not B's."""
-    model = tiny_model()
     (ids_a, mask_a), (ids_b, mask_b) = padded([5, 17, 33]), padded([4, 9, 12], seed=1)
     with torch.no_grad():
-        pe.pack(model, validate=False)
-        want_a = _forward(model, ids_a, mask_a)
-        pe.pack(model, validate=False, cuda_graph=True)
+        model, want_a = _graphed_with_reference(ids_a, mask_a)
         _forward(model, ids_b, mask_b)  # captures the bucket
         state = get_state(model)
         prepared = route.prepare(model, state, hidden_states=False)
-        batch_a = PB.unpad(input_ids=ids_a, inputs_embeds=None, attention_mask=mask_a, position_ids=None,
-                           token_type_ids=None, vocab_size=VOCAB, before_sync=functools.partial(route.prestage, prepared))
+        batch_a = _unpad(ids_a, mask_a, functools.partial(route.prestage, prepared))
         _forward(model, ids_b, mask_b)
         inbox_graphs.clear()
         got_a = route.graph_forward(model, state, batch_a, batch_a.pad, prepared=prepared)
@@ -171,20 +181,12 @@ def test_unbox_stays_inside_the_bucket_whatever_the_inbox_holds():
     assert torch.equal(ids, batch.input_ids[:64])
 
 
-def _unpad(ids, mask, hook=None):
-    return PB.unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
-                    token_type_ids=None, vocab_size=VOCAB, before_sync=hook)
-
-
 def test_a_replay_that_raises_does_not_hand_its_batch_to_the_owner(inbox_graphs):
     """A fills the inbox before its sync; B (no prestage: another thread, say) refills it and its replay raises
     after the fill. A must still serve its own batch, not B's."""
-    model = tiny_model()
     (ids_a, mask_a), (ids_b, mask_b) = padded([5, 17, 33]), padded([4, 9, 12], seed=1)
     with torch.no_grad():
-        pe.pack(model, validate=False)
-        want_a = _forward(model, ids_a, mask_a)
-        pe.pack(model, validate=False, cuda_graph=True)
+        model, want_a = _graphed_with_reference(ids_a, mask_a)
         _forward(model, ids_a, mask_a)
         _forward(model, ids_b, mask_b)  # both buckets captured
         state = get_state(model)

@@ -218,7 +218,7 @@ def prestage(prepared: Prepared | None, ids: torch.Tensor | None, pos: torch.Ten
     if num > mgr.config.max_seqs or not fillable(ids, pos, cu, key_lens) or not fused_stage_available(cu.device):
         return  # (fused_stage_available: CUDA with Triton)
     with mgr.lock:
-        if mgr.fingerprint is not prepared.fingerprint or mgr.fingerprint[0] != cu.device:
+        if mgr.fingerprint is not prepared.fingerprint or cu.device != prepared.device:
             return  # the weights moved since prepare(), or the batch is on another device: no graph serves it
         inbox = _inbox(mgr, cu.device)
         _order_streams(mgr, cu.device)  # a replay on another stream may still read the inbox

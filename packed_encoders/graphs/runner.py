@@ -55,7 +55,6 @@ class GraphRunner:
         device = weight.device
         self.device = device
         self.bucket = bucket
-        self.fused_stage = fused_stage_available(device) if fused_stage is None else fused_stage
         self.requested = requested
         t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -77,7 +76,7 @@ class GraphRunner:
                                                                            state.policy, graph=capture)
             ops, plan = state.ops, self.plan
             self.inbox = None
-            if self.fused_stage:
+            if fused_stage_available(device) if fused_stage is None else fused_stage:
                 from ..ops.triton.stage import Inbox, unbox
 
                 self.inbox = inbox if inbox is not None else Inbox(t, n, device)
