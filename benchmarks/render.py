@@ -17,6 +17,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import common  # noqa: E402
 from benchmarks.common import read_rows  # noqa: E402
 
 GIB = 2**30
@@ -83,10 +84,13 @@ def _header(group: list[dict]) -> str:
               f"p90 {s.get('p90')}, p99 {s.get('p99')}, max {s.get('max')} tokens; padding "
               f"{s.get('padding_fraction', 0):.0%} of padded tokens") if s else ""
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "sentence_transformers", "triton",
-                                                     "cutlass_dsl", "fa4", "quack") if env.get(k))
+                                                     *common.KIT) if env.get(k))
+    missing = common.missing_kit(env)
+    kit = (f" **Without {', '.join(missing)}: packed variants ran without the kit's kernels (quack GEMMs, FA4, "
+           "CuteDSL).**") if missing else ""
     return (f"### {r.get('runner')} / {r.get('endpoint')} / {r.get('family')} -- {r.get('model')} "
             f"{r.get('dtype')}\n\n{hw}; driver {env.get('driver', '-')}; {versions}; git {env.get('git_sha')}. "
-            f"{length}. Impl: {r.get('impl', '-')}.")
+            f"{length}. Impl: {r.get('impl', '-')}.{kit}")
 
 
 def index_table(rows: list[dict]) -> str:

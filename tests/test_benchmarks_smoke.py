@@ -32,3 +32,19 @@ def test_inference_quick_cpu_two_variants(tmp_path):
         assert r["parity"]["passed"] and r["parity"]["token_cos_min"] > 0.9999
         assert r["env"]["torch"] and r["lengths"]["max"] <= 128
     assert "x hf_sdpa" in proc.stdout and "| packed |" in proc.stdout
+
+
+def test_rows_without_the_kit_on_hopper_say_so():
+    """A GPU run that lost the CuteDSL / FA4 kit (e.g. a PYTHONPATH that dropped it) is flagged in the table header,
+    not passed off as kit numbers; CPU rows and older GPUs need no kit."""
+    from benchmarks import common, render
+
+    full = {"capability": "sm_90", "gpu": "NVIDIA H200", "cutlass_dsl": "4.8.1", "fa4": "4.0.0b36", "quack": "0.6.5"}
+    assert common.missing_kit(full) == ()
+    bare = dict(full, fa4=None, quack=None)
+    assert common.missing_kit(bare) == ("fa4", "quack")
+    assert common.missing_kit(dict(bare, capability="sm_80")) == ()
+    assert common.missing_kit({"device": "cpu"}) == ()
+    row = {"status": "ok", "runner": "inference", "endpoint": "documents", "family": "hf", "env": bare}
+    assert "**Without fa4, quack" in render._header([row])
+    assert "Without" not in render._header([dict(row, env=full)])
