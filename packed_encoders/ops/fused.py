@@ -17,6 +17,7 @@ Importing this module imports Triton (``select_ops`` imports it only when asked 
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -29,6 +30,7 @@ from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_to
 from .rope import rope_qkv_torch
 from .triton import glu as _glu
 from .triton import layer_norm as _ln
+from .triton import norm_gemm as _norm_gemm
 from .triton import rope as _rope
 from .triton import small_gemm as _small_gemm
 from .triton._runtime import interpreter_unavailable
@@ -406,6 +408,57 @@ def glu_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str =
     return (_small_gemm.glu_linear if _direct(x) else _glu_linear_op)(x, weight, bias, activation)
 
 
+# LayerNorm in the prologue of the projection after it (triton/norm_gemm.py), for query-sized batches. Not measured
+# on a GPU yet, hence off unless asked for: "glu" fuses mlp_norm into the Wi + GLU GEMM, "all" also attn_norm into
+# the Wqkv GEMM (a Triton GEMM then replaces cuBLAS there). Read once per forward (NormLinear.targets), so also
+# when a graph is captured.
+NORM_GEMM_ENV = "PACKED_ENCODERS_NORM_GEMM"
+NORM_GEMM_MODES = {"0": (), "glu": ("glu",), "all": ("glu", "linear")}
+
+
+def _quack_forced() -> bool:
+    from . import quack_gemm  # the validation forces quack's kernels at any size: leave those calls to them
+
+    return quack_gemm._forced()
+
+
+class NormLinear:
+    """``OpSet.norm_linear``: ``(x + delta, LN(x + delta) @ W.T + b)`` (with ``activation``: the ``Wi`` GEMM and its
+    GLU) in one launch of :func:`.triton.norm_gemm.norm_linear`.
+
+    A caller asks :meth:`targets` once per forward which projections to fuse, then calls the op for those; the
+    call returns ``None`` when it does not take it: more than :data:`_norm_gemm.MAX_TOKENS` tokens, gradient or
+    ``torch.compile``, quack forced (pack's validation), or inputs the kernel does not cover (recorded as a
+    fallback). ``delta`` ``None``: a plain LayerNorm, ``x`` comes back as the first element."""
+
+    def targets(self) -> tuple[str, ...]:
+        """``()`` (the default: ``PACKED_ENCODERS_NORM_GEMM`` unset or ``0``), ``("glu",)`` or ``("glu", "linear")``.
+
+        Raises:
+            ValueError: the variable holds anything else.
+        """
+        mode = os.environ.get(NORM_GEMM_ENV, "0").strip().lower() or "0"
+        if mode not in NORM_GEMM_MODES:
+            raise ValueError(f"{NORM_GEMM_ENV}={mode!r} is not one of {tuple(NORM_GEMM_MODES)}")
+        return NORM_GEMM_MODES[mode]
+
+    def __call__(self, x: Tensor, delta: Tensor | None, norm_weight: Tensor | None, norm_bias: Tensor | None,
+                 eps: float, weight: Tensor, bias: Tensor | None, activation: str | None = None):
+        t = x.shape[0] if x.dim() == 2 else 0
+        if not 0 < t <= _norm_gemm.MAX_TOKENS or torch.compiler.is_compiling() or not _direct(
+                x, delta, norm_weight, norm_bias, weight, bias) or _quack_forced():
+            return None
+        why = _unsupported(x, delta, norm_weight, norm_bias, weight, bias) or _norm_gemm.unsupported(
+            x, delta, norm_weight, norm_bias, weight, bias, activation)
+        if why:
+            _record("norm_linear", why)
+            return None
+        return _norm_gemm.norm_linear(x, delta, norm_weight, norm_bias, eps, weight, bias, activation)
+
+
+norm_linear = NormLinear()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # toolchain check
 
@@ -430,8 +483,8 @@ def smoke(device) -> None:
         raise RuntimeError(f"Triton smoke test on {device}: max error {err:.3g} against the fp32 reference")
 
 
-TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,
-                        fallbacks=fallbacks)
+TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear,
+                        norm_linear=norm_linear, smoke=smoke, fallbacks=fallbacks)
 
-__all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "reset_fallbacks", "residual_layer_norm",
-           "rope_qkv", "smoke"]
+__all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "norm_linear", "reset_fallbacks",
+           "residual_layer_norm", "rope_qkv", "smoke"]
