@@ -91,6 +91,9 @@ def test_empty_batch_and_strided_inputs():
     x, d, lw, lb, w, b = _inputs(0, 64, 48, BF16, seed=4)
     s, y = norm_gemm.norm_linear(x, d, lw, lb, 1e-5, w, b)
     assert s.shape == (0, 64) and y.shape == (0, 48)
+    x, d, lw, lb, w, b = _inputs(3, 64, 48, BF16, seed=4)
+    s, y = norm_gemm.norm_linear(x, d, lw, lb, 1e-5, w[:0], None)  # no output columns: the residual sum is still owed
+    assert y.shape == (3, 0) and torch.equal(s, (x.float() + d.float()).to(BF16))
     wide = _rand((6, 128), BF16, 5)
     x = wide[:, :64]  # a row stride of 128
     _, d, lw, lb, w, b = _inputs(6, 64, 48, BF16, seed=6)
@@ -114,6 +117,7 @@ def test_errors_name_the_argument():
         (dict(act="tanh"), "activation 'tanh'"),
         (dict(w=_rand((47, 64), BF16, 3), b=None, act="gelu"), "47 Wi rows"),
         (dict(x=x.t().contiguous().t()), "unit column stride"),
+        (dict(lw=_rand((128,), BF16, 4)[::2]), "norm weight needs unit stride"),
     ]
     for change, match in bad:
         args = dict(x=x, d=d, lw=lw, lb=lb, w=w, b=b, act=None) | change
@@ -133,7 +137,8 @@ def test_op_routing_follows_the_switch(monkeypatch):
     call = lambda act="gelu", **kw: fused.norm_linear(kw.get("x", x), d, lw, lb, 1e-5, w, b, act)  # noqa: E731
     monkeypatch.delenv(ENV, raising=False)
     assert fused.norm_linear.targets() == ()  # off by default (not measured on a GPU yet)
-    for value, targets in (("glu", ("glu",)), ("ALL ", ("glu", "linear")), ("0", ()), ("", ())):
+    for value, targets in (("glu", ("glu",)), ("ALL ", ("glu", "linear")), ("0", ()), ("", ()), ("off", ()),
+                           ("False", ())):
         monkeypatch.setenv(ENV, value)
         assert fused.norm_linear.targets() == targets, value
     monkeypatch.setenv(ENV, "yes")
@@ -147,6 +152,8 @@ def test_op_routing_follows_the_switch(monkeypatch):
     with torch.enable_grad():
         leaf = x.clone().requires_grad_(True)
         assert call(x=leaf) is None  # no backward: gradient mode keeps the separate ops
+    with torch.autocast("cpu", dtype=BF16):
+        assert call() is None  # autocast casts inside the separate ops: they keep the call
     assert fused.fallbacks() == {}
     assert fused.norm_linear(x, d.float(), lw, lb, 1e-5, w, b, "gelu") is None  # mixed dtypes: recorded
     assert "norm_linear" in fused.fallbacks()

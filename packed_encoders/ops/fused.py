@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..switches import switched_off
+from ..switches import OFF_VALUES, switched_off
 from . import FusedOpSet, RouteLog
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
@@ -413,7 +413,7 @@ def glu_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str =
 # the Wqkv GEMM (a Triton GEMM then replaces cuBLAS there). Read once per forward (NormLinear.targets), so also
 # when a graph is captured.
 NORM_GEMM_ENV = "PACKED_ENCODERS_NORM_GEMM"
-NORM_GEMM_MODES = {"0": (), "glu": ("glu",), "all": ("glu", "linear")}
+NORM_GEMM_MODES = {"glu": ("glu",), "all": ("glu", "linear")}
 
 
 def _quack_forced() -> bool:
@@ -427,19 +427,22 @@ class NormLinear:
     GLU) in one launch of :func:`.triton.norm_gemm.norm_linear`.
 
     A caller asks :meth:`targets` once per forward which projections to fuse, then calls the op for those; the
-    call returns ``None`` when it does not take it: more than :data:`_norm_gemm.MAX_TOKENS` tokens, gradient or
-    ``torch.compile``, quack forced (pack's validation), or inputs the kernel does not cover (recorded as a
-    fallback). ``delta`` ``None``: a plain LayerNorm, ``x`` comes back as the first element."""
+    call returns ``None`` when it does not take it: more than :data:`_norm_gemm.MAX_TOKENS` tokens, gradient,
+    ``torch.compile`` or autocast, quack forced (pack's validation), or inputs the kernel does not cover (recorded
+    as a fallback). ``delta`` ``None``: a plain LayerNorm, ``x`` comes back as the first element."""
 
     def targets(self) -> tuple[str, ...]:
-        """``()`` (the default: ``PACKED_ENCODERS_NORM_GEMM`` unset or ``0``), ``("glu",)`` or ``("glu", "linear")``.
+        """``()`` (the default: ``PACKED_ENCODERS_NORM_GEMM`` unset or an off value, ``0`` / ``false`` / ``off`` /
+        ``no``), ``("glu",)`` for ``glu`` or ``("glu", "linear")`` for ``all``.
 
         Raises:
             ValueError: the variable holds anything else.
         """
-        mode = os.environ.get(NORM_GEMM_ENV, "0").strip().lower() or "0"
+        mode = os.environ.get(NORM_GEMM_ENV, "").strip().lower()
+        if not mode or mode in OFF_VALUES:
+            return ()
         if mode not in NORM_GEMM_MODES:
-            raise ValueError(f"{NORM_GEMM_ENV}={mode!r} is not one of {tuple(NORM_GEMM_MODES)}")
+            raise ValueError(f"{NORM_GEMM_ENV}={mode!r}: use 'glu', 'all' or an off value ({sorted(OFF_VALUES)})")
         return NORM_GEMM_MODES[mode]
 
     def __call__(self, x: Tensor, delta: Tensor | None, norm_weight: Tensor | None, norm_bias: Tensor | None,
@@ -447,6 +450,10 @@ class NormLinear:
         t = x.shape[0] if x.dim() == 2 else 0
         if not 0 < t <= _norm_gemm.MAX_TOKENS or torch.compiler.is_compiling() or not _direct(
                 x, delta, norm_weight, norm_bias, weight, bias) or _quack_forced():
+            return None
+        if torch.is_autocast_enabled(x.device.type):
+            # autocast casts inside the separate ops (an fp32 stream meets bf16 projections); the fused op would
+            # run the projection in the stream's dtype instead
             return None
         why = _unsupported(x, delta, norm_weight, norm_bias, weight, bias) or _norm_gemm.unsupported(
             x, delta, norm_weight, norm_bias, weight, bias, activation)

@@ -148,6 +148,8 @@ def unsupported(x: torch.Tensor, delta: torch.Tensor | None, norm_weight, norm_b
             return f"{name} is {t.dtype} on {t.device}, x {x.dtype} on {x.device}"
         if n is not None and tuple(t.shape) != (n,):
             return f"{name} of shape {tuple(t.shape)}, expected ({n},)"
+        if name.startswith("norm") and t.stride(0) != 1:
+            return f"{name} needs unit stride (got {t.stride(0)})"
     if weight.device != x.device or weight.dtype != x.dtype:
         return f"weight is {weight.dtype} on {weight.device}, x {x.dtype} on {x.device}"
     if activation is not None:
@@ -183,7 +185,11 @@ def norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.
     cfg.check()
     y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
     s = torch.empty_like(x, memory_format=torch.contiguous_format) if delta is not None else x
-    if m == 0 or n_out == 0:
+    if m == 0:
+        return s, y
+    if n_out == 0:  # nothing to project; the residual sum is still owed
+        if delta is not None:
+            s.copy_((x.float() + delta.float()).to(x.dtype))
         return s, y
     grid = (cdiv(m, cfg.block_m), cdiv(n_out, cfg.block_n))
     with device_guard(x):
