@@ -214,3 +214,23 @@ def test_packed_forward_with_the_fusion_matches_without(mode, monkeypatch):
     assert cos.min().item() > 0.9999, cos.min().item()
     assert (got - base).abs().max().item() <= 0.05 * base.abs().max().item()
     assert fused.fallbacks().get("norm_linear") is None
+
+
+def test_describe_reports_the_fused_pairs(monkeypatch):
+    import packed_encoders as pe
+    from transformers import ModernBertConfig, ModernBertModel
+
+    config = ModernBertConfig(hidden_size=64, num_attention_heads=2, intermediate_size=96, num_hidden_layers=2,
+                              vocab_size=101, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                              sep_token_id=2)
+    model = ModernBertModel(config).eval()
+    pe.pack(model, kernels="triton", validate=False)
+    monkeypatch.delenv(ENV, raising=False)
+    assert pe.describe(model)["encoders"][0]["norm_gemm"] == []
+    monkeypatch.setenv(ENV, "all")
+    assert pe.describe(model)["encoders"][0]["norm_gemm"] == ["glu", "linear"]
+    monkeypatch.setenv(ENV, "maybe")
+    assert pe.describe(model)["encoders"][0]["norm_gemm"].startswith("error: PACKED_ENCODERS_NORM_GEMM='maybe'")
+    pe.unpack(model)
+    pe.pack(model, kernels="torch", validate=False)
+    assert pe.describe(model)["encoders"][0]["norm_gemm"] == []  # plain torch ops have no fused pair
