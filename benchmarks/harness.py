@@ -113,8 +113,9 @@ def run_parent(args, runner: str, endpoints: list[Endpoint], module: str) -> int
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         print(f"{runner}: {label} ({dtype_name}) on {env.get('gpu', device)}; torch {env['torch']}, "
               f"transformers {env['transformers']}, git {env['git_sha']}")
-        if common.missing_kit(env):
-            print(f"WARNING: {', '.join(common.missing_kit(env))} not installed on this {env.get('capability')} GPU: "
+        missing = common.missing_kit(env)
+        if missing:
+            print(f"WARNING: {', '.join(missing)} not installed on this {env.get('capability')} GPU: "
                   "packed variants run without quack GEMMs / FA4 / CuteDSL (check PYTHONPATH)", file=sys.stderr)
         for ep in endpoints:
             ts = corpus[ep.set_name]

@@ -9,7 +9,7 @@ ModernBERT-base pairs, bf16, batches of query size (M = 16 .. 256 tokens):
 - ``attn``: residual + ``attn_norm`` then ``Wqkv`` (2304 x 768). Now: the Triton residual LayerNorm, then cuBLAS
   ``F.linear``. Fused: ``norm_linear(...)`` (a Triton GEMM replaces cuBLAS).
 
-Each fused variant runs under every config of :data:`CONFIGS`; times are per call inside a CUDA graph of 50 calls
+Each fused variant runs under every config of :func:`configs`; times are per call inside a CUDA graph of 50 calls
 whose weights cycle through copies exceeding twice the L2 cache (``benchmarks/gemm_small.py``'s method). Every
 variant is first checked against the two-launch path (max abs diff / max abs value < 1e-2). Prints a table per
 pair and M with the best config and its speed-up; ``--out`` writes JSON rows. This decides whether
@@ -36,16 +36,14 @@ MS = (16, 64, 96, 128, 256)
 HIDDEN, INTER = 768, 1152
 
 
-def _configs():
-    from packed_encoders.ops.triton.small_gemm import Config
+def configs() -> list:
+    """The launch configs timed for each pair: 16-row tiles (whole rows of s in registers), the rest swept."""
+    from packed_encoders.ops.triton.small_gemm import Config  # imports Triton: after main's CUDA check
 
     return [Config(16, n, k, w, s) for n in (16, 32, 64) for k in (64, 128) for w in (4, 8) for s in (1, 3)]
 
 
-CONFIGS = None  # filled on first use (importing Triton needs the GPU stack)
-
-
-def pair(kind: str, m: int, hot: bool, gen: torch.Generator, device: str = "cuda") -> list[dict]:
+def pair(kind: str, m: int, hot: bool, gen: torch.Generator, sweep: list, device: str = "cuda") -> list[dict]:
     from packed_encoders.ops.triton import layer_norm as tln
     from packed_encoders.ops.triton import norm_gemm, small_gemm
 
@@ -62,13 +60,14 @@ def pair(kind: str, m: int, hot: bool, gen: torch.Generator, device: str = "cuda
         w = weights[i % nw]
         return small_gemm.glu_linear(normed, w, None, "gelu") if act else F.linear(normed, w)
 
+    def fused(config):
+        return lambda i: norm_gemm.norm_linear(x, d, lw, None, 1e-5, weights[i % nw], None, act, config)[1]
+
     ref = now(0)
     rows = []
     impls = [("two launches", now, None),
-             ("fused default", lambda i: norm_gemm.norm_linear(x, d, lw, None, 1e-5, weights[i % nw], None, act)[1],
-              norm_gemm.DEFAULT_GLU if act else norm_gemm.DEFAULT_LINEAR)]
-    impls += [(f"cfg{j}", lambda i, c=c: norm_gemm.norm_linear(x, d, lw, None, 1e-5, weights[i % nw], None, act,
-                                                                 c)[1], c) for j, c in enumerate(CONFIGS)]
+             ("fused default", fused(None), norm_gemm.DEFAULT_GLU if act else norm_gemm.DEFAULT_LINEAR)]
+    impls += [(f"cfg{j}", fused(c), c) for j, c in enumerate(sweep)]
     for name, fn, cfg in impls:
         row = measure(name, fn, ref)
         row.update(pair=kind, M=m, N=n, K=HIDDEN, weight_copies=nw, config=list(cfg) if cfg else None)
@@ -97,7 +96,6 @@ def summarize(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    global CONFIGS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help="JSON file for the result rows")
     p.add_argument("--ms", default=None, help="comma-separated token counts (default 16,64,96,128,256)")
@@ -108,14 +106,14 @@ def main(argv=None) -> int:
         return 2
     from benchmarks.common import environment
 
-    CONFIGS = _configs()
+    sweep = configs()
     ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else MS
     env = environment("cuda")
     print(f"# LayerNorm-prologue GEMMs on {env.get('gpu')} (torch {env['torch']}, triton {env['triton']}), bf16, "
-          f"{len(CONFIGS)} configs, M {list(ms)}", flush=True)
+          f"{len(sweep)} configs, M {list(ms)}", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = time.perf_counter()
-    rows = [r for kind in ("mlp", "attn") for m in ms for r in pair(kind, m, args.hot_weights, gen)]
+    rows = [r for kind in ("mlp", "attn") for m in ms for r in pair(kind, m, args.hot_weights, gen, sweep)]
     elapsed = time.perf_counter() - t0
     print(f"\n{summarize(rows)}\n\n({elapsed:.0f} s in all)")
     if args.out:

@@ -62,14 +62,14 @@ def test_norm_gemm_benchmark_pairs_agree_on_cpu(monkeypatch):
     from packed_encoders.ops.triton.small_gemm import Config
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(norm_gemm, "CONFIGS", [Config(16, 32, 64, 4, 1)])
     monkeypatch.setattr(norm_gemm, "weight_copies", lambda k, n, hot, gen: [
         (torch.randn((n, k), generator=gen) * k ** -0.5).to(norm_gemm.DTYPE) for _ in range(2)])
     monkeypatch.setattr(gemm_small, "graph_us", lambda fn: 1.0)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     with _interpreter_fixes():
-        rows = norm_gemm.pair("mlp", 5, False, torch.Generator().manual_seed(0), "cpu")
-        rows += norm_gemm.pair("attn", 17, False, torch.Generator().manual_seed(1), "cpu")
+        sweep = [Config(16, 32, 64, 4, 1)]
+        rows = norm_gemm.pair("mlp", 5, False, torch.Generator().manual_seed(0), sweep, "cpu")
+        rows += norm_gemm.pair("attn", 17, False, torch.Generator().manual_seed(1), sweep, "cpu")
     assert [r["impl"] for r in rows] == ["two launches", "fused default", "cfg0"] * 2
     assert all("error" not in r and r["rel_err"] < 1e-2 and r["us"] == 1.0 for r in rows), rows
     assert "| mlp | 5 |" in norm_gemm.summarize(rows)

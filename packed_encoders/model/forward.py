@@ -217,14 +217,15 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         carry.clear()
         layer = model.layers[index]
         wqkv = layer.attn.Wqkv
+        is_global = params.layer_is_global[index]
+        no_norm = isinstance(layer.attn_norm, nn.Identity)
         # (residual +) attn_norm and Wqkv in one launch where the op set takes it (query-sized batches)
-        fused = None if isinstance(layer.attn_norm, nn.Identity) else _norm_linear(
-            ops, norm_targets, x, pending, layer.attn_norm, wqkv, None)
+        fused = None if no_norm else _norm_linear(ops, norm_targets, x, pending, layer.attn_norm, wqkv, None)
         if fused is not None:
             x, qkv = fused
             rotated = None
         else:
-            if isinstance(layer.attn_norm, nn.Identity):
+            if no_norm:
                 if pending is not None:
                     x = x + pending
                 normed = x
@@ -232,11 +233,10 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 x, normed = ops.residual_layer_norm(x, pending, *_norm_args(layer.attn_norm))
             else:
                 normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
-            rotated = rope_linear(normed, wqkv, params.layer_is_global[index])
+            rotated = rope_linear(normed, wqkv, is_global)
             qkv = _linear(normed, wqkv, ops, grad) if rotated is None else None
             normed = None
         pending = fused = None
-        is_global = params.layer_is_global[index]
         window = params.layer_window(index)
         if window is not None and window >= batch.max_seqlen - 1:
             window = None

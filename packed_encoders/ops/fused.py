@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..switches import OFF_VALUES, switched_off
-from . import FusedOpSet, RouteLog
+from . import FusedOpSet, RouteLog, quack_gemm
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
 from .rope import rope_qkv_torch
@@ -416,12 +416,6 @@ NORM_GEMM_ENV = "PACKED_ENCODERS_NORM_GEMM"
 NORM_GEMM_MODES = {"glu": ("glu",), "all": ("glu", "linear")}
 
 
-def _quack_forced() -> bool:
-    from . import quack_gemm  # the validation forces quack's kernels at any size: leave those calls to them
-
-    return quack_gemm._forced()
-
-
 class NormLinear:
     """``OpSet.norm_linear``: ``(x + delta, LN(x + delta) @ W.T + b)`` (with ``activation``: the ``Wi`` GEMM and its
     GLU) in one launch of :func:`.triton.norm_gemm.norm_linear`.
@@ -449,8 +443,8 @@ class NormLinear:
                  eps: float, weight: Tensor, bias: Tensor | None, activation: str | None = None):
         t = x.shape[0] if x.dim() == 2 else 0
         if not 0 < t <= _norm_gemm.MAX_TOKENS or torch.compiler.is_compiling() or not _direct(
-                x, delta, norm_weight, norm_bias, weight, bias) or _quack_forced():
-            return None
+                x, delta, norm_weight, norm_bias, weight, bias) or quack_gemm._forced():
+            return None  # quack forced: pack's validation of quack's kernels, which keep those calls
         if torch.is_autocast_enabled(x.device.type):
             # autocast casts inside the separate ops (an fp32 stream meets bf16 projections); the fused op would
             # run the projection in the stream's dtype instead
