@@ -184,7 +184,6 @@ def describe(target) -> dict:
                 "kernels_reason": state.ops_reason,
                 "gemm": state.ops.gemm,
                 "kernel_fallbacks": state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {},
-                "norm_gemm": _norm_gemm_targets(state.ops),
                 "cuda_graph": describe_graphs(state, weight.device),
                 "padded_outputs": ("zeros" if state.trailing_max_len is None else
                                    "trailing masked positions computed" + (
@@ -194,16 +193,6 @@ def describe(target) -> dict:
             })
         out.append(entry)
     return {"encoders": out}
-
-
-def _norm_gemm_targets(ops) -> list[str] | str:
-    """Which LayerNorm -> projection pairs the next forward fuses (``PACKED_ENCODERS_NORM_GEMM``), or why none can."""
-    if ops.norm_linear is None:
-        return []
-    try:
-        return list(ops.norm_linear.targets())
-    except ValueError as exc:  # a bad value raises in the forward; describe() reports it instead
-        return f"error: {exc}"
 
 
 def _single_encoder(model) -> nn.Module:

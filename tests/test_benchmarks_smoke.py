@@ -48,28 +48,3 @@ def test_rows_without_the_kit_on_hopper_say_so():
     row = {"status": "ok", "runner": "inference", "endpoint": "documents", "family": "hf", "env": bare}
     assert "**Without fa4, quack" in render._header([row])
     assert "Without" not in render._header([dict(row, env=full)])
-
-
-def test_norm_gemm_benchmark_pairs_agree_on_cpu(monkeypatch):
-    """benchmarks/norm_gemm.py's two-launch path and its fused variants, interpreted on CPU with the GPU timing
-    stubbed: every variant passes the benchmark's own agreement check (the GPU run then only adds times)."""
-    import pytest
-    import torch
-
-    pytest.importorskip("triton")
-    from benchmarks import gemm_small, norm_gemm
-    from packed_encoders.ops.triton._runtime import _interpreter_fixes
-    from packed_encoders.ops.triton.small_gemm import Config
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(norm_gemm, "weight_copies", lambda k, n, hot, gen: [
-        (torch.randn((n, k), generator=gen) * k ** -0.5).to(norm_gemm.DTYPE) for _ in range(2)])
-    monkeypatch.setattr(gemm_small, "graph_us", lambda fn: 1.0)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    with _interpreter_fixes():
-        sweep = [Config(16, 32, 64, 4, 1)]
-        rows = norm_gemm.pair("mlp", 5, False, torch.Generator().manual_seed(0), sweep, "cpu")
-        rows += norm_gemm.pair("attn", 17, False, torch.Generator().manual_seed(1), sweep, "cpu")
-    assert [r["impl"] for r in rows] == ["two launches", "fused default", "cfg0"] * 2
-    assert all("error" not in r and r["rel_err"] < 1e-2 and r["us"] == 1.0 for r in rows), rows
-    assert "| mlp | 5 |" in norm_gemm.summarize(rows)

@@ -115,24 +115,3 @@ def test_glu_compiles(inner, dt):
         bwd = _compile(G._bwd_kernel, dict(DY=p, X=p, DX=p, n_rows="i32"), meta, warps)
         for k in (fwd, bwd):
             assert _resources(k).get("STACK", 0) == 0, _resources(k)
-
-
-@pytest.mark.parametrize("glu", [False, True])
-def test_norm_gemm_compiles_without_spills(glu):
-    """The LayerNorm-prologue GEMM at ModernBERT-base geometry (Wqkv 2304 x 768; Wi 2 x 1152 x 768 with GLU), in
-    its default launch shapes: whole rows of s (KP = 1024) live in registers next to the accumulators."""
-    from packed_encoders.ops.triton import norm_gemm as NG
-
-    cfg = NG.DEFAULT_GLU if glu else NG.DEFAULT_LINEAR
-    p = _ptr("bf16")
-    sig = dict(X=p, D=p, LW=p, LB=p, S=p, W=p, B=p, Y=p, M="i32", eps="fp32", sx_m="i32", sd_m="i32", sw_n="i32",
-               sw_k="i32", s_b="i32")
-    const = dict(N=1152 if glu else 2304, K=768, KP=1024, GLU=glu, ACT=0, HAS_RES=True, HAS_LW=True, HAS_LB=False,
-                 HAS_BIAS=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_F32=False)
-    fn = JITFunction(NG._norm_gemm_kernel.fn, do_not_specialize=NG._norm_gemm_kernel.do_not_specialize)
-    full = {name: ("constexpr" if name in const else sig[name]) for name in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, full, constexprs=const), target=TARGET,
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    res = _resources(compiled)
-    assert res.get("STACK", 0) == 0, res
-    print("norm_gemm", "glu" if glu else "linear", res)

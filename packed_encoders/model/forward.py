@@ -30,15 +30,6 @@ def _linear(x: torch.Tensor, m: nn.Linear, ops: OpSet = TORCH_OPS, grad: bool = 
     return F.linear(x, m.weight, m.bias)
 
 
-def _norm_linear(ops: OpSet, targets: tuple, x: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module,
-                 m: nn.Linear, activation: str | None):
-    """``(x + delta, LN(x + delta) @ W.T + b)`` from ``ops.norm_linear`` (GLU after it with ``activation``), or
-    ``None`` when this projection is not among the forward's ``targets`` or the op does not take the call."""
-    if ("glu" if activation is not None else "linear") not in targets:
-        return None
-    return ops.norm_linear(x, delta, *_norm_args(norm), m.weight, m.bias, activation)
-
-
 def _dropout(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """Apply an HF dropout module's rate in its own mode (``nn.Identity`` or eval: nothing)."""
     if isinstance(module, nn.Dropout) and module.training and module.p > 0:
@@ -192,9 +183,6 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             positions = batch.position_ids.float()
         return ops.rope_linear(normed, wqkv.weight, wqkv.bias, positions, freq, nh, hd)
 
-    # which (residual +) LayerNorm -> projection pairs run as one launch (ops.norm_linear), asked once per forward
-    norm_targets = ops.norm_linear.targets() if ops.norm_linear is not None and not grad else ()
-
     emb = model.embeddings
     if batch.inputs_embeds is not None:
         x = batch.inputs_embeds
@@ -218,25 +206,18 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         layer = model.layers[index]
         wqkv = layer.attn.Wqkv
         is_global = params.layer_is_global[index]
-        no_norm = isinstance(layer.attn_norm, nn.Identity)
-        # (residual +) attn_norm and Wqkv in one launch where the op set takes it (query-sized batches)
-        fused = None if no_norm else _norm_linear(ops, norm_targets, x, pending, layer.attn_norm, wqkv, None)
-        if fused is not None:
-            x, qkv = fused
-            rotated = None
+        if isinstance(layer.attn_norm, nn.Identity):
+            if pending is not None:
+                x = x + pending
+            normed = x
+        elif pending is not None:
+            x, normed = ops.residual_layer_norm(x, pending, *_norm_args(layer.attn_norm))
         else:
-            if no_norm:
-                if pending is not None:
-                    x = x + pending
-                normed = x
-            elif pending is not None:
-                x, normed = ops.residual_layer_norm(x, pending, *_norm_args(layer.attn_norm))
-            else:
-                normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
-            rotated = rope_linear(normed, wqkv, is_global)
-            qkv = _linear(normed, wqkv, ops, grad) if rotated is None else None
-            normed = None
-        pending = fused = None
+            normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
+        pending = None
+        rotated = rope_linear(normed, wqkv, is_global)
+        qkv = _linear(normed, wqkv, ops, grad) if rotated is None else None
+        normed = None
         window = params.layer_window(index)
         if window is not None and window >= batch.max_seqlen - 1:
             window = None
@@ -260,19 +241,14 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         qkv = q = k = v = extra = None
         o = _dropout(_linear(a.reshape(total, nh * hd), layer.attn.Wo, ops, grad), layer.attn.out_drop)
         a = None
-        wi = layer.mlp.Wi
-        fused = _norm_linear(ops, norm_targets, x, o, layer.mlp_norm, wi, params.activation)
-        if fused is not None:  # residual + mlp_norm, Wi and the GLU in one launch
-            x, h = fused
-            fused = None
-        else:
-            x, normed = ops.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
-            if ops.glu_linear is not None and not grad:
-                h = ops.glu_linear(normed, wi.weight, wi.bias, params.activation)  # GLU fused into the Wi GEMM
-            else:
-                h = ops.glu(_linear(normed, wi), params.activation)
-            normed = None
+        x, normed = ops.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
         o = None
+        wi = layer.mlp.Wi
+        if ops.glu_linear is not None and not grad:
+            h = ops.glu_linear(normed, wi.weight, wi.bias, params.activation)  # GLU fused into the Wi GEMM
+        else:
+            h = ops.glu(_linear(normed, wi), params.activation)
+        normed = None
         g = _dropout(h, layer.mlp.drop)
         h = None
         return x, _linear(g, layer.mlp.Wo, ops, grad)

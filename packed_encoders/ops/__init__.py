@@ -30,11 +30,6 @@ class OpSet:
       ``-> (q, k, v) | None``, or ``None``: the ``Wqkv`` projection with RoPE applied on the way out, for forwards
       without gradient only; q and k come back in *pair order* (:func:`.rope.pair_order`), v in HF order.
       The callable returns ``None`` for a call it does not take (the forward then projects and rotates apart)
-    - ``norm_linear(x [T, K], delta [T, K] | None, norm_weight, norm_bias, eps, weight [N, K], bias, activation)``
-      ``-> (x + delta, LN(x + delta) @ W.T + b) | None``, or ``None``: a (residual +) LayerNorm and the projection
-      after it in one op (``activation``: that projection is ``Wi`` and its GLU follows), forwards without gradient
-      only; the callable returns ``None`` for a call it does not take (the forward then runs them apart), and its
-      ``targets()`` says which projections to offer it: ``()``, ``("glu",)`` or ``("glu", "linear")``
     - ``gemm``: which GEMMs the op set runs, for ``describe()``: ``"torch"`` (``F.linear``: cuBLAS on CUDA) or
       ``"quack"`` (quack where :mod:`.quack_gemm` routes a call, ``F.linear`` for the rest)
     """
@@ -47,7 +42,6 @@ class OpSet:
     glu_linear: Callable | None = field(default=None, compare=False)
     linear: Callable | None = field(default=None, compare=False)
     rope_linear: Callable | None = field(default=None, compare=False)
-    norm_linear: Callable | None = field(default=None, compare=False)
     gemm: str = field(default="torch", compare=False)
 
 

@@ -17,20 +17,18 @@ Importing this module imports Triton (``select_ops`` imports it only when asked 
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ..switches import OFF_VALUES, switched_off
-from . import FusedOpSet, RouteLog, quack_gemm
+from ..switches import switched_off
+from . import FusedOpSet, RouteLog
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
 from .rope import rope_qkv_torch
 from .triton import glu as _glu
 from .triton import layer_norm as _ln
-from .triton import norm_gemm as _norm_gemm
 from .triton import rope as _rope
 from .triton import small_gemm as _small_gemm
 from .triton._runtime import interpreter_unavailable
@@ -408,58 +406,6 @@ def glu_linear(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str =
     return (_small_gemm.glu_linear if _direct(x) else _glu_linear_op)(x, weight, bias, activation)
 
 
-# LayerNorm in the prologue of the projection after it (triton/norm_gemm.py), for query-sized batches. Not measured
-# on a GPU yet, hence off unless asked for: "glu" fuses mlp_norm into the Wi + GLU GEMM, "all" also attn_norm into
-# the Wqkv GEMM (a Triton GEMM then replaces cuBLAS there). Read once per forward (NormLinear.targets), so also
-# when a graph is captured.
-NORM_GEMM_ENV = "PACKED_ENCODERS_NORM_GEMM"
-NORM_GEMM_MODES = {"glu": ("glu",), "all": ("glu", "linear")}
-
-
-class NormLinear:
-    """``OpSet.norm_linear``: ``(x + delta, LN(x + delta) @ W.T + b)`` (with ``activation``: the ``Wi`` GEMM and its
-    GLU) in one launch of :func:`.triton.norm_gemm.norm_linear`.
-
-    A caller asks :meth:`targets` once per forward which projections to fuse, then calls the op for those; the
-    call returns ``None`` when it does not take it: more than :data:`_norm_gemm.MAX_TOKENS` tokens, gradient,
-    ``torch.compile`` or autocast, quack forced (pack's validation), or inputs the kernel does not cover (recorded
-    as a fallback). ``delta`` ``None``: a plain LayerNorm, ``x`` comes back as the first element."""
-
-    def targets(self) -> tuple[str, ...]:
-        """``()`` (the default: ``PACKED_ENCODERS_NORM_GEMM`` unset or an off value, ``0`` / ``false`` / ``off`` /
-        ``no``), ``("glu",)`` for ``glu`` or ``("glu", "linear")`` for ``all``.
-
-        Raises:
-            ValueError: the variable holds anything else.
-        """
-        mode = os.environ.get(NORM_GEMM_ENV, "").strip().lower()
-        if not mode or mode in OFF_VALUES:
-            return ()
-        if mode not in NORM_GEMM_MODES:
-            raise ValueError(f"{NORM_GEMM_ENV}={mode!r}: use 'glu', 'all' or an off value ({sorted(OFF_VALUES)})")
-        return NORM_GEMM_MODES[mode]
-
-    def __call__(self, x: Tensor, delta: Tensor | None, norm_weight: Tensor | None, norm_bias: Tensor | None,
-                 eps: float, weight: Tensor, bias: Tensor | None, activation: str | None = None):
-        t = x.shape[0] if x.dim() == 2 else 0
-        if not 0 < t <= _norm_gemm.MAX_TOKENS or torch.compiler.is_compiling() or not _direct(
-                x, delta, norm_weight, norm_bias, weight, bias) or quack_gemm._forced():
-            return None  # quack forced: pack's validation of quack's kernels, which keep those calls
-        if torch.is_autocast_enabled(x.device.type):
-            # autocast casts inside the separate ops (an fp32 stream meets bf16 projections); the fused op would
-            # run the projection in the stream's dtype instead
-            return None
-        why = _unsupported(x, delta, norm_weight, norm_bias, weight, bias) or _norm_gemm.unsupported(
-            x, delta, norm_weight, norm_bias, weight, bias, activation)
-        if why:
-            _record("norm_linear", why)
-            return None
-        return _norm_gemm.norm_linear(x, delta, norm_weight, norm_bias, eps, weight, bias, activation)
-
-
-norm_linear = NormLinear()
-
-
 # ---------------------------------------------------------------------------------------------------------
 # toolchain check
 
@@ -484,8 +430,8 @@ def smoke(device) -> None:
         raise RuntimeError(f"Triton smoke test on {device}: max error {err:.3g} against the fp32 reference")
 
 
-TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear,
-                        norm_linear=norm_linear, smoke=smoke, fallbacks=fallbacks)
+TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,
+                        fallbacks=fallbacks)
 
-__all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "norm_linear", "reset_fallbacks",
-           "residual_layer_norm", "rope_qkv", "smoke"]
+__all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "reset_fallbacks", "residual_layer_norm",
+           "rope_qkv", "smoke"]

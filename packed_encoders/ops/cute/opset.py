@@ -93,4 +93,4 @@ def smoke(device) -> None:
 
 
 CUTE_OPS = FusedOpSet("cute", layer_norm, residual_layer_norm, _triton.rope_qkv, _triton.glu, _triton.glu_linear,
-                      norm_linear=_triton.norm_linear, smoke=smoke, fallbacks=fallbacks)
+                      smoke=smoke, fallbacks=fallbacks)
