@@ -219,9 +219,11 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
 
     Raises:
         PackedEncodersError: inconsistent ``cu_seqlens`` / ``max_seqlen`` (or a ``max_seqlen`` that is not an
-            int), ids outside the vocabulary, ``inputs_embeds`` of another shape or dtype.
+            int), ids outside the vocabulary, ``inputs_embeds`` of another shape or dtype; ``params`` other than
+            the model's; a model changed since ``pack()`` in a way the packed forward would skip (a forward hook,
+            a wrapped or swapped submodule, pruned layers, a new ``config.sliding_window``).
     """
-    from .adapters.hf_call import run_packed
+    from .adapters.hf_call import run_packed, structure_check
 
     encoder = _single_encoder(model)
     state = get_state(encoder)
@@ -229,7 +231,8 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         poll_deferred(state)  # input errors of earlier sync-free graph calls (never waits)
     state = state or _make_state(encoder, PackOptions())
     if params is not None and params != state.params:
-        raise PackedEncodersError("params do not match the model's config (ModernBertParams.from_hf_config)")
+        raise PackedEncodersError("params differ from the model's (ModernBertParams.from_hf_config(model.config) "
+                                  "when it was packed; re-pack after changing the config)")
     if (packed_ids is None) == (inputs_embeds is None):
         raise PackedEncodersError("pass exactly one of packed_ids or inputs_embeds")
     for name, t in (("packed_ids", packed_ids), ("cu_seqlens", cu_seqlens), ("position_ids", position_ids),
@@ -252,8 +255,12 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
     if batch.total_tokens == 0:
         return torch.zeros(0, state.params.hidden_size, device=batch.device,
                            dtype=encoder.embeddings.tok_embeddings.weight.dtype)
+    # checked here, not only in run_packed: a graph replay reads no module and would skip a hook or a swap
+    problem = structure_check(encoder, state)
+    if problem is not None:
+        raise PackedEncodersError(f"the packed forward cannot run this model: {problem}")
     if state.options.cuda_graph is not None:
         out = graph_forward(encoder, state, batch, torch.clone, backend=backend)
         if out is not None:
             return out
-    return run_packed(encoder, state, batch, attention_backend=backend)
+    return run_packed(encoder, state, batch, attention_backend=backend, structure_checked=True)

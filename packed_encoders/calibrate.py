@@ -551,7 +551,11 @@ def main(argv: list[str] | None = None) -> int:
             data = json.load(f)
         base = None
     else:
-        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        if not torch.cuda.is_available():
+            print("calibrate: measuring needs a CUDA GPU (torch.cuda.is_available() is False); --from-sweep "
+                  "fits a policy from a saved sweep on any machine", file=sys.stderr)
+            return 2
+        device = torch.cuda.current_device()
         gpu = torch.cuda.get_device_name(device) if device is not None else None
         cap = torch.cuda.get_device_capability(device) if device is not None else None
         if out is None and gpu:

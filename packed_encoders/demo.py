@@ -12,6 +12,7 @@ runs, in bf16.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -112,6 +113,10 @@ def main(argv=None) -> int:
                         "32 on CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed passes (default: 5 on GPU, 1 on CPU)")
     args = parser.parse_args(argv)
+    if args.model is not None and not os.path.isdir(args.model):
+        print(f"--model {args.model}: no such directory (the demo loads a local checkpoint, a folder holding "
+              "config.json and the weights; nothing is downloaded)", file=sys.stderr)
+        return 2
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(

@@ -60,6 +60,40 @@ def test_changes_after_pack_run_the_stock_forward(change):
         pe.packed_forward(model, None, ids[0], torch.tensor([0, ids.shape[1]], dtype=torch.int32), ids.shape[1])
 
 
+def test_sliding_window_changed_after_pack_is_not_skipped():
+    """transformers builds the sliding-window mask from the config on every call; a window set after pack() runs
+    the stock forward (warned, in describe()) until the model is re-packed, and packed_forward refuses."""
+    model = pe.pack(make_model("base_like"))
+    packed_with = model.config.local_attention
+    ids, mask = padded_batch([5, 12, 16])
+    model.config.local_attention = 4  # transformers v5: config.sliding_window = 2
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    with pytest.warns(RuntimeWarning, match=r"config\.local_attention is 4 \(sliding_window 2\)"):
+        out = _out(model, ids, mask)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert "sliding_window" in pe.describe(model)["encoders"][0]["attention_fallbacks"][0]
+    with pytest.raises(pe.PackedEncodersError, match="sliding_window"):
+        pe.packed_forward(model, None, ids[1, :12], torch.tensor([0, 12], dtype=torch.int32), 12)
+
+    pe.unpack(model)
+    pe.pack(model)  # packs the new window
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        real = mask.bool()
+        torch.testing.assert_close(_out(model, ids, mask)[real], ref[real], atol=1e-5, rtol=1e-5)
+    model.config.local_attention = packed_with  # back to a window the packed state does not hold
+    with pytest.warns(RuntimeWarning, match="stock forward"):
+        _out(model, ids, mask)
+
+
+def test_packed_forward_checks_the_modules_before_a_graph_could_run():
+    """packed_forward reads the live module tree on every call, also where a captured graph would serve it."""
+    model = pe.pack(make_model("base_like"))
+    model.layers[0].mlp.register_forward_hook(lambda m, i, o: o * 0)
+    with pytest.raises(pe.PackedEncodersError, match="forward hooks"):
+        pe.packed_forward(model, None, torch.tensor([5, 6, 7]), torch.tensor([0, 3], dtype=torch.int32), 3)
+
+
 @pytest.mark.parametrize("kind", ["forward", "pre"])
 def test_hook_registered_into_a_new_hook_dict_is_seen(kind):
     """Code that clears hooks by assigning a fresh dict, then registers one: the per-call check reads the live

@@ -23,3 +23,22 @@ def test_load_sample_returns_a_fresh_copy():
     a = pe_data.load_sample()
     a["queries"].clear()
     assert len(pe_data.load_sample()["queries"]) == 64
+
+
+def test_demo_names_a_missing_checkpoint_folder(tmp_path, capsys):
+    from packed_encoders import demo
+
+    assert demo.main(["--model", str(tmp_path / "absent")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_calibrate_without_a_gpu_exits_with_a_message(capsys):
+    import pytest
+    import torch
+
+    from packed_encoders import calibrate
+
+    if torch.cuda.is_available():
+        pytest.skip("measures on a GPU here")
+    assert calibrate.main(["--quick"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

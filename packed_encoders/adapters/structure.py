@@ -2,8 +2,9 @@
 
 The packed forward reads parameters straight off the HF modules and never calls their ``forward``. A module
 replaced after ``pack`` (a LoRA wrapper, a quantised Linear, a custom subclass), a forward hook, a changed
-activation, or added/removed layers would be skipped silently. :func:`structure_problem` finds those; the
-patched forward then runs the stock forward instead and says so (a one-time warning and ``describe()``).
+activation, or added/removed layers would be skipped silently, and so would a config value that transformers reads
+on every call (the sliding window). :func:`structure_problem` finds those; the patched forward then runs the stock
+forward instead and says so (a one-time warning and ``describe()``); ``packed_forward`` raises.
 """
 
 from __future__ import annotations
@@ -80,6 +81,22 @@ def _snapshot_holds(snap: dict) -> bool:
     return not (any(map(len, map(_FORWARD_HOOKS, dicts))) or any(map(len, map(_FORWARD_PRE_HOOKS, dicts))))
 
 
+def config_problem(model: nn.Module, params) -> str | None:
+    """A config change after ``pack`` that stock HF honours on its next call but the packed state does not.
+
+    Only the local attention window qualifies: transformers builds the sliding-window mask from
+    ``config.sliding_window`` (``= local_attention // 2``) on every call, while the layer types, RoPE, norms,
+    activation and dropout are read into modules when the model is built. The packed window, the attention
+    plan and any captured graph come from :class:`ModernBertParams` read at ``pack()``.
+    """
+    local = getattr(model.config, "local_attention", None)
+    if local is None or local == params.local_attention:
+        return None
+    return (f"config.local_attention is {local} (sliding_window {local // 2}) but the model was packed with "
+            f"{params.local_attention} (sliding_window {params.local_attention // 2}); pe.unpack(model) then "
+            "pe.pack(model) packs the new window")
+
+
 def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str | None, bool]:
     """``(problem, unchanged)``: ``problem`` is ``None`` when the packed forward reproduces ``model``, else what it
     would skip; ``unchanged`` says ``snap`` still describes the module tree (so it can be kept).
@@ -89,6 +106,9 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
     hooks = nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return "global module forward hooks are registered (the packed path calls no submodule forward)", False
+    problem = config_problem(model, params)
+    if problem is not None:
+        return problem, False
     if len(model.layers) != params.num_hidden_layers:
         return (f"model.layers has {len(model.layers)} layers but the packed config has {params.num_hidden_layers} "
                 "(re-pack after pruning or adding layers)"), False
