@@ -293,6 +293,29 @@ def test_one_host_sync_per_padded_call_none_in_replay():
     assert info(model)["hits"] == 3
 
 
+def test_packed_forward_with_graphs_sees_hooks_and_a_new_window():
+    """A captured graph reads no module: packed_forward checks the live model before replaying one."""
+    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded(queries(8, 5), model.config.vocab_size)
+    flat_ids = ids[mask.bool()]
+    cu = torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)
+    max_len = int(mask.sum(1).max())
+    with torch.no_grad():
+        first = pe.packed_forward(model, None, flat_ids, cu, max_len)  # captured
+        again = pe.packed_forward(model, None, flat_ids, cu, max_len)  # replayed
+        assert info(model)["hits"] >= 1
+        torch.testing.assert_close(again, first, atol=0, rtol=0)
+        handle = model.layers[1].mlp.register_forward_hook(lambda m, i, o: o * 0)
+        with pytest.raises(pe.PackedEncodersError, match="forward hooks"):
+            pe.packed_forward(model, None, flat_ids, cu, max_len)
+        handle.remove()
+        model.config.local_attention = 8
+        with pytest.raises(pe.PackedEncodersError, match="sliding_window"):
+            pe.packed_forward(model, None, flat_ids, cu, max_len)
+        model.config.local_attention = 16
+        torch.testing.assert_close(pe.packed_forward(model, None, flat_ids, cu, max_len), first, atol=0, rtol=0)
+
+
 def test_inference_mode_and_streams():
     model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
     ids, mask = padded([33, 12, 90], model.config.vocab_size)
