@@ -556,9 +556,9 @@ def main(argv: list[str] | None = None) -> int:
                   "fits a policy from a saved sweep on any machine", file=sys.stderr)
             return 2
         device = torch.cuda.current_device()
-        gpu = torch.cuda.get_device_name(device) if device is not None else None
-        cap = torch.cuda.get_device_capability(device) if device is not None else None
-        if out is None and gpu:
+        gpu = torch.cuda.get_device_name(device)
+        cap = torch.cuda.get_device_capability(device)
+        if out is None:
             out = user_policy_path(gpu, tuple(cap))
         base = _base_policy(args.merge, out, gpu, cap)  # read before the sweep: a bad file fails in seconds
         grid = QUICK if args.quick else FULL

@@ -76,7 +76,9 @@ class GraphRunner:
                                                                            state.policy, graph=capture)
             ops, plan = state.ops, self.plan
             self.inbox = None
-            if fused_stage_available(device) if fused_stage is None else fused_stage:
+            if fused_stage is None:
+                fused_stage = fused_stage_available(device)
+            if fused_stage:
                 from ..ops.triton.stage import Inbox, unbox
 
                 self.inbox = inbox if inbox is not None else Inbox(t, n, device)

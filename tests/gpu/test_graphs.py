@@ -64,6 +64,12 @@ def padded(lengths, vocab, seed=0, pad_to=None):
     return ids.to(DEV), mask.to(DEV)
 
 
+def packed_inputs(ids, mask):
+    """``(packed_ids [T], cu_seqlens int32 [B + 1], max_seqlen)`` of a padded batch, for ``pe.packed_forward``."""
+    lengths = mask.sum(1)
+    return ids[mask.bool()], torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32), int(lengths.max())
+
+
 def queries(batch, seed=0, cap=128):
     rng = random.Random(seed)
     return [min(cap, max(1, int(rng.lognormvariate(math.log(30), 0.6)))) for _ in range(batch)]
@@ -273,9 +279,7 @@ def test_kill_switch_read_per_call(monkeypatch):
 def test_one_host_sync_per_padded_call_none_in_replay():
     model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
     ids, mask = padded(queries(8, 5), model.config.vocab_size)
-    flat_ids = ids[mask.bool()]
-    cu = torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)
-    max_len = int(mask.sum(1).max())
+    flat_ids, cu, max_len = packed_inputs(ids, mask)
     with torch.no_grad():
         fwd(model, ids, mask)
         pe.packed_forward(model, None, flat_ids, cu, max_len)  # capture (same bucket) outside the count
@@ -297,9 +301,7 @@ def test_packed_forward_with_graphs_sees_hooks_and_a_new_window():
     """A captured graph reads no module: packed_forward checks the live model before replaying one."""
     model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
     ids, mask = padded(queries(8, 5), model.config.vocab_size)
-    flat_ids = ids[mask.bool()]
-    cu = torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)
-    max_len = int(mask.sum(1).max())
+    flat_ids, cu, max_len = packed_inputs(ids, mask)
     with torch.no_grad():
         first = pe.packed_forward(model, None, flat_ids, cu, max_len)  # captured
         again = pe.packed_forward(model, None, flat_ids, cu, max_len)  # replayed
