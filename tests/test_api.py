@@ -11,7 +11,7 @@ from torch import nn
 
 import packed_encoders as pe
 from packed_encoders.adapters.state import STATE_ATTR
-from tests.conftest import make_model, padded_batch, stock
+from tests.helpers import make_model, padded_batch, stock
 
 
 def _out(model, ids, mask):
@@ -260,7 +260,7 @@ def test_cuda_graph_on_a_cpu_model_warns_at_pack():
 
     import packed_encoders as pe
 
-    from .conftest import make_model
+    from tests.helpers import make_model
 
     model = make_model("base_like")
     with pytest.warns(UserWarning, match="CUDA graphs start once it is on a CUDA device"):
@@ -275,7 +275,7 @@ def test_cuda_graph_on_a_cpu_model_warns_at_pack():
 def test_packed_forward_names_a_non_tensor_argument():
     import packed_encoders as pe
 
-    from .conftest import make_model
+    from tests.helpers import make_model
 
     model = make_model("base_like")
     ids = torch.randint(3, 200, (29,))

@@ -228,7 +228,7 @@ def test_model_fused_equals_unfused_and_matches_stock(monkeypatch, tables):
     from packed_encoders.batch import from_packed
     from packed_encoders.model import forward
     from packed_encoders.model.params import ModernBertParams
-    from tests.conftest import make_model
+    from tests.helpers import make_model
 
     if tables == "theta":  # no readable inv_freq buffer: the cached theta tables indexed by position_ids
         monkeypatch.setattr(forward, "live_inv_freq", lambda model, is_global, params: (None, 1.0))

@@ -7,7 +7,7 @@ import torch
 
 from packed_encoders.batch import from_packed, unpad
 from packed_encoders.errors import PackedEncodersError
-from tests.conftest import padded_batch
+from tests.helpers import padded_batch
 
 
 def _unpad(ids, mask, **kw):

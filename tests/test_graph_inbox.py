@@ -23,7 +23,9 @@ from packed_encoders.graphs.buckets import bucket_for  # noqa: E402
 from packed_encoders.graphs.config import GraphConfig  # noqa: E402
 from packed_encoders.ops.triton import stage  # noqa: E402
 
-from .test_graphs_logic import VOCAB, batch_of, padded, tiny_model  # noqa: E402
+from tests.helpers import VOCAB, padded_batch, tiny_model  # noqa: E402
+
+from .test_graphs_logic import batch_of  # noqa: E402
 
 
 def _torch_staging(batch, bucket, ids, pos, cu, kl):
@@ -108,7 +110,8 @@ def _forward(model, ids, mask):
                                                        ("zeros", torch.inference_mode)])
 def test_a_graph_call_stages_before_its_sync_only(inbox_graphs, padded_outputs, grad_mode):
     model = tiny_model()
-    calls = [padded([5, 17, 33]), padded([4, 9], seed=1), padded([30, 2, 8, 11], seed=2), padded([5, 17, 33])]
+    calls = [padded_batch([5, 17, 33], "mixed"), padded_batch([4, 9], "mixed", seed=1),
+             padded_batch([30, 2, 8, 11], "mixed", seed=2), padded_batch([5, 17, 33], "mixed")]
     with grad_mode():
         pe.pack(model, validate=False, padded_outputs=padded_outputs)
         eager = [_forward(model, ids, mask) for ids, mask in calls]
@@ -147,7 +150,7 @@ def _graphed_with_reference(ids, mask):
 def test_a_call_whose_inbox_was_refilled_stages_again(inbox_graphs):
     """Call A fills the inbox before its sync; call B fills and replays before A's replay: A must serve its
     own batch (it stages again after its sync), not B's."""
-    (ids_a, mask_a), (ids_b, mask_b) = padded([5, 17, 33]), padded([4, 9, 12], seed=1)
+    (ids_a, mask_a), (ids_b, mask_b) = padded_batch([5, 17, 33], "mixed"), padded_batch([4, 9, 12], "mixed", seed=1)
     with torch.no_grad():
         model, want_a = _graphed_with_reference(ids_a, mask_a)
         _forward(model, ids_b, mask_b)  # captures the bucket
@@ -163,7 +166,7 @@ def test_a_call_whose_inbox_was_refilled_stages_again(inbox_graphs):
 
 def test_refused_calls_leave_the_inbox_alone(inbox_graphs):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
-    ids, mask = padded([5, 17])
+    ids, mask = padded_batch([5, 17], "mixed")
     _forward(model, ids, mask)  # grad enabled: refused before the sync
     assert "fill" not in inbox_graphs
 
@@ -184,7 +187,7 @@ def test_unbox_stays_inside_the_bucket_whatever_the_inbox_holds():
 def test_a_replay_that_raises_does_not_hand_its_batch_to_the_owner(inbox_graphs):
     """A fills the inbox before its sync; B (no prestage: another thread, say) refills it and its replay raises
     after the fill. A must still serve its own batch, not B's."""
-    (ids_a, mask_a), (ids_b, mask_b) = padded([5, 17, 33]), padded([4, 9, 12], seed=1)
+    (ids_a, mask_a), (ids_b, mask_b) = padded_batch([5, 17, 33], "mixed"), padded_batch([4, 9, 12], "mixed", seed=1)
     with torch.no_grad():
         model, want_a = _graphed_with_reference(ids_a, mask_a)
         _forward(model, ids_a, mask_a)
@@ -212,15 +215,16 @@ def test_a_capture_warms_up_on_an_empty_inbox(inbox_graphs, monkeypatch, left_be
     with torch.no_grad():
         pe.pack(model, validate=False, cuda_graph=GraphConfig(max_seqlen=64, seqlen_buckets=(16, 64)))
         if left_behind == "too_long_refused":
-            _forward(model, *padded([1] * 11 + [200]))  # eager (past max_seqlen), but filled before the sync
+            # eager (past max_seqlen), but filled before the sync
+            _forward(model, *padded_batch([1] * 11 + [200], "mixed"))
         elif left_behind == "oov_ids_raised":
-            ids, mask = padded([5, 17, 33])
+            ids, mask = padded_batch([5, 17, 33], "mixed")
             ids[0, 0] = VOCAB + 1000
             with pytest.raises(pe.PackedEncodersError):
                 _forward(model, ids, mask)
         else:
             monkeypatch.setenv("PACKED_ENCODERS_GRAPH_PRESTAGE", "0")
-            _forward(model, *padded([1] * 11 + [60]))  # replayed from a seqlen-64 bucket
+            _forward(model, *padded_batch([1] * 11 + [60], "mixed"))  # replayed from a seqlen-64 bucket
         ids = torch.randint(3, VOCAB, (11,))
         pos = torch.cat([torch.arange(5), torch.arange(6)])
         with warnings.catch_warnings():
@@ -237,8 +241,8 @@ def test_the_inbox_does_not_keep_a_dropped_manager_alive(inbox_graphs):
     model = tiny_model()
     with torch.no_grad():
         pe.pack(model, validate=False, cuda_graph=GraphConfig(max_seqlen=64))
-        _forward(model, *padded([5, 17, 33]))
-        _forward(model, *padded([1, 1, 1, 200]))  # too long: filled before the sync, never replayed
+        _forward(model, *padded_batch([5, 17, 33], "mixed"))
+        _forward(model, *padded_batch([1, 1, 1, 200], "mixed"))  # too long: filled before the sync, never replayed
         ref = weakref.ref(get_state(model).runtime["graphs"])
         gc.disable()
         try:

@@ -30,41 +30,10 @@ from packed_encoders.graphs.buckets import (Bucket, CallFacts, admit, bucket_for
 from packed_encoders.graphs.config import GraphConfig, normalize
 from packed_encoders.graphs.manager import GraphManager
 from packed_encoders.graphs.runner import GraphRunner
-
-VOCAB = 211
-
-
-def tiny_model(seed=0, layers=3, local_attention=16):
-    from transformers import ModernBertConfig, ModernBertModel
-
-    torch.manual_seed(seed)
-    cfg = ModernBertConfig(hidden_size=64, num_attention_heads=2, intermediate_size=96, num_hidden_layers=layers,
-                           local_attention=local_attention, vocab_size=VOCAB, max_position_embeddings=1024,
-                           pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
-    cfg._attn_implementation = "sdpa"
-    model = ModernBertModel(cfg).eval()
-    with torch.no_grad():  # non-trivial norms, so a wrong row would show
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.add_(0.2 * torch.randn(m.weight.shape))
-    return model
-
-
-def padded(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = max(lengths)
-    ids = torch.randint(3, VOCAB, (len(lengths), s), generator=g)
-    mask = torch.zeros(len(lengths), s, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if row % 2:
-            mask[row, s - n:] = 1
-        else:
-            mask[row, :n] = 1
-    return ids, mask
-
+from tests.helpers import VOCAB, padded_batch, tiny_model
 
 def batch_of(lengths, seed=0):
-    ids, mask = padded(lengths, seed)
+    ids, mask = padded_batch(lengths, "mixed", seed=seed)
     return unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
                  vocab_size=VOCAB)
 
@@ -375,7 +344,7 @@ def _graph_info(model):
 
 def test_cuda_graph_true_engages_under_auto(cpu_graphs):
     model = tiny_model()
-    ids, mask = padded([5, 17, 33])
+    ids, mask = padded_batch([5, 17, 33], "mixed")
     with torch.no_grad():
         eager = _forward(pe.pack(model, validate=False), ids, mask)
         pe.pack(model, validate=False, cuda_graph=True)
@@ -393,7 +362,7 @@ def test_cuda_graph_true_engages_under_auto(cpu_graphs):
 
 def test_every_fallback_runs_eagerly(cpu_graphs, monkeypatch):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=GraphConfig(max_seqlen=64, max_seqs=4))
-    ids, mask = padded([5, 17, 33])
+    ids, mask = padded_batch([5, 17, 33], "mixed")
 
     def fallbacks():
         return _graph_info(model).get("fallbacks", {})
@@ -403,8 +372,8 @@ def test_every_fallback_runs_eagerly(cpu_graphs, monkeypatch):
     with torch.no_grad():
         _forward(model, ids, mask, output_hidden_states=True)
         model(inputs_embeds=model.embeddings.tok_embeddings(ids), attention_mask=mask)
-        _forward(model, *padded([3] * 5))                                    # 5 > max_seqs
-        _forward(model, *padded([65, 2]))                                    # longer than max_seqlen
+        _forward(model, *padded_batch([3] * 5, "mixed"))                            # 5 > max_seqs
+        _forward(model, *padded_batch([65, 2], "mixed"))                            # longer than max_seqlen
         with pe.no_cuda_graph(model):
             with pe.no_cuda_graph(model):
                 _forward(model, ids, mask)
@@ -426,14 +395,14 @@ def test_dropout_in_training_runs_eagerly(cpu_graphs):
     pe.pack(model, validate=False, cuda_graph=True)
     model.train()
     with torch.no_grad():
-        _forward(model, *padded([4, 6]))
+        _forward(model, *padded_batch([4, 6], "mixed"))
     assert _graph_info(model)["fallbacks"] == {B.DROPOUT: 1} and not cpu_graphs
 
 
 def test_far_positions_are_served_by_graphs(cpu_graphs):
     """RoPE from HF's live inv_freq buffers is computed inside the graph: no table bounds the positions."""
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
-    ids, mask = padded([6, 6])
+    ids, mask = padded_batch([6, 6], "mixed")
     far = torch.arange(6)[None].expand(2, 6) + 5000
     with torch.no_grad():
         _forward(model, ids, mask)
@@ -475,14 +444,14 @@ def test_lru_bound_through_routing(cpu_graphs):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=GraphConfig(max_graphs=2, token_multiple=16))
     with torch.no_grad():
         for lengths in ([10], [30], [60], [10]):
-            _forward(model, *padded(lengths))
+            _forward(model, *padded_batch(lengths, "mixed"))
     info = _graph_info(model)
     assert info["graphs"] == 2 and info["evictions"] == 2 and info["misses"] == 4 and info["hits"] == 0
 
 
 def test_dtype_change_recaptures(cpu_graphs):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
-    ids, mask = padded([7, 12])
+    ids, mask = padded_batch([7, 12], "mixed")
     with torch.no_grad():
         _forward(model, ids, mask)
         model.double()
@@ -504,7 +473,7 @@ def test_set_cuda_graph_and_precapture(cpu_graphs):
     pe.set_cuda_graph(model, True, cfg)   # CPU model: precapture waits for the first admitted call
     assert not cpu_graphs
     with torch.no_grad():
-        _forward(model, *padded([5, 9]))
+        _forward(model, *padded_batch([5, 9], "mixed"))
     assert set(cpu_graphs) == set(precapture_buckets(cfg)) and _graph_info(model)["hits"] == 1
     pe.set_cuda_graph(model, False)
     assert _graph_info(model) == {"enabled": False, "kill_switch": False, "suspended": False}
@@ -525,7 +494,7 @@ def test_repack_same_graph_option_keeps_state():
 
 def test_cpu_model_falls_back_without_patching():
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
-    ids, mask = padded([4, 9])
+    ids, mask = padded_batch([4, 9], "mixed")
     with torch.no_grad():
         out = _forward(model, ids, mask)
         with pe.no_cuda_graph(model):
@@ -539,7 +508,7 @@ def test_copies_drop_runners(cpu_graphs):
     import pickle
 
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
-    ids, mask = padded([4, 9])
+    ids, mask = padded_batch([4, 9], "mixed")
     with torch.no_grad():
         ref = _forward(model, ids, mask)
     assert len(get_state(model).runtime["graphs"]) == 1
@@ -619,7 +588,7 @@ def test_replaced_parameter_objects_drop_graphs(cpu_graphs, change):
     """A new Parameter object, a module given a whole new ``_parameters`` dict, or a bias where there was none:
     each is seen (the slots are read live each call) and drops the graphs."""
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
-    ids, mask = padded([4, 9])
+    ids, mask = padded_batch([4, 9], "mixed")
     with torch.no_grad():
         before = _forward(model, ids, mask)
         layer = model.layers[1].mlp.Wo
@@ -644,7 +613,7 @@ def test_weights_are_checked_before_the_sync_once_per_call(cpu_graphs, monkeypat
     from packed_encoders.adapters import hf_call
 
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
-    ids, mask = padded([4, 9])
+    ids, mask = padded_batch([4, 9], "mixed")
     events = []
     real_fp, real_unpad = route.fingerprint, hf_call.unpad
     monkeypatch.setattr(route, "fingerprint", lambda *a: events.append("fingerprint") or real_fp(*a))
@@ -663,7 +632,7 @@ def test_refused_calls_capture_nothing_before_the_sync(cpu_graphs, mode):
     run the (deferred) precapture, or a graph would be captured in a mode it must not bake in."""
     model = tiny_model()
     pe.pack(model, validate=False, cuda_graph=GraphConfig(precapture=((2, 64),)))
-    ids, mask = padded([4, 9])
+    ids, mask = padded_batch([4, 9], "mixed")
     if mode == "grad_training":
         model.train()
         _forward(model, ids, mask)

@@ -23,25 +23,9 @@ from packed_encoders.graphs.buckets import RectBucket, RectFacts, admit_rect, re
 from packed_encoders.graphs.config import GraphConfig
 from packed_encoders.graphs.rectangular import RectRunner, device_unpad
 
-from .test_graphs_logic import VOCAB, tiny_model
+from tests.helpers import VOCAB, padded_batch, tiny_model
 
 SF = GraphConfig(sync_free=True)
-
-
-def padded(lengths, side="mixed", width=None, seed=0):
-    """ids / mask ``[B, S]``; ``side`` "left", "right" or "mixed" (even rows right, odd rows left)."""
-    g = torch.Generator().manual_seed(seed)
-    s = max(width or 0, max(lengths), 1)
-    ids = torch.randint(3, VOCAB, (len(lengths), s), generator=g)
-    mask = torch.zeros(len(lengths), s, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        left = side == "left" or (side == "mixed" and row % 2)
-        if n:
-            if left:
-                mask[row, s - n:] = 1
-            else:
-                mask[row, :n] = 1
-    return ids, mask
 
 
 def eager_padded(model, ids, mask, **kw):
@@ -187,7 +171,7 @@ def test_rect_bucket_and_admission():
 def test_rect_layout_matches_eager(lengths, side, width, backend, dead_padding):
     """``dead_padding=True``: padding sequences get no keys (zeros out of attention); real tokens unchanged."""
     model = pe.pack(tiny_model(), validate=False, attention_backend=backend)
-    ids, mask = padded(lengths, side, width)
+    ids, mask = padded_batch(lengths, side, pad_to=width)
     b, s = ids.shape
     runner = rect_runner(model, (b, s), backend, dead_padding=dead_padding)
     assert runner.dead_padding is bool(dead_padding)  # on CPU the plan is sdpa: off unless asked
@@ -206,7 +190,7 @@ def test_device_unpad_layout_is_the_host_reference():
     """Row b owns stream rows [b*S, (b+1)*S): its real tokens in order, then its padding; cu_seqlens interleaves
     each real sequence with the dummy sequence of its padding; every sequence fits max_seqlen = S."""
     lengths = [5, 0, 32, 1, 9]
-    ids, mask = padded(lengths, "mixed", 32)
+    ids, mask = padded_batch(lengths, "mixed", pad_to=32)
     bucket = rect_bucket_for(SF, 5, 32, VOCAB)
     s = bucket.width
     model = pe.pack(tiny_model(), validate=False)
@@ -232,7 +216,7 @@ def test_device_unpad_layout_is_the_host_reference():
 
 def test_padding_content_never_reaches_real_tokens():
     model = pe.pack(tiny_model(), validate=False, attention_backend="sdpa")
-    ids, mask = padded([30, 7, 50, 1, 19], "mixed")
+    ids, mask = padded_batch([30, 7, 50, 1, 19], "mixed")
     runner = rect_runner(model, ids.shape)
     with torch.no_grad():
         ref, _ = runner.replay(ids, mask)
@@ -249,8 +233,9 @@ def test_padding_content_never_reaches_real_tokens():
 def test_smaller_calls_after_larger_ones_clear_the_stale_mask():
     model = pe.pack(tiny_model(), validate=False, attention_backend="sdpa")
     runner = rect_runner(model, (8, 64))
-    calls = [padded([60, 64, 3, 9, 40, 1, 64, 33], "mixed", seed=1), padded([10, 2], "left", seed=2),
-             padded([5, 17, 8], "right", 60, seed=3), padded([64] * 8, seed=4), padded([1], seed=5)]
+    calls = [padded_batch([60, 64, 3, 9, 40, 1, 64, 33], "mixed", seed=1), padded_batch([10, 2], "left", seed=2),
+             padded_batch([5, 17, 8], "right", pad_to=60, seed=3), padded_batch([64] * 8, "mixed", seed=4),
+             padded_batch([1], "mixed", seed=5)]
     with torch.no_grad():
         for ids, mask in calls:
             got, flags = runner.replay(ids, mask)
@@ -265,7 +250,7 @@ def test_smaller_calls_after_larger_ones_clear_the_stale_mask():
 
 def test_mask_none_bool_and_int32_inputs():
     model = pe.pack(tiny_model(), validate=False, attention_backend="sdpa")
-    ids, mask = padded([12, 12, 12], "right")
+    ids, mask = padded_batch([12, 12, 12], "right")
     runner = rect_runner(model, ids.shape)
     with torch.no_grad():
         ref = fwd(model, ids, mask)
@@ -280,7 +265,7 @@ def test_mask_none_bool_and_int32_inputs():
 ])
 def test_bad_inputs_flag_and_fill_nan(problem, index):
     model = pe.pack(tiny_model(), validate=False, attention_backend="sdpa")
-    ids, mask = padded([10, 20, 5], "mixed")
+    ids, mask = padded_batch([10, 20, 5], "mixed")
     tt = None
     if problem == "oov":
         ids[0, 3] = VOCAB
@@ -303,7 +288,7 @@ def test_bad_inputs_flag_and_fill_nan(problem, index):
         assert flags.tolist() == expect
         assert torch.isnan(got).all(), "a call failing a check is NaN everywhere"
         # the next valid call on the same runner is clean (token types left behind are cleared)
-        ids2, mask2 = padded([10, 20, 5], "mixed", seed=7)
+        ids2, mask2 = padded_batch([10, 20, 5], "mixed", seed=7)
         good, flags = runner.replay(ids2, mask2)
         assert flags.tolist() == [0, 0, 0, 0] and not torch.isnan(good).any()
         if tt is not None:
@@ -313,7 +298,7 @@ def test_bad_inputs_flag_and_fill_nan(problem, index):
 def test_describe_flags_wording_matches_unpad():
     from packed_encoders.batch import unpad
 
-    ids, mask = padded([4, 6], "right")
+    ids, mask = padded_batch([4, 6], "right")
     ids[0, 1] = VOCAB + 3
     with pytest.raises(PackedEncodersError) as eager:
         unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
@@ -328,8 +313,9 @@ def test_describe_flags_wording_matches_unpad():
 
 def test_sync_free_serves_padded_calls(cpu_graphs):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
-    calls = [padded([5, 17, 33], "mixed"), padded([3, 9], "left", seed=1), padded([30, 1, 2, 7], "right", seed=2),
-             padded([0, 4], "mixed", seed=3)]
+    calls = [padded_batch([5, 17, 33], "mixed"), padded_batch([3, 9], "left", seed=1),
+             padded_batch([30, 1, 2, 7], "right", seed=2),
+             padded_batch([0, 4], "mixed", seed=3)]
     with torch.no_grad():
         for ids, mask in calls:
             got = fwd(model, ids, mask)
@@ -351,7 +337,7 @@ def test_sync_free_serves_padded_calls(cpu_graphs):
 
 def test_inference_mode_then_no_grad(cpu_graphs):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
-    ids, mask = padded([5, 17, 33])
+    ids, mask = padded_batch([5, 17, 33], "mixed")
     bad = ids.clone()
     bad[0, 0] = VOCAB
     with torch.inference_mode():
@@ -366,7 +352,7 @@ def test_inference_mode_then_no_grad(cpu_graphs):
 
 def test_outside_the_envelope_takes_the_synced_path(cpu_graphs, monkeypatch):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=GraphConfig(sync_free=True, max_seqlen=64, max_seqs=4))
-    ids, mask = padded([5, 17, 33])
+    ids, mask = padded_batch([5, 17, 33], "mixed")
     with torch.no_grad():
         eager = eager_padded(model, ids, mask)
         with_pos = model(input_ids=ids, attention_mask=mask,
@@ -374,8 +360,8 @@ def test_outside_the_envelope_takes_the_synced_path(cpu_graphs, monkeypatch):
         embeds = model(inputs_embeds=model.embeddings.tok_embeddings(ids), attention_mask=mask).last_hidden_state
         hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         fwd(model, ids, mask.float())                                           # floating mask
-        fwd(model, *padded([3] * 5))                                            # 5 > max_seqs
-        fwd(model, *padded([3, 2], width=65))                                   # wider than max_seqlen
+        fwd(model, *padded_batch([3] * 5, "mixed"))                                    # 5 > max_seqs
+        fwd(model, *padded_batch([3, 2], "mixed", pad_to=65))                          # wider than max_seqlen
         monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
         fwd(model, ids, mask)
         monkeypatch.delenv("PACKED_ENCODERS_GRAPH")
@@ -406,7 +392,7 @@ def test_query_only_trailing_mode_takes_the_synced_path(cpu_graphs):
 
 def test_shape_errors_still_raise_immediately(cpu_graphs):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
-    ids, mask = padded([5, 7])
+    ids, mask = padded_batch([5, 7], "mixed")
     with torch.no_grad():
         with pytest.raises(PackedEncodersError, match="attention_mask has shape"):
             fwd(model, ids, mask[:, :-1])
@@ -416,7 +402,7 @@ def test_shape_errors_still_raise_immediately(cpu_graphs):
 
 def test_bad_input_raises_on_the_next_call(cpu_graphs):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
-    ids, mask = padded([5, 17, 33])
+    ids, mask = padded_batch([5, 17, 33], "mixed")
     bad = ids.clone()
     bad[1, 20] = VOCAB + 10   # row 1 is left padded: position 20 is real
     with torch.no_grad():
@@ -443,7 +429,7 @@ def test_bad_input_raises_on_the_next_call(cpu_graphs):
 
 def test_errors_wait_for_the_event(cpu_graphs, pending_events):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
-    ids, mask = padded([5, 17, 33])
+    ids, mask = padded_batch([5, 17, 33], "mixed")
     bad = ids.clone()
     bad[0, 0] = -1
     with torch.no_grad():
@@ -463,7 +449,7 @@ def test_errors_wait_for_the_event(cpu_graphs, pending_events):
 def test_full_slot_ring_waits_for_the_oldest(cpu_graphs, pending_events, monkeypatch):
     monkeypatch.setattr(deferred, "SLOTS", 2)
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
-    ids, mask = padded([5, 17, 33])
+    ids, mask = padded_batch([5, 17, 33], "mixed")
     bad = ids.clone()
     bad[0, 0] = VOCAB
     with torch.no_grad():
@@ -478,7 +464,7 @@ def test_full_slot_ring_waits_for_the_oldest(cpu_graphs, pending_events, monkeyp
 
 def test_invalidation_and_lru(cpu_graphs):
     model = pe.pack(tiny_model(), validate=False, cuda_graph=GraphConfig(sync_free=True, max_graphs=2))
-    ids, mask = padded([7, 12])
+    ids, mask = padded_batch([7, 12], "mixed")
     with torch.no_grad():
         fwd(model, ids, mask)
         model.double()
@@ -486,7 +472,7 @@ def test_invalidation_and_lru(cpu_graphs):
         eager = eager_padded(model, ids, mask)
         assert out.dtype == torch.float64 and torch.allclose(out, eager, atol=1e-10)
         for width in (40, 100, 200):   # three rectangular buckets through an LRU of two
-            fwd(model, *padded([3, 9], width=width))
+            fwd(model, *padded_batch([3, 9], "mixed", pad_to=width))
     g = info(model)
     assert g["invalidations"] == 1 and g["graphs"] == 2 and g["evictions"] == 2
 
@@ -495,7 +481,7 @@ def test_copies_drop_pending_checks(cpu_graphs):
     import copy
 
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
-    ids, mask = padded([4, 9])
+    ids, mask = padded_batch([4, 9], "mixed")
     bad = ids.clone()
     bad[0, 0] = VOCAB
     with torch.no_grad():
@@ -537,7 +523,7 @@ def test_check_errors_needs_a_packed_model():
 
 def test_cpu_model_off_the_fake_takes_the_synced_path():
     model = pe.pack(tiny_model(), validate=False, cuda_graph=SF)
-    ids, mask = padded([4, 9])
+    ids, mask = padded_batch([4, 9], "mixed")
     with torch.no_grad():
         out = fwd(model, ids, mask)
         assert torch.equal(out, eager_padded(model, ids, mask))

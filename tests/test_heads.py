@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import packed_encoders as pe
-from tests.conftest import make_model, padded_batch
+from tests.helpers import make_model, padded_batch
 
 HEADS = ["ModernBertForMaskedLM", "ModernBertForSequenceClassification", "ModernBertForTokenClassification",
          "ModernBertForQuestionAnswering", "ModernBertForMultipleChoice"]

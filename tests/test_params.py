@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from packed_encoders.model.params import ModernBertParams
-from tests.conftest import make_config
+from tests.helpers import make_config
 
 
 def test_v5_layout():

@@ -7,7 +7,7 @@ import torch
 
 import packed_encoders as pe
 from packed_encoders.model.params import ModernBertParams
-from tests.conftest import assert_close_real, make_model, padded_batch, stock, stock_positions
+from tests.helpers import assert_close_real, make_model, padded_batch, stock, stock_positions
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

@@ -17,7 +17,7 @@ from packed_encoders.ops import TORCH_OPS, quack_gemm
 from packed_encoders.ops.geglu import geglu_torch
 from packed_encoders.ops.rope import pair_freq_table, rope_linear_torch, rotate_pairs, to_pair_order
 
-from .conftest import make_model, padded_batch
+from tests.helpers import make_model, padded_batch
 
 
 @pytest.fixture

@@ -16,8 +16,9 @@ from packed_encoders.graphs.buckets import rect_bucket_for  # noqa: E402
 from packed_encoders.graphs.config import GraphConfig  # noqa: E402
 from packed_encoders.graphs.rectangular import RectRunner, device_unpad, fused_unpad_available  # noqa: E402
 
-from .test_graphs_logic import VOCAB, tiny_model  # noqa: E402
-from .test_graphs_sync_free import fwd, padded  # noqa: E402
+from tests.helpers import VOCAB, padded_batch, tiny_model  # noqa: E402
+
+from .test_graphs_sync_free import fwd  # noqa: E402
 
 SF = GraphConfig(sync_free=True)
 
@@ -57,7 +58,7 @@ CASES = [
 
 
 def _inputs(lengths, side, width, problem):
-    ids, mask = padded(lengths, side, width)
+    ids, mask = padded_batch(lengths, side, pad_to=width)
     tt = None
     if problem == "oov":
         ids[2, mask[2].nonzero()[0, 0]] = VOCAB + 3
@@ -105,7 +106,7 @@ def test_unpad_and_scatter_match_the_reference(kernels, lengths, side, s_b, b_b,
 
 
 def test_scatter_keeps_the_dtype_and_bf16_bits(kernels):
-    ids, mask = padded([7, 30, 1], "mixed", 32)
+    ids, mask = padded_batch([7, 30, 1], "mixed", pad_to=32)
     bufs = _bufs(ids, mask, None, 4, 32)
     _, _, first, flags, kl = kernels.unpad(bufs["mask"], bufs["ids"], bufs["tt"], VOCAB)
     assert kl is None
@@ -125,7 +126,7 @@ def _runner(model, shape, fused, dead_padding=None):
 @pytest.mark.parametrize("lengths,side", [([5, 17, 33, 2, 30], "mixed"), ([0, 12, 0, 30], "left"), ([64, 1], "right")])
 def test_fused_runner_matches_the_reference_runner_and_eager(lengths, side, dead_padding):
     model = pe.pack(tiny_model(), validate=False, attention_backend="sdpa")
-    ids, mask = padded(lengths, side)
+    ids, mask = padded_batch(lengths, side)
     fused = _runner(model, ids.shape, True, dead_padding)
     plain = _runner(model, ids.shape, False, dead_padding)
     assert fused.fused and not plain.fused
@@ -142,13 +143,13 @@ def test_fused_runner_matches_the_reference_runner_and_eager(lengths, side, dead
 
 def test_fused_runner_flags_bad_input_and_recovers():
     model = pe.pack(tiny_model(), validate=False, attention_backend="sdpa")
-    ids, mask = padded([10, 20, 5], "mixed")
+    ids, mask = padded_batch([10, 20, 5], "mixed")
     ids[0, 3] = VOCAB
     runner = _runner(model, ids.shape, True)
     with torch.no_grad():
         got, flags = runner.replay(ids, mask)
         assert flags.tolist() == [0, 0, 1, 0] and torch.isnan(got).all()
-        ids2, mask2 = padded([10, 20, 5], "mixed", seed=7)
+        ids2, mask2 = padded_batch([10, 20, 5], "mixed", seed=7)
         good, flags = runner.replay(ids2, mask2)
     assert flags.tolist() == [0, 0, 0, 0] and not torch.isnan(good).any()
 

@@ -10,7 +10,7 @@ import transformers
 from torch import nn
 
 import packed_encoders as pe
-from tests.conftest import make_model, padded_batch, stock, stock_positions
+from tests.helpers import make_model, padded_batch, stock, stock_positions
 
 
 class Wrapped(nn.Linear):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from packed_encoders.ops import (TORCH_OPS, pair_freq_table, pair_order, rope_linear_ref, rope_linear_torch,
                                  rope_qkv_ref, rotate_pairs, to_pair_order)
 
-from .conftest import assert_close_real, make_model, padded_batch, stock, stock_positions
+from tests.helpers import assert_close_real, make_model, padded_batch, stock, stock_positions
 
 
 def _inv_freq(theta=10000.0, head_dim=64):

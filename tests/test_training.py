@@ -7,7 +7,7 @@ import torch
 
 import packed_encoders as pe
 import packed_encoders.model.forward as fwd
-from tests.conftest import make_model, padded_batch, stock, stock_positions
+from tests.helpers import make_model, padded_batch, stock, stock_positions
 
 
 def _grads(model, fn):
