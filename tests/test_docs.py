@@ -3,7 +3,8 @@
 A path in backticks is the reader's way into the code; a stale one sends them nowhere. Paths are written
 either from the repository root (`packed_encoders/api.py`, `benchmarks/README.md`) or, inside the package's
 own docs, from the package root (`ops/triton/rope.py`); both forms are checked. pytest node ids
-(`tests/gpu/test_x.py::test_y`) must name a test function in that file.
+(`tests/gpu/test_x.py::test_y`) must name a test function in that file, and relative links and images must
+resolve.
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def test_backticked_paths_exist(doc):
         elif test and test.split("[")[0] not in _test_names(found):
             missing.append(token)
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_images_exist(doc):
+    links = re.findall(r"\]\(([^)#\s]+)", doc.read_text())
+    missing = [link for link in links if "://" not in link and not (doc.parent / link).exists()]
+    assert not missing, f"{doc.relative_to(ROOT)} links to files that do not exist: {sorted(set(missing))}"
 
 
 def test_path_check_catches_a_missing_file():
