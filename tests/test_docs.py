@@ -21,7 +21,7 @@ DOCS = sorted([ROOT / "README.md", ROOT / "benchmarks" / "README.md", *(ROOT / "
 # Written by commands, never committed: the benchmark token cache and result folders, calibrated policies.
 GENERATED = ("benchmarks/.cache", "benchmarks/results")
 
-ROOT_PREFIXES = ("packed_encoders/", "benchmarks/", "docs/", "tests/", ".ci/")
+ROOT_PREFIXES = ("packed_encoders/", "benchmarks/", "docs/", "tests/", ".ci/", ".gpu/")  # .gpu/: scratch, never committed
 ROOT_FILES = {"README.md", "LICENSE", "pyproject.toml", "uv.lock", ".gitignore"}
 PACKAGE_DIRS = ("adapters/", "attention/", "batch.py", "graphs/", "model/", "ops/", "data/", "api.py",
                 "validation.py", "calibrate.py", "demo.py", "errors.py", "switches.py")
