@@ -1,10 +1,14 @@
 """JSON rows -> markdown tables and matplotlib bar charts.
 
 Ratios are computed only between rows of the same run (same ``run_id``): ``x sdpa`` against that run's
-``hf_sdpa`` row and ``x compile`` against its ``compile`` row (steady state, medians).
+``hf_sdpa`` row and ``x compile`` against its ``compile`` row (steady state, medians). Training rows
+(``runner == "training"``, from ``benchmarks/training.py``) get their own tables and plots: step time, memory,
+host / GPU time per step, loss curves, all against the run's ``hf_sdpa`` row.
 
     python -m benchmarks.render benchmarks/results                 # every *.jsonl in the folder
     python -m benchmarks.render FILE.jsonl --md results.md --png-dir benchmarks/results/plots
+    python -m benchmarks.render benchmarks/results/h200/training_*.jsonl --md docs/results/h200-training.md \\
+        --png-dir docs/results/plots           # training rows: step time, memory, host/GPU ms, loss curves
 """
 
 from __future__ import annotations
@@ -162,6 +166,126 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+# ---------------------------------------------------------------------------------------------- training
+
+def _training_groups(rows: list[dict]) -> dict:
+    groups = defaultdict(list)
+    for r in rows:
+        if r.get("runner") == "training":
+            groups[(r.get("run_id", "?"), r.get("workload"))].append(r)
+    return groups
+
+
+def _curve_vs(r: dict, base: dict | None) -> str:
+    """First-step loss difference and the largest / mean |difference| over the shared steps, against ``base``."""
+    if not base or not r.get("losses") or not base.get("losses"):
+        return "-"
+    a, b = r["losses"], base["losses"]
+    n = min(len(a), len(b))
+    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
+    return f"{a[0] - b[0]:+.4f} / {max(diffs):.4f} / {sum(diffs) / n:.4f} ({n})"
+
+
+def training_table(group: list[dict]) -> str:
+    """One markdown table for the rows of one (run, workload); ratios against that run's hf_sdpa / compile."""
+    ok = {r["variant"]: r for r in group if r.get("status") == "ok"}
+    sdpa, comp = ok.get("hf_sdpa", {}), ok.get("compile", {})
+    lines = ["| variant | step ms median (min-max) | x hf_sdpa | x compile | host ms / step | GPU ms / step "
+             "| peak reserved GiB | mem x hf_sdpa | wall s (warm-up s) | first loss | loss vs hf_sdpa: first / max / "
+             "mean abs diff (steps) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in group:
+        v = r["variant"]
+        if r.get("status") != "ok":
+            lines.append(f"| {v} | {r.get('status')}: {r.get('reason', '')} |" + " |" * 9)
+            continue
+        med = r["step_ms_median"]
+        mem = r.get("peak_reserved_bytes")
+        lines.append(
+            f"| {v} | {_fmt(med)} ({_fmt(r['step_ms_min'])}-{_fmt(r['step_ms_max'])}) "
+            f"| {_ratio(sdpa.get('step_ms_median'), med)} | {_ratio(comp.get('step_ms_median'), med)} "
+            f"| {_fmt(r.get('host_ms_per_step'))} | {_fmt(r.get('gpu_ms_per_step'))} "
+            f"| {_fmt(mem / GIB if mem else None, 2)} | {_ratio(mem, sdpa.get('peak_reserved_bytes'))} "
+            f"| {_fmt(r.get('wall_s'))} ({_fmt(r.get('warmup_s'))}) | {r['losses'][0]:.4f} "
+            f"| {_curve_vs(r, sdpa) if v != 'hf_sdpa' else '-'} |")
+    return "\n".join(lines)
+
+
+def _training_header(group: list[dict]) -> str:
+    r = next((x for x in group if x.get("status") == "ok"), group[0])
+    env = r.get("env", {})
+    hw = env.get("gpu") or env.get("cpu") or env.get("device")
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "sentence_transformers", "triton",
+                                                     *common.KIT) if env.get(k))
+    missing = common.missing_kit(env)
+    kit = f" **Without {', '.join(missing)}.**" if missing else ""
+    spec = r.get("workload_spec") or {}
+    d, q = r.get("doc_lengths") or {}, r.get("query_lengths") or {}
+    what = (f"{spec.get('queries')} queries (p50 {q.get('p50')}, max {q.get('max')} tokens) + "
+            f"{spec.get('queries', 0) * spec.get('docs_per_query', 0)} documents (p50 {d.get('p50')}, max "
+            f"{d.get('max')}), {spec.get('pooling')}" + (f", GradCache chunks of {spec['chunk']}" if spec.get("chunk")
+                                                         else "")) if spec else ""
+    steps = f"{r.get('warmup_steps')} warm-up + {r.get('timed_steps')} timed steps" if r.get("timed_steps") else ""
+    return (f"### training / {r.get('workload')} -- {r.get('model')}, {r.get('precision', '')}\n\n{hw}; driver "
+            f"{env.get('driver', '-')}; {versions}; git {env.get('git_sha')}. {what}; {steps}; "
+            f"{r.get('optimizer', '')}. Run `{r.get('run_id')}`.{kit}")
+
+
+def training_markdown(rows: list[dict]) -> str:
+    """All training tables for ``rows`` (``runner == "training"``)."""
+    parts = [_training_header(g) + "\n\n" + training_table(g)
+             for _, g in sorted(_training_groups(rows).items(), key=lambda kv: tuple(str(k) for k in kv[0]))]
+    parts.append("Step ms: wall clock of one synchronised step (forward, loss, backward, optimizer). Host ms: CPU "
+                 "time of the step's Python and dispatch, excluding time blocked on the GPU; GPU ms: summed device "
+                 "time of its kernels and copies (both from torch.profiler over the profiled steps; see "
+                 "benchmarks/training.py).")
+    cmds = sorted({r.get("command") for r in rows if r.get("command")})
+    parts += [f"Command: `{c}`" for c in cmds]
+    return "\n\n".join(parts) + "\n"
+
+
+def training_plots(rows: list[dict], out_dir: Path) -> list[Path]:
+    """Per (run, workload): loss curves of every variant, and median step time per variant (min-max bars)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for (run_id, workload), group in _training_groups(rows).items():
+        ok = [r for r in group if r.get("status") == "ok"]
+        if not ok:
+            continue
+        env = ok[0].get("env", {})
+        title = f"training {workload} -- {ok[0].get('model')} on {env.get('gpu') or env.get('device')}"
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+        for r in ok:
+            ax1.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["variant"], linewidth=1)
+        ax1.set_xlabel("step")
+        ax1.set_ylabel("loss")
+        ax1.legend(fontsize=7)
+        ax1.set_title("loss per step (same texts per step)", fontsize=9)
+        names = [r["variant"] for r in ok]
+        med = [r["step_ms_median"] for r in ok]
+        err = [[m - r["step_ms_min"] for m, r in zip(med, ok)], [r["step_ms_max"] - m for m, r in zip(med, ok)]]
+        colors = ["#9e9e9e" if n in ("hf_sdpa", "compile", "st_sdpa") else "#1f77b4" for n in names]
+        bars = ax2.bar(names, med, yerr=err, capsize=3, color=colors)
+        for bar, m in zip(bars, med):
+            ax2.annotate(f"{m:,.0f}", (bar.get_x() + bar.get_width() / 2, m), ha="center", va="bottom", fontsize=8,
+                         xytext=(0, 3), textcoords="offset points")
+        ax2.set_ylabel("ms / step (median, min-max)")
+        ax2.tick_params(axis="x", labelrotation=30, labelsize=8)
+        ax2.set_title("step time", fontsize=9)
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        path = out_dir / f"training_{workload}_{str(run_id).replace(':', '-').replace('@', '_')}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="+", help="JSON-lines files or folders holding them")
@@ -172,13 +296,16 @@ def main(argv=None) -> int:
     for p in map(Path, args.inputs):
         files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
     rows = read_rows(files)
-    text = markdown(rows)
+    inference = [r for r in rows if r.get("runner") != "training"]
+    training = [r for r in rows if r.get("runner") == "training"]
+    text = "\n\n".join(([markdown(inference)] if inference else []) + ([training_markdown(training)] if training
+                                                                          else []))
     if args.md:
         Path(args.md).write_text(text, encoding="utf-8")
     else:
         print(text)
     if args.png_dir:
-        for path in plots(rows, Path(args.png_dir)):
+        for path in plots(inference, Path(args.png_dir)) + training_plots(training, Path(args.png_dir)):
             print(path)
     return 0
 

@@ -1,0 +1,51 @@
+"""Smoke test of benchmarks/training.py: the quick CPU path on the tiny config, real parent/child machinery.
+
+Stock HF and fully packed on the single-vector and ColBERT GradCache workloads, plus sentence-transformers'
+trainer on the packed model: 1 warm-up + 3 timed + 1 profiled steps each, JSON rows, the markdown table and plots.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_training_quick_cpu(tmp_path):
+    from benchmarks import render
+    from benchmarks.data import cache_from_sample
+
+    tokens = cache_from_sample(tmp_path / "tokens.npz")
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "benchmarks.training", "--quick", "--device", "cpu", "--config", "tiny",
+           "--workloads", "single,colbert", "--variants", "hf_sdpa,packed,pack_train_graphs,st_pack",
+           "--tokens", str(tokens), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = list(out.glob("training_*.jsonl"))
+    assert len(files) == 1
+    rows = [json.loads(line) for line in files[0].read_text().splitlines()]
+    status = {(r["workload"], r["variant"]): r["status"] for r in rows}
+    assert status == {("single", "hf_sdpa"): "ok", ("single", "packed"): "ok", ("single", "st_pack"): "ok",
+                      ("single", "pack_train_graphs"): "skipped", ("colbert", "hf_sdpa"): "ok",
+                      ("colbert", "packed"): "ok", ("colbert", "pack_train_graphs"): "skipped",
+                      ("colbert", "st_pack"): "skipped"}
+    assert len({r["run_id"] for r in rows}) == 1
+    ok = {(r["workload"], r["variant"]): r for r in rows if r["status"] == "ok"}
+    for r in ok.values():
+        assert r["runner"] == "training" and r["model"] == "random:tiny" and r["env"]["torch"]
+        assert r["timed_steps"] == 3 and len(r["step_ms"]) == 3 and r["step_ms_median"] > 0
+        assert len(r["losses"]) == 5 and all(x == x for x in r["losses"])  # warm-up + timed + profiled, no NaN
+        assert r["host_ms_per_step"] > 0 and r["gpu_ms_per_step"] is None and "peak_reserved_bytes" in r
+    for wl in ("single", "colbert"):  # fp32 on CPU: the packed step computes the stock step's losses
+        ref, got = ok[(wl, "hf_sdpa")]["losses"], ok[(wl, "packed")]["losses"]
+        assert max(abs(a - b) for a, b in zip(ref, got)) < 1e-4, (wl, ref, got)
+        assert ok[(wl, "packed")]["describe"][0]["packed"]
+    assert abs(ok[("single", "st_pack")]["losses"][0] - ok[("single", "hf_sdpa")]["losses"][0]) < 1e-4
+    assert ok[("colbert", "packed")]["workload_spec"]["chunk"] == 4
+    text = render.training_markdown(rows)
+    assert "| packed |" in text and "x hf_sdpa" in text and "not available: pe.pack has no train_cuda_graph" in text
+    if importlib.util.find_spec("matplotlib"):  # the bench extra
+        assert len(render.training_plots(rows, tmp_path / "plots")) == 2
