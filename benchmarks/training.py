@@ -26,6 +26,9 @@ pack_train_graphs  ``pe.pack(model, train_cuda_graph=True)``; skipped while ``pe
 packed             ``pe.pack(model)``, then ``pe.packed_forward`` on padding-free batches
 st_sdpa / st_pack  sentence-transformers' ``SentenceTransformerTrainer`` + ``MultipleNegativesRankingLoss``
                    (workloads single / long), stock or packed; bf16 via the trainer (``bf16=True``)
+pylate_sdpa /      PyLate's ``ColBERT`` (projection to 128) + ``losses.CachedContrastive(mini_batch_size=16)`` in the
+pylate_pack        plain loop (workload colbert), stock or packed, on the same ids (no ``[Q]`` / ``[D]`` markers, no
+                   query expansion, empty skiplist); skipped where pylate does not import
 =================  ================================================================================================
 
 Every plain-loop variant computes the loss with the same code from packed token vectors
@@ -71,8 +74,10 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.common import ROOT
 
-VARIANTS = ("hf_sdpa", "compile", "pack", "pack_train_graphs", "packed", "st_sdpa", "st_pack")
+VARIANTS = ("hf_sdpa", "compile", "pack", "pack_train_graphs", "packed", "st_sdpa", "st_pack", "pylate_sdpa",
+            "pylate_pack")
 TRAINER_VARIANTS = ("st_sdpa", "st_pack")
+PYLATE_VARIANTS = ("pylate_sdpa", "pylate_pack")
 PADDED_VARIANTS = ("hf_sdpa", "compile", "pack", "pack_train_graphs")
 QUICK_CPU_VARIANTS = ("hf_sdpa", "pack", "packed")
 LR, INFONCE_SCALE, COLBERT_DIM = 1e-4, 20.0, 128
@@ -284,6 +289,64 @@ class Trainee:
         return loss.detach()
 
 
+class PyLateTrainee:
+    """PyLate's ColBERT and CachedContrastive loss, driven by the plain loop: ``step(batch) -> loss``."""
+
+    def __init__(self, variant: str, wl: Workload, model_dir: str, device: str):
+        from pylate import losses, models
+
+        import packed_encoders as pe
+
+        self.variant, self.wl, self.device, self.info = variant, wl, device, {}
+        torch.manual_seed(0)
+        self.colbert = models.ColBERT(model_name_or_path=model_dir, embedding_size=COLBERT_DIM, device=device,
+                                      skiplist_words=[], model_kwargs={"attn_implementation": "sdpa",
+                                                                       "dtype": torch.float32})
+        self.colbert.train()
+        self.model = self.colbert[0].auto_model
+        self._restore_vocabulary(model_dir)
+        self.loss_fn = losses.CachedContrastive(self.colbert, mini_batch_size=wl.chunk or wl.queries)
+        self.opt = torch.optim.AdamW(self.colbert.parameters(), lr=LR)
+        self.notes = ["PyLate's own MaxSim / loss; ids as the other variants get them (no [Q]/[D], no expansion)"]
+        t0 = time.perf_counter()
+        if variant == "pylate_pack":
+            pe.pack(self.colbert)
+        self.setup_s = time.perf_counter() - t0
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
+                         else nullcontext())
+
+    def _restore_vocabulary(self, model_dir: str) -> None:
+        """PyLate sizes the embedding table to its tokenizer after adding [Q] / [D]; the benchmark's placeholder
+        tokenizer is tiny, so put back the saved table (the same weights as every other variant)."""
+        from transformers import AutoModel
+
+        saved = AutoModel.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+        weight = saved.get_input_embeddings().weight
+        if self.model.get_input_embeddings().weight.shape != weight.shape:
+            self.model.resize_token_embeddings(weight.shape[0], mean_resizing=False)
+            with torch.no_grad():
+                self.model.get_input_embeddings().weight.copy_(weight)
+
+    def step(self, b: StepBatch) -> torch.Tensor:
+        def features(chunks):
+            width = max(c.ids.shape[1] for c in chunks)
+            ids = torch.cat([F.pad(c.ids, (0, width - c.ids.shape[1])) for c in chunks])
+            mask = torch.cat([F.pad(c.mask, (0, width - c.mask.shape[1])) for c in chunks])
+            return ids, mask
+
+        q_ids, q_mask = features(b.queries)
+        d_ids, d_mask = features(b.docs)
+        k = self.wl.docs_per_query  # PyLate's layout: [anchors, positives, negatives 1..k-1], one row per query
+        feats = [{"input_ids": q_ids, "attention_mask": q_mask}]
+        feats += [{"input_ids": d_ids[j::k], "attention_mask": d_mask[j::k]} for j in range(k)]
+        with self.autocast:  # the cached re-forward runs inside backward
+            loss = self.loss_fn(feats)
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
 # -------------------------------------------------------------------------------------- profiling
 
 _BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -345,7 +408,8 @@ def run_child(args) -> int:
     t_start = time.perf_counter()
     if args.variant in TRAINER_VARIANTS:
         return run_trainer_child(args, wl, corpus, env)
-    trainee = Trainee(args.variant, wl, args.model_dir, device)
+    trainee = (PyLateTrainee if args.variant in PYLATE_VARIANTS else Trainee)(args.variant, wl, args.model_dir,
+                                                                             device)
     config = trainee.model.config
     pad = int(config.pad_token_id or 0)
     total = args.warmup + args.steps + args.profile_steps
@@ -386,7 +450,7 @@ def run_child(args) -> int:
 
     prof = profile_steps(next_step, args.profile_steps, device) if args.profile_steps else {}
     describe = None
-    if args.variant != "hf_sdpa" and args.variant != "compile":
+    if args.variant not in ("hf_sdpa", "compile", "pylate_sdpa"):
         import packed_encoders as pe
 
         describe = pe.describe(trainee.model)["encoders"]
@@ -527,6 +591,11 @@ def why_skip(variant: str, wl: Workload, device: str, quick_cpu: bool, explicit:
 
     if variant == "pack_train_graphs" and "train_cuda_graph" not in inspect.signature(pe.pack).parameters:
         return "not available: pe.pack has no train_cuda_graph option in this build (training CUDA graphs)"
+    if variant in PYLATE_VARIANTS:
+        if wl.pooling != "maxsim":
+            return "the PyLate variants run the ColBERT workload"
+        if importlib.util.find_spec("pylate") is None:
+            return "pylate is not installed here (stage its wheels to run it)"
     if variant in TRAINER_VARIANTS:
         if wl.pooling != "mean":
             return "the sentence-transformers trainer variants run the single-vector workloads (single, long)"
