@@ -36,8 +36,9 @@ Every plain-loop variant computes the loss with the same code from packed token 
 in the encoder.
 
 Measured per (workload, variant): ``step_ms`` per timed step (wall clock, the step synchronised at its end:
-forward, loss, backward, ``optimizer.step``, ``zero_grad``), its median; ``wall_s`` (model load -> last timed step:
-pack / compile / capture and warm-up included; imports excluded); peak reserved / allocated memory over the timed steps (warm-up separately);
+forward, loss, backward, ``optimizer.step``, ``zero_grad``), its median; ``wall_s`` (model load -> last timed
+step: pack / compile / capture and warm-up included; imports excluded); peak reserved / allocated memory over the
+timed steps (warm-up separately);
 the loss of every step. Then ``--profile-steps`` more steps under ``torch.profiler``:
 
 * ``gpu_ms_per_step``: the sum of the device time of every kernel, memcpy and memset of those steps / steps
@@ -78,7 +79,6 @@ VARIANTS = ("hf_sdpa", "compile", "pack", "pack_train_graphs", "packed", "st_sdp
             "pylate_pack")
 TRAINER_VARIANTS = ("st_sdpa", "st_pack")
 PYLATE_VARIANTS = ("pylate_sdpa", "pylate_pack")
-PADDED_VARIANTS = ("hf_sdpa", "compile", "pack", "pack_train_graphs")
 QUICK_CPU_VARIANTS = ("hf_sdpa", "pack", "packed")
 LR, INFONCE_SCALE, COLBERT_DIM = 1e-4, 20.0, 128
 
@@ -397,7 +397,8 @@ def run_child(args) -> int:
     from benchmarks.models import config_summary
 
     device = args.device
-    wl = Workload(**{**json.loads(args.workload_json), "concat": tuple(json.loads(args.workload_json)["concat"])})
+    spec = json.loads(args.workload_json)
+    wl = Workload(**{**spec, "concat": tuple(spec["concat"])})
     corpus = load_corpus(args.tokens, build=False)
     if device == "cpu":
         torch.set_num_threads(args.cpu_threads)
@@ -462,7 +463,8 @@ def run_child(args) -> int:
         "optimizer": f"AdamW(lr={LR})", "warmup_steps": args.warmup, "timed_steps": args.steps,
         "step_ms": ms, "step_ms_median": statistics.median(ms), "step_ms_min": min(ms), "step_ms_max": max(ms),
         "first_step_s": first_step_s, "warmup_s": warmup_s, "setup_s": trainee.setup_s, "wall_s": wall_s,
-        "peak_reserved_bytes": None, **memory, "host_ms_per_step": prof.get("host_ms_per_step"), "gpu_ms_per_step": prof.get("gpu_ms_per_step"),
+        "peak_reserved_bytes": None, **memory, "host_ms_per_step": prof.get("host_ms_per_step"),
+        "gpu_ms_per_step": prof.get("gpu_ms_per_step"),
         "profile": prof, "losses": [float(x) for x in losses],
         "tokens_per_step": statistics.mean(b.tokens for b in batches),
         "padded_tokens_per_step": statistics.mean(b.padded_tokens for b in batches),
@@ -646,6 +648,10 @@ def run_parent(args) -> int:
         print(f"training: {label} on {env.get('gpu', device)}; torch {env['torch']}, transformers "
               f"{env['transformers']}, git {env['git_sha']}; run {run_id}; {args.warmup} warm-up + {args.steps} timed "
               f"+ {args.profile_steps} profiled steps")
+        missing = common.missing_kit(env)
+        if missing:
+            print(f"WARNING: {', '.join(missing)} not installed on this {env.get('capability')} GPU: packed variants "
+                  "run without quack GEMMs / FA4 / CuteDSL (check PYTHONPATH)", file=sys.stderr)
         path = Path(args.out) / f"training_{label.replace(':', '-')}_{stamp}.jsonl"
         partial = path.with_suffix(".jsonl.partial")
         command = " ".join([os.path.basename(sys.executable), "-m", "benchmarks.training"] + sys.argv[1:])

@@ -62,8 +62,8 @@ def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: boo
         max_grad_norm=0.0, gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, report_to=[], save_strategy="no",
         logging_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(texts(STEPS * BATCH)), loss=loss,
-                                         callbacks=[rec.callback])
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(texts(STEPS * BATCH)),
+                                         loss=loss, callbacks=[rec.callback])
     trainer.train()
     if packed:
         info = pe.describe(model)["encoders"][0]

@@ -59,7 +59,8 @@ def compare(ref: Recorder, got: Recorder, ref_weights: dict, got_weights: dict, 
     for step, (g, r) in enumerate(zip(got.grads, ref.grads)):
         assert set(g) == set(r) and len(r) > 10, (sorted(set(g) ^ set(r)), len(r))
         for n in r:
-            torch.testing.assert_close(g[n], r[n], atol=1e-5, rtol=1e-3, msg=lambda m, n=n, s=step: f"step {s}: {n}: {m}")
+            torch.testing.assert_close(g[n], r[n], atol=1e-5, rtol=1e-3,
+                                       msg=lambda m, n=n, s=step: f"step {s}: {n}: {m}")
             worst_grad = max(worst_grad, float((g[n] - r[n]).abs().max()))
     worst_weight = 0.0
     for n in ref_weights:
