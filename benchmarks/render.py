@@ -8,7 +8,7 @@ host / GPU time per step, loss curves, all against the run's ``hf_sdpa`` row.
     python -m benchmarks.render benchmarks/results                 # every *.jsonl in the folder
     python -m benchmarks.render FILE.jsonl --md results.md --png-dir benchmarks/results/plots
     python -m benchmarks.render benchmarks/results/h200/training_*.jsonl --md docs/results/h200-training.md \\
-        --png-dir docs/results/plots           # training rows: step time, memory, host/GPU ms, loss curves
+        --png-dir docs/results/png             # training rows: step time, memory, host/GPU ms, loss curves
 """
 
 from __future__ import annotations
