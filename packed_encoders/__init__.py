@@ -9,7 +9,8 @@ Importing this package needs only torch; it compiles nothing and works without C
 
 from .api import describe, is_packed, pack, packed_forward, unpack
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
-from .graphs import GraphConfig, check_errors, no_cuda_graph, set_cuda_graph
+from .controls import check_errors, no_cuda_graph, set_cuda_graph
+from .graphs import GraphConfig
 from .model.params import ModernBertParams
 from .validation import ValidationReport, validate
 

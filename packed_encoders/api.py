@@ -7,68 +7,21 @@ import warnings
 import torch
 from torch import nn
 
-from .adapters.late_interaction import ALWAYS, query_expansion_length
+from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
-from .adapters.structure import check_at_pack
-from .adapters.state import PackOptions, PackState, get_state, install, restore
-from .attention.dispatch import CHOICES, load_policy
+from .adapters.patch import install
+from .adapters.state import PackOptions, get_state, restore
+from .adapters.structure import check_at_pack, structure_check
 from .batch import from_packed
+from .call import packed_route, raise_earlier_errors, serve_batch
+from .configure import make_state
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
+from .graph_check import check_graph_path
 from .graphs.config import normalize as normalize_graph_option
-from .graphs.check import check_graph_path
-from .graphs.route import describe_graphs, graph_forward, poll_deferred, precapture_encoders
+from .graphs.route import describe_graphs, precapture_encoders
 from .model.params import ModernBertParams
-from .ops.select import select_ops
-
-
-def _params(model: nn.Module) -> ModernBertParams:
-    try:
-        return ModernBertParams.from_hf_config(model.config)
-    except ValueError as exc:
-        raise UnsupportedTargetError(f"ModernBERT config not supported by the packed path: {exc}") from exc
-
-
-def _device(model: nn.Module) -> torch.device:
-    return model.embeddings.tok_embeddings.weight.device
-
-
-def _trailing_max_len(padded_outputs, target) -> int | None:
-    if padded_outputs == "auto":
-        if target is None:
-            return None
-        if any(type(m).__name__.endswith("ForQuestionAnswering") for m in target.modules()):
-            return ALWAYS  # HF's span loss takes its softmax over padded positions too
-        return query_expansion_length(target)
-    if padded_outputs == "zeros":
-        return None
-    if padded_outputs == "all":
-        return ALWAYS
-    if isinstance(padded_outputs, int) and not isinstance(padded_outputs, bool) and padded_outputs > 0:
-        return padded_outputs
-    raise PackedEncodersError(
-        f"padded_outputs={padded_outputs!r} is not 'auto', 'zeros', 'all' or a positive int (max padded width)")
-
-
-def _make_state(model: nn.Module, options: PackOptions, target=None) -> PackState:
-    if options.attention_backend not in CHOICES:
-        raise PackedEncodersError(f"attention_backend={options.attention_backend!r} is not one of {CHOICES}")
-    params = _params(model)
-    ops, reason = select_ops(options.kernels, _device(model))
-    return PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=load_policy(_device(model)),
-                     trailing_max_len=_trailing_max_len(options.padded_outputs, target))
-
-
-def _encoder_states(target, *, attention_backend=None, kernels=None):
-    """Yield ``(path, encoder, state)``: the installed state, or the one ``pack`` would install."""
-    for path, model in find_encoders(target):
-        state = get_state(model)
-        base = state.options if state is not None else PackOptions()
-        options = PackOptions(attention_backend=attention_backend or base.attention_backend,
-                              kernels=kernels or base.kernels, validate=base.validate, cuda_graph=base.cuda_graph,
-                              padded_outputs=base.padded_outputs)
-        if state is None or options != state.options:
-            state = _make_state(model, options, target)
-        yield path, model, state
+from .tuning import read_tuning, same_switches
+from .validation import ValidationReport, check_encoder
 
 
 def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", validate: bool = True,
@@ -76,9 +29,11 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     """Replace the forward of every ModernBertModel inside ``target`` (on the instance) with the packed one.
 
     ``target`` may be a ``ModernBertModel``, any ``ModernBertFor*`` head, a SentenceTransformer, a PyLate
-    ColBERT, or any ``nn.Module`` holding them. Weights are not copied. Calling ``pack`` again with the same
-    options does nothing; with other options it reconfigures to exactly those (unset ones take their
-    defaults: ``pack(model)`` after ``pack(model, cuda_graph=True)`` turns graphs off; use
+    ColBERT, or any ``nn.Module`` holding them. Weights are not copied. The environment switches
+    (``PACKED_ENCODERS_*``) are read here, once, into the encoder's frozen tuning (``describe()["encoders"][i]
+    ["tuning"]``). Calling ``pack`` again with the same options and switches does nothing; with other options
+    (or changed switches) it reconfigures to exactly those (unset ones take their defaults: ``pack(model)``
+    after ``pack(model, cuda_graph=GraphConfig(...))`` returns to the automatic graphs; use
     :func:`~packed_encoders.set_cuda_graph` to change graphs alone).
 
     Args:
@@ -92,10 +47,14 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             question-answering heads (their loss reads padded positions), or the query length of a ColBERT target
             using masked query expansion (PyLate, sentence-transformers v6).
         validation_lengths: override the validation batch's lengths.
-        cuda_graph: ``None``/``False`` (off), ``True`` (``GraphConfig()``: sequences up to 2,048 tokens and
-            calls up to 32k tokens, any backend), or a :class:`~packed_encoders.GraphConfig`. Inference calls
-            within its bounds replay captured CUDA graphs; everything else runs eagerly (see
-            :mod:`packed_encoders.graphs`).
+        cuda_graph: ``None`` (default, automatic): ``GraphConfig()`` bounds (sequences up to 2,048 tokens, calls
+            up to 32k tokens), graphs captured lazily on first use of a bucket and kept within a memory budget
+            (LRU; ``PACKED_ENCODERS_GRAPH_MEMORY``, default 0.1 of the free GPU memory at pack), silently eager
+            on a model that is not on CUDA, and the graph path checked per capture rather than at pack.
+            ``True`` or a :class:`~packed_encoders.GraphConfig`: the same, requested explicitly (the graph path
+            is validated here, and a model not on CUDA is warned about). ``False``: off. Inference calls (no
+            grad, any autocast state) within the bounds replay captured CUDA graphs; everything else runs
+            eagerly, the reason counted in ``describe()`` (see :mod:`packed_encoders.graphs`).
             ``GraphConfig.precapture`` buckets are captured here when the model is on CUDA.
 
     Returns:
@@ -106,25 +65,28 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         PackedEncodersError: an unknown option value.
         ValidationError: the selected path disagrees with stock HF; the model is left as it was.
     """
-    from .validation import ValidationReport, check_encoder
-
     if not isinstance(validate, bool):
         raise PackedEncodersError(f"validate={validate!r} must be True or False")
     options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate,
-                          padded_outputs=padded_outputs, cuda_graph=normalize_graph_option(cuda_graph))
+                          padded_outputs=padded_outputs, cuda_graph=normalize_graph_option(cuda_graph),
+                          graph_auto=cuda_graph is None)
     encoders = find_encoders(target)
     planned = []
     for path, model in encoders:
         current = get_state(model)
-        if current is not None and current.options == options:
+        tuning = read_tuning(_device(model))
+        if current is not None and current.options == options and same_switches(current.tuning, tuning):
             continue
-        state = _make_state(model, options, target)
+        state = make_state(model, options, target, tuning)
         problem = check_at_pack(model, state.params)
         if problem is not None:
             raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
         if validate:
             report = check_encoder(model, state, path, validation_lengths)
-            if report.passed:
+            if report.passed and options.graph_auto and options.cuda_graph is not None:
+                report.checks.append("cuda_graph: automatic, captured lazily; each capture is checked against "
+                                     "its eager warm-up")
+            elif report.passed:
                 check_graph_path(model, state, report)  # captures the check batch's bucket on CUDA
             state.report = report
             if not report.passed:
@@ -134,15 +96,19 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         planned.append((model, state))
     for model, state in planned:
         install(model, state)
-    idle = sorted({str(model.embeddings.tok_embeddings.weight.device) for model, state in planned
-                   if state.options.cuda_graph is not None and model.embeddings.tok_embeddings.weight.device.type
-                   != "cuda"})
+    idle = sorted({str(_device(model)) for model, state in planned
+                   if state.options.cuda_graph is not None and not state.options.graph_auto
+                   and _device(model).type != "cuda"})
     if idle:
         warnings.warn(f"pack(cuda_graph=...): the model is on {', '.join(idle)}; CUDA graphs start once it is on a "
                       "CUDA device, calls run eagerly until then (describe(model)['encoders'][i]['cuda_graph']"
                       "['idle_reason'])", stacklevel=2)
     precapture_encoders(planned)
     return target
+
+
+def _device(model: nn.Module) -> torch.device:
+    return model.embeddings.tok_embeddings.weight.device
 
 
 def unpack(target):
@@ -185,6 +151,7 @@ def describe(target) -> dict:
                 "gemm": state.ops.gemm,
                 "kernel_fallbacks": state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {},
                 "cuda_graph": describe_graphs(state, weight.device),
+                "tuning": state.tuning.describe(),
                 "padded_outputs": ("zeros" if state.trailing_max_len is None else
                                    "trailing masked positions computed" + (
                                        "" if state.trailing_max_len >= ALWAYS else
@@ -223,13 +190,11 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
             the model's; a model changed since ``pack()`` in a way the packed forward would skip (a forward hook,
             a wrapped or swapped submodule, pruned layers, a new ``config.sliding_window``).
     """
-    from .adapters.hf_call import run_packed, structure_check
-
     encoder = _single_encoder(model)
     state = get_state(encoder)
     if state is not None:
-        poll_deferred(state)  # input errors of earlier sync-free graph calls (never waits)
-    state = state or _make_state(encoder, PackOptions())
+        raise_earlier_errors(state)  # of earlier sync-free graph calls (never waits)
+    state = state or make_state(encoder, PackOptions())
     if params is not None and params != state.params:
         raise PackedEncodersError("params differ from the model's (ModernBertParams.from_hf_config(model.config) "
                                   "when it was packed; re-pack after changing the config)")
@@ -255,12 +220,9 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
     if batch.total_tokens == 0:
         return torch.zeros(0, state.params.hidden_size, device=batch.device,
                            dtype=encoder.embeddings.tok_embeddings.weight.dtype)
-    # checked here, not only in run_packed: a graph replay reads no module and would skip a hook or a swap
+    # checked before any route: a graph replay reads no module and would skip a hook or a swap
     problem = structure_check(encoder, state)
     if problem is not None:
         raise PackedEncodersError(f"the packed forward cannot run this model: {problem}")
-    if state.options.cuda_graph is not None:
-        out = graph_forward(encoder, state, batch, torch.clone, backend=backend)
-        if out is not None:
-            return out
-    return run_packed(encoder, state, batch, attention_backend=backend, structure_checked=True)
+    route = packed_route(encoder, state, batch)
+    return serve_batch(encoder, state, route, batch, backend=backend)

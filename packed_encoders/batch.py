@@ -98,7 +98,7 @@ def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
-          trailing_query_only: bool = False, before_sync=None) -> PackedBatch:
+          trailing_query_only: bool = False, before_sync=None, fused: bool | None = None) -> PackedBatch:
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
@@ -108,6 +108,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     ``before_sync(ids, positions, cu_seqlens, key_lens)``, when given, is called just before the sync with the
     device buffers the batch will be sliced from (``ids`` / ``positions`` hold ``B * S + 1`` rows, the first
     ``cu_seqlens[-1]`` of them the batch's; ``ids`` is ``None`` for ``inputs_embeds``); it must not sync.
+    ``fused``: unpad with the Triton kernels where they can take the call (``None``: unless
+    ``PACKED_ENCODERS_FUSED_UNPAD`` is off now; a packed encoder passes its tuning's value, read at ``pack()``).
 
     Raises:
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
@@ -146,7 +148,9 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
             key_lens=torch.zeros(b, dtype=torch.int32, device=device) if trailing_query_only else None)
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
-    if _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b):
+    if fused is None:
+        fused = not switched_off(FUSED_UNPAD_ENV)
+    if fused and _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b):
         stats_t, cu, ids_all, pos_all, indices_all, key_lens = _triton_unpad().unpad(
             attention_mask, input_ids, token_type_ids, position_ids, vocab_size, trailing_query_only)
         embeds_all = None
@@ -196,10 +200,8 @@ def _triton_unpad():
 
 def _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b: int) -> bool:
     """Whether this call unpads with the two Triton launches of ``ops.triton.unpad`` (CUDA ids, Triton importable,
-    integer inputs; ``PACKED_ENCODERS_FUSED_UNPAD=0`` turns it off) instead of ~40 PyTorch ops."""
+    integer inputs) instead of ~40 PyTorch ops."""
     if input_ids is None or inputs_embeds is not None or input_ids.device.type != "cuda":
-        return False
-    if switched_off(FUSED_UNPAD_ENV):
         return False
     kernels = _triton_unpad()
     return kernels is not None and kernels.supported(attention_mask, input_ids, token_type_ids, position_ids, b)

@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .adapters.structure import structure_check
+from .batch import unpad
+from .call import run_packed
+from .configure import encoder_states
 from .errors import PackedEncodersError, ValidationError
 
 BF16_COS_MIN = 0.995
@@ -179,9 +183,6 @@ def _parity(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float, float, bool
 @torch.no_grad()
 def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: int = 0) -> EncoderReport:
     """Run every gate on one encoder with the options in ``state`` (installed or not)."""
-    from .adapters.hf_call import run_packed
-    from .batch import unpad
-
     params = state.params
     weight = model.embeddings.tok_embeddings.weight
     device, dtype = weight.device, weight.dtype
@@ -206,6 +207,9 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     report.checks.append("config: ModernBertParams read")
     problems = check_structure(model, params)
     report.failures += problems
+    live = None if problems else structure_check(model, state)
+    if live is not None:
+        report.failures.append(f"packed path raised: the packed forward cannot run this model: {live}")
     report.checks.append("structure")
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -235,7 +239,7 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
         stock = _stock_forward(model, input_ids=ids, attention_mask=mask, position_ids=positions,
                                return_dict=True).last_hidden_state
         batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
-                      token_type_ids=None, vocab_size=params.vocab_size)
+                      token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
         fast = batch.pad(run_packed(model, state, batch))
         # quack GEMMs engage from thousands of tokens and the check batch is short: check it again with them
         # forced on, so both the path short calls take and the one long calls take are held to the bars below
@@ -296,10 +300,8 @@ def validate(target, *, lengths=None, attention_backend: str | None = None, kern
         attention_backend, kernels: check these options instead of the packed ones (or the defaults).
         raise_on_failure: raise :class:`ValidationError` (with the numbers) instead of returning a failed report.
     """
-    from .api import _encoder_states
-
     reports = []
-    for path, model, state in _encoder_states(target, attention_backend=attention_backend, kernels=kernels):
+    for path, model, state in encoder_states(target, attention_backend=attention_backend, kernels=kernels):
         reports.append(check_encoder(model, state, path, lengths))
     result = ValidationReport(reports)
     if raise_on_failure and not result.passed:

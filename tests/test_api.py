@@ -217,7 +217,7 @@ def test_validation_failure_leaves_model_unchanged(monkeypatch):
     def fake_select(kernels, device):
         return (broken, "test") if kernels == "broken" else original(kernels, device)
 
-    monkeypatch.setattr("packed_encoders.api.select_ops", fake_select)
+    monkeypatch.setattr("packed_encoders.configure.select_ops", fake_select)
     model = make_model("base_like")
     with pytest.raises(pe.ValidationError, match="relative error") as info:
         pe.pack(model, kernels="broken")

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.usefixtures("triton_interpret")
 
 import packed_encoders as pe  # noqa: E402
 from packed_encoders import batch as PB  # noqa: E402
+from packed_encoders import call  # noqa: E402
 from packed_encoders.adapters.state import get_state  # noqa: E402
 from packed_encoders.graphs import route  # noqa: E402
 from packed_encoders.graphs import runner as grunner  # noqa: E402
@@ -75,12 +76,12 @@ def inbox_graphs(monkeypatch):
     """Route on CPU with capture-free runners staged through the encoder's inbox (the CUDA layout); logs
     inbox fills and host syncs in call order."""
     events = []
-    real_mode, real_fill, real_tolist = route._mode_facts, stage.fill_inbox, torch.Tensor.tolist
+    real_mode, real_fill, real_tolist = call.mode_facts, stage.fill_inbox, torch.Tensor.tolist
 
     def mode(*a, **k):
         return {**real_mode(*a, **k), "model_on_cuda": True}
 
-    def build(model, state, mgr, bucket, requested, query_only=False):
+    def build(model, state, mgr, bucket, requested, query_only=False, autocast=None):
         return grunner.GraphRunner(model, state, bucket, requested, capture=False, query_only=query_only,
                                    fused_stage=True, inbox=route._inbox(mgr, torch.device("cpu")))
 
@@ -92,7 +93,7 @@ def inbox_graphs(monkeypatch):
         events.append("sync")
         return real_tolist(self)
 
-    monkeypatch.setattr(route, "_mode_facts", mode)
+    monkeypatch.setattr(call, "mode_facts", mode)
     monkeypatch.setattr(route, "_build", build)
     monkeypatch.setattr(grunner, "fused_stage_available", lambda device: True)
     monkeypatch.setattr(stage, "fill_inbox", fill)
@@ -155,7 +156,7 @@ def test_a_call_whose_inbox_was_refilled_stages_again(inbox_graphs):
         model, want_a = _graphed_with_reference(ids_a, mask_a)
         _forward(model, ids_b, mask_b)  # captures the bucket
         state = get_state(model)
-        prepared = route.prepare(model, state, hidden_states=False)
+        prepared = route.prepare(model, state)
         batch_a = _unpad(ids_a, mask_a, functools.partial(route.prestage, prepared))
         _forward(model, ids_b, mask_b)
         inbox_graphs.clear()
@@ -193,7 +194,7 @@ def test_a_replay_that_raises_does_not_hand_its_batch_to_the_owner(inbox_graphs)
         _forward(model, ids_a, mask_a)
         _forward(model, ids_b, mask_b)  # both buckets captured
         state = get_state(model)
-        prepared = route.prepare(model, state, hidden_states=False)
+        prepared = route.prepare(model, state)
         batch_a = _unpad(ids_a, mask_a, functools.partial(route.prestage, prepared))
         batch_b = _unpad(ids_b, mask_b)
 

@@ -19,7 +19,8 @@ from dataclasses import replace
 import torch
 
 import packed_encoders as pe
-from packed_encoders.adapters.hf_call import run_packed
+from packed_encoders import call
+from packed_encoders.call import run_packed
 from packed_encoders.adapters.state import get_state
 from packed_encoders.batch import unpad
 from packed_encoders.errors import PackedEncodersError
@@ -128,7 +129,7 @@ def test_config_defaults_and_normalize():
     assert replace(GraphConfig(max_seqlen=256), max_seqlen=4096).seqlen_grid == GraphConfig(max_seqlen=4096).seqlen_grid
     import numpy as np
     assert GraphConfig(seqlen_buckets=[np.int64(64)], precapture=[(np.int32(8), 100)]).precapture == ((8, 100),)
-    assert normalize(None) is None and normalize(False) is None
+    assert normalize(None) == GraphConfig() and normalize(False) is None  # None: automatic graphs
     assert normalize(True) == GraphConfig()
     assert normalize(cfg) is cfg
     with pytest.raises(PackedEncodersError):
@@ -180,7 +181,7 @@ def test_admission_order_and_bounds():
     assert isinstance(admit(cfg, ok), Bucket)
     cases = [
         (dict(kill_switch=True, grad=True), B.KILL_SWITCH), (dict(suspended=True, grad=True), B.SUSPENDED),
-        (dict(grad=True, autocast=True), B.GRAD), (dict(autocast=True), B.AUTOCAST), (dict(dropout=True), B.DROPOUT),
+        (dict(grad=True), B.GRAD), (dict(dropout=True), B.DROPOUT),
         (dict(hidden_states=True), B.HIDDEN_STATES), (dict(inputs_embeds=True), B.EMBEDS),
         (dict(model_on_cuda=False), B.NOT_CUDA), (dict(same_device=False), B.OTHER_DEVICE),
         (dict(num_seqs=17), B.TOO_MANY_SEQS), (dict(total_tokens=301), B.TOO_MANY_TOKENS),
@@ -192,11 +193,13 @@ def test_admission_order_and_bounds():
 
 
 def test_kill_switch_values(monkeypatch):
+    from packed_encoders.tuning import read_tuning
+
     for value, off in (("0", True), ("false", True), (" OFF ", True), ("no", True), ("1", False), ("", False)):
         monkeypatch.setenv("PACKED_ENCODERS_GRAPH", value)
-        assert route.kill_switch() is off, value
+        assert read_tuning().graphs is not off, value
     monkeypatch.delenv("PACKED_ENCODERS_GRAPH")
-    assert route.kill_switch() is False
+    assert read_tuning().graphs is True
 
 
 # --------------------------------------------------------------------------------------------- LRU
@@ -319,16 +322,16 @@ def test_replay_output_is_owned_by_the_caller():
 def cpu_graphs(monkeypatch):
     """Route on CPU: pretend the model is on CUDA and build capture-free runners; count builds."""
     builds = []
-    real_mode = route._mode_facts
+    real_mode = call.mode_facts
 
-    def mode(*a, **k):  # read by prepare() before the sync and by call_facts() after it
+    def mode(*a, **k):  # the router's mode facts
         return {**real_mode(*a, **k), "model_on_cuda": True}
 
-    def build(model, state, mgr, bucket, requested, query_only=False):
+    def build(model, state, mgr, bucket, requested, query_only=False, autocast=None):
         builds.append(bucket)
         return GraphRunner(model, state, bucket, requested, capture=False, query_only=query_only)
 
-    monkeypatch.setattr(route, "_mode_facts", mode)
+    monkeypatch.setattr(call, "mode_facts", mode)
     monkeypatch.setattr(route, "_build", build)
     monkeypatch.delenv("PACKED_ENCODERS_GRAPH", raising=False)
     return builds
@@ -346,7 +349,7 @@ def test_cuda_graph_true_engages_under_auto(cpu_graphs):
     model = tiny_model()
     ids, mask = padded_batch([5, 17, 33], "mixed")
     with torch.no_grad():
-        eager = _forward(pe.pack(model, validate=False), ids, mask)
+        eager = _forward(pe.pack(model, validate=False, cuda_graph=False), ids, mask)
         pe.pack(model, validate=False, cuda_graph=True)
         assert get_state(model).options.cuda_graph == GraphConfig()
         first = _forward(model, ids, mask)
@@ -378,15 +381,19 @@ def test_every_fallback_runs_eagerly(cpu_graphs, monkeypatch):
             with pe.no_cuda_graph(model):
                 _forward(model, ids, mask)
             _forward(model, ids, mask)
-        monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
-        _forward(model, ids, mask)
-        monkeypatch.delenv("PACKED_ENCODERS_GRAPH")
         model.train()
         _forward(model, ids, mask)                                           # train mode, no dropout: graphs
         model.eval()
     assert fallbacks() == {B.GRAD: 1, B.HIDDEN_STATES: 1, B.EMBEDS: 1, B.TOO_MANY_SEQS: 1, B.TOO_LONG: 1,
-                           B.SUSPENDED: 2, B.KILL_SWITCH: 1}
+                           B.SUSPENDED: 2}
     assert len(cpu_graphs) == 1
+    monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")  # read at pack(): this call still replays
+    with torch.no_grad():
+        _forward(model, ids, mask)
+        assert len(cpu_graphs) == 1 and B.KILL_SWITCH not in fallbacks()
+        pe.pack(model, validate=False, cuda_graph=GraphConfig(max_seqlen=64, max_seqs=4))  # re-reads the switches
+        _forward(model, ids, mask)
+    assert fallbacks() == {B.KILL_SWITCH: 1} and len(cpu_graphs) == 1
 
 
 def test_dropout_in_training_runs_eagerly(cpu_graphs):
@@ -476,7 +483,7 @@ def test_set_cuda_graph_and_precapture(cpu_graphs):
         _forward(model, *padded_batch([5, 9], "mixed"))
     assert set(cpu_graphs) == set(precapture_buckets(cfg)) and _graph_info(model)["hits"] == 1
     pe.set_cuda_graph(model, False)
-    assert _graph_info(model) == {"enabled": False, "kill_switch": False, "suspended": False}
+    assert _graph_info(model) == {"enabled": False, "mode": "off", "kill_switch": False, "suspended": False}
     pe.set_cuda_graph(model, True)
     assert get_state(model).options.cuda_graph == GraphConfig()
 
@@ -486,7 +493,10 @@ def test_repack_same_graph_option_keeps_state():
     state = get_state(model)
     pe.pack(model, validate=False, cuda_graph=GraphConfig())
     assert get_state(model) is state
-    pe.pack(model, validate=False)
+    pe.pack(model, validate=False)  # the default: automatic graphs (new state, same bounds)
+    assert get_state(model) is not state and get_state(model).options.graph_auto
+    assert get_state(model).options.cuda_graph == GraphConfig()
+    pe.pack(model, validate=False, cuda_graph=False)
     assert get_state(model).options.cuda_graph is None
     with pytest.raises(PackedEncodersError):
         pe.pack(model, validate=False, cuda_graph="on")
@@ -531,9 +541,9 @@ def test_copies_drop_runners(cpu_graphs):
 
 
 def test_pack_validates_the_graph_path(cpu_graphs, monkeypatch):
-    from packed_encoders.graphs import check
+    from packed_encoders import graph_check as check
 
-    monkeypatch.setattr(check, "_eligible", lambda config, weight: config is not None)
+    monkeypatch.setattr(check, "_eligible", lambda config, weight, tuning: config is not None)
     model = pe.pack(tiny_model(), cuda_graph=GraphConfig(max_seqlen=64), validation_lengths=(1, 9, 40))
     report = get_state(model).report
     assert report.passed and any(c.startswith("cuda_graph: replay vs eager") for c in report.checks)
@@ -564,8 +574,11 @@ def test_describe_says_why_graphs_are_idle(monkeypatch):
     with pe.no_cuda_graph(model):
         assert "no_cuda_graph" in idle()
     monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
+    assert "on cpu" in idle(), "the switches are read at pack()"
+    pe.pack(model, validate=False, cuda_graph=True)
     assert "PACKED_ENCODERS_GRAPH" in idle()
-    assert "idle_reason" not in pe.describe(pe.pack(tiny_model(), validate=False))["encoders"][0]["cuda_graph"]
+    off = pe.describe(pe.pack(tiny_model(), validate=False, cuda_graph=False))["encoders"][0]["cuda_graph"]
+    assert "idle_reason" not in off
 
 
 def test_query_only_tails_get_their_own_graphs(cpu_graphs):
@@ -610,14 +623,12 @@ def test_replaced_parameter_objects_drop_graphs(cpu_graphs, change):
 def test_weights_are_checked_before_the_sync_once_per_call(cpu_graphs, monkeypatch):
     """The fingerprint (and any invalidation it causes) is read before unpad's host sync, so that after the
     sync only batch-dependent work stands between it and the replay; it is not read twice."""
-    from packed_encoders.adapters import hf_call
-
     model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
     ids, mask = padded_batch([4, 9], "mixed")
     events = []
-    real_fp, real_unpad = route.fingerprint, hf_call.unpad
+    real_fp, real_unpad = route.fingerprint, call.unpad
     monkeypatch.setattr(route, "fingerprint", lambda *a: events.append("fingerprint") or real_fp(*a))
-    monkeypatch.setattr(hf_call, "unpad", lambda **k: events.append("unpad") or real_unpad(**k))
+    monkeypatch.setattr(call, "unpad", lambda **k: events.append("unpad") or real_unpad(**k))
     with torch.no_grad():
         _forward(model, ids, mask)
         events.clear()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import packed_encoders as pe
+from packed_encoders import call
 from packed_encoders.adapters.state import get_state
 from packed_encoders.errors import PackedEncodersError
 from packed_encoders.graphs import buckets as B
@@ -65,26 +66,22 @@ class FakeEvent:
 def cpu_graphs(monkeypatch):
     """Route on CPU: pretend the model is on CUDA and build capture-free runners; count builds."""
     builds = []
-    real_facts, real_rect_facts = route.call_facts, route.rect_call_facts
+    real_mode = call.mode_facts
 
-    def facts(*a, **k):
-        return B.CallFacts(**{**real_facts(*a, **k).__dict__, "model_on_cuda": True})
+    def mode(*a, **k):  # the router's mode facts
+        return {**real_mode(*a, **k), "model_on_cuda": True}
 
-    def rect_facts(*a, **k):
-        return RectFacts(**{**real_rect_facts(*a, **k).__dict__, "model_on_cuda": True})
-
-    def build(model, state, mgr, bucket, requested, query_only=False):
+    def build(model, state, mgr, bucket, requested, query_only=False, autocast=None):
         from packed_encoders.graphs.runner import GraphRunner
 
         builds.append(bucket)
         return GraphRunner(model, state, bucket, requested, capture=False, query_only=query_only)
 
-    def build_rect(model, state, mgr, bucket, requested):
+    def build_rect(model, state, mgr, bucket, requested, autocast=None):
         builds.append(bucket)
         return RectRunner(model, state, bucket, requested, capture=False)
 
-    monkeypatch.setattr(route, "call_facts", facts)
-    monkeypatch.setattr(route, "rect_call_facts", rect_facts)
+    monkeypatch.setattr(call, "mode_facts", mode)
     monkeypatch.setattr(route, "_build", build)
     monkeypatch.setattr(route, "_build_rect", build_rect)
     monkeypatch.delenv("PACKED_ENCODERS_GRAPH", raising=False)
@@ -143,7 +140,7 @@ def test_rect_bucket_and_admission():
     assert admit_rect(cfg, ok, VOCAB) == RectBucket(16, 64, VOCAB)
     cases = [
         (dict(kill_switch=True, grad=True), B.KILL_SWITCH), (dict(suspended=True), B.SUSPENDED),
-        (dict(grad=True), B.GRAD), (dict(autocast=True), B.AUTOCAST), (dict(dropout=True), B.DROPOUT),
+        (dict(grad=True), B.GRAD), (dict(dropout=True), B.DROPOUT),
         (dict(hidden_states=True), B.HIDDEN_STATES), (dict(inputs_embeds=True), B.EMBEDS),
         (dict(position_ids=True), B.POSITION_IDS), (dict(query_only=True), B.QUERY_ONLY),
         (dict(integer_inputs=False), B.INPUT_DTYPES), (dict(model_on_cuda=False), B.NOT_CUDA),
@@ -362,9 +359,6 @@ def test_outside_the_envelope_takes_the_synced_path(cpu_graphs, monkeypatch):
         fwd(model, ids, mask.float())                                           # floating mask
         fwd(model, *padded_batch([3] * 5, "mixed"))                                    # 5 > max_seqs
         fwd(model, *padded_batch([3, 2], "mixed", pad_to=65))                          # wider than max_seqlen
-        monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
-        fwd(model, ids, mask)
-        monkeypatch.delenv("PACKED_ENCODERS_GRAPH")
     grad = fwd(model, ids, mask)                                                # grad enabled
     assert grad.requires_grad
     for out in (embeds, hidden.last_hidden_state, grad.detach()):
@@ -372,7 +366,7 @@ def test_outside_the_envelope_takes_the_synced_path(cpu_graphs, monkeypatch):
     assert len(hidden.hidden_states) == 4
     sf = info(model)["sync_free"]["fallbacks"]
     assert sf == {B.SUSPENDED: 1, B.POSITION_IDS: 1, B.EMBEDS: 1, B.HIDDEN_STATES: 1, B.INPUT_DTYPES: 1,
-                  B.TOO_MANY_SEQS: 1, B.TOO_WIDE: 1, B.KILL_SWITCH: 1, B.GRAD: 1}
+                  B.TOO_MANY_SEQS: 1, B.TOO_WIDE: 1, B.GRAD: 1}
     # the synced path served what its own bounds admit, from packed graphs
     assert any(isinstance(b, B.Bucket) for b in cpu_graphs) and not any(isinstance(b, RectBucket) for b in cpu_graphs)
     assert info(model)["sync_free"]["calls"] == 0
@@ -493,9 +487,9 @@ def test_copies_drop_pending_checks(cpu_graphs):
 
 
 def test_pack_validates_the_sync_free_path(cpu_graphs, monkeypatch):
-    from packed_encoders.graphs import check
+    from packed_encoders import graph_check as check
 
-    monkeypatch.setattr(check, "_eligible", lambda config, weight: config is not None)
+    monkeypatch.setattr(check, "_eligible", lambda config, weight, tuning: config is not None)
     model = pe.pack(tiny_model(), cuda_graph=GraphConfig(max_seqlen=64, sync_free=True),
                     validation_lengths=(1, 9, 40))
     report = get_state(model).report

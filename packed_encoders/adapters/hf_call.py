@@ -7,6 +7,9 @@ kwargs of HF v5 / sentence-transformers' flattening collator (``cu_seq_lens_q/k`
 except the trailing masked positions of query calls under ColBERT query expansion
 (:mod:`packed_encoders.adapters.late_interaction`), which get HF's values.
 Anything the packed path cannot honour raises :class:`~packed_encoders.errors.PackedEncodersError`.
+
+This module only translates: HF arguments -> host facts and a :class:`~packed_encoders.batch.PackedBatch` (or
+the padded tensors), the route chosen once per call by :mod:`packed_encoders.call`, and the result -> HF outputs.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import warnings
 import torch
 from torch import nn
 
-from ..batch import PackedBatch, from_packed, is_int_like, unpad
+from ..batch import from_packed, is_int_like
+from ..call import packed_route, padded_route, raise_earlier_errors, serve_batch, serve_padded
 from ..errors import PackedEncodersError
-from ..graphs.route import graph_forward, poll_deferred, prepare, prestage, sync_free_forward
-from ..model.forward import activation_dtype, encoder_forward, plan_attention
-from .structure import snapshot, structure_problem
+from ..model.forward import activation_dtype
+from .structure import structure_check
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
@@ -51,12 +54,6 @@ def _transformers_major() -> int:
         return 5
 
 
-def _gradient_checkpointing(model: nn.Module) -> bool:
-    if getattr(model, "gradient_checkpointing", False):
-        return True
-    return any(getattr(layer, "gradient_checkpointing", False) for layer in model.layers)
-
-
 def _output(model, last, hidden, return_dict):
     from transformers.modeling_outputs import BaseModelOutput
 
@@ -75,22 +72,13 @@ def _stock_fallback(model, state, reason: str, args, kwargs):
     return type(model).forward(model, *args, **kwargs)
 
 
-def structure_check(model: nn.Module, state) -> str | None:
-    """What the packed forward would skip in the live module tree, or ``None`` (see ``adapters.structure``)."""
-    snap = state.runtime.get("structure")
-    problem, unchanged = structure_problem(model, state.params, snap)
-    if problem is None and not unchanged:  # e.g. an nn.Linear replaced by another: its weights are read live
-        state.runtime["structure"] = snapshot(model) if snap is None else {**snapshot(model), "acts": snap["acts"]}
-    return problem
-
-
 def hf_forward(model: nn.Module, *args, **kwargs):
     """Drop-in for ``type(model).forward(model, *args, **kwargs)`` running the packed path."""
     state = model._packed_encoders
-    poll_deferred(state)  # input errors of earlier sync-free graph calls (GraphConfig.sync_free); never waits
+    raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
     problem = structure_check(model, state)
     if problem is not None:
-        return _stock_fallback(model, state, problem, args, kwargs)
+        return _stock_fallback(model, state, padded_route(model, state, structure=problem).reason, args, kwargs)
     names = _positional_names(type(model))
     if len(args) > len(names):
         raise PackedEncodersError(f"{type(model).__name__}.forward takes {len(names)} positional arguments; got {len(args)}")
@@ -145,55 +133,31 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         raise PackedEncodersError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; its last dimension must be "
                                   f"the model's hidden_size {state.params.hidden_size}")
 
-    params = state.params
     vocab_size = model.embeddings.tok_embeddings.num_embeddings  # live: resize_token_embeddings after pack
     src = input_ids if input_ids is not None else inputs_embeds
     packed = bool(packed_kw) or (position_ids is not None and attention_mask is None and src.shape[0] == 1
                                  and src.dim() == (2 if input_ids is not None else 3))
-    prepared = None
+    pre_norm_last = _transformers_major() < 5
     if packed or src.dim() == (1 if input_ids is not None else 2):
         batch, squeeze = _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids,
                                        token_type_ids, packed_kw)
-    else:
-        width = src.shape[1]
-        trailing = state.trailing_max_len is not None and attention_mask is not None and width <= state.trailing_max_len
-        graphs = state.options.cuda_graph
-        if graphs is not None and graphs.sync_free:  # no host sync: unpads inside a rectangular graph
-            last = sync_free_forward(model, state, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                                     attention_mask=attention_mask, position_ids=position_ids,
-                                     token_type_ids=token_type_ids, trailing=trailing,
-                                     hidden_states=output_hidden_states)
-            if last is not None:
-                return _output(model, last, None, return_dict)
-        # before unpad's host sync, while the GPU may still run the previous call: after it, the GPU idles
-        prepared = None if graphs is None else prepare(model, state, hidden_states=output_hidden_states,
-                                                       inputs_embeds=inputs_embeds is not None)
-        batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                      position_ids=position_ids, token_type_ids=token_type_ids, vocab_size=vocab_size,
-                      trailing_query_only=trailing,
-                      before_sync=None if prepared is None else functools.partial(prestage, prepared))
-        squeeze = None
-
-    hidden = [] if output_hidden_states else None
-    reshape = batch.pad if squeeze is None else squeeze
-    last = None
-    if batch.total_tokens == 0:
-        dtype = activation_dtype(model)
-        out = torch.zeros(batch.total_tokens, params.hidden_size, device=src.device, dtype=dtype)
-        if hidden is not None:
-            hidden.extend([out] * (params.num_hidden_layers + 1))
-    else:
-        if state.options.cuda_graph is not None:
-            # batch.pad copies; a packed call's view of the graph's static output must be cloned
-            finish = batch.pad if squeeze is None else (lambda t: squeeze(t.clone()))
-            last = graph_forward(model, state, batch, finish, hidden_states=hidden is not None,
-                                 prepared=prepared)
-        if last is None:
-            out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=_transformers_major() < 5,
-                             structure_checked=True)
-    if last is None:
-        last = reshape(out)
-    hidden_t = None if hidden is None else tuple(reshape(h) for h in hidden)
+        hidden = [] if output_hidden_states else None
+        if batch.total_tokens == 0:
+            out = torch.zeros(0, state.params.hidden_size, device=src.device, dtype=activation_dtype(model))
+            if hidden is not None:
+                hidden.extend([out] * (state.params.num_hidden_layers + 1))
+        else:
+            route = packed_route(model, state, batch, hidden_states=output_hidden_states)
+            out = serve_batch(model, state, route, batch, hidden_states=hidden, hidden_pre_norm_last=pre_norm_last)
+        hidden_t = None if hidden is None else tuple(squeeze(h) for h in hidden)
+        return _output(model, squeeze(out), hidden_t, return_dict)
+    width = src.shape[1]
+    trailing = state.trailing_max_len is not None and attention_mask is not None and width <= state.trailing_max_len
+    padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                  position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)
+    route = padded_route(model, state, hidden_states=output_hidden_states, **padded)
+    last, hidden_t = serve_padded(model, state, route, hidden_states=output_hidden_states,
+                                  hidden_pre_norm_last=pre_norm_last, **padded)
     return _output(model, last, hidden_t, return_dict)
 
 
@@ -234,34 +198,3 @@ def _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position
     if batched:
         return batch, (lambda t: t[None])
     return batch, (lambda t: t)
-
-
-def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: list | None = None,
-               hidden_pre_norm_last: bool = False, attention_backend: str | None = None,
-               structure_checked: bool = False) -> torch.Tensor:
-    """Run the packed encoder with ``state``'s options; records the attention plan for ``describe()``.
-
-    ``structure_checked``: the caller ran :func:`structure_check` for this call already (the patched forward
-    does, before its sync; checking again would put ~100 µs of host work after it).
-
-    Raises:
-        PackedEncodersError: the live modules are not what the packed forward reproduces (``adapters.structure``).
-    """
-    if not structure_checked:
-        problem = structure_check(model, state)
-        if problem is not None:
-            raise PackedEncodersError(f"the packed forward cannot run this model: {problem}")
-    params = state.params
-    grad = torch.is_grad_enabled()
-    dropout = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
-    requested = attention_backend or state.options.attention_backend
-    if dropout and requested == "auto":
-        requested = "sdpa"  # the only backend with attention-probability dropout; describe() reports it
-    plan = plan_attention(params, batch, requested, grad=grad, dtype=activation_dtype(model), dropout=dropout,
-                          policy=state.policy)
-    state.last_plan = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
-    state.last_fallbacks = list(dict.fromkeys(r for d in plan.values() for r in d.reasons))  # once per reason
-    out = encoder_forward(model, params, batch, attention=plan, ops=state.ops,
-                          gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
-                          hidden_pre_norm_last=hidden_pre_norm_last)
-    return out

@@ -148,3 +148,14 @@ def check_at_pack(model: nn.Module, params) -> str | None:
     return structure_problem(model, params, None)[0]
 
 
+
+
+def structure_check(model: nn.Module, state) -> str | None:
+    """What the packed forward would skip in the live module tree of a packed (or about to be packed) encoder,
+    or ``None``; the snapshot in ``state.runtime`` is refreshed when the tree changed harmlessly (e.g. an
+    ``nn.Linear`` replaced by another: its weights are read live)."""
+    snap = state.runtime.get("structure")
+    problem, unchanged = structure_problem(model, state.params, snap)
+    if problem is None and not unchanged:
+        state.runtime["structure"] = snapshot(model) if snap is None else {**snapshot(model), "acts": snap["acts"]}
+    return problem

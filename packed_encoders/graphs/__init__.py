@@ -24,20 +24,23 @@ call removes that floor. Design, and why:
   the caller. A call copies its batch into the encoder's fixed-address inbox before its host sync, and each
   graph's first node copies it on into the bucket's buffers, so after the sync a replay is one launch
   (:mod:`packed_encoders.ops.triton.stage`; on CPU the runner stages with PyTorch copies).
-- **Eager whenever the graph could differ** from the eager forward: grad, autocast, dropout,
+- **On by default** (``pack(model)``, ``cuda_graph=None``): buckets captured lazily on first use, each capture
+  checked against its eager warm-up, an LRU over a memory budget (``GraphConfig.max_memory_bytes``, else a
+  fraction of the free GPU memory, :mod:`packed_encoders.tuning`) as well as ``max_graphs``.
+- **Autocast is served**: a graph is captured under the call's autocast dtype (keyed by it), with autocast's
+  cast cache off, so it replays the casts the eager forward runs.
+- **Eager whenever the graph could differ** from the eager forward: grad, dropout,
   ``output_hidden_states``, ``inputs_embeds``, another device, out of bounds, the kill switch
-  ``PACKED_ENCODERS_GRAPH=0``, or inside ``no_cuda_graph(model)``. Graphs are dropped when the weights'
-  device, dtype or storage changes.
+  ``PACKED_ENCODERS_GRAPH=0`` (read at ``pack()``), or inside ``no_cuda_graph(model)``. Graphs are dropped when
+  the weights' device, dtype or storage changes. The router (:mod:`packed_encoders.router`) makes that choice.
 """
 
 from .buckets import Bucket, admit, bucket_for, round_seqs, round_tokens
 from .config import GraphConfig, normalize
 from .manager import GraphManager
-from .route import (check_errors, describe_graphs, graph_forward, no_cuda_graph, precapture_encoders,
-                    set_cuda_graph)
+from .route import describe_graphs, graph_forward, precapture_encoders
 
 __all__ = [
-    "Bucket", "GraphConfig", "GraphManager", "admit", "bucket_for", "check_errors", "describe_graphs",
-    "graph_forward", "no_cuda_graph", "normalize", "precapture_encoders", "round_seqs", "round_tokens",
-    "set_cuda_graph",
+    "Bucket", "GraphConfig", "GraphManager", "admit", "bucket_for", "describe_graphs", "graph_forward",
+    "normalize", "precapture_encoders", "round_seqs", "round_tokens",
 ]

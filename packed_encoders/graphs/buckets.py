@@ -11,8 +11,10 @@ tokens, and every sequence respects the bucket's ``max_seqlen``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .config import GraphConfig
+if TYPE_CHECKING:  # annotations only: config imports this module (imports point down, no cycle)
+    from .config import GraphConfig
 
 
 def round_tokens(total: int, multiple: int, steps_per_octave: int) -> int:
@@ -80,7 +82,6 @@ def precapture_buckets(config: GraphConfig) -> list[Bucket]:
 KILL_SWITCH = "PACKED_ENCODERS_GRAPH=0"
 SUSPENDED = "no_cuda_graph() block"
 GRAD = "grad enabled"
-AUTOCAST = "autocast enabled"
 DROPOUT = "training mode with dropout"
 HIDDEN_STATES = "output_hidden_states"
 EMBEDS = "inputs_embeds"
@@ -91,17 +92,18 @@ TOO_MANY_TOKENS = "more tokens than max_tokens"
 TOO_LONG = "a sequence longer than max_seqlen"
 POSITIONS = "position_ids beyond the captured RoPE tables"
 CAPTURE_FAILED = "capture failed for this bucket"
+OVER_BUDGET = "the bucket's graph alone is over the graph memory budget"
 
 
 @dataclass
 class CallFacts:
     """Host-visible facts about one call, gathered by the router (no device reads; built every call, so
-    not frozen: a frozen dataclass pays ``object.__setattr__`` per field)."""
+    not frozen: a frozen dataclass pays ``object.__setattr__`` per field). Autocast is no refusal: a graph is
+    captured under the call's autocast state (``packed_encoders.router.Facts.autocast``)."""
 
     kill_switch: bool = False
     suspended: bool = False
     grad: bool = False
-    autocast: bool = False
     dropout: bool = False
     hidden_states: bool = False
     inputs_embeds: bool = False
@@ -115,7 +117,7 @@ class CallFacts:
 def _mode_checks(facts: CallFacts | RectFacts) -> tuple:
     """``(failed, reason)`` for the modes no captured forward honours, shared by both graph paths."""
     return ((facts.kill_switch, KILL_SWITCH), (facts.suspended, SUSPENDED), (facts.grad, GRAD),
-            (facts.autocast, AUTOCAST), (facts.dropout, DROPOUT), (facts.hidden_states, HIDDEN_STATES),
+            (facts.dropout, DROPOUT), (facts.hidden_states, HIDDEN_STATES),
             (facts.inputs_embeds, EMBEDS))
 
 
@@ -193,7 +195,6 @@ class RectFacts:
     kill_switch: bool = False
     suspended: bool = False
     grad: bool = False
-    autocast: bool = False
     dropout: bool = False
     hidden_states: bool = False
     inputs_embeds: bool = False

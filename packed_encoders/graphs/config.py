@@ -8,6 +8,7 @@ import numbers
 from dataclasses import dataclass, field, fields, replace
 
 from ..errors import PackedEncodersError
+from .buckets import precapture_buckets, round_seqs, round_tokens
 
 
 def _is_pow2(x: int) -> bool:
@@ -89,6 +90,10 @@ class GraphConfig:
             finished the offending call (``event.query()``, never a wait); that next call then does not
             run. ``check_errors(model, wait=True)`` waits for every pending check (use it at the end of a
             loop). This mode trades the immediate error for no sync.
+        max_memory_bytes: the byte budget of the encoder's graphs (static buffers plus the pool's growth at each
+            capture; LRU eviction past it, see :class:`~packed_encoders.graphs.manager.GraphManager`); ``None``
+            (default) means ``PACKED_ENCODERS_GRAPH_MEMORY`` (default 0.1) of the GPU's free memory measured at
+            ``pack()``, or at the first capture for a model moved to CUDA later.
         sync_free_max_tokens: the largest rectangular graph, in padded rows ``B_b * S_b`` (default 2048:
             batch 8 up to 256 wide, batch 32 up to 64; on the H200 the break-even against the packed graphs);
             larger calls take the packed path. Read only with ``sync_free``.
@@ -117,6 +122,7 @@ class GraphConfig:
     precapture: tuple[tuple[int, ...], ...] = field(default=())
     sync_free: bool = False
     sync_free_max_tokens: int = 2048
+    max_memory_bytes: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.sync_free, bool):
@@ -125,7 +131,7 @@ class GraphConfig:
             value = getattr(self, f.name)
             if f.name in ("seqlen_buckets", "precapture", "sync_free"):
                 continue
-            if value is None and f.name == "max_tokens":
+            if value is None and f.name in ("max_tokens", "max_memory_bytes"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PackedEncodersError(f"GraphConfig.{f.name}={value!r} must be a positive int")
@@ -164,16 +170,12 @@ class GraphConfig:
                     "num_seqs * max_seqlen))")
             entries.append(entry)
         object.__setattr__(self, "precapture", tuple(entries))
-        from .buckets import precapture_buckets  # buckets imports this module
-
         count = len(precapture_buckets(self))
         if count > self.max_graphs:
             raise PackedEncodersError(f"GraphConfig.precapture maps to {count} buckets but max_graphs="
                                       f"{self.max_graphs}: the LRU would evict pre-captured graphs before "
                                       "traffic arrives")
         if self.sync_free:
-            from .buckets import round_seqs
-
             smallest = round_seqs(1, self.min_seq_bucket) * self.sync_free_seqlen_grid[0]
             if self.sync_free_max_tokens < smallest:
                 raise PackedEncodersError(
@@ -232,8 +234,6 @@ class GraphConfig:
             PackedEncodersError: ``num_seqs`` or ``min_tokens`` below 1, ``max_tokens < min_tokens``, or a range
                 the bounds cannot serve (``max_tokens`` past ``token_limit`` or ``num_seqs * max_seqlen``).
         """
-        from .buckets import round_tokens
-
         n, lo, hi = (_int_tuple((num_seqs, min_tokens, max_tokens), "with_precapture arguments"))
         seqlen = None if max_seqlen is None else _int_tuple((max_seqlen,), "with_precapture max_seqlen")[0]
         if n < 1 or lo < 1 or hi < lo:
@@ -263,15 +263,16 @@ def _int_tuple(values, what: str) -> tuple[int, ...]:
 
 
 def normalize(option) -> GraphConfig | None:
-    """``pack(cuda_graph=...)``: ``None``/``False`` -> off, ``True`` -> ``GraphConfig()``, a config as is.
+    """``pack(cuda_graph=...)``: ``None`` (auto) and ``True`` -> ``GraphConfig()``, ``False`` -> off (``None``),
+    a config as is. (Whether the option was ``None`` is kept apart: ``PackOptions.graph_auto``.)
 
     Raises:
         PackedEncodersError: any other value.
     """
-    if option is None or option is False:
+    if option is False:
         return None
-    if option is True:
+    if option is None or option is True:
         return GraphConfig()
     if isinstance(option, GraphConfig):
         return option
-    raise PackedEncodersError(f"cuda_graph={option!r}: expected None, a bool or a packed_encoders.GraphConfig")
+    raise PackedEncodersError(f"cuda_graph={option!r}: expected None (auto), a bool or a packed_encoders.GraphConfig")

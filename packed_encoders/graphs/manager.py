@@ -12,8 +12,12 @@ import warnings
 from collections import Counter, OrderedDict
 from typing import Any, Callable, Hashable
 
-from .buckets import CAPTURE_FAILED
-from .config import GraphConfig
+from typing import TYPE_CHECKING
+
+from .buckets import CAPTURE_FAILED, OVER_BUDGET
+
+if TYPE_CHECKING:
+    from .config import GraphConfig
 
 
 class GraphManager:
@@ -22,10 +26,18 @@ class GraphManager:
 
     ``lock`` serialises capture and replay: all graphs of one manager share one memory pool, so two
     replays must never overlap (their intermediates alias), whichever graphs they are.
+
+    Memory: each runner may carry ``graph_bytes`` (its static buffers plus the pool's growth while it was
+    captured). With ``budget_bytes`` set, a capture that takes the total past it evicts least recently used
+    graphs until it fits (evicted graphs' pool blocks are reused by later captures, so the pool stops growing);
+    a graph over the budget by itself is dropped and its bucket runs eagerly (:data:`.buckets.OVER_BUDGET`).
+    ``max_graphs`` bounds the count either way.
     """
 
-    def __init__(self, config: GraphConfig):
+    def __init__(self, config: GraphConfig, budget_bytes: int | None = None):
         self.config = config
+        self.budget_bytes = budget_bytes      # None: no byte budget (set on the first CUDA capture)
+        self.graph_bytes = 0                  # sum of the cached runners' graph_bytes
         self.lock = threading.RLock()
         self.fingerprint: Any = None
         self.pool: Any = None                # torch.cuda graph pool handle, created by the first capture
@@ -66,6 +78,7 @@ class GraphManager:
 
     def clear(self) -> None:
         self._runners.clear()
+        self.graph_bytes = 0
         self._failed.clear()
         self.pool = None
         self.last_stream = None
@@ -94,12 +107,11 @@ class GraphManager:
             return runner
         failed = self._failed.get(key)
         if failed is not None:
-            return CAPTURE_FAILED
+            return OVER_BUDGET if failed.startswith(OVER_BUDGET) else CAPTURE_FAILED
         # Evict before capturing: the freed graph's pool blocks are reused by the new capture, and no
         # graph is destroyed while another is being captured.
         while len(self._runners) >= self.config.max_graphs:
-            self._runners.popitem(last=False)
-            self.evictions += 1
+            self._evict()
         t0 = time.perf_counter()
         try:
             runner = build()
@@ -111,8 +123,20 @@ class GraphManager:
         finally:
             self.capture_seconds += time.perf_counter() - t0
         self.misses += 1
+        cost = getattr(runner, "graph_bytes", 0) or 0
+        if self.budget_bytes is not None and cost > self.budget_bytes:
+            self._failed[key] = f"{OVER_BUDGET} ({cost} > {self.budget_bytes} bytes)"
+            return OVER_BUDGET
+        while self._runners and self.budget_bytes is not None and self.graph_bytes + cost > self.budget_bytes:
+            self._evict()
         self._runners[key] = runner
+        self.graph_bytes += cost
         return runner
+
+    def _evict(self) -> None:
+        _, runner = self._runners.popitem(last=False)
+        self.graph_bytes -= getattr(runner, "graph_bytes", 0) or 0
+        self.evictions += 1
 
     def failures(self) -> dict:
         return {str(k): v for k, v in self._failed.items()}

@@ -46,7 +46,7 @@ from ..batch import PackedBatch
 from ..model.forward import encoder_forward
 from .buckets import RectBucket
 from .deferred import CHECKS
-from .runner import capture_or_run, resolve_plan, theta_tables, triton_kernels_available
+from .runner import autocast_state, capture_or_run, resolve_plan, theta_tables, triton_kernels_available
 
 
 def device_unpad(bufs: dict, width: int, vocab: int) -> dict:
@@ -131,7 +131,7 @@ class RectRunner:
     backend ``requested`` resolved for the bucket's packed shapes (and baked in).
 
     Args:
-        pool, stream, warmup: as :class:`~packed_encoders.graphs.runner.GraphRunner`.
+        pool, stream, warmup, autocast: as :class:`~packed_encoders.graphs.runner.GraphRunner`.
         capture: ``False`` runs the same forward on the same static buffers at every replay, without a CUDA
             graph, on any device (the CPU tests of the layout use it).
         fused: the Triton unpad / scatter kernels (``None``: on CUDA when Triton imports; ``True`` on CPU
@@ -150,7 +150,7 @@ class RectRunner:
 
     def __init__(self, model, state, bucket: RectBucket, requested: str, *, pool=None, stream=None,
                  warmup: int = 1, capture: bool = True, fused: bool | None = None,
-                 dead_padding: bool | None = None):
+                 dead_padding: bool | None = None, autocast=None):
         params = state.params
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
@@ -160,7 +160,7 @@ class RectRunner:
         b, s = bucket.batch, bucket.width
         n = b * s
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with on_device, torch.inference_mode(False), torch.no_grad():
+        with on_device, autocast_state(device, autocast), torch.inference_mode(False), torch.no_grad():
             long = dict(dtype=torch.long, device=device)
             self.bufs = {
                 "ids": torch.zeros(b, s, **long),
@@ -170,15 +170,16 @@ class RectRunner:
                 "row0": (torch.arange(b, **long) * s)[:, None],
                 "cols": torch.arange(s, **long),
                 "end": torch.full((1,), n, **long),
-                "nan": torch.full((), float("nan"), dtype=weight.dtype, device=device),
-                "zero": torch.zeros((), dtype=weight.dtype, device=device),
+                "nan": torch.full((), float("nan"), dtype=autocast or weight.dtype, device=device),
+                "zero": torch.zeros((), dtype=autocast or weight.dtype, device=device),
             }
             self.tables = theta_tables(model, params, s, device)   # positions are < S by layout
             probe = PackedBatch(input_ids=self.bufs["ids"].reshape(-1), inputs_embeds=None,
                                 cu_seqlens=torch.zeros(2 * b + 1, dtype=torch.int32, device=device), max_seqlen=s,
                                 position_ids=self.bufs["pos"], max_position=s)
-            self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, probe, requested, weight.dtype,
-                                                                           state.policy, graph=capture)
+            self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, probe, requested,
+                                                                           autocast or weight.dtype, state.policy,
+                                                                           graph=capture)
             self.fused = fused_unpad_available(device) if fused is None else fused
             if dead_padding is None:
                 dead_padding = all(d.backend == "triton" for d in self.plan.values())
@@ -187,12 +188,13 @@ class RectRunner:
             self.dead_padding = dead_padding
             forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs, fused=self.fused,
                                       dead_padding=dead_padding)
-            self.graph, self._forward, (self.out, self.flags) = capture_or_run(forward, device, capture, pool,
-                                                                               stream, warmup)
+            self.graph, self._forward, (self.out, self.flags), pool_bytes = capture_or_run(
+                forward, device, capture, pool, stream, warmup)
         self._extent = (0, 0)      # the block of `mask` the last staging wrote
         self._tt_dirty = False     # `tt` holds a previous call's token_type_ids
         static = tuple(v for v in self.bufs.values()) + (self.out, self.flags)
         self.static_bytes = sum(x.numel() * x.element_size() for x in static)
+        self.graph_bytes = self.static_bytes + pool_bytes
         assert self.flags.numel() == len(CHECKS)
 
     def stage(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -1,40 +1,30 @@
-"""Routing between graph replay and the eager packed forward, and the user-facing switches.
+"""The graph route's machinery: the per-encoder manager, weights fingerprint, staging and replay.
 
-``graph_forward`` is called by the patched HF forward and by ``packed_forward`` after the batch is built
-(its one host sync already paid). It reads host facts only, then either replays a graph or returns
-``None`` so the caller runs the eager path. ``sync_free_forward`` is called by the patched HF forward
-*before* ``unpad`` when ``GraphConfig.sync_free`` is on: it serves a padded call from a rectangular graph
-(:mod:`.rectangular`) without any host sync, or returns ``None`` so the call takes the synced path.
+The router (:mod:`packed_encoders.router`) decides from host facts which route serves a call; this module runs
+the two graph routes once chosen. ``graph_forward`` replays a packed graph after the batch is built (its one
+host sync already paid; a padded call's bucket is admitted here from its sizes, or it returns ``None`` so the
+caller runs the eager path). ``prepare`` / ``prestage`` do the batch-independent work and the inbox fill before
+that sync. ``sync_free_forward`` replays a rectangular graph with no host sync (``GraphConfig.sync_free``).
 Graph state lives in ``PackState.runtime`` (never copied or pickled) under ``"graphs"``; ``no_cuda_graph``
 nesting depth under ``"graphs_suspended"``; pending sync-free input checks under ``"graph_checks"``
-(:class:`.deferred.DeferredChecks`).
+(:class:`.deferred.DeferredChecks`). Switches come from the encoder's frozen ``state.tuning``, never the
+environment. Nothing here imports the adapters or the router (imports point down).
 """
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import threading
-from dataclasses import asdict, replace
-from types import SimpleNamespace
+from dataclasses import asdict
 from typing import Any, NamedTuple
 
 import torch
 
-from ..errors import PackedEncodersError
-from ..switches import switched_off
 from . import buckets as B
-from .buckets import Bucket, CallFacts, RectBucket, RectFacts, admit, admit_rect, precapture_buckets
-from .config import GraphConfig, normalize
+from .buckets import Bucket, RectBucket, precapture_buckets
 from .manager import GraphManager
 
-ENV = "PACKED_ENCODERS_GRAPH"
-_RUNTIME_LOCK = threading.Lock()
-
-
-def kill_switch() -> bool:
-    """True when ``PACKED_ENCODERS_GRAPH`` is 0/false/off/no (read on every call)."""
-    return switched_off(ENV)
+RUNTIME_LOCK = threading.Lock()  # guards PackState.runtime entries created on demand
 
 
 def _manager(state) -> GraphManager | None:
@@ -43,10 +33,10 @@ def _manager(state) -> GraphManager | None:
         return None
     mgr = state.runtime.get("graphs")
     if mgr is None or (mgr.config is not config and mgr.config != config):
-        with _RUNTIME_LOCK:
+        with RUNTIME_LOCK:
             mgr = state.runtime.get("graphs")
             if mgr is None or (mgr.config is not config and mgr.config != config):
-                mgr = GraphManager(config)
+                mgr = GraphManager(config, budget_bytes=config.max_memory_bytes)
                 state.runtime["graphs"] = mgr
     return mgr
 
@@ -84,28 +74,6 @@ def fingerprint(model, mgr: GraphManager) -> tuple:
     return (w0.device, w0.dtype, *map(_DATA_PTR, params))
 
 
-def _mode_facts(model, state, weight: torch.Tensor, hidden_states: bool) -> dict:
-    """The facts both graph paths admit on: switches, grad / autocast / dropout modes, the model's device."""
-    on_cuda = weight.device.type == "cuda"
-    return dict(kill_switch=kill_switch(), suspended=state.runtime.get("graphs_suspended", 0) > 0,
-                grad=torch.is_grad_enabled(), autocast=on_cuda and torch.is_autocast_enabled("cuda"),
-                dropout=model.training and state.params.has_dropout, hidden_states=hidden_states,
-                model_on_cuda=on_cuda)
-
-
-def call_facts(model, state, batch, *, hidden_states: bool, mode: dict | None = None) -> CallFacts:
-    """Host-visible facts of one call (no device reads); ``mode``: :func:`_mode_facts`, when read already."""
-    weight = model.embeddings.tok_embeddings.weight
-    return CallFacts(
-        **(mode if mode is not None else _mode_facts(model, state, weight, hidden_states)),
-        inputs_embeds=batch.inputs_embeds is not None,
-        same_device=batch.device == weight.device,
-        num_seqs=batch.num_seqs,
-        total_tokens=batch.total_tokens,
-        max_seqlen=batch.max_seqlen,
-    )
-
-
 def _capture_kw(model, mgr: GraphManager) -> dict:
     """The shared pool, the capture side stream on the model's device and the warm-up count, for a runner."""
     device = model.embeddings.tok_embeddings.weight.device
@@ -116,14 +84,28 @@ def _capture_kw(model, mgr: GraphManager) -> dict:
     return dict(pool=mgr.pool, stream=mgr.stream, warmup=mgr.config.warmup)
 
 
-def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, query_only: bool = False):
+def _budget(model, state, mgr: GraphManager) -> None:
+    """Set the manager's memory budget on its first CUDA capture, when neither the config nor an earlier
+    capture set it: ``state.tuning``'s fraction of the free memory measured at ``pack()`` (or now, for a model
+    moved to CUDA after ``pack()``)."""
+    if mgr.budget_bytes is not None:
+        return
+    device = model.embeddings.tok_embeddings.weight.device
+    if device.type != "cuda":
+        return
+    free = None if state.tuning.free_memory_bytes is not None else int(torch.cuda.mem_get_info(device)[0])
+    mgr.budget_bytes = state.tuning.graph_budget_bytes(free)
+
+
+def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, query_only: bool = False,
+           autocast=None):
     from .runner import GraphRunner, fused_stage_available
 
     device = model.embeddings.tok_embeddings.weight.device
     fused = fused_stage_available(device)
     _order_streams(mgr, device)  # the capture empties the shared inbox, which a replay on another stream may read
     return GraphRunner(model, state, bucket, requested, query_only=query_only, fused_stage=fused,
-                       inbox=_inbox(mgr, device) if fused else None, **_capture_kw(model, mgr))
+                       inbox=_inbox(mgr, device) if fused else None, autocast=autocast, **_capture_kw(model, mgr))
 
 
 def _inbox(mgr: GraphManager, device: torch.device):
@@ -142,8 +124,9 @@ def _precapture(model, state, mgr: GraphManager) -> None:
         return
     mgr.precaptured_for = mgr.fingerprint
     requested = state.options.attention_backend
+    _budget(model, state, mgr)
     for bucket in precapture_buckets(mgr.config):
-        mgr.get((requested, bucket, False), lambda b=bucket: _build(model, state, mgr, b, requested))
+        mgr.get((requested, bucket, False, None), lambda b=bucket: _build(model, state, mgr, b, requested))
 
 
 def _order_streams(mgr: GraphManager, device: torch.device) -> None:
@@ -158,45 +141,34 @@ def _order_streams(mgr: GraphManager, device: torch.device) -> None:
 
 
 class Prepared(NamedTuple):
-    """What :func:`prepare` read before the call's host sync: the manager, the mode facts, the weights
-    fingerprint it checked (``None``: not checked), and the call's token for inbox ownership (a bare object,
-    so the inbox never references the manager back)."""
+    """What :func:`prepare` read before the call's host sync: the manager, the weights fingerprint it checked,
+    and the call's token for inbox ownership (a bare object, so the inbox never references the manager back)."""
 
     mgr: GraphManager
-    mode: dict
     fingerprint: Any
     token: Any = None
-    device: Any = None  # the model's device when the modes were accepted (``fingerprint`` set)
+    device: Any = None  # the model's device when prepare() ran
 
 
-def prepare(model, state, *, hidden_states: bool, inputs_embeds: bool = False) -> Prepared | None:
-    """The batch-independent part of :func:`graph_forward`, run before the call's one host sync.
+def prepare(model, state) -> Prepared:
+    """The batch-independent part of :func:`graph_forward`, run before a padded call's one host sync once the
+    router chose a packed graph for it (so its modes are accepted and the model is on CUDA).
 
     After the sync the GPU idles until the graph is launched, so everything that does not depend on the
-    batch's sizes happens here, while the previous replay still runs: the mode facts and, for a call whose
-    modes admission accepts, the weights fingerprint (with the invalidation and precapture it may trigger).
-    A call that admission will refuse touches no graph, as when admission came first. ``None`` when graphs are
-    off for the encoder."""
+    batch's sizes happens here, while the previous replay still runs: the weights fingerprint (with the
+    invalidation and precapture it may trigger)."""
     mgr = _manager(state)
-    if mgr is None:
-        return None
     weight = model.embeddings.tok_embeddings.weight
-    mode = _mode_facts(model, state, weight, hidden_states)
-    checked = None
-    if mode["model_on_cuda"] and B.mode_refusal(SimpleNamespace(**mode, inputs_embeds=inputs_embeds)) is None:
-        with mgr.lock:
-            fp = fingerprint(model, mgr)
-            if fp != mgr.fingerprint and len(mgr) and weight.is_cuda:
-                # graphs are about to be dropped while the previous call's replay may still run (we are
-                # before this call's sync): wait for it first; weights change rarely, so this sync is too
-                torch.cuda.current_stream(weight.device).synchronize()
-            mgr.check_fingerprint(fp)
-            _precapture(model, state, mgr)
-            checked = mgr.fingerprint
-    return Prepared(mgr, mode, checked, object(), weight.device)
-
-
-PRESTAGE_ENV = "PACKED_ENCODERS_GRAPH_PRESTAGE"  # "0": stage after the sync (A/B, or to rule it out)
+    with mgr.lock:
+        fp = fingerprint(model, mgr)
+        if fp != mgr.fingerprint and len(mgr) and weight.is_cuda:
+            # graphs are about to be dropped while the previous call's replay may still run (we are
+            # before this call's sync): wait for it first; weights change rarely, so this sync is too
+            torch.cuda.current_stream(weight.device).synchronize()
+        mgr.check_fingerprint(fp)
+        _precapture(model, state, mgr)
+        checked = mgr.fingerprint
+    return Prepared(mgr, checked, object(), weight.device)
 
 
 def prestage(prepared: Prepared | None, ids: torch.Tensor | None, pos: torch.Tensor, cu: torch.Tensor,
@@ -207,8 +179,9 @@ def prestage(prepared: Prepared | None, ids: torch.Tensor | None, pos: torch.Ten
     the call's modes refuse graphs, it is not on the model's CUDA device, it has more sequences than
     ``max_seqs``, or the kernels cannot take it. The inbox then names ``prepared.token`` as its owner:
     :func:`graph_forward` stages again when another call has filled it (or a capture has emptied it) since. A
-    call that admission refuses after the sync has paid one launch here for nothing."""
-    if prepared is None or prepared.fingerprint is None or ids is None or switched_off(PRESTAGE_ENV):
+    call that admission refuses after the sync has paid one launch here for nothing. The caller passes this hook
+    only when the encoder's tuning has ``prestage`` on (``PACKED_ENCODERS_GRAPH_PRESTAGE``)."""
+    if prepared is None or prepared.fingerprint is None or ids is None:
         return
     from ..ops.triton.stage import fill_inbox, fillable
     from .runner import fused_stage_available
@@ -226,42 +199,37 @@ def prestage(prepared: Prepared | None, ids: torch.Tensor | None, pos: torch.Ten
         inbox.owner = prepared.token
 
 
-def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, backend: str | None = None,
-                  prepared: Prepared | None = None):
+def graph_forward(model, state, batch, finish, *, bucket: Bucket | None = None, autocast=None,
+                  backend: str | None = None, prepared: Prepared | None = None):
     """Serve ``batch`` from a captured graph and return ``finish(out)`` (``out``: a view of the static
     ``[T, hidden]`` output, which ``finish`` must copy), or ``None`` when the call must run eagerly.
 
-    ``prepared``: :func:`prepare`'s result for this call, read before its host sync (``None``: read here).
-    A bucket whose capture fails (warned once, listed by ``describe()``) runs eagerly from then on.
+    The router chose a packed graph for the call (its modes are accepted, the model is on CUDA). ``bucket``:
+    the router's bucket for a packed call; ``None`` admits the batch's sizes here (a padded call, whose sizes
+    its sync has just read); a refusal is counted. ``autocast``: the call's CUDA autocast dtype (graphs are
+    keyed and captured by it). ``prepared``: :func:`prepare`'s result for this call, read before its host sync
+    (``None``: the fingerprint is checked here). A bucket whose capture fails (warned once, listed by
+    ``describe()``) runs eagerly from then on.
     """
-    if prepared is None:  # the fingerprint is then checked below, once admission has accepted the call
-        mgr = _manager(state)
-        if mgr is None:
-            return None
-        weight = model.embeddings.tok_embeddings.weight
-        prepared = Prepared(mgr, _mode_facts(model, state, weight, hidden_states), None)
-    mgr = prepared.mgr
-    if prepared.fingerprint is not None:  # prepare() accepted the modes, with the model on CUDA
-        bucket = B.admit_sizes(mgr.config, batch.device == prepared.device, batch.num_seqs, batch.total_tokens,
+    mgr = prepared.mgr if prepared is not None else _manager(state)
+    if bucket is None:
+        device = prepared.device if prepared is not None else model.embeddings.tok_embeddings.weight.device
+        bucket = B.admit_sizes(mgr.config, batch.device == device, batch.num_seqs, batch.total_tokens,
                                batch.max_seqlen)
-    else:
-        bucket = admit(mgr.config, call_facts(model, state, batch, hidden_states=hidden_states, mode=prepared.mode))
-    if isinstance(bucket, str):
-        mgr.note_fallback(bucket)
-        if bucket == B.NOT_CUDA and len(mgr):
-            with mgr.lock:  # the model left the GPU: free its graphs now rather than on its return
-                mgr.check_fingerprint(fingerprint(model, mgr))
-        return None
+        if isinstance(bucket, str):
+            mgr.note_fallback(bucket)
+            return None
     requested = backend or state.options.attention_backend
     query_only = batch.key_lens is not None  # ColBERT query expansion: its own graphs, key_lens staged
-    key = (requested, bucket, query_only)
+    key = (requested, bucket, query_only, autocast)
     device = batch.device
     with mgr.lock:
-        if prepared.fingerprint is None:  # not checked before the sync (a thread that changed weights since
-            mgr.check_fingerprint(fingerprint(model, mgr))  # and checked them cleared the graphs: get() rebuilds)
+        if prepared is None or prepared.fingerprint is None:  # not checked before the sync (a thread that
+            mgr.check_fingerprint(fingerprint(model, mgr))  # changed weights since cleared the graphs: get() rebuilds)
             _precapture(model, state, mgr)
         cached = key in mgr
-        runner = mgr.get(key, lambda: _build(model, state, mgr, bucket, requested, query_only))
+        _budget(model, state, mgr)
+        runner = mgr.get(key, lambda: _build(model, state, mgr, bucket, requested, query_only, autocast))
         if isinstance(runner, str):
             mgr.note_fallback(runner)
             return None
@@ -270,7 +238,8 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
             return None
         _order_streams(mgr, device)
         inbox = getattr(runner, "inbox", None)
-        staged = inbox is not None and prepared.token is not None and inbox.owner is prepared.token
+        staged = (inbox is not None and prepared is not None and prepared.token is not None
+                  and inbox.owner is prepared.token)
         if inbox is not None:
             inbox.owner = None  # cleared before the replay: if it raises, no later call takes the inbox as its own
         out = runner.replay(batch, finish, staged=staged)
@@ -285,36 +254,26 @@ def graph_forward(model, state, batch, finish, *, hidden_states: bool = False, b
     return out
 
 
-_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+def note_eager(model, state, reason: str | None, sync_free_refusal: str | None = None) -> None:
+    """Count why a call with graphs on runs eagerly (``describe()``'s ``fallbacks``); a model that left the GPU
+    frees its graphs now rather than on its return."""
+    mgr = _manager(state)
+    if mgr is None:
+        return
+    if sync_free_refusal is not None:
+        mgr.note_sync_free_fallback(sync_free_refusal)
+    if reason is None:
+        return
+    mgr.note_fallback(reason)
+    if reason == B.NOT_CUDA and len(mgr):
+        with mgr.lock:
+            mgr.check_fingerprint(fingerprint(model, mgr))
 
 
-def _integer(t: torch.Tensor | None, allow_bool: bool = True) -> bool:
-    return t is None or t.dtype in _INTEGER or (allow_bool and t.dtype == torch.bool)
-
-
-def rect_call_facts(model, state, *, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids,
-                    trailing: bool, hidden_states: bool) -> RectFacts:
-    """Host-visible facts of one padded call for the sync-free path (shapes, dtypes, devices, flags)."""
-    weight = model.embeddings.tok_embeddings.weight
-    src = input_ids if input_ids is not None else inputs_embeds
-    tensors = [t for t in (input_ids, attention_mask, token_type_ids) if t is not None]
-    return RectFacts(
-        **_mode_facts(model, state, weight, hidden_states),
-        inputs_embeds=inputs_embeds is not None,
-        position_ids=position_ids is not None,
-        query_only=trailing,
-        integer_inputs=_integer(input_ids, allow_bool=False) and _integer(attention_mask)
-        and _integer(token_type_ids),
-        same_device=all(t.device == weight.device for t in tensors),
-        batch=int(src.shape[0]),
-        width=int(src.shape[1]),
-    )
-
-
-def _build_rect(model, state, mgr: GraphManager, bucket: RectBucket, requested: str):
+def _build_rect(model, state, mgr: GraphManager, bucket: RectBucket, requested: str, autocast=None):
     from .rectangular import RectRunner
 
-    return RectRunner(model, state, bucket, requested, **_capture_kw(model, mgr))
+    return RectRunner(model, state, bucket, requested, autocast=autocast, **_capture_kw(model, mgr))
 
 
 def deferred_checks(state):
@@ -323,7 +282,7 @@ def deferred_checks(state):
     if checks is None:
         from .deferred import DeferredChecks
 
-        with _RUNTIME_LOCK:
+        with RUNTIME_LOCK:
             checks = state.runtime.get("graph_checks")
             if checks is None:
                 checks = state.runtime["graph_checks"] = DeferredChecks()
@@ -341,80 +300,41 @@ def poll_deferred(state) -> None:
         checks.poll()
 
 
-def sync_free_forward(model, state, *, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids,
-                      trailing: bool, hidden_states: bool):
-    """Serve a padded call from a rectangular graph with no host sync and return its ``[B, S, hidden]``
-    output (owned by the caller), or ``None`` when it must take the synced path (``unpad``).
+def sync_free_forward(model, state, bucket: RectBucket, *, input_ids, attention_mask, token_type_ids,
+                      autocast=None):
+    """Serve a padded call from the rectangular graph of ``bucket`` (the router admitted it from host facts
+    only) with no host sync; returns its ``[B, S, hidden]`` output (owned by the caller), or ``None`` when the
+    bucket cannot be captured (the call then takes the synced path).
 
-    Only host-visible facts are read (shapes, dtypes, devices, modes). The call's input checks are reported
-    one call late (see ``GraphConfig.sync_free`` and :mod:`.deferred`).
+    The call's input checks are reported one call late (see ``GraphConfig.sync_free`` and :mod:`.deferred`).
     """
     mgr = _manager(state)
-    if mgr is None or not mgr.config.sync_free:
-        return None
-    if input_ids is not None and input_ids.dim() != 2:
-        return None  # unpad raises for the shape
-    src = input_ids if input_ids is not None else inputs_embeds
-    for t in (attention_mask, token_type_ids):
-        if t is not None and tuple(t.shape) != tuple(src.shape[:2]):
-            return None  # unpad raises for the shape
-    vocab = model.embeddings.tok_embeddings.num_embeddings
-    facts = rect_call_facts(model, state, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                            attention_mask=attention_mask, position_ids=position_ids,
-                            token_type_ids=token_type_ids, trailing=trailing, hidden_states=hidden_states)
-    bucket = admit_rect(mgr.config, facts, vocab)
-    if isinstance(bucket, str):
-        mgr.note_sync_free_fallback(bucket)
-        return None
     requested = state.options.attention_backend
-    key = (requested, bucket, False)
+    key = (requested, bucket, False, autocast)
     checks = deferred_checks(state)
     with mgr.lock:
         mgr.check_fingerprint(fingerprint(model, mgr))
         _precapture(model, state, mgr)
         cached = key in mgr
-        runner = mgr.get(key, lambda: _build_rect(model, state, mgr, bucket, requested))
+        _budget(model, state, mgr)
+        runner = mgr.get(key, lambda: _build_rect(model, state, mgr, bucket, requested, autocast))
         if isinstance(runner, str):
             mgr.note_sync_free_fallback(runner)
             return None
         _order_streams(mgr, input_ids.device)
         out, flags = runner.replay(input_ids, attention_mask, token_type_ids)
-        checks.record(flags, (facts.batch, facts.width), vocab)
+        checks.record(flags, (int(input_ids.shape[0]), int(input_ids.shape[1])), bucket.vocab)
         mgr.hits += cached
     state.last_plan = dict(runner.plan_summary)
     state.last_fallbacks = list(runner.plan_reasons)
     return out
 
 
-def check_errors(model, *, wait: bool = False):
-    """Raise the input errors of earlier ``GraphConfig(sync_free=True)`` calls on every packed encoder inside
-    ``model``; returns ``model`` when there are none.
-
-    Without ``wait`` only calls whose GPU work has completed are read (never a sync); ``wait=True`` waits for
-    every pending call first (one sync: use it after the last call of a loop). The next call on an encoder
-    runs the non-waiting check by itself.
-
-    Raises:
-        PackedEncodersError: an earlier sync-free call failed its input checks (each failure reported once), or
-            ``model`` has no packed encoder, or ``wait`` is not a bool.
-    """
-    if not isinstance(wait, bool):
-        raise PackedEncodersError(f"check_errors: wait={wait!r} must be a bool")
-    pairs = _packed_states(model)
-    if not pairs:
-        raise PackedEncodersError("check_errors: no packed ModernBERT encoder inside the model; call pe.pack first")
-    for _, state in pairs:
-        checks = state.runtime.get("graph_checks")
-        if checks is not None:
-            checks.poll(wait=wait)
-    return model
-
-
 def precapture_encoders(states) -> None:
     """At ``pack``/``set_cuda_graph``: capture each encoder's ``precapture`` buckets if it is on CUDA."""
     for model, state in states:
         mgr = _manager(state)
-        if mgr is None or not mgr.config.precapture or kill_switch():
+        if mgr is None or not mgr.config.precapture or not state.tuning.graphs:
             continue
         if model.embeddings.tok_embeddings.weight.device.type != "cuda":
             continue  # captured on the first CUDA call instead
@@ -423,71 +343,18 @@ def precapture_encoders(states) -> None:
             _precapture(model, state, mgr)
 
 
-def _packed_states(model):
-    from ..adapters.locate import find_encoders
-    from ..adapters.state import get_state
-
-    return [(m, s) for _, m in find_encoders(model) if (s := get_state(m)) is not None]
-
-
-@contextlib.contextmanager
-def no_cuda_graph(model):
-    """Run every packed encoder inside ``model`` eagerly within the block (model-wide, all threads; nests).
-
-    Captured graphs are kept and serve again after the block.
-
-    Raises:
-        PackedEncodersError: ``model`` has no packed encoder.
-    """
-    states = [s for _, s in _packed_states(model)]
-    if not states:
-        raise PackedEncodersError("no_cuda_graph: no packed ModernBERT encoder inside the model; call pe.pack first")
-    with _RUNTIME_LOCK:
-        for s in states:
-            s.runtime["graphs_suspended"] = s.runtime.get("graphs_suspended", 0) + 1
-    try:
-        yield model
-    finally:
-        with _RUNTIME_LOCK:
-            for s in states:
-                s.runtime["graphs_suspended"] = max(0, s.runtime.get("graphs_suspended", 0) - 1)
-
-
-def set_cuda_graph(model, enabled: bool, config: GraphConfig | None = None):
-    """Turn CUDA-graph replay on or off for every packed encoder inside ``model``; returns ``model``.
-
-    ``enabled=True`` keeps the current config (or ``GraphConfig()``) unless ``config`` is given; a new config,
-    or enabling again, drops captured graphs (re-listing the parameters). ``enabled=False`` frees them.
-
-    Raises:
-        PackedEncodersError: ``model`` has no packed encoder, or ``config`` given with ``enabled=False``.
-    """
-    if not isinstance(enabled, bool):
-        raise PackedEncodersError(f"set_cuda_graph(enabled={enabled!r}): expected a bool")
-    if config is not None and not enabled:
-        raise PackedEncodersError("set_cuda_graph(enabled=False) takes no config")
-    pairs = _packed_states(model)
-    if not pairs:
-        raise PackedEncodersError("set_cuda_graph: no packed ModernBERT encoder inside the model; call pe.pack first")
-    for _, state in pairs:
-        new = (normalize(config) or state.options.cuda_graph or GraphConfig()) if enabled else None
-        state.options = replace(state.options, cuda_graph=new)
-        state.runtime.pop("graphs", None)
-    if enabled:
-        precapture_encoders(pairs)
-    return model
-
-
 def describe_graphs(state, device: torch.device | None = None) -> dict:
     """JSON-serialisable graph state of one encoder for ``describe()``; with the encoder's ``device``, also
     ``idle_reason``: why no call can replay a graph right now (``None`` when calls can)."""
     config = state.options.cuda_graph
-    out = {"enabled": config is not None, "kill_switch": kill_switch(),
-           "suspended": state.runtime.get("graphs_suspended", 0) > 0}
+    out = {"enabled": config is not None, "mode": "off" if config is None else "auto" if state.options.graph_auto
+           else "on", "kill_switch": not state.tuning.graphs, "suspended": state.runtime.get("graphs_suspended", 0) > 0}
     if config is None:
         return out
+    out["serves"] = ("inference calls on CUDA (no grad, no dropout, no output_hidden_states or inputs_embeds) "
+                     "within the config's bounds, under any autocast state (captured under it); others run eagerly")
     if device is not None:
-        out["idle_reason"] = (f"{ENV} is off" if out["kill_switch"] else
+        out["idle_reason"] = ("PACKED_ENCODERS_GRAPH is off" if out["kill_switch"] else
                               "inside no_cuda_graph()" if out["suspended"] else
                               None if device.type == "cuda" else
                               f"the model is on {device.type}: graphs engage on CUDA only (calls run eagerly)")
@@ -508,11 +375,16 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
     from .runner import pool_reserved_bytes
 
     buckets = [{"backend": req, "tokens": b.tokens, "seqs": b.seqs, "seqlen": b.seqlen, "query_only": q,
-                "attention": dict(getattr(r, "plan_summary", {})),
+                "autocast": None if ac is None else str(ac).replace("torch.", ""),
+                "attention": dict(getattr(r, "plan_summary", {})), "bytes": getattr(r, "graph_bytes", None),
                 **({"layout": "rectangular", "batch": b.batch, "dead_padding": getattr(r, "dead_padding", False)}
                    if isinstance(b, RectBucket) else {})}
-               for (req, b, q), r in zip(mgr.keys(), mgr.runners())]
+               for (req, b, q, ac), r in zip(mgr.keys(), mgr.runners())]
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
+               memory={"budget_bytes": mgr.budget_bytes, "graph_bytes": mgr.graph_bytes,
+                       "rule": "LRU evicts graphs until their bytes (static buffers + pool growth at capture) fit "
+                               "the budget: GraphConfig.max_memory_bytes, else PACKED_ENCODERS_GRAPH_MEMORY (default "
+                               "0.1) of the free GPU memory at pack() (or at the first capture)"},
                invalidations=mgr.invalidations, capture_seconds=round(mgr.capture_seconds, 4),
                fallbacks=dict(mgr.fallbacks), capture_failures=mgr.failures(),
                staged={"before_sync": mgr.staged_before_sync, "after_sync": mgr.staged_after_sync},

@@ -41,6 +41,13 @@ class GraphRunner:
             instead of five PyTorch ops per replay; ``None``: on CUDA when Triton imports.
         inbox: the encoder's shared :class:`~packed_encoders.ops.triton.stage.Inbox` (``fused_stage`` only; ``None``:
             one of the bucket's size, owned by this runner). It must stay on this device.
+        autocast: the CUDA autocast dtype the graph is captured under (``None``: autocast off), so that a call
+            under that autocast state replays the casts its eager forward would run (caching off: a captured
+            cast must read the live weights, not a cast cached outside the graph).
+
+    ``graph_bytes``: the memory the graph holds (its static buffers plus the pool's growth while capturing),
+    for the manager's budget. After capture the graph is replayed once on the warm-up's inputs and must match
+    the warm-up's eager output, or the capture fails (the bucket then runs eagerly, said in ``describe()``).
 
     Raises:
         PackedEncodersError: the requested backend cannot run the bucket (as the eager path would).
@@ -49,7 +56,7 @@ class GraphRunner:
 
     def __init__(self, model, state, bucket: Bucket, requested: str, *, pool=None, stream=None, warmup: int = 1,
                  capture: bool = True, query_only: bool = False, fused_stage: bool | None = None,
-                 inbox=None):
+                 inbox=None, autocast=None):
         params = state.params
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
@@ -59,9 +66,7 @@ class GraphRunner:
         t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         # Normal (non-inference) tensors, so staging works whether the caller is in inference_mode or not.
-        # a capture never bakes in autocast casts (admission refuses autocast calls; this guards precapture)
-        no_autocast = torch.autocast("cuda", enabled=False) if device.type == "cuda" else contextlib.nullcontext()
-        with on_device, no_autocast, torch.inference_mode(False), torch.no_grad():
+        with on_device, autocast_state(device, autocast), torch.inference_mode(False), torch.no_grad():
             self.steps = torch.arange(1, n + 1, dtype=torch.int32, device=device) * s   # dummy boundaries
             self.cu = torch.zeros(n + 1, dtype=torch.int32, device=device)
             self.cu[1:] = self.steps.clamp(max=t)                  # capture layout: sequences of s tokens
@@ -72,8 +77,9 @@ class GraphRunner:
             self.kl = torch.full((n,), s, dtype=torch.int32, device=device) if query_only else None
             batch = PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
                                 position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)
-            self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, batch, requested, weight.dtype,
-                                                                           state.policy, graph=capture)
+            self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, batch, requested,
+                                                                           autocast or weight.dtype, state.policy,
+                                                                           graph=capture)
             ops, plan = state.ops, self.plan
             self.inbox = None
             if fused_stage is None:
@@ -94,9 +100,11 @@ class GraphRunner:
                     unbox(self.inbox, self.ids, self.pos, self.cu, self.kl, s)
                 return encoder_forward(model, params, batch, attention=plan, ops=ops)
 
-            self.graph, self._forward, self.out = capture_or_run(forward, device, capture, pool, stream, warmup)
+            self.graph, self._forward, self.out, pool_bytes = capture_or_run(forward, device, capture, pool, stream,
+                                                                             warmup)
         static = (self.steps, self.cu, self.ids, self.pos, self.out) + ((self.kl,) if query_only else ())
         self.static_bytes = sum(x.numel() * x.element_size() for x in static)
+        self.graph_bytes = self.static_bytes + pool_bytes
 
     def replay(self, batch: PackedBatch, finish, staged: bool = False):
         """Serve ``batch`` (within the bucket, on this device; the router checked) and return
@@ -179,13 +187,31 @@ def resolve_plan(params, batch: PackedBatch, requested: str, dtype: torch.dtype,
     return plan, summary, list(dict.fromkeys(r for d in plan.values() for r in d.reasons))
 
 
+def autocast_state(device: torch.device, autocast):
+    """The autocast state a runner captures under: ``autocast`` (a dtype) with caching off, or autocast off
+    (a call outside autocast must not capture casts a surrounding context would add)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    if autocast is None:
+        return torch.autocast("cuda", enabled=False)
+    return torch.autocast("cuda", dtype=autocast, cache_enabled=False)
+
+
 def capture_or_run(forward, device, capture: bool, pool, stream, warmup: int):
-    """``(graph, forward, static output)``: with ``capture`` the captured graph and ``None``; without, no graph
-    and ``forward`` itself, run once here and again at every replay."""
+    """``(graph, forward, static output, pool bytes)``: with ``capture`` the captured graph, ``None`` and the
+    pool's growth during the capture; without, no graph and ``forward`` itself, run once here and again at
+    every replay, and 0."""
     if not capture:
-        return None, forward, forward()
+        return None, forward, forward(), 0
+    before = _pool_bytes(pool, device)
     graph, out = _capture(forward, device, pool, stream, warmup)
-    return graph, None, out
+    return graph, None, out, max(0, _pool_bytes(pool, device) - before)
+
+
+def _pool_bytes(pool, device) -> int:
+    """The graph pool's reserved bytes, or (when the allocator snapshot format is unknown) the device's."""
+    got = pool_reserved_bytes(pool)
+    return got if got is not None else int(torch.cuda.memory_reserved(device))
 
 
 def _capture(forward, device, pool, stream, warmup: int):
@@ -197,11 +223,30 @@ def _capture(forward, device, pool, stream, warmup: int):
         return _warm_and_capture(forward, device, pool, stream, warmup)
 
 
+def _tensors(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _verify(graph, eager, captured) -> None:
+    """Replay ``graph`` once on the warm-up's inputs and compare with the warm-up's eager output ``eager``
+    (the same kernels on the same inputs: a mismatch means the capture recorded something else, e.g. a host
+    value baked in). One sync, per capture only.
+
+    Raises:
+        RuntimeError: the replay differs (the manager then runs the bucket eagerly and says why)."""
+    graph.replay()
+    for want, got in zip(_tensors(eager), _tensors(captured)):
+        if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2, equal_nan=True):
+            raise RuntimeError("the captured graph's replay differs from its eager warm-up on the same inputs "
+                               f"(max abs diff {float((got.float() - want.float()).abs().nan_to_num().max()):.3g})")
+
+
 def _warm_and_capture(forward, device, pool, stream, warmup: int):
     stream.wait_stream(torch.cuda.current_stream(device))
+    eager = None
     with torch.cuda.stream(stream):
         for _ in range(warmup):
-            forward()
+            eager = forward()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     # No garbage collection during capture: collecting an unreachable graph mid-capture is an error.
@@ -213,6 +258,8 @@ def _warm_and_capture(forward, device, pool, stream, warmup: int):
     finally:
         if gc_was_enabled:
             gc.enable()
+    if eager is not None:
+        _verify(graph, eager, out)
     return graph, out
 
 

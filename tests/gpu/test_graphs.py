@@ -188,7 +188,8 @@ def test_every_fallback_runs_eagerly():
     fp32 = pe.pack(make_model("tiny64", dtype=torch.float32), validate=False, cuda_graph=True)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         out = fwd(fp32, ids, mask)
-    assert info(fp32)["fallbacks"] == {B.AUTOCAST: 1} and info(fp32)["graphs"] == 0
+    assert info(fp32)["fallbacks"] == {} and info(fp32)["graphs"] == 1  # autocast: a graph captured under it
+    assert info(fp32)["buckets"][0]["autocast"] == "bfloat16"
     assert fallbacks() == {B.SUSPENDED: 1, B.GRAD: 1, B.HIDDEN_STATES: 1, B.EMBEDS: 1, B.TOO_MANY_SEQS: 1,
                            B.TOO_LONG: 1, B.OTHER_DEVICE: 1}
     assert info(model)["graphs"] == 0
@@ -262,14 +263,16 @@ def test_recapture_after_dtype_and_device_change():
                                                        dim=-1).min()) > 0.999
 
 
-def test_kill_switch_read_per_call(monkeypatch):
+def test_kill_switch_read_at_pack(monkeypatch):
+    monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
     model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
     ids, mask = padded([20, 64, 3], model.config.vocab_size)
     with torch.no_grad():
-        monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
         fwd(model, ids, mask)
-        assert info(model)["graphs"] == 0 and info(model)["fallbacks"] == {B.KILL_SWITCH: 1}
         monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "1")
+        fwd(model, ids, mask)  # still off: the switches are read at pack()
+        assert info(model)["graphs"] == 0 and info(model)["fallbacks"] == {B.KILL_SWITCH: 2}
+        pe.pack(model, validate=False, cuda_graph=True)  # re-reads them
         fwd(model, ids, mask)
         fwd(model, ids, mask)
     state = info(model)

@@ -1,4 +1,6 @@
-"""Pack-time gate of the graph path: one ragged batch within the graph bounds, replayed and run eagerly.
+"""Pack-time gate of an explicitly requested graph path: one ragged batch within the bounds, replayed and run
+eagerly. (Automatic graphs, ``cuda_graph=None``, skip it: each capture is checked against its eager warm-up
+instead, when it happens; see :class:`~packed_encoders.graphs.runner.GraphRunner`.)
 
 ``validate()`` checks the eager packed path against stock HF; this adds the graph replay against that eager
 path, so ``pack(validate=True, cuda_graph=...)`` never installs graphs that were not run once. With
@@ -10,9 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import CallFacts, admit
-from ..errors import PackedEncodersError
-from .route import deferred_checks, graph_forward, kill_switch, sync_free_forward
+from .batch import unpad
+from .call import run_packed
+from .errors import PackedEncodersError
+from .graphs.buckets import CallFacts, admit, admit_rect, round_seqs
+from .graphs.route import deferred_checks, graph_forward, note_eager, prepare, sync_free_forward
+from .router import Facts
+from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, rel_err
 
 
 def check_lengths(config, window: int) -> list[int]:
@@ -25,16 +31,14 @@ def check_lengths(config, window: int) -> list[int]:
 def rect_check_lengths(config, lengths: list[int]) -> list[int]:
     """``lengths`` clipped to the widest padded width the sync-free path serves for that many rows (its
     ``B_b * S_b <= sync_free_max_tokens``), so the pack-time check exercises a rectangular graph."""
-    from .buckets import round_seqs
-
     rows = round_seqs(len(lengths), config.min_seq_bucket)
     fits = [w for w in config.sync_free_seqlen_grid if rows * w <= config.sync_free_max_tokens]
     top = fits[-1] if fits else config.sync_free_seqlen_grid[0]
     return sorted({min(n, top) for n in lengths})
 
 
-def _eligible(config, weight) -> bool:
-    return config is not None and weight.device.type == "cuda" and not kill_switch()
+def _eligible(config, weight, tuning) -> bool:
+    return config is not None and weight.device.type == "cuda" and tuning.graphs
 
 
 def check_graph_path(model, state, report, seed: int = 0) -> None:
@@ -42,13 +46,9 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     real token; appends to ``report.checks`` / ``report.failures`` (an ``EncoderReport``). Thresholds are
     ``validate()``'s: bf16/fp16 per-token cosine min; fp32 max relative error. No-op off CUDA or when off.
     """
-    from ..adapters.hf_call import run_packed
-    from ..batch import unpad
-    from ..validation import check_batch
-
     config = state.options.cuda_graph
     weight = model.embeddings.tok_embeddings.weight
-    if not _eligible(config, weight):
+    if not _eligible(config, weight, state.tuning):
         return
     params = state.params
     lengths = check_lengths(config, params.window)
@@ -58,18 +58,17 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     try:
         with torch.no_grad():
             batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
-                          token_type_ids=None, vocab_size=params.vocab_size)
+                          token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
             eager = run_packed(model, state, batch)
-            graph = graph_forward(model, state, batch, torch.clone)
+            graph = graph_forward(model, state, batch, torch.clone, prepared=prepare(model, state))
             rect = None
             if config.sync_free:
                 rect_lengths = rect_check_lengths(config, lengths)
                 r_ids, r_mask = check_batch(rect_lengths, params.vocab_size, weight.device, seed)
                 r_batch = unpad(input_ids=r_ids, inputs_embeds=None, attention_mask=r_mask, position_ids=None,
-                                token_type_ids=None, vocab_size=params.vocab_size)
+                                token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
                 r_eager = run_packed(model, state, r_batch)
-                rect = sync_free_forward(model, state, input_ids=r_ids, inputs_embeds=None, attention_mask=r_mask,
-                                         position_ids=None, token_type_ids=None, trailing=False, hidden_states=False)
+                rect = _sync_free(model, state, config, r_ids, r_mask)
     finally:
         model.train(was_training)
 
@@ -92,10 +91,18 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
                 report.failures.append(f"cuda_graph (sync_free): a valid batch failed the device checks: {exc}")
 
 
+def _sync_free(model, state, config, ids, mask):
+    """The rectangular graph's output for a check batch, or ``None`` when no rectangular bucket takes it."""
+    vocab = model.embeddings.tok_embeddings.num_embeddings
+    bucket = admit_rect(config, Facts(batch=int(ids.shape[0]), width=int(ids.shape[1])), vocab)
+    if isinstance(bucket, str):
+        note_eager(model, state, None, bucket)
+        return None
+    return sync_free_forward(model, state, bucket, input_ids=ids, attention_mask=mask, token_type_ids=None)
+
+
 def _compare(report, name: str, lengths, graph, eager, dtype, why, padded=None) -> None:
     """Append the per-real-token comparison of ``graph`` with ``eager`` (``[T, H]`` each) to ``report``."""
-    from ..validation import BF16_COS_MIN, FP32_MAX_REL, rel_err
-
     if graph is None:
         report.failures.append(f"{name}: the check batch (lengths {lengths}) was not served by a graph: {why()}")
         return

@@ -1,0 +1,53 @@
+"""Installing the packed forward on a ModernBertModel instance (see :mod:`.state` for the record it keeps)."""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from .hf_call import hf_forward
+from .state import _NO_FORWARD, STATE_ATTR, PackState, get_state
+
+
+class PackedForward:
+    """The instance-level ``forward`` of a packed ModernBertModel (picklable, deepcopy-safe)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return hf_forward(self.module, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<packed_encoders forward of {type(self.module).__name__}>"
+
+
+class PackedReplicator:
+    """Instance ``_replicate_for_data_parallel``: ``nn.DataParallel`` replicas copy ``__dict__`` shallowly, which
+    would leave them running the original module's weights; each replica gets its own forward and state."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self):
+        replica = type(self.module)._replicate_for_data_parallel(self.module)
+        state = get_state(self.module)
+        if state is not None:
+            own = copy.copy(state)
+            own.runtime = {}
+            replica.__dict__[STATE_ATTR] = own
+            replica.__dict__["forward"] = PackedForward(replica)
+            replica.__dict__["_replicate_for_data_parallel"] = PackedReplicator(replica)
+        return replica
+
+
+def install(model: nn.Module, state: PackState) -> None:
+    existing = get_state(model)
+    if existing is None:
+        state.previous_forward = model.__dict__.get("forward", _NO_FORWARD)
+    else:
+        state.previous_forward = existing.previous_forward
+    model.__dict__[STATE_ATTR] = state
+    model.__dict__["forward"] = PackedForward(model)
+    model.__dict__["_replicate_for_data_parallel"] = PackedReplicator(model)

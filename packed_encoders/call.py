@@ -1,0 +1,177 @@
+"""One call through the router: gather its host facts, choose its route once, run the route.
+
+Adapters (the patched HF forward, ``packed_forward``) turn their caller's arguments into the inputs here and
+the result back into their caller's outputs; everything between — which route, the one host sync of a padded
+call, staging a graph's batch before that sync, the replay or the eager forward, the counters ``describe()``
+shows — happens here. Facts are read from the encoder's frozen ``state.tuning`` and from torch's modes, never
+from the environment.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .batch import PackedBatch, unpad
+from .graphs import route as graphs
+from .model.forward import activation_dtype, encoder_forward, plan_attention
+from .router import Eager, Facts, PackedGraph, RectangularGraph, Route, Stock, choose
+
+_INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+def _integer(t: torch.Tensor | None, allow_bool: bool = True) -> bool:
+    return t is None or t.dtype in _INTEGER or (allow_bool and t.dtype == torch.bool)
+
+
+def _embedding(model: nn.Module) -> nn.Embedding:
+    """``model.embeddings.tok_embeddings`` through the module dicts (each ``nn.Module.__getattr__`` costs a
+    microsecond of host time per call; read live, so a moved or resized embedding is seen)."""
+    return model._modules["embeddings"]._modules["tok_embeddings"]
+
+
+def raise_earlier_errors(state) -> None:
+    """Raise the input errors of this encoder's earlier sync-free graph calls whose GPU work has completed
+    (``GraphConfig.sync_free`` reports them one call late); never waits. Every call starts with it."""
+    graphs.poll_deferred(state)
+
+
+def mode_facts(model: nn.Module, state) -> dict:
+    """The facts every graph route admits on: the encoder's switches, grad / autocast / dropout, its device."""
+    on_cuda = _embedding(model)._parameters["weight"].is_cuda
+    return dict(kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
+                grad=torch.is_grad_enabled(), dropout=model.training and state.params.has_dropout,
+                autocast=torch.get_autocast_dtype("cuda") if on_cuda and torch.is_autocast_enabled("cuda") else None,
+                model_on_cuda=on_cuda)
+
+
+def padded_route(model: nn.Module, state, *, structure: str | None = None, input_ids=None, inputs_embeds=None,
+                 attention_mask=None, position_ids=None, token_type_ids=None, trailing: bool = False,
+                 hidden_states: bool = False) -> Route:
+    """The route of a padded ``[B, S]`` call (``structure``: what the packed forward would skip, if anything)."""
+    config = state.options.cuda_graph
+    if structure is not None or config is None:
+        return choose(Facts(structure=structure, graphs=config))
+    facts = Facts(graphs=config, hidden_states=hidden_states, inputs_embeds=inputs_embeds is not None, padded=True,
+                  **mode_facts(model, state))
+    if config.sync_free:
+        _sync_free_facts(facts, model, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids,
+                         trailing)
+    return choose(facts)
+
+
+def _sync_free_facts(facts: Facts, model, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids,
+                     trailing: bool) -> None:
+    """The padded call's shapes, dtypes and devices, which the sync-free path admits on."""
+    emb = _embedding(model)
+    weight = emb.weight
+    src = input_ids if input_ids is not None else inputs_embeds
+    facts.well_formed = src.dim() >= 2 and (input_ids is None or input_ids.dim() == 2) and all(
+        t is None or tuple(t.shape) == tuple(src.shape[:2]) for t in (attention_mask, token_type_ids))
+    if not facts.well_formed:
+        return
+    tensors = [t for t in (input_ids, attention_mask, token_type_ids) if t is not None]
+    facts.position_ids = position_ids is not None
+    facts.query_only = trailing
+    facts.integer_inputs = _integer(input_ids, allow_bool=False) and _integer(attention_mask) and _integer(
+        token_type_ids)
+    facts.same_device = all(t.device == weight.device for t in tensors)
+    facts.batch, facts.width = int(src.shape[0]), int(src.shape[1])
+    facts.vocab = emb.num_embeddings
+
+
+def packed_route(model: nn.Module, state, batch: PackedBatch, *, structure: str | None = None,
+                 hidden_states: bool = False) -> Route:
+    """The route of an already packed call (its sizes are host facts)."""
+    config = state.options.cuda_graph
+    if structure is not None or config is None:
+        return choose(Facts(structure=structure, graphs=config))
+    return choose(Facts(graphs=config, hidden_states=hidden_states, inputs_embeds=batch.inputs_embeds is not None,
+                        same_device=batch.device == _embedding(model)._parameters["weight"].device,
+                        num_seqs=batch.num_seqs, total_tokens=batch.total_tokens, max_seqlen=batch.max_seqlen,
+                        **mode_facts(model, state)))
+
+
+def _gradient_checkpointing(model: nn.Module) -> bool:
+    if getattr(model, "gradient_checkpointing", False):
+        return True
+    return any(getattr(layer, "gradient_checkpointing", False) for layer in model.layers)
+
+
+def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: list | None = None,
+               hidden_pre_norm_last: bool = False, attention_backend: str | None = None) -> torch.Tensor:
+    """The eager route: the packed encoder with ``state``'s options; records the attention plan for
+    ``describe()``. Returns ``[T, hidden_size]``."""
+    params = state.params
+    grad = torch.is_grad_enabled()
+    dropout = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
+    requested = attention_backend or state.options.attention_backend
+    if dropout and requested == "auto":
+        requested = "sdpa"  # the only backend with attention-probability dropout; describe() reports it
+    plan = plan_attention(params, batch, requested, grad=grad, dtype=activation_dtype(model), dropout=dropout,
+                          policy=state.policy)
+    state.last_plan = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
+    state.last_fallbacks = list(dict.fromkeys(r for d in plan.values() for r in d.reasons))  # once per reason
+    return encoder_forward(model, params, batch, attention=plan, ops=state.ops,
+                           gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
+                           hidden_pre_norm_last=hidden_pre_norm_last)
+
+
+def serve_batch(model: nn.Module, state, route: Route, batch: PackedBatch, *, hidden_states: list | None = None,
+                hidden_pre_norm_last: bool = False, backend: str | None = None) -> torch.Tensor:
+    """Run ``route`` (not :class:`Stock`) on an already packed ``batch``; returns ``[T, hidden]`` owned by the
+    caller."""
+    if isinstance(route, PackedGraph):
+        out = graphs.graph_forward(model, state, batch, torch.clone, bucket=route.bucket, autocast=route.autocast,
+                                   backend=backend)
+        if out is not None:
+            return out
+    elif isinstance(route, Eager):
+        graphs.note_eager(model, state, route.reason)
+    return run_packed(model, state, batch, hidden_states=hidden_states, hidden_pre_norm_last=hidden_pre_norm_last,
+                      attention_backend=backend)
+
+
+def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_embeds, attention_mask, position_ids,
+                 token_type_ids, trailing: bool, hidden_states: bool, hidden_pre_norm_last: bool = False):
+    """Run ``route`` (not :class:`Stock`) on a padded call; returns ``(last [B, S, hidden], hidden states as a
+    tuple of [B, S, hidden] or None)``. Padded positions are zeros, except computed trailing ones."""
+    if isinstance(route, RectangularGraph):
+        last = graphs.sync_free_forward(model, state, route.bucket, input_ids=input_ids, attention_mask=attention_mask,
+                                        token_type_ids=token_type_ids, autocast=route.autocast)
+        if last is not None:
+            return last, None
+        route = PackedGraph(None, route.autocast)  # the bucket could not be captured: the synced path
+    prepared = None
+    if isinstance(route, PackedGraph):
+        if route.sync_free_refusal is not None:
+            graphs.note_eager(model, state, None, route.sync_free_refusal)
+        # before unpad's host sync, while the GPU may still run the previous call: after it, the GPU idles
+        prepared = graphs.prepare(model, state)
+    elif isinstance(route, Eager):
+        graphs.note_eager(model, state, route.reason, route.sync_free_refusal)
+    before_sync = (functools.partial(graphs.prestage, prepared)
+                   if prepared is not None and state.tuning.prestage else None)
+    batch = unpad(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                  position_ids=position_ids, token_type_ids=token_type_ids,
+                  vocab_size=_embedding(model).num_embeddings, trailing_query_only=trailing,
+                  before_sync=before_sync, fused=state.tuning.fused_unpad)
+    hidden = [] if hidden_states else None
+    if batch.total_tokens == 0:
+        src = input_ids if input_ids is not None else inputs_embeds
+        out = torch.zeros(0, state.params.hidden_size, device=src.device, dtype=activation_dtype(model))
+        if hidden is not None:
+            hidden.extend([out] * (state.params.num_hidden_layers + 1))
+    else:
+        if prepared is not None:
+            last = graphs.graph_forward(model, state, batch, batch.pad, autocast=route.autocast, prepared=prepared)
+            if last is not None:
+                return last, None
+        out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=hidden_pre_norm_last)
+    return batch.pad(out), None if hidden is None else tuple(batch.pad(h) for h in hidden)
+
+
+__all__ = ["Eager", "PackedGraph", "RectangularGraph", "Stock", "mode_facts", "packed_route", "padded_route",
+           "raise_earlier_errors", "run_packed", "serve_batch", "serve_padded"]

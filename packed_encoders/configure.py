@@ -1,0 +1,73 @@
+"""The state ``pack()`` installs on an encoder: options, params, ops, attention policy and tuning, built once.
+
+Both ``pack()`` and ``validate()`` build states here (validation depends on this and on the routes, never on
+:mod:`packed_encoders.api`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .adapters.late_interaction import ALWAYS, query_expansion_length
+from .adapters.locate import find_encoders
+from .adapters.state import PackOptions, PackState, get_state
+from .attention.dispatch import CHOICES, load_policy
+from .errors import PackedEncodersError, UnsupportedTargetError
+from .graphs.config import normalize
+from .model.params import ModernBertParams
+from .ops.select import select_ops
+from .tuning import Tuning, read_tuning
+
+
+def params_of(model: nn.Module) -> ModernBertParams:
+    try:
+        return ModernBertParams.from_hf_config(model.config)
+    except ValueError as exc:
+        raise UnsupportedTargetError(f"ModernBERT config not supported by the packed path: {exc}") from exc
+
+
+def device_of(model: nn.Module) -> torch.device:
+    return model.embeddings.tok_embeddings.weight.device
+
+
+def trailing_max_len(padded_outputs, target) -> int | None:
+    if padded_outputs == "auto":
+        if target is None:
+            return None
+        if any(type(m).__name__.endswith("ForQuestionAnswering") for m in target.modules()):
+            return ALWAYS  # HF's span loss takes its softmax over padded positions too
+        return query_expansion_length(target)
+    if padded_outputs == "zeros":
+        return None
+    if padded_outputs == "all":
+        return ALWAYS
+    if isinstance(padded_outputs, int) and not isinstance(padded_outputs, bool) and padded_outputs > 0:
+        return padded_outputs
+    raise PackedEncodersError(
+        f"padded_outputs={padded_outputs!r} is not 'auto', 'zeros', 'all' or a positive int (max padded width)")
+
+
+def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuning | None = None) -> PackState:
+    """A fresh state for ``model`` (``tuning``: read now when not given)."""
+    if options.attention_backend not in CHOICES:
+        raise PackedEncodersError(f"attention_backend={options.attention_backend!r} is not one of {CHOICES}")
+    params = params_of(model)
+    device = device_of(model)
+    ops, reason = select_ops(options.kernels, device)
+    return PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=load_policy(device),
+                     trailing_max_len=trailing_max_len(options.padded_outputs, target),
+                     tuning=tuning if tuning is not None else read_tuning(device))
+
+
+def encoder_states(target, *, attention_backend=None, kernels=None):
+    """Yield ``(path, encoder, state)``: the installed state, or the one ``pack`` would install."""
+    for path, model in find_encoders(target):
+        state = get_state(model)
+        base = state.options if state is not None else PackOptions(cuda_graph=normalize(None), graph_auto=True)
+        options = PackOptions(attention_backend=attention_backend or base.attention_backend,
+                              kernels=kernels or base.kernels, validate=base.validate, cuda_graph=base.cuda_graph,
+                              padded_outputs=base.padded_outputs, graph_auto=base.graph_auto)
+        if state is None or options != state.options:
+            state = make_state(model, options, target)
+        yield path, model, state

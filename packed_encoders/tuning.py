@@ -1,0 +1,136 @@
+"""`Tuning`: every environment switch and pack-time measurement, read once at ``pack()`` into one frozen object.
+
+``pe.pack(model, ...)`` reads it (:func:`read_tuning`) and keeps it on the encoder's state; the router and the
+routes read their switches from it, never from the environment, so a call behaves as the model was packed.
+Calling ``pe.pack(model, ...)`` again re-reads it (and re-packs when anything changed); ``describe()`` shows it
+under ``"tuning"``.
+
+Seams (switches the kernel layer still reads by itself, listed in :data:`OPS_READS` and in ``describe()``):
+``ops/`` and ``attention/`` read a few switches at import or per call. Their values at ``pack()`` are recorded
+here so ``describe()`` shows them, but changing those variables after ``pack()`` still reaches those reads.
+
+Imports nothing from the package but the switch parsing rule, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from .errors import PackedEncodersError
+from .switches import switched_off
+
+PREFIX = "PACKED_ENCODERS_"
+GRAPH_ENV = "PACKED_ENCODERS_GRAPH"                  # =0: no CUDA graph replays (kill switch)
+PRESTAGE_ENV = "PACKED_ENCODERS_GRAPH_PRESTAGE"      # =0: stage a graph's batch after the call's sync
+FUSED_UNPAD_ENV = "PACKED_ENCODERS_FUSED_UNPAD"      # =0: unpad with PyTorch ops instead of two Triton launches
+QUACK_GEMM_ENV = "PACKED_ENCODERS_QUACK_GEMM"        # =0: projections stay on cuBLAS
+QUACK_ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"        # =0: no RoPE in the q, k projection's epilogue
+FAST_LAUNCH_ENV = "PACKED_ENCODERS_TRITON_FAST_LAUNCH"  # =0: Triton's own launcher
+FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"        # =0: RoPE never fused into the attention kernel
+FUSED_GLU_ENV = "PACKED_ENCODERS_FUSED_GLU_GEMM"     # =0: no GLU in the small-batch Wi GEMM
+POLICY_ENV = "PACKED_ENCODERS_POLICY"                # an attention policy file, instead of the matched one
+CACHE_ENV = "PACKED_ENCODERS_CACHE"                  # where calibrated policies live
+GRAPH_MEMORY_ENV = "PACKED_ENCODERS_GRAPH_MEMORY"    # fraction of free GPU memory the graphs may hold
+
+DEFAULT_GRAPH_MEMORY_FRACTION = 0.1
+
+# Switches the kernel layer also reads by itself (module and when); the router never does.
+OPS_READS = {
+    QUACK_GEMM_ENV: "ops/quack_gemm.py, at every eager call and graph capture",
+    QUACK_ROPE_ENV: "ops/quack_gemm.py, at every eager call and graph capture",
+    FAST_LAUNCH_ENV: "ops/triton/_runtime.py, when a kernel's launcher is first built",
+    FUSED_ROPE_ENV: "attention/backends.py, at import",
+    FUSED_GLU_ENV: "ops/fused.py, at import",
+}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The switches and budgets one packed encoder runs with (read at ``pack()``; frozen).
+
+    Attributes:
+        graphs: CUDA-graph replay allowed (``PACKED_ENCODERS_GRAPH`` not off).
+        prestage: a graph call copies its batch into the inbox before its host sync.
+        fused_unpad: padded calls unpad with the Triton kernels where they can.
+        quack_gemm, quack_rope, triton_fast_launch, fused_rope, fused_glu_gemm: the kernel layer's switches as
+            they were at ``pack()`` (see :data:`OPS_READS`).
+        policy_file: ``PACKED_ENCODERS_POLICY`` (``None``: the policy matched to the card).
+        cache_dir: ``PACKED_ENCODERS_CACHE``.
+        graph_memory_fraction: the fraction of free GPU memory the encoder's graphs may hold (their LRU budget).
+        free_memory_bytes: free memory on the model's CUDA device at ``pack()`` (``None``: not on CUDA then;
+            measured at the first capture instead).
+        env: every ``PACKED_ENCODERS_*`` variable set at ``pack()``, as ``(name, value)`` pairs.
+    """
+
+    graphs: bool = True
+    prestage: bool = True
+    fused_unpad: bool = True
+    quack_gemm: bool = True
+    quack_rope: bool = True
+    triton_fast_launch: bool = True
+    fused_rope: bool = True
+    fused_glu_gemm: bool = True
+    policy_file: str | None = None
+    cache_dir: str | None = None
+    graph_memory_fraction: float = DEFAULT_GRAPH_MEMORY_FRACTION
+    free_memory_bytes: int | None = None
+    env: tuple = ()
+
+    def graph_budget_bytes(self, free_bytes: int | None = None) -> int | None:
+        """The graphs' memory budget: ``graph_memory_fraction`` of the free memory measured at ``pack()`` (or of
+        ``free_bytes``, measured at the first capture, for a model moved to CUDA after ``pack()``)."""
+        free = self.free_memory_bytes if self.free_memory_bytes is not None else free_bytes
+        return None if free is None else int(free * self.graph_memory_fraction)
+
+    def describe(self) -> dict:
+        out = asdict(self)
+        out["env"] = dict(self.env)
+        out["read"] = "at pack(); pe.pack(model, ...) again re-reads"
+        out["ops_reads"] = dict(OPS_READS)
+        return out
+
+
+def _fraction(value: str | None) -> float:
+    if value is None or not value.strip():
+        return DEFAULT_GRAPH_MEMORY_FRACTION
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = float("nan")
+    if not 0.0 < fraction <= 1.0:
+        raise PackedEncodersError(f"{GRAPH_MEMORY_ENV}={value!r}: expected a fraction in (0, 1] of free GPU memory")
+    return fraction
+
+
+def read_tuning(device=None) -> Tuning:
+    """Read every switch now; with a CUDA ``device``, measure its free memory (one ``cudaMemGetInfo``).
+
+    Raises:
+        PackedEncodersError: ``PACKED_ENCODERS_GRAPH_MEMORY`` is not a fraction in (0, 1].
+    """
+    free = None
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+
+        free = int(torch.cuda.mem_get_info(device)[0])
+    return Tuning(
+        graphs=not switched_off(GRAPH_ENV),
+        prestage=not switched_off(PRESTAGE_ENV),
+        fused_unpad=not switched_off(FUSED_UNPAD_ENV),
+        quack_gemm=not switched_off(QUACK_GEMM_ENV),
+        quack_rope=not switched_off(QUACK_ROPE_ENV),
+        triton_fast_launch=not switched_off(FAST_LAUNCH_ENV),
+        fused_rope=not switched_off(FUSED_ROPE_ENV),
+        fused_glu_gemm=not switched_off(FUSED_GLU_ENV),
+        policy_file=os.environ.get(POLICY_ENV) or None,
+        cache_dir=os.environ.get(CACHE_ENV) or None,
+        graph_memory_fraction=_fraction(os.environ.get(GRAPH_MEMORY_ENV)),
+        free_memory_bytes=free,
+        env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX))),
+    )
+
+
+def same_switches(a: Tuning, b: Tuning) -> bool:
+    """Whether two readings agree on everything but the free-memory measurement (which moves between calls)."""
+    return {**asdict(a), "free_memory_bytes": None} == {**asdict(b), "free_memory_bytes": None}
