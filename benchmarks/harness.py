@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import common
+from benchmarks import common, workloads
 from benchmarks.common import ROOT
 
 PARITY_EXIT = 3
@@ -118,8 +118,8 @@ def run_parent(args, runner: str, endpoints: list[Endpoint], module: str) -> int
             print(f"WARNING: {', '.join(missing)} not installed on this {env.get('capability')} GPU: "
                   "packed variants run without quack GEMMs / FA4 / CuteDSL (check PYTHONPATH)", file=sys.stderr)
         for ep in endpoints:
-            ts = corpus[ep.set_name]
-            idx = common.sample_indices(len(ts), ep.n_seqs, args.seed)
+            ts = workloads.token_set(corpus, ep.set_name)
+            idx = workloads.indices(ts, ep.n_seqs, args.seed)
             s = common.workload_stats(ts, idx, ep.batch)
             print(f"  {ep.name} (set {ep.set_name}, batch {ep.batch}, padding {s['padding_fraction']:.0%}) "
                   + format_stats("", s).strip())
@@ -228,8 +228,8 @@ def run_child(args, extra=None) -> int:
     vocab = family.encoder.config.vocab_size
     plans = []
     for ep in endpoints:
-        ts = corpus[ep.set_name]
-        idx = common.sample_indices(len(ts), ep.n_seqs, args.seed)
+        ts = workloads.token_set(corpus, ep.set_name)
+        idx = workloads.indices(ts, ep.n_seqs, args.seed)
         top = int(ts.ids.max())
         if top >= vocab:
             raise SystemExit(f"cached ids reach {top} but the model's vocabulary is {vocab}: re-tokenize with "
@@ -294,7 +294,8 @@ def run_child(args, extra=None) -> int:
             return PARITY_EXIT
         refresh_describe(applied, family)
         row = {
-            "runner": args.runner, "endpoint": ep.name, "family": args.family, "variant": variant,
+            "runner": args.runner, "endpoint": ep.name, "workload": ep.name, "family": args.family,
+            "variant": variant,
             "status": "ok", "impl": family.impl, "notes": family.notes, "model": args.model_label,
             "config": config_summary(family.encoder.config), "dtype": args.dtype, "batch": ep.batch,
             "set": ep.set_name, "n_seqs": len(idx), "n_batches": len(batches), "n_tokens": n_tokens,

@@ -51,8 +51,14 @@ def _attention(r: dict) -> str:
                                                               else "")
 
 
+def lead_with_pack(group: list[dict]) -> list[dict]:
+    """``pe.pack(model)`` with no options (the ``pack`` variant) first, then the rest in their order."""
+    return sorted(group, key=lambda r: r.get("variant") != "pack")
+
+
 def table(group: list[dict]) -> str:
-    """One markdown table for the rows of one (run, endpoint, family)."""
+    """One markdown table for the rows of one (run, endpoint, family); the default ``pack`` row leads."""
+    group = lead_with_pack(group)
     ok = {r["variant"]: r for r in group if r.get("status") == "ok"}
     sdpa = ok.get("hf_sdpa", {}).get("seqs_per_s_median")
     comp = ok.get("compile", {}).get("seqs_per_s_median")
@@ -137,7 +143,7 @@ def plots(rows: list[dict], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for (run_id, runner, endpoint, family), group in _groups(rows).items():
-        ok = [r for r in group if r.get("status") == "ok"]
+        ok = [r for r in lead_with_pack(group) if r.get("status") == "ok"]
         if not ok:
             continue
         names = [r["variant"] for r in ok]

@@ -7,9 +7,11 @@ hf_eager               stock HF, ``attn_implementation="eager"``
 hf_sdpa                stock HF, ``attn_implementation="sdpa"`` (the baseline users get by default)
 compile                stock HF sdpa with ``torch.compile(mode="max-autotune", dynamic=True)`` on the encoder,
                        cold caches (fresh process, fresh inductor cache dir); compile cost is in ``first_pass_s``
-pack                   ``pe.pack(target)`` (default options), same padded calls as stock
+pack                   ``pe.pack(target)``: the default call, no options (CUDA graphs on automatically), same padded
+                       calls as stock; its rows lead the tables
 pack_<backend>         ``pe.pack(target, attention_backend=<backend>)`` for sdpa / varlen / fa4 / triton
-pack_graphs            ``pe.pack(target, cuda_graph=True)`` where this build has it
+pack_graphs            ``pe.pack(target, cuda_graph=True)`` where this build has it (explicit graphs: validated at pack)
+pack_eager             ``pe.pack(target, cuda_graph=False)``: the eager packed forward
 pack_graphs_sync_free  ``pe.pack(target, cuda_graph=GraphConfig(sync_free=True))``: rectangular graphs with no
                        host sync per padded call (input errors reported one call late), where this build has it
 packed                 ``pe.pack(target)`` then ``pe.packed_forward`` on batches from a padding-free collator
@@ -28,10 +30,10 @@ import torch
 from benchmarks.common import segment_mean
 
 BACKEND_VARIANTS = ("pack_sdpa", "pack_varlen", "pack_fa4", "pack_triton")
-VARIANTS = ("hf_eager", "hf_sdpa", "compile", "pack", *BACKEND_VARIANTS, "pack_graphs", "pack_graphs_sync_free",
-            "packed")
+VARIANTS = ("hf_eager", "hf_sdpa", "compile", "pack", "pack_eager", *BACKEND_VARIANTS, "pack_graphs",
+            "pack_graphs_sync_free", "packed")
 # Variants whose first-pass time is a result (compile / capture): a fresh process per endpoint too.
-COLD_START_VARIANTS = ("compile", "pack_graphs", "pack_graphs_sync_free")
+COLD_START_VARIANTS = ("compile", "pack", "pack_graphs", "pack_graphs_sync_free")
 # The default sweep of ``--quick`` on CPU (a smoke run: each child costs ~15 s of imports there).
 QUICK_CPU_VARIANTS = ("hf_sdpa", "pack", "packed")
 
@@ -110,6 +112,8 @@ def apply_variant(variant: str, family) -> Applied:
                        time.perf_counter() - t0, info)
     if variant == "pack_graphs":
         pe.pack(family.target, cuda_graph=True)
+    elif variant == "pack_eager":
+        pe.pack(family.target, cuda_graph=False)
     elif variant == "pack_graphs_sync_free":
         pe.pack(family.target, cuda_graph=pe.GraphConfig(sync_free=True))
     elif variant.startswith("pack_"):
