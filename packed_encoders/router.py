@@ -124,8 +124,8 @@ def _eager(reason: str, refusal: str | None) -> Eager:
 
 
 def _mode_refusal(f: Facts) -> str | None:
-    """:func:`~packed_encoders.graphs.buckets.mode_refusal` then the device, as one chain of tests (this runs on
-    every call: no tuple of checks built per call)."""
+    """The mode refusals of :func:`~packed_encoders.graphs.buckets.admit`, in its order, then the device, as one
+    chain of tests (this runs on every call: no tuple of checks built per call)."""
     if f.kill_switch:
         return B.KILL_SWITCH
     if f.suspended:

@@ -125,12 +125,6 @@ def _first_failed(checks) -> str | None:
     return next((reason for failed, reason in checks if failed), None)
 
 
-def mode_refusal(facts) -> str | None:
-    """Why no graph serves a call in these modes (any object with the mode attributes of :class:`CallFacts`),
-    or ``None``: the mode part of :func:`admit`, for work done before the batch's sizes are known."""
-    return _first_failed(_mode_checks(facts))
-
-
 def admit(config: GraphConfig, facts: CallFacts) -> Bucket | str:
     """The bucket serving this call, or the reason it runs eagerly (first failing check)."""
     reason = _first_failed(_mode_checks(facts) + ((not facts.model_on_cuda, NOT_CUDA),))
