@@ -153,10 +153,10 @@ def test_forward_routes_every_projection_and_matches(fake, monkeypatch):
 
 def test_validation_checks_the_quack_route(fake, monkeypatch):
     import packed_encoders as pe
-    from packed_encoders import api
+    from packed_encoders import configure
 
     model = make_model("base_like").to(torch.bfloat16)
-    monkeypatch.setattr(api, "select_ops", lambda kernels, device: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
+    monkeypatch.setattr(configure, "select_ops", lambda kernels, device: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
     pe.pack(model)  # validate=True: the check batch is far below GLU_MIN_TOKENS, yet quack is what is checked
     assert fake["glu_linear"] >= model.config.num_hidden_layers
     entry = pe.describe(model)["encoders"][0]
@@ -202,10 +202,10 @@ def test_packed_model_with_the_quack_route_pickles(fake, monkeypatch):
     import pickle
 
     import packed_encoders as pe
-    from packed_encoders import api
+    from packed_encoders import configure
 
     model = make_model("base_like").to(torch.bfloat16)
-    monkeypatch.setattr(api, "select_ops", lambda kernels, device: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
+    monkeypatch.setattr(configure, "select_ops", lambda kernels, device: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
     pe.pack(model, validate=False)
     clone = pickle.loads(pickle.dumps(model))
     ids, mask = padded_batch([5, 9])
