@@ -13,6 +13,8 @@ import operator
 
 from torch import nn
 
+from .fsdp import fsdp_problem
+
 # Hooks transformers itself installs, which the packed forward honours by other means: the output-capturing
 # hooks (inert unless HF's own forward collects outputs; output_hidden_states is implemented here) and
 # enable_input_require_grads' hook on the input embeddings (emulated in model/forward.py).
@@ -121,6 +123,9 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
                 break  # rare: find and name the problem on the slow path below
         else:
             return None, True
+    problem = fsdp_problem(model)  # before the hook check, which would name FSDP's hooks without saying why
+    if problem is not None:
+        return problem, False
     for path, m, types in _expected(model):
         if types is not None and type(m) not in types:
             return _describe_swap(path, m, types), False

@@ -1,0 +1,315 @@
+"""DDP, GradCache with one all-reduce per step, and FSDP2 on a packed model: two gloo ranks on CPU.
+
+One spawn runs every training check (a process start costs more than the checks); rank 0 writes each check's
+numbers to a JSON file and the tests below assert on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+import warnings
+
+import pytest
+import torch
+
+from tests.dist_helpers import init, spawn
+
+WORLD = 2
+CHUNK = 2  # GradCache mini-batch size (rows)
+Q_LENS = [5, 17, 9, 30, 12, 7, 22, 3]
+D_LENS = [40, 25, 61, 33, 18, 50, 29, 44]
+
+
+def _rel_diff(got: dict, ref: dict) -> float:
+    """max over parameters of max|got - ref| / max|ref|; inf when the parameter sets differ."""
+    if set(got) != set(ref):
+        return float("inf")
+    return max(float((got[n] - ref[n]).abs().max() / ref[n].abs().max().clamp_min(1e-12)) for n in ref)
+
+
+def _grads(module, prefix_strip: str = "") -> dict:
+    out = {}
+    for n, p in module.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad  # FSDP2: DTensor shards
+        out[n.removeprefix(prefix_strip)] = g.detach().clone()
+    return out
+
+
+def _packed_ran(model) -> bool:
+    import packed_encoders as pe
+
+    entry = pe.describe(model)["encoders"][0]
+    return bool(entry["last_attention"]) and not any("stock forward" in f for f in entry["attention_fallbacks"])
+
+
+def _count_all_reduces(fn) -> int:
+    """All-reduce collectives run by ``fn`` (DDP's bucket reductions included), from the profiler's events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if "all_reduce" in e.name and e.name.startswith(("gloo", "nccl")))
+
+
+def _batch(rank):
+    from tests.conftest import padded_batch
+
+    ids, mask = padded_batch(Q_LENS + D_LENS, seed=3)
+    rows = slice(8 * rank, 8 * rank + 8)  # the DDP / FSDP checks split the 16 rows in halves
+    target = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(5))
+    return ids, mask, target, rows
+
+
+def _mse(out, mask, target, n_tokens, scale=1.0):
+    return ((out - target)[mask.bool()] ** 2).sum() / n_tokens * scale
+
+
+def _stock_grads(ids, mask, target):
+    """One process, stock HF, the global batch (the oracle every data-parallel variant must reproduce)."""
+    from tests.conftest import make_model, stock
+
+    ref = make_model("base_like").train()
+    out = stock(ref, input_ids=ids, attention_mask=mask).last_hidden_state
+    _mse(out, mask, target, int(mask.sum())).backward()
+    return _grads(ref)
+
+
+def _ddp_check(rank, ref, order, **ddp_kw):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import packed_encoders as pe
+    from tests.conftest import make_model
+
+    ids, mask, target, rows = _batch(rank)
+    model = make_model("base_like").train()
+    wrapped = DDP(pe.pack(model), **ddp_kw) if order == "ddp_of_packed" else pe.pack(DDP(model, **ddp_kw))
+    for _ in range(2):  # the second step shows DDP's steady state (static_graph records the first)
+        wrapped.zero_grad(set_to_none=True)
+        out = wrapped(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
+        _mse(out, mask[rows], target[rows], int(mask.sum()), WORLD).backward()
+    return {"rel": _rel_diff(_grads(model), ref), "packed": _packed_ran(model)}
+
+
+def _mean_pool(out, mask):
+    m = mask.unsqueeze(-1).to(out.dtype)
+    return (out * m).sum(1) / m.sum(1)
+
+
+def _gradcache_step(ddp, ids, mask, rows):
+    """A hand-written GradCache step: embed chunks without grad, loss on the cached reps, re-embed chunk by chunk
+    with the reps' gradients (one backward, hence one DDP all-reduce, per chunk)."""
+    q_rows, d_rows = range(rows.start, rows.stop), range(8 + rows.start, 8 + rows.stop)
+    chunks = [list(r[i:i + CHUNK]) for r in (q_rows, d_rows) for i in range(0, len(r), CHUNK)]
+
+    def embed(c):
+        return _mean_pool(ddp(input_ids=ids[c], attention_mask=mask[c]).last_hidden_state, mask[c])
+
+    with torch.no_grad():
+        reps = [embed(c).requires_grad_() for c in chunks]
+    half = len(chunks) // 2
+    q, d = torch.cat(reps[:half]), torch.cat(reps[half:])
+    scores = torch.nn.functional.normalize(q, dim=-1) @ torch.nn.functional.normalize(d, dim=-1).T * 20
+    torch.nn.functional.cross_entropy(scores, torch.arange(len(q))).backward()
+    for c, r in zip(chunks, reps):
+        (embed(c) * r.grad).sum().backward()
+
+
+def _gradcache_check(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import packed_encoders as pe
+    from tests.conftest import make_model
+
+    ids, mask, _, _ = _batch(rank)
+    rows = slice(4 * rank, 4 * rank + 4)  # queries 4r..4r+3 and their documents 8+4r..8+4r+3
+    out = {}
+    for mode in ("per_chunk", "once"):
+        model = make_model("base_like").train()
+        ddp = DDP(pe.pack(model))
+        if mode == "per_chunk":
+            out["per_chunk_all_reduces"] = _count_all_reduces(lambda: _gradcache_step(ddp, ids, mask, rows))
+        else:
+            def once():
+                with pe.grad_cache_sync(ddp):
+                    _gradcache_step(ddp, ids, mask, rows)
+            out["once_all_reduces"] = _count_all_reduces(once)
+        out[mode] = _grads(model)
+        out[f"{mode}_packed"] = _packed_ran(model)
+    out["rel"] = _rel_diff(out.pop("once"), out.pop("per_chunk"))
+    return out
+
+
+def _st_check(rank, model_dir):
+    """sentence-transformers' CachedMultipleNegativesRankingLoss through DDP(packed SentenceTransformer): its own
+    synchronisation, grad_cache_sync, and one process averaging the two ranks' losses."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import packed_encoders as pe
+    from tests.tiny_tokenizer import TEXTS
+
+    anchors, positives = TEXTS, TEXTS[1:] + TEXTS[:1]
+
+    def st_model():
+        torch.manual_seed(0)
+        transformer = Transformer(model_dir)
+        return SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
+                                   device="cpu").train()
+
+    def features(model, r):
+        rows = slice(4 * r, 4 * r + 4)
+        return [model.tokenize(anchors[rows]), model.tokenize(positives[rows])]
+
+    out = {}
+    reference = st_model()
+    pe.pack(reference)
+    loss = CachedMultipleNegativesRankingLoss(reference, mini_batch_size=CHUNK)
+    for r in range(WORLD):  # DDP averages the ranks' gradients: the mean of the local losses
+        (loss(features(reference, r), None) / WORLD).backward()
+    ref = _grads(reference)
+    for mode in ("st_own_sync", "grad_cache_sync"):
+        model = pe.pack(st_model())
+        ddp = DDP(model)
+        loss = CachedMultipleNegativesRankingLoss(model, mini_batch_size=CHUNK)
+        loss.model = ddp  # what sentence-transformers' trainer does with the wrapped model
+        value = loss(features(model, rank), None)
+        if mode == "st_own_sync":
+            out[f"{mode}_all_reduces"] = _count_all_reduces(value.backward)
+        else:
+            def once():
+                with pe.grad_cache_sync(ddp):
+                    value.backward()
+            out[f"{mode}_all_reduces"] = _count_all_reduces(once)
+        out[f"{mode}_rel"] = _rel_diff(_grads(model), ref)
+        out[f"{mode}_packed"] = _packed_ran(model)
+    return out
+
+
+def _fsdp_check(rank, ref):
+    from torch.distributed.fsdp import fully_shard
+
+    import packed_encoders as pe
+    from tests.conftest import make_model
+
+    ids, mask, target, rows = _batch(rank)
+    out = {}
+    # one FSDP unit holding the whole encoder: its hooks gather every weight around the packed forward
+    model = pe.pack(make_model("base_like").train())
+    fully_shard(model)
+    o = model(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
+    _mse(o, mask[rows], target[rows], int(mask.sum()), WORLD).backward()
+    out["root_rel"] = _rel_diff(_grads(model), ref)
+    out["root_packed"] = _packed_ran(model)
+    # per-layer units, sharded after pack(): the stock forward runs, said in a warning and in describe()
+    model = pe.pack(make_model("base_like").train())
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = model(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
+    _mse(o, mask[rows], target[rows], int(mask.sum()), WORLD).backward()
+    out["layers_rel"] = _rel_diff(_grads(model), ref)
+    out["layers_warning"] = [str(w.message) for w in caught if "stock forward" in str(w.message)]
+    out["layers_describe"] = pe.describe(model)["encoders"][0]["attention_fallbacks"]
+    # per-layer units, then pack(): refused
+    model = make_model("base_like").train()
+    for layer in model.layers:
+        fully_shard(layer)
+    try:
+        pe.pack(model)
+        out["pack_error"] = None
+    except pe.UnsupportedTargetError as exc:
+        out["pack_error"] = str(exc)
+    return out
+
+
+def _train_worker(rank, world, rendezvous, out_dir, model_dir):
+    import torch.distributed as dist
+
+    init(rank, world, rendezvous)
+    ids, mask, target, _ = _batch(rank)
+    ref = _stock_grads(ids, mask, target)
+    checks = {
+        "ddp_of_packed": lambda: _ddp_check(rank, ref, "ddp_of_packed"),
+        "ddp_of_packed_find_unused": lambda: _ddp_check(rank, ref, "ddp_of_packed", find_unused_parameters=True),
+        "ddp_of_packed_static_graph": lambda: _ddp_check(rank, ref, "ddp_of_packed", static_graph=True),
+        "pack_of_ddp": lambda: _ddp_check(rank, ref, "pack_of_ddp"),
+        "gradcache_loop": lambda: _gradcache_check(rank),
+        "st_cached_mnrl": lambda: _st_check(rank, model_dir),
+        "fsdp2": lambda: _fsdp_check(rank, ref),
+    }
+    results = {}
+    for name, fn in checks.items():
+        try:
+            results[name] = fn()
+        except Exception:  # recorded for the test that reads it; the other checks still run
+            results[name] = {"error": traceback.format_exc()}
+    if rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from tests.tiny_tokenizer import save_tiny_model
+
+    tmp = tmp_path_factory.mktemp("dist_train")
+    model_dir = save_tiny_model(tmp / "model")
+    spawn(_train_worker, WORLD, tmp, str(tmp), model_dir)
+    with open(tmp / "results.json") as f:
+        return json.load(f)
+
+
+def _get(results, name):
+    entry = results[name]
+    assert "error" not in entry, entry.get("error")
+    return entry
+
+
+@pytest.mark.parametrize("name", ["ddp_of_packed", "ddp_of_packed_find_unused", "ddp_of_packed_static_graph",
+                                  "pack_of_ddp"])
+def test_ddp_gradients_equal_one_process(results, name):
+    entry = _get(results, name)
+    assert entry["packed"], "the packed forward did not run"
+    assert entry["rel"] < 1e-4, entry
+
+
+def test_gradcache_loop_syncs_once_with_same_gradients(results):
+    entry = _get(results, "gradcache_loop")
+    assert entry["per_chunk_packed"] and entry["once_packed"]
+    assert entry["per_chunk_all_reduces"] >= 4  # one per mini-batch backward (4 chunks per rank)
+    assert entry["once_all_reduces"] == 2  # the presence mask and one bucket
+    assert entry["rel"] < 1e-5, entry
+
+
+def test_st_cached_loss_under_ddp(results):
+    entry = _get(results, "st_cached_mnrl")
+    assert entry["st_own_sync_packed"] and entry["grad_cache_sync_packed"]
+    assert entry["grad_cache_sync_all_reduces"] == 2
+    assert entry["st_own_sync_rel"] < 1e-4 and entry["grad_cache_sync_rel"] < 1e-4, entry
+
+
+def test_fsdp2(results):
+    entry = _get(results, "fsdp2")
+    assert entry["root_packed"] and entry["root_rel"] < 1e-4, entry
+    assert entry["layers_rel"] < 1e-4, entry
+    assert entry["layers_warning"] and "FSDP2" in entry["layers_warning"][0]
+    assert any("FSDP2" in f and "layers.0" in f for f in entry["layers_describe"])
+    assert entry["pack_error"] and "FSDP2" in entry["pack_error"] and "fully_shard" in entry["pack_error"]
+
+
+def test_grad_cache_sync_without_ddp_is_a_no_op():
+    import packed_encoders as pe
+
+    lin = torch.nn.Linear(3, 2)
+    with pe.grad_cache_sync(lin):
+        lin(torch.ones(1, 3)).sum().backward()
+    torch.testing.assert_close(lin.weight.grad, torch.ones(2, 3))
