@@ -1,0 +1,401 @@
+"""Sharded corpus indexing with a packed model, on ``torch.distributed`` (one process per GPU under ``torchrun``).
+
+    torchrun --nproc-per-node 8 -m packed_encoders.index --model PATH --corpus corpus.jsonl --out DIR
+    python -m packed_encoders.index --model PATH --corpus corpus.jsonl --out DIR        # one process
+
+Corpus: JSON lines of pre-tokenized items, ``{"id": <str or int>, "input_ids": [int, ...]}`` (ids unique; special
+tokens included as the model expects them). The corpus is cut, in file order, into chunks of at most
+``chunk_tokens`` tokens; chunks are the unit of work and of resumption, and are dealt to ranks as contiguous runs
+balanced **by tokens** (not by item count). Inside a chunk, items are sorted by length and encoded in batches of at
+most ``batch_tokens`` real tokens, with no padding (``pe.packed_forward``) for a bare ModernBERT encoder.
+
+Output in ``DIR``:
+    plan.json                      the corpus (path, size, mtime), chunk boundaries and their owners
+    chunks/chunk-000012.pt         per chunk: ``{"ids": [...], "embeddings": [n, D]}`` (pooled) or
+                                   ``{"ids": [...], "embeddings": [T, D], "cu_seqlens": int64 [n + 1]}`` (tokens)
+    chunks/chunk-000012.done       completion marker (written after the chunk file is in place)
+    manifest.json                  written by rank 0 when every chunk is done: chunks, rows, tokens, dim, dtype
+Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
+
+A run killed at any point resumes by running the same command again (any number of ranks): chunks with a marker
+are kept, the rest are encoded; a chunk written halfway is written again. :func:`load_index` reads the result
+back and checks every corpus id appears exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .errors import PackedEncodersError
+
+PLAN = "plan.json"
+MANIFEST = "manifest.json"
+OUTPUTS = ("pooled", "tokens")
+POOLINGS = ("mean", "cls")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    index: int
+    start: int  # first item (line) of the chunk
+    stop: int
+    tokens: int
+    rank: int  # the rank that encodes it in this run
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist, dist.get_rank(), dist.get_world_size()
+    return None, 0, 1
+
+
+def scan_corpus(path: str) -> tuple[list[int], list[int], list]:
+    """``(offsets, lengths, ids)`` of every line of a JSONL corpus (byte offset, token count, item id).
+
+    Raises:
+        PackedEncodersError: a line without ``id`` / ``input_ids``, an empty item, or a duplicate id.
+    """
+    offsets, lengths, ids, seen = [], [], [], set()
+    with open(path, "rb") as f:
+        offset = 0
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                item = json.loads(line)
+                if "id" not in item or "input_ids" not in item:
+                    raise PackedEncodersError(f"{path}:{number}: each line needs 'id' and 'input_ids'")
+                if not item["input_ids"]:
+                    raise PackedEncodersError(f"{path}:{number}: item {item['id']!r} has no tokens")
+                if item["id"] in seen:
+                    raise PackedEncodersError(f"{path}:{number}: duplicate id {item['id']!r}")
+                seen.add(item["id"])
+                offsets.append(offset)
+                lengths.append(len(item["input_ids"]))
+                ids.append(item["id"])
+            offset += len(line)
+    return offsets, lengths, ids
+
+
+def plan_chunks(lengths: list[int], chunk_tokens: int, world: int) -> list[Chunk]:
+    """Cut items (in order) into chunks of at most ``chunk_tokens`` tokens (an item longer than that is a chunk of
+    its own) and deal them to ``world`` ranks as contiguous runs of about equal token counts: a chunk goes to the
+    rank whose token range holds the chunk's middle token."""
+    bounds, start, tokens = [], 0, 0
+    for i, n in enumerate(lengths):
+        if tokens and tokens + n > chunk_tokens:
+            bounds.append((start, i, tokens))
+            start, tokens = i, 0
+        tokens += n
+    if tokens:
+        bounds.append((start, len(lengths), tokens))
+    total = sum(lengths)
+    chunks, before = [], 0
+    for index, (a, b, n) in enumerate(bounds):
+        rank = min(world - 1, int((before + n / 2) * world // max(total, 1)))
+        chunks.append(Chunk(index, a, b, n, rank))
+        before += n
+    return chunks
+
+
+def _chunk_path(out_dir: str, index: int, suffix: str) -> str:
+    return os.path.join(out_dir, "chunks", f"chunk-{index:06d}.{suffix}")
+
+
+def _read_items(corpus: str, offsets: list[int], start: int, stop: int) -> list[list[int]]:
+    out = []
+    with open(corpus, "rb") as f:
+        f.seek(offsets[start])
+        for _ in range(start, stop):
+            out.append(json.loads(f.readline())["input_ids"])
+    return out
+
+
+def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Positions of ``lengths`` grouped into batches of at most ``batch_tokens`` real tokens, longest first (similar
+    lengths share a batch; an item longer than the budget is a batch of its own)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current, tokens = [], [], 0
+    for i in order:
+        if current and tokens + lengths[i] > batch_tokens:
+            batches.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += lengths[i]
+    if current:
+        batches.append(current)
+    return batches
+
+
+class Encoder:
+    """Runs a loaded model on lists of token ids; ``__call__`` returns, per item, ``[D]`` (pooled) or ``[n, D]``.
+
+    A bare ``ModernBertModel`` runs ``pe.packed_forward`` on the flat batch (no padding), then pools. Anything
+    else (a SentenceTransformer, a PyLate ColBERT, ...) is called with a padded ``{"input_ids", "attention_mask"}``
+    dict and its ``sentence_embedding`` (pooled) or ``token_embeddings`` (tokens, real positions) is read.
+    """
+
+    def __init__(self, model, output: str = "pooled", pooling: str = "mean", pad_id: int = 0):
+        from .adapters.locate import find_encoders
+
+        if output not in OUTPUTS:
+            raise PackedEncodersError(f"output={output!r} is not one of {OUTPUTS}")
+        if pooling not in POOLINGS:
+            raise PackedEncodersError(f"pooling={pooling!r} is not one of {POOLINGS}")
+        self.model, self.output, self.pooling, self.pad_id = model, output, pooling, pad_id
+        encoders = find_encoders(model)
+        self.bare = len(encoders) == 1 and encoders[0][0] == ""
+        self.device = encoders[0][1].embeddings.tok_embeddings.weight.device
+
+    @torch.inference_mode()
+    def __call__(self, items: list[list[int]]) -> list[torch.Tensor]:
+        lens = [len(x) for x in items]
+        if self.bare:
+            from .api import packed_forward
+
+            ids = torch.tensor([t for x in items for t in x], dtype=torch.long, device=self.device)
+            cu = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
+            flat = packed_forward(self.model, None, ids, cu, max(lens))
+            rows = list(flat.split(lens))
+            if self.output == "tokens":
+                return rows
+            return [r[0] if self.pooling == "cls" else r.float().mean(0).to(r.dtype) for r in rows]
+        width = max(lens)
+        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(items), width, dtype=torch.long)
+        for row, x in enumerate(items):
+            ids[row, :len(x)] = torch.tensor(x)
+            mask[row, :len(x)] = 1
+        out = self.model({"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)})
+        if self.output == "pooled":
+            return list(out["sentence_embedding"])
+        return [t[:n] for t, n in zip(out["token_embeddings"], lens)]
+
+
+def _encode_chunk(encoder: Encoder, items: list[list[int]], batch_tokens: int, out_dtype: torch.dtype):
+    results: list = [None] * len(items)
+    lengths = [len(x) for x in items]
+    for batch in token_batches(lengths, batch_tokens):
+        for i, vec in zip(batch, encoder([items[i] for i in batch])):
+            results[i] = vec.to("cpu", out_dtype)
+    if encoder.output == "pooled":
+        return {"embeddings": torch.stack(results)}
+    return {"embeddings": torch.cat(results), "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
+
+
+def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int) -> dict:
+    offsets, lengths, ids = scan_corpus(corpus)
+    chunks = plan_chunks(lengths, chunk_tokens, world)
+    st = os.stat(corpus)
+    plan = {"corpus": os.path.abspath(corpus), "corpus_bytes": st.st_size, "corpus_mtime_ns": st.st_mtime_ns,
+            "chunk_tokens": chunk_tokens, "output": output, "items": len(ids), "tokens": sum(lengths),
+            "offsets": offsets, "lengths": lengths, "ids": ids,
+            "chunks": [[c.index, c.start, c.stop, c.tokens] for c in chunks]}
+    tmp = os.path.join(out_dir, PLAN + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(plan, f)
+    os.replace(tmp, os.path.join(out_dir, PLAN))
+    return plan
+
+
+def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str) -> dict | None:
+    path = os.path.join(out_dir, PLAN)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        plan = json.load(f)
+    st = os.stat(corpus)
+    same = (plan["corpus_bytes"], plan["corpus_mtime_ns"], plan["chunk_tokens"], plan["output"]) == \
+        (st.st_size, st.st_mtime_ns, chunk_tokens, output)
+    if not same:
+        raise PackedEncodersError(f"{out_dir} holds an index of another corpus or settings ({plan['corpus']}, "
+                                  f"chunk_tokens={plan['chunk_tokens']}, output={plan['output']}); use a new --out "
+                                  "directory or delete it")
+    return plan
+
+
+def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", pooling: str = "mean",
+                 batch_tokens: int = 16384, chunk_tokens: int = 1 << 20, out_dtype: torch.dtype = torch.float32,
+                 pad_id: int = 0, progress: bool = True,
+                 on_chunk: Callable[[int, int, int], None] | None = None) -> dict | None:
+    """Encode a JSONL corpus into ``out_dir`` (see the module docstring for formats), on this rank's share.
+
+    Call it on every rank of an initialised ``torch.distributed`` group (or in a single process without one);
+    ranks share nothing but the file system and one barrier at the start and one at the end.
+
+    Args:
+        model: a packed (or packable) model on this rank's device: a ``ModernBertModel``, SentenceTransformer,
+            PyLate ColBERT, ...
+        output: ``"pooled"`` (one vector per item) or ``"tokens"`` (a vector per token, flat, with ``cu_seqlens``).
+        pooling: ``"mean"`` or ``"cls"``, for a bare ``ModernBertModel`` with ``output="pooled"``.
+        batch_tokens: real tokens per forward (items are sorted by length inside a chunk).
+        chunk_tokens: tokens per chunk file (the unit of resumption).
+        out_dtype: dtype of the stored vectors.
+        on_chunk: called ``(chunk_index, rows, tokens)`` after each chunk this rank completes.
+
+    Returns:
+        The manifest (a dict) on rank 0, ``None`` on the others.
+
+    Raises:
+        PackedEncodersError: a malformed corpus, or ``out_dir`` holding an index of another corpus or settings.
+    """
+    dist, rank, world = _dist()
+    os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)
+    if rank == 0:
+        plan = _load_plan(out_dir, corpus, chunk_tokens, output) or _write_plan(out_dir, corpus, chunk_tokens,
+                                                                                  output, world)
+    if dist is not None:
+        dist.barrier()
+    if rank != 0:
+        plan = _load_plan(out_dir, corpus, chunk_tokens, output)
+    lengths = plan["lengths"]
+    # owners are dealt for this run's world size: a resumed run may use another number of ranks
+    chunks = plan_chunks(lengths, chunk_tokens, world)
+    mine = [c for c in chunks if c.rank == rank and not os.path.exists(_chunk_path(out_dir, c.index, "done"))]
+    encoder = Encoder(model, output, pooling, pad_id)
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(c.tokens for c in mine), unit="tok", unit_scale=True,
+                   desc=f"rank 0 of {world}, {len(mine)} chunks")
+    for c in mine:
+        started = time.perf_counter()
+        items = _read_items(plan["corpus"], plan["offsets"], c.start, c.stop)
+        data = _encode_chunk(encoder, items, batch_tokens, out_dtype)
+        data["ids"] = plan["ids"][c.start:c.stop]
+        tmp = _chunk_path(out_dir, c.index, f"pt.{rank}.tmp")
+        torch.save(data, tmp)
+        os.replace(tmp, _chunk_path(out_dir, c.index, "pt"))
+        seconds = time.perf_counter() - started
+        with open(_chunk_path(out_dir, c.index, "done"), "w") as f:
+            json.dump({"rows": c.stop - c.start, "tokens": c.tokens, "rank": rank, "world": world,
+                       "seconds": seconds}, f)
+        if bar is not None:
+            bar.update(c.tokens)
+        if on_chunk is not None:
+            on_chunk(c.index, c.stop - c.start, c.tokens)
+    if bar is not None:
+        bar.close()
+    if dist is not None:
+        dist.barrier()
+    if rank != 0:
+        return None
+    return _write_manifest(out_dir, plan, chunks, output, out_dtype)
+
+
+def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, out_dtype: torch.dtype) -> dict:
+    missing = [c.index for c in chunks if not os.path.exists(_chunk_path(out_dir, c.index, "done"))]
+    if missing:
+        raise PackedEncodersError(f"chunks {missing[:10]} have no completion marker; run the command again")
+    first = torch.load(_chunk_path(out_dir, chunks[0].index, "pt"), weights_only=True) if chunks else None
+    manifest = {"corpus": plan["corpus"], "output": output, "items": plan["items"], "tokens": plan["tokens"],
+                "dim": None if first is None else int(first["embeddings"].shape[-1]),
+                "dtype": str(out_dtype).replace("torch.", ""),
+                "chunks": [{"file": os.path.relpath(_chunk_path(out_dir, c.index, "pt"), out_dir), "rows": c.stop - c.start,
+                            "tokens": c.tokens, "first_item": c.start} for c in chunks]}
+    tmp = os.path.join(out_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, MANIFEST))
+    return manifest
+
+
+def load_index(out_dir: str) -> dict:
+    """Read a finished index: ``{"ids": [...], "embeddings": tensor, "cu_seqlens": tensor (tokens output)}``, rows
+    in corpus order.
+
+    Raises:
+        PackedEncodersError: no manifest (the run did not finish), or ids missing / duplicated against the plan.
+    """
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        raise PackedEncodersError(f"{out_dir} has no {MANIFEST}: the indexing run has not finished")
+    with open(path) as f:
+        manifest = json.load(f)
+    with open(os.path.join(out_dir, PLAN)) as f:
+        expected = json.load(f)["ids"]
+    ids, embeddings, lens = [], [], []
+    for entry in manifest["chunks"]:
+        data = torch.load(os.path.join(out_dir, entry["file"]), weights_only=True)
+        ids.extend(data["ids"])
+        embeddings.append(data["embeddings"])
+        if "cu_seqlens" in data:
+            lens.append(data["cu_seqlens"].diff())
+    if ids != expected:
+        raise PackedEncodersError(f"{out_dir}: the chunks hold {len(ids)} rows ({len(set(ids))} distinct ids) for "
+                                  f"{len(expected)} corpus items")
+    out = {"ids": ids, "embeddings": torch.cat(embeddings)}
+    if lens:
+        out["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lens).cumsum(0)])
+    return out
+
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype):
+    """A local checkpoint (no downloads): a sentence-transformers folder (``modules.json``) or a HF ModernBERT."""
+    if os.path.exists(os.path.join(path, "modules.json")):
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(path, device=str(device), local_files_only=True)
+        return model.to(dtype).eval()
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",
+                                     local_files_only=True).to(device).eval()
+
+
+def main(argv=None) -> int:
+    import packed_encoders as pe
+
+    ap = argparse.ArgumentParser(prog="python -m packed_encoders.index", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="local HF ModernBERT or sentence-transformers folder")
+    ap.add_argument("--corpus", required=True, help="JSONL of {'id', 'input_ids'}")
+    ap.add_argument("--out", required=True, help="output directory (resumes when it holds a run of this corpus)")
+    ap.add_argument("--output", choices=OUTPUTS, default="pooled")
+    ap.add_argument("--pooling", choices=POOLINGS, default="mean")
+    ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--chunk-tokens", type=int, default=1 << 20)
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                    help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--out-dtype", choices=("bfloat16", "float16", "float32"), default="float32")
+    ap.add_argument("--pad-id", type=int, default=None, help="padding id (default: the model config's)")
+    args = ap.parse_args(argv)
+
+    import torch.distributed as dist
+
+    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # set by torchrun
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    model = load_model(args.model, device, dtype)
+    pe.pack(model)
+    pad_id = args.pad_id
+    if pad_id is None:
+        from .adapters.locate import find_encoders
+
+        pad_id = getattr(find_encoders(model)[0][1].config, "pad_token_id", None) or 0
+    manifest = index_corpus(model, args.corpus, args.out, output=args.output, pooling=args.pooling,
+                            batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
+                            out_dtype=getattr(torch, args.out_dtype), pad_id=pad_id)
+    if manifest is not None:
+        print(f"{manifest['items']} items, {manifest['tokens']} tokens, {len(manifest['chunks'])} chunks -> {args.out}")
+    if distributed:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Sharded indexing (packed_encoders.index) on two gloo ranks against one process, a killed rank resumed, and
+sentence-transformers' multi-process encode pool with a packed model."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from packed_encoders.index import index_corpus, load_index, load_model, plan_chunks, token_batches
+from tests.dist_helpers import init, spawn
+
+CHUNK_TOKENS = 300
+BATCH_TOKENS = 128
+
+
+def test_plan_balances_tokens_not_items():
+    lengths = [400] * 10 + [10] * 400  # the first items are long: an item split would give rank 0 most tokens
+    chunks = plan_chunks(lengths, 500, 2)
+    per_rank = [sum(c.tokens for c in chunks if c.rank == r) for r in range(2)]
+    items = [sum(c.stop - c.start for c in chunks if c.rank == r) for r in range(2)]
+    assert abs(per_rank[0] - per_rank[1]) <= 500, per_rank
+    assert items[0] < items[1] / 10, items
+    assert [c.start for c in chunks[1:]] == [c.stop for c in chunks[:-1]] and chunks[-1].stop == len(lengths)
+    assert all(c.tokens <= 500 for c in chunks)
+    assert [c.rank for c in chunks] == sorted(c.rank for c in chunks)  # contiguous runs
+
+
+def test_token_batches_respect_the_budget():
+    lengths = [5, 90, 33, 200, 7, 64, 64]
+    batches = token_batches(lengths, 128)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 128 or len(b) == 1 for b in batches)
+    assert batches[0] == [3]  # longest first
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from tests.tiny_tokenizer import save_tiny_model
+
+    tmp = tmp_path_factory.mktemp("index")
+    model_dir = save_tiny_model(tmp / "model")
+    rng = random.Random(0)
+    corpus = tmp / "corpus.jsonl"
+    with open(corpus, "w") as f:
+        for i in range(60):
+            n = rng.choice([rng.randint(3, 12), rng.randint(40, 90)])
+            f.write(json.dumps({"id": f"doc{i}", "input_ids": [1] + [rng.randint(5, 70) for _ in range(n)] + [2]})
+                    + "\n")
+    return tmp, model_dir, str(corpus)
+
+
+def _single(model_dir, corpus, out, output):
+    import packed_encoders as pe
+
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    index_corpus(model, corpus, out, output=output, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS,
+                 progress=False)
+    return load_index(out)
+
+
+def _index_worker(rank, world, rendezvous, model_dir, corpus, jobs):
+    import torch.distributed as dist
+
+    import packed_encoders as pe
+
+    init(rank, world, rendezvous)
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+
+    def die(index, rows, tokens):
+        os._exit(1)  # a rank killed right after its first chunk
+
+    for out, output, kill in jobs:
+        index_corpus(model, corpus, out, output=output, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS,
+                     on_chunk=die if kill and rank == 1 else None)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one_process_after_a_kill(setup):
+    import torch.multiprocessing as mp
+
+    tmp, model_dir, corpus = setup
+    pooled, tokens = str(tmp / "pooled"), str(tmp / "tokens")
+    with pytest.raises(mp.ProcessExitedException):
+        spawn(_index_worker, 2, tmp, model_dir, corpus, [(pooled, "pooled", True)])
+    done = sorted(f for f in os.listdir(os.path.join(pooled, "chunks")) if f.endswith(".done"))
+    plan = json.load(open(os.path.join(pooled, "plan.json")))
+    assert 0 < len(done) < len(plan["chunks"]) and not os.path.exists(os.path.join(pooled, "manifest.json"))
+    kept = {f: os.stat(os.path.join(pooled, "chunks", f)).st_mtime_ns for f in done}
+    spawn(_index_worker, 2, tmp, model_dir, corpus, [(pooled, "pooled", False), (tokens, "tokens", False)])
+    assert all(os.stat(os.path.join(pooled, "chunks", f)).st_mtime_ns == t for f, t in kept.items())  # not redone
+    ranks = {json.load(open(os.path.join(pooled, "chunks", f)))["rank"]
+             for f in os.listdir(os.path.join(pooled, "chunks")) if f.endswith(".done")}
+    assert ranks == {0, 1}
+
+    for out, output in ((pooled, "pooled"), (tokens, "tokens")):
+        got = load_index(out)  # checks every id once, in corpus order
+        ref = _single(model_dir, corpus, str(tmp / f"single_{output}"), output)
+        assert got["ids"] == ref["ids"] and len(got["ids"]) == 60
+        torch.testing.assert_close(got["embeddings"], ref["embeddings"], atol=1e-5, rtol=1e-5)
+        if output == "tokens":
+            assert torch.equal(got["cu_seqlens"], ref["cu_seqlens"])
+            assert got["embeddings"].shape[0] == json.load(open(os.path.join(out, "manifest.json")))["tokens"]
+
+
+def test_single_process_matches_stock_model(setup):
+    """The index holds the stock model's mean-pooled vectors (the packed path is checked against HF elsewhere;
+    this checks the batching, sorting and pooling around it)."""
+    tmp, model_dir, corpus = setup
+    got = _single(model_dir, corpus, str(tmp / "single_check"), "pooled")
+    model = load_model(model_dir, torch.device("cpu"), torch.float32)
+    with open(corpus) as f:
+        items = [json.loads(line) for line in f][:7]
+    for item, vec in zip(items, got["embeddings"]):
+        ids = torch.tensor([item["input_ids"]])
+        ref = model(input_ids=ids).last_hidden_state[0].mean(0)
+        torch.testing.assert_close(vec, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_resume_refuses_another_corpus(setup, tmp_path):
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": 1, "input_ids": [1, 5, 2]}) + "\n")
+    out = str(tmp_path / "out")
+    _single(model_dir, corpus, out, "pooled")
+    with pytest.raises(pe.PackedEncodersError, match="another corpus"):
+        _single(model_dir, str(other), out, "pooled")
+
+
+def test_sentence_transformers_multi_process_pool(setup):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    import packed_encoders as pe
+    from tests.tiny_tokenizer import TEXTS
+
+    _, model_dir, _ = setup
+    transformer = Transformer(model_dir)
+    model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
+                                device="cpu")
+    ref = model.encode(TEXTS, batch_size=3, convert_to_tensor=True)
+    pe.pack(model)
+    got = model.encode(TEXTS, batch_size=3, device=["cpu", "cpu"], convert_to_tensor=True)
+    assert pe.is_packed(model)
+    torch.testing.assert_close(got.cpu(), ref, atol=1e-5, rtol=1e-4)
