@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import uuid
 
 import torch
 
@@ -20,5 +21,6 @@ def spawn(fn, world: int, tmp_path, *args) -> None:
     """``fn(rank, world, rendezvous_file, *args)`` in ``world`` fresh processes; raises if any of them fails."""
     import torch.multiprocessing as mp
 
-    rendezvous = os.path.join(str(tmp_path), f"rendezvous-{os.getpid()}-{id(fn)}")
+    # a fresh file per world: a killed world leaves its file behind
+    rendezvous = os.path.join(str(tmp_path), f"rendezvous-{uuid.uuid4().hex}")
     mp.spawn(fn, args=(world, rendezvous, *args), nprocs=world, join=True)

@@ -1,7 +1,8 @@
 """DDP, GradCache with one all-reduce per step, and FSDP2 on a packed model: two gloo ranks on CPU.
 
 One spawn runs every training check (a process start costs more than the checks); rank 0 writes each check's
-numbers to a JSON file and the tests below assert on them.
+numbers to a JSON file and the tests below assert on them. ``tests/gpu/test_distributed.py`` runs the same workers
+with NCCL, one rank per GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.dist_helpers import init, spawn
 
 WORLD = 2
 CHUNK = 2  # GradCache mini-batch size (rows)
+DEVICE = torch.device("cpu")  # set per worker process: cuda:<rank> under NCCL
 Q_LENS = [5, 17, 9, 30, 12, 7, 22, 3]
 D_LENS = [40, 25, 61, 33, 18, 50, 29, 44]
 
@@ -55,13 +57,24 @@ def _count_all_reduces(fn) -> int:
     return sum(1 for e in prof.events() if "all_reduce" in e.name and e.name.startswith(("gloo", "nccl")))
 
 
-def _batch(rank):
+def _model():
+    from tests.conftest import make_model
+
+    return make_model("base_like").to(DEVICE).train()
+
+
+def _share(n: int, rank: int, world: int) -> slice:
+    """Rank ``rank``'s contiguous share of ``n`` rows."""
+    per = n // world
+    return slice(rank * per, rank * per + per)
+
+
+def _batch(rank, world):
     from tests.conftest import padded_batch
 
     ids, mask = padded_batch(Q_LENS + D_LENS, seed=3)
-    rows = slice(8 * rank, 8 * rank + 8)  # the DDP / FSDP checks split the 16 rows in halves
     target = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(5))
-    return ids, mask, target, rows
+    return ids.to(DEVICE), mask.to(DEVICE), target.to(DEVICE), _share(len(ids), rank, world)
 
 
 def _mse(out, mask, target, n_tokens, scale=1.0):
@@ -70,27 +83,26 @@ def _mse(out, mask, target, n_tokens, scale=1.0):
 
 def _stock_grads(ids, mask, target):
     """One process, stock HF, the global batch (the oracle every data-parallel variant must reproduce)."""
-    from tests.conftest import make_model, stock
+    from tests.conftest import stock
 
-    ref = make_model("base_like").train()
+    ref = _model()
     out = stock(ref, input_ids=ids, attention_mask=mask).last_hidden_state
     _mse(out, mask, target, int(mask.sum())).backward()
     return _grads(ref)
 
 
-def _ddp_check(rank, ref, order, **ddp_kw):
+def _ddp_check(rank, world, ref, order, **ddp_kw):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import packed_encoders as pe
-    from tests.conftest import make_model
 
-    ids, mask, target, rows = _batch(rank)
-    model = make_model("base_like").train()
+    ids, mask, target, rows = _batch(rank, world)
+    model = _model()
     wrapped = DDP(pe.pack(model), **ddp_kw) if order == "ddp_of_packed" else pe.pack(DDP(model, **ddp_kw))
     for _ in range(2):  # the second step shows DDP's steady state (static_graph records the first)
         wrapped.zero_grad(set_to_none=True)
         out = wrapped(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
-        _mse(out, mask[rows], target[rows], int(mask.sum()), WORLD).backward()
+        _mse(out, mask[rows], target[rows], int(mask.sum()), world).backward()
     return {"rel": _rel_diff(_grads(model), ref), "packed": _packed_ran(model)}
 
 
@@ -101,7 +113,8 @@ def _mean_pool(out, mask):
 
 def _gradcache_step(ddp, ids, mask, rows):
     """A hand-written GradCache step: embed chunks without grad, loss on the cached reps, re-embed chunk by chunk
-    with the reps' gradients (one backward, hence one DDP all-reduce, per chunk)."""
+    with the reps' gradients (one backward, hence one DDP all-reduce, per chunk). ``rows``: this rank's queries;
+    query ``i``'s document is row ``8 + i``."""
     q_rows, d_rows = range(rows.start, rows.stop), range(8 + rows.start, 8 + rows.stop)
     chunks = [list(r[i:i + CHUNK]) for r in (q_rows, d_rows) for i in range(0, len(r), CHUNK)]
 
@@ -113,22 +126,21 @@ def _gradcache_step(ddp, ids, mask, rows):
     half = len(chunks) // 2
     q, d = torch.cat(reps[:half]), torch.cat(reps[half:])
     scores = torch.nn.functional.normalize(q, dim=-1) @ torch.nn.functional.normalize(d, dim=-1).T * 20
-    torch.nn.functional.cross_entropy(scores, torch.arange(len(q))).backward()
+    torch.nn.functional.cross_entropy(scores, torch.arange(len(q), device=q.device)).backward()
     for c, r in zip(chunks, reps):
         (embed(c) * r.grad).sum().backward()
 
 
-def _gradcache_check(rank):
+def _gradcache_check(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import packed_encoders as pe
-    from tests.conftest import make_model
 
-    ids, mask, _, _ = _batch(rank)
-    rows = slice(4 * rank, 4 * rank + 4)  # queries 4r..4r+3 and their documents 8+4r..8+4r+3
-    out = {}
+    ids, mask, _, _ = _batch(rank, world)
+    rows = _share(8, rank, world)  # this rank's queries (and their documents)
+    out = {"chunks": 2 * -(-(rows.stop - rows.start) // CHUNK)}
     for mode in ("per_chunk", "once"):
-        model = make_model("base_like").train()
+        model = _model()
         ddp = DDP(pe.pack(model))
         if mode == "per_chunk":
             out["per_chunk_all_reduces"] = _count_all_reduces(lambda: _gradcache_step(ddp, ids, mask, rows))
@@ -143,7 +155,7 @@ def _gradcache_check(rank):
     return out
 
 
-def _st_check(rank, model_dir):
+def _st_check(rank, world, model_dir):
     """sentence-transformers' CachedMultipleNegativesRankingLoss through DDP(packed SentenceTransformer): its own
     synchronisation, grad_cache_sync, and one process averaging the two ranks' losses."""
     from sentence_transformers import SentenceTransformer
@@ -160,18 +172,19 @@ def _st_check(rank, model_dir):
         torch.manual_seed(0)
         transformer = Transformer(model_dir)
         return SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
-                                   device="cpu").train()
+                                   device=str(DEVICE)).train()
 
     def features(model, r):
-        rows = slice(4 * r, 4 * r + 4)
-        return [model.tokenize(anchors[rows]), model.tokenize(positives[rows])]
+        rows = _share(len(anchors), r, world)
+        return [{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in model.tokenize(texts[rows]).items()}
+                for texts in (anchors, positives)]
 
     out = {}
     reference = st_model()
     pe.pack(reference)
     loss = CachedMultipleNegativesRankingLoss(reference, mini_batch_size=CHUNK)
-    for r in range(WORLD):  # DDP averages the ranks' gradients: the mean of the local losses
-        (loss(features(reference, r), None) / WORLD).backward()
+    for r in range(world):  # DDP averages the ranks' gradients: the mean of the local losses
+        (loss(features(reference, r), None) / world).backward()
     ref = _grads(reference)
     for mode in ("st_own_sync", "grad_cache_sync"):
         model = pe.pack(st_model())
@@ -191,35 +204,34 @@ def _st_check(rank, model_dir):
     return out
 
 
-def _fsdp_check(rank, ref):
+def _fsdp_check(rank, world, ref):
     from torch.distributed.fsdp import fully_shard
 
     import packed_encoders as pe
-    from tests.conftest import make_model
 
-    ids, mask, target, rows = _batch(rank)
+    ids, mask, target, rows = _batch(rank, world)
     out = {}
     # one FSDP unit holding the whole encoder: its hooks gather every weight around the packed forward
-    model = pe.pack(make_model("base_like").train())
+    model = pe.pack(_model())
     fully_shard(model)
     o = model(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
-    _mse(o, mask[rows], target[rows], int(mask.sum()), WORLD).backward()
+    _mse(o, mask[rows], target[rows], int(mask.sum()), world).backward()
     out["root_rel"] = _rel_diff(_grads(model), ref)
     out["root_packed"] = _packed_ran(model)
     # per-layer units, sharded after pack(): the stock forward runs, said in a warning and in describe()
-    model = pe.pack(make_model("base_like").train())
+    model = pe.pack(_model())
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         o = model(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
-    _mse(o, mask[rows], target[rows], int(mask.sum()), WORLD).backward()
+    _mse(o, mask[rows], target[rows], int(mask.sum()), world).backward()
     out["layers_rel"] = _rel_diff(_grads(model), ref)
     out["layers_warning"] = [str(w.message) for w in caught if "stock forward" in str(w.message)]
     out["layers_describe"] = pe.describe(model)["encoders"][0]["attention_fallbacks"]
     # per-layer units, then pack(): refused
-    model = make_model("base_like").train()
+    model = _model()
     for layer in model.layers:
         fully_shard(layer)
     try:
@@ -230,22 +242,28 @@ def _fsdp_check(rank, ref):
     return out
 
 
-def _train_worker(rank, world, rendezvous, out_dir, model_dir):
+def _train_worker(rank, world, rendezvous, out_dir, model_dir, backend="gloo"):
     import torch.distributed as dist
 
-    init(rank, world, rendezvous)
-    ids, mask, target, _ = _batch(rank)
+    global DEVICE
+    if backend == "nccl":
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+    init(rank, world, rendezvous, backend)
+    ids, mask, target, _ = _batch(rank, world)
     ref = _stock_grads(ids, mask, target)
     checks = {
-        "ddp_of_packed": lambda: _ddp_check(rank, ref, "ddp_of_packed"),
-        "ddp_of_packed_find_unused": lambda: _ddp_check(rank, ref, "ddp_of_packed", find_unused_parameters=True),
-        "ddp_of_packed_static_graph": lambda: _ddp_check(rank, ref, "ddp_of_packed", static_graph=True),
-        "pack_of_ddp": lambda: _ddp_check(rank, ref, "pack_of_ddp"),
-        "gradcache_loop": lambda: _gradcache_check(rank),
-        "st_cached_mnrl": lambda: _st_check(rank, model_dir),
-        "fsdp2": lambda: _fsdp_check(rank, ref),
+        "ddp_of_packed": lambda: _ddp_check(rank, world, ref, "ddp_of_packed"),
+        "ddp_of_packed_find_unused": lambda: _ddp_check(rank, world, ref, "ddp_of_packed",
+                                                        find_unused_parameters=True),
+        "ddp_of_packed_static_graph": lambda: _ddp_check(rank, world, ref, "ddp_of_packed", static_graph=True),
+        "pack_of_ddp": lambda: _ddp_check(rank, world, ref, "pack_of_ddp"),
+        "gradcache_loop": lambda: _gradcache_check(rank, world),
+        "st_cached_mnrl": lambda: _st_check(rank, world, model_dir),
+        "fsdp2": lambda: _fsdp_check(rank, world, ref),
     }
-    results = {}
+    # fp32 on both sides; CUDA attention kernels may round their products to TF32
+    results = {"tolerance": 1e-4 if backend == "gloo" else 5e-3}
     for name, fn in checks.items():
         try:
             results[name] = fn()
@@ -279,28 +297,28 @@ def _get(results, name):
 def test_ddp_gradients_equal_one_process(results, name):
     entry = _get(results, name)
     assert entry["packed"], "the packed forward did not run"
-    assert entry["rel"] < 1e-4, entry
+    assert entry["rel"] < results["tolerance"], entry
 
 
 def test_gradcache_loop_syncs_once_with_same_gradients(results):
     entry = _get(results, "gradcache_loop")
     assert entry["per_chunk_packed"] and entry["once_packed"]
-    assert entry["per_chunk_all_reduces"] >= 4  # one per mini-batch backward (4 chunks per rank)
+    assert entry["per_chunk_all_reduces"] >= entry["chunks"]  # one per mini-batch backward
     assert entry["once_all_reduces"] == 2  # the presence mask and one bucket
-    assert entry["rel"] < 1e-5, entry
+    assert entry["rel"] < results["tolerance"] / 10, entry  # the same kernels, summed in another order
 
 
 def test_st_cached_loss_under_ddp(results):
     entry = _get(results, "st_cached_mnrl")
     assert entry["st_own_sync_packed"] and entry["grad_cache_sync_packed"]
     assert entry["grad_cache_sync_all_reduces"] == 2
-    assert entry["st_own_sync_rel"] < 1e-4 and entry["grad_cache_sync_rel"] < 1e-4, entry
+    assert max(entry["st_own_sync_rel"], entry["grad_cache_sync_rel"]) < results["tolerance"], entry
 
 
 def test_fsdp2(results):
     entry = _get(results, "fsdp2")
-    assert entry["root_packed"] and entry["root_rel"] < 1e-4, entry
-    assert entry["layers_rel"] < 1e-4, entry
+    assert entry["root_packed"] and entry["root_rel"] < results["tolerance"], entry
+    assert entry["layers_rel"] < results["tolerance"], entry
     assert entry["layers_warning"] and "FSDP2" in entry["layers_warning"][0]
     assert any("FSDP2" in f and "layers.0" in f for f in entry["layers_describe"])
     assert entry["pack_error"] and "FSDP2" in entry["pack_error"] and "fully_shard" in entry["pack_error"]

@@ -53,57 +53,68 @@ def setup(tmp_path_factory):
     return tmp, model_dir, str(corpus)
 
 
-def _single(model_dir, corpus, out, output):
+def _single(model_dir, corpus, out, output, device="cpu"):
     import packed_encoders as pe
 
-    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    model = pe.pack(load_model(model_dir, torch.device(device), torch.float32))
     index_corpus(model, corpus, out, output=output, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS,
                  progress=False)
     return load_index(out)
 
 
-def _index_worker(rank, world, rendezvous, model_dir, corpus, jobs):
+def _index_worker(rank, world, rendezvous, model_dir, corpus, jobs, backend):
     import torch.distributed as dist
 
     import packed_encoders as pe
 
-    init(rank, world, rendezvous)
-    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    init(rank, world, rendezvous, backend)
+    model = pe.pack(load_model(model_dir, device, torch.float32))
 
     def die(index, rows, tokens):
         os._exit(1)  # a rank killed right after its first chunk
 
     for out, output, kill in jobs:
         index_corpus(model, corpus, out, output=output, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS,
-                     on_chunk=die if kill and rank == 1 else None)
+                     on_chunk=die if kill and rank == world - 1 else None)
     dist.destroy_process_group()
 
 
-def test_two_ranks_equal_one_process_after_a_kill(setup):
+def check_sharded_run(tmp, model_dir, corpus, world, backend):
+    """``world`` ranks index the corpus (pooled), the last rank is killed after its first chunk, the run is
+    resumed (and a flat-token index made): both equal one process row for row; finished chunks are not redone."""
     import torch.multiprocessing as mp
 
-    tmp, model_dir, corpus = setup
-    pooled, tokens = str(tmp / "pooled"), str(tmp / "tokens")
+    pooled, tokens = str(tmp / f"pooled_{backend}"), str(tmp / f"tokens_{backend}")
     with pytest.raises(mp.ProcessExitedException):
-        spawn(_index_worker, 2, tmp, model_dir, corpus, [(pooled, "pooled", True)])
+        spawn(_index_worker, world, tmp, model_dir, corpus, [(pooled, "pooled", True)], backend)
     done = sorted(f for f in os.listdir(os.path.join(pooled, "chunks")) if f.endswith(".done"))
     plan = json.load(open(os.path.join(pooled, "plan.json")))
     assert 0 < len(done) < len(plan["chunks"]) and not os.path.exists(os.path.join(pooled, "manifest.json"))
     kept = {f: os.stat(os.path.join(pooled, "chunks", f)).st_mtime_ns for f in done}
-    spawn(_index_worker, 2, tmp, model_dir, corpus, [(pooled, "pooled", False), (tokens, "tokens", False)])
+    spawn(_index_worker, world, tmp, model_dir, corpus, [(pooled, "pooled", False), (tokens, "tokens", False)],
+          backend)
     assert all(os.stat(os.path.join(pooled, "chunks", f)).st_mtime_ns == t for f, t in kept.items())  # not redone
     ranks = {json.load(open(os.path.join(pooled, "chunks", f)))["rank"]
              for f in os.listdir(os.path.join(pooled, "chunks")) if f.endswith(".done")}
-    assert ranks == {0, 1}
+    assert ranks == set(range(world))
 
     for out, output in ((pooled, "pooled"), (tokens, "tokens")):
         got = load_index(out)  # checks every id once, in corpus order
-        ref = _single(model_dir, corpus, str(tmp / f"single_{output}"), output)
+        ref = _single(model_dir, corpus, str(tmp / f"single_{output}_{backend}"), output,
+                      "cuda" if backend == "nccl" else "cpu")
         assert got["ids"] == ref["ids"] and len(got["ids"]) == 60
         torch.testing.assert_close(got["embeddings"], ref["embeddings"], atol=1e-5, rtol=1e-5)
         if output == "tokens":
             assert torch.equal(got["cu_seqlens"], ref["cu_seqlens"])
             assert got["embeddings"].shape[0] == json.load(open(os.path.join(out, "manifest.json")))["tokens"]
+
+
+def test_two_ranks_equal_one_process_after_a_kill(setup):
+    check_sharded_run(*setup, world=2, backend="gloo")
 
 
 def test_single_process_matches_stock_model(setup):
