@@ -135,11 +135,13 @@ def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 class Encoder:
-    """Runs a loaded model on lists of token ids; ``__call__`` returns, per item, ``[D]`` (pooled) or ``[n, D]``.
+    """Runs a loaded model on a list of token-id lists; returns ``[n, D]`` (pooled) or the flat ``[T, D]`` token
+    vectors of the items in order (tokens), on the model's device.
 
-    A bare ``ModernBertModel`` runs ``pe.packed_forward`` on the flat batch (no padding), then pools. Anything
-    else (a SentenceTransformer, a PyLate ColBERT, ...) is called with a padded ``{"input_ids", "attention_mask"}``
-    dict and its ``sentence_embedding`` (pooled) or ``token_embeddings`` (tokens, real positions) is read.
+    A bare ``ModernBertModel`` (or the encoder of a HF task head) runs ``pe.packed_forward`` on the flat batch (no
+    padding), then pools. Anything else (a SentenceTransformer, a PyLate ColBERT, ...) is called with a padded
+    ``{"input_ids", "attention_mask"}`` dict and its ``sentence_embedding`` (pooled) or ``token_embeddings`` at
+    real positions (tokens) is read.
     """
 
     def __init__(self, model, output: str = "pooled", pooling: str = "mean", pad_id: int = 0):
@@ -149,45 +151,60 @@ class Encoder:
             raise PackedEncodersError(f"output={output!r} is not one of {OUTPUTS}")
         if pooling not in POOLINGS:
             raise PackedEncodersError(f"pooling={pooling!r} is not one of {POOLINGS}")
-        self.model, self.output, self.pooling, self.pad_id = model, output, pooling, pad_id
         encoders = find_encoders(model)
-        self.bare = len(encoders) == 1 and encoders[0][0] == ""
+        self.bare = len(encoders) == 1 and (encoders[0][0] == "" or _is_hf_model(model))
+        self.model = encoders[0][1] if self.bare else model
+        self.output, self.pooling, self.pad_id = output, pooling, pad_id
         self.device = encoders[0][1].embeddings.tok_embeddings.weight.device
 
     @torch.inference_mode()
-    def __call__(self, items: list[list[int]]) -> list[torch.Tensor]:
-        lens = [len(x) for x in items]
+    def __call__(self, items: list[list[int]]) -> torch.Tensor:
+        lens = torch.tensor([len(x) for x in items])
         if self.bare:
             from .api import packed_forward
 
-            ids = torch.tensor([t for x in items for t in x], dtype=torch.long, device=self.device)
-            cu = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
-            flat = packed_forward(self.model, None, ids, cu, max(lens))
-            rows = list(flat.split(lens))
+            ids = torch.tensor([t for x in items for t in x], dtype=torch.long).to(self.device, non_blocking=True)
+            cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+            flat = packed_forward(self.model, None, ids, cu.to(self.device), int(lens.max()))
             if self.output == "tokens":
-                return rows
-            return [r[0] if self.pooling == "cls" else r.float().mean(0).to(r.dtype) for r in rows]
-        width = max(lens)
-        ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros(len(items), width, dtype=torch.long)
+                return flat
+            if self.pooling == "cls":
+                return flat[cu[:-1].to(self.device)]
+            seq = torch.repeat_interleave(torch.arange(len(items), device=self.device), lens.to(self.device))
+            sums = torch.zeros(len(items), flat.shape[-1], device=self.device).index_add_(0, seq, flat.float())
+            return (sums / lens.to(self.device, torch.float32)[:, None]).to(flat.dtype)
+        ids = torch.full((len(items), int(lens.max())), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(ids.shape, dtype=torch.long)
         for row, x in enumerate(items):
             ids[row, :len(x)] = torch.tensor(x)
             mask[row, :len(x)] = 1
         out = self.model({"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)})
         if self.output == "pooled":
-            return list(out["sentence_embedding"])
-        return [t[:n] for t, n in zip(out["token_embeddings"], lens)]
+            return out["sentence_embedding"]
+        return out["token_embeddings"][mask.to(self.device).bool()]
 
 
-def _encode_chunk(encoder: Encoder, items: list[list[int]], batch_tokens: int, out_dtype: torch.dtype):
-    results: list = [None] * len(items)
+def _is_hf_model(model) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _encode_chunk(encoder: Encoder, items: list[list[int]], batch_tokens: int, out_dtype: torch.dtype) -> dict:
+    """Encode ``items`` in length-sorted token-budget batches; rows come back in ``items`` order (one
+    device-to-host copy per batch)."""
     lengths = [len(x) for x in items]
+    rows: list = [None] * len(items)
     for batch in token_batches(lengths, batch_tokens):
-        for i, vec in zip(batch, encoder([items[i] for i in batch])):
-            results[i] = vec.to("cpu", out_dtype)
+        out = encoder([items[i] for i in batch]).to("cpu", out_dtype)
+        parts = out.split([lengths[i] for i in batch]) if encoder.output == "tokens" else out
+        for i, part in zip(batch, parts):
+            rows[i] = part
     if encoder.output == "pooled":
-        return {"embeddings": torch.stack(results)}
-    return {"embeddings": torch.cat(results), "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
+        return {"embeddings": torch.stack(rows)}
+    return {"embeddings": torch.cat(rows), "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
 
 
 def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int) -> dict:

@@ -263,7 +263,7 @@ def _train_worker(rank, world, rendezvous, out_dir, model_dir, backend="gloo"):
         "fsdp2": lambda: _fsdp_check(rank, world, ref),
     }
     # fp32 on both sides; CUDA attention kernels may round their products to TF32
-    results = {"tolerance": 1e-4 if backend == "gloo" else 5e-3}
+    results = {"tolerance": 1e-4 if backend == "gloo" else 5e-3, "world": world}
     for name, fn in checks.items():
         try:
             results[name] = fn()
@@ -303,7 +303,8 @@ def test_ddp_gradients_equal_one_process(results, name):
 def test_gradcache_loop_syncs_once_with_same_gradients(results):
     entry = _get(results, "gradcache_loop")
     assert entry["per_chunk_packed"] and entry["once_packed"]
-    assert entry["per_chunk_all_reduces"] >= entry["chunks"]  # one per mini-batch backward
+    if results["world"] > 1:  # DDP may skip communication in a world of one
+        assert entry["per_chunk_all_reduces"] >= entry["chunks"]  # one per mini-batch backward
     assert entry["once_all_reduces"] == 2  # the presence mask and one bucket
     assert entry["rel"] < results["tolerance"] / 10, entry  # the same kernels, summed in another order
 

@@ -131,6 +131,19 @@ def test_single_process_matches_stock_model(setup):
         torch.testing.assert_close(vec, ref, atol=1e-5, rtol=1e-4)
 
 
+def test_command_line_matches_the_api(setup, tmp_path):
+    from packed_encoders.index import main
+
+    tmp, model_dir, corpus = setup
+    out = str(tmp_path / "cli")
+    assert main(["--model", model_dir, "--corpus", corpus, "--out", out, "--output", "tokens",
+                 "--chunk-tokens", str(CHUNK_TOKENS), "--batch-tokens", str(BATCH_TOKENS)]) == 0
+    got = load_index(out)
+    ref = _single(model_dir, corpus, str(tmp_path / "api"), "tokens")
+    assert got["ids"] == ref["ids"] and torch.equal(got["cu_seqlens"], ref["cu_seqlens"])
+    torch.testing.assert_close(got["embeddings"], ref["embeddings"], atol=1e-5, rtol=1e-5)
+
+
 def test_resume_refuses_another_corpus(setup, tmp_path):
     import packed_encoders as pe
 
@@ -159,3 +172,26 @@ def test_sentence_transformers_multi_process_pool(setup):
     got = model.encode(TEXTS, batch_size=3, device=["cpu", "cpu"], convert_to_tensor=True)
     assert pe.is_packed(model)
     torch.testing.assert_close(got.cpu(), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_encoder_reads_sentence_transformer_outputs(setup):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    import packed_encoders as pe
+    from packed_encoders.index import Encoder
+
+    _, model_dir, corpus = setup
+    transformer = Transformer(model_dir)
+    model = pe.pack(SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
+                                        device="cpu"))
+    with open(corpus) as f:
+        items = [json.loads(line)["input_ids"] for line in f][:5]
+    pooled = Encoder(model)(items)
+    flat = Encoder(model, output="tokens")(items)
+    assert not Encoder(model).bare and flat.shape[0] == sum(map(len, items))
+    for i, item in enumerate(items):
+        out = model({"input_ids": torch.tensor([item]), "attention_mask": torch.ones(1, len(item), dtype=torch.long)})
+        torch.testing.assert_close(pooled[i], out["sentence_embedding"][0], atol=1e-5, rtol=1e-4)
+        start = sum(map(len, items[:i]))
+        torch.testing.assert_close(flat[start:start + len(item)], out["token_embeddings"][0], atol=1e-5, rtol=1e-4)
