@@ -74,21 +74,24 @@ def all_reduce_gradients(ddp, *, bucket_bytes: int = BUCKET_BYTES) -> int:
             raise PackedEncodersError("grad_cache_sync: sparse gradients are not supported (DDP reduces them on "
                                       "their own path); use a dense embedding")
         grads.append(p.grad)
-    groups: dict[tuple, list[list[torch.Tensor]]] = {}
+    open_buckets: dict[tuple, tuple[list, int]] = {}  # (device, dtype) -> (gradients, bytes)
+    buckets = []
     for g in grads:
-        buckets = groups.setdefault((g.device, g.dtype), [[]])
-        if buckets[-1] and sum(t.numel() for t in buckets[-1]) * g.element_size() + g.numel() * g.element_size() \
-                > bucket_bytes:
-            buckets.append([])
-        buckets[-1].append(g)
-    for buckets in groups.values():
-        for bucket in buckets:
-            flat = _flatten_dense_tensors(bucket)
-            dist.all_reduce(flat, group=group)
-            flat.div_(world)
-            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(synced)
-            calls += 1
+        key, size = (g.device, g.dtype), g.numel() * g.element_size()
+        bucket, nbytes = open_buckets.get(key, ([], 0))
+        if bucket and nbytes + size > bucket_bytes:
+            buckets.append(bucket)
+            bucket, nbytes = [], 0
+        bucket.append(g)
+        open_buckets[key] = (bucket, nbytes + size)
+    buckets.extend(bucket for bucket, _ in open_buckets.values())
+    for bucket in buckets:
+        flat = _flatten_dense_tensors(bucket)
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+        for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            g.copy_(synced)
+        calls += 1
     return calls
 
 

@@ -265,11 +265,17 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     """
     dist, rank, world = _dist()
     os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)
+    problem = [None]
     if rank == 0:
-        plan = _load_plan(out_dir, corpus, chunk_tokens, output) or _write_plan(out_dir, corpus, chunk_tokens,
-                                                                                  output, world)
+        try:
+            plan = _load_plan(out_dir, corpus, chunk_tokens, output) or _write_plan(out_dir, corpus, chunk_tokens,
+                                                                                      output, world)
+        except PackedEncodersError as exc:
+            problem = [str(exc)]
     if dist is not None:
-        dist.barrier()
+        dist.broadcast_object_list(problem, src=0)  # every rank raises rank 0's error instead of waiting for it
+    if problem[0] is not None:
+        raise PackedEncodersError(problem[0])
     if rank != 0:
         plan = _load_plan(out_dir, corpus, chunk_tokens, output)
     lengths = plan["lengths"]

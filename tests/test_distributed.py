@@ -135,22 +135,28 @@ def _gradcache_check(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import packed_encoders as pe
+    from packed_encoders.distributed import all_reduce_gradients
 
     ids, mask, _, _ = _batch(rank, world)
     rows = _share(8, rank, world)  # this rank's queries (and their documents)
     out = {"chunks": 2 * -(-(rows.stop - rows.start) // CHUNK)}
-    for mode in ("per_chunk", "once"):
+    for mode in ("per_chunk", "once", "small_buckets"):
         model = _model()
         ddp = DDP(pe.pack(model))
         if mode == "per_chunk":
             out["per_chunk_all_reduces"] = _count_all_reduces(lambda: _gradcache_step(ddp, ids, mask, rows))
-        else:
+        elif mode == "once":
             def once():
                 with pe.grad_cache_sync(ddp):
                     _gradcache_step(ddp, ids, mask, rows)
             out["once_all_reduces"] = _count_all_reduces(once)
+        else:
+            with ddp.no_sync():
+                _gradcache_step(ddp, ids, mask, rows)
+            out["small_bucket_calls"] = all_reduce_gradients(ddp, bucket_bytes=64 * 1024)
         out[mode] = _grads(model)
         out[f"{mode}_packed"] = _packed_ran(model)
+    out["small_buckets_rel"] = _rel_diff(out.pop("small_buckets"), out["per_chunk"])
     out["rel"] = _rel_diff(out.pop("once"), out.pop("per_chunk"))
     return out
 
@@ -307,6 +313,8 @@ def test_gradcache_loop_syncs_once_with_same_gradients(results):
         assert entry["per_chunk_all_reduces"] >= entry["chunks"]  # one per mini-batch backward
     assert entry["once_all_reduces"] == 2  # the presence mask and one bucket
     assert entry["rel"] < results["tolerance"] / 10, entry  # the same kernels, summed in another order
+    # gradients of 64 KiB and more (this model's largest are ~100 KiB) take a bucket each: many collectives
+    assert entry["small_bucket_calls"] > 10 and entry["small_buckets_rel"] < results["tolerance"] / 10, entry
 
 
 def test_st_cached_loss_under_ddp(results):
