@@ -58,7 +58,7 @@ def _count_all_reduces(fn) -> int:
 
 
 def _model():
-    from tests.conftest import make_model
+    from tests.helpers import make_model
 
     return make_model("base_like").to(DEVICE).train()
 
@@ -70,7 +70,7 @@ def _share(n: int, rank: int, world: int) -> slice:
 
 
 def _batch(rank, world):
-    from tests.conftest import padded_batch
+    from tests.helpers import padded_batch
 
     ids, mask = padded_batch(Q_LENS + D_LENS, seed=3)
     target = torch.randn(*ids.shape, 128, generator=torch.Generator().manual_seed(5))
@@ -83,7 +83,7 @@ def _mse(out, mask, target, n_tokens, scale=1.0):
 
 def _stock_grads(ids, mask, target):
     """One process, stock HF, the global batch (the oracle every data-parallel variant must reproduce)."""
-    from tests.conftest import stock
+    from tests.helpers import stock
 
     ref = _model()
     out = stock(ref, input_ids=ids, attention_mask=mask).last_hidden_state
