@@ -71,12 +71,21 @@ def _write_inputs(workdir: Path, index_tokens: int, vocab_size: int) -> dict:
 # ------------------------------------------------------------------------------------------ workers
 
 def _setup():
+    """NCCL on ``cuda:LOCAL_RANK``; gloo on CPU (the smoke run)."""
     import torch.distributed as dist
 
     local = int(os.environ["LOCAL_RANK"])
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return dist, dist.get_rank(), dist.get_world_size(), torch.device("cpu")
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     return dist, dist.get_rank(), dist.get_world_size(), torch.device("cuda", local)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _index_worker(args) -> dict | None:
@@ -84,7 +93,7 @@ def _index_worker(args) -> dict | None:
     from packed_encoders.index import Encoder, _write_plan, index_corpus, load_model, token_batches
 
     dist, rank, world, device = _setup()
-    model = pe.pack(load_model(args.model_dir, device, torch.bfloat16))
+    model = pe.pack(load_model(args.model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32))
     with open(args.corpus) as src:  # warm-up on this rank alone (kernels, autotuning): 64 documents
         warm = [json.loads(line)["input_ids"] for _, line in zip(range(64), src)]
     encoder = Encoder(model)
@@ -102,10 +111,10 @@ def _index_worker(args) -> dict | None:
         _write_plan(str(out), args.corpus, args.chunk_tokens, "pooled", world)
     plan_s = time.perf_counter() - t0
     dist.barrier()
-    torch.cuda.synchronize()
+    _sync(device)
     t0 = time.perf_counter()
     manifest = index_corpus(model, args.corpus, str(out), **settings)
-    torch.cuda.synchronize()
+    _sync(device)
     seconds = time.perf_counter() - t0
     dist.barrier()
     if rank != 0:
@@ -144,7 +153,7 @@ def _train_worker(args) -> dict | None:
                                       local_files_only=True).to(device).train()
     pe.pack(model)
     pad_id = model.config.pad_token_id or 0
-    ddp = DDP(model, device_ids=[device.index])
+    ddp = DDP(model, device_ids=None if device.index is None else [device.index])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def batch(step):
@@ -154,7 +163,7 @@ def _train_worker(args) -> dict | None:
         return _padded(q, device, pad_id), _padded(d, device, pad_id)
 
     def embed(ids, mask):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = ddp(input_ids=ids, attention_mask=mask).last_hidden_state
         m = mask.unsqueeze(-1).float()
         return (out.float() * m).sum(1) / m.sum(1)
@@ -187,12 +196,12 @@ def _train_worker(args) -> dict | None:
         for step in range(3 + args.steps):
             b = batch(step)
             dist.barrier()
-            torch.cuda.synchronize()
+            _sync(device)
             t0 = time.perf_counter()
             fn(b)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
+            _sync(device)
             if step >= 3:
                 times.append(time.perf_counter() - t0)
         gathered = [None] * world
@@ -200,7 +209,8 @@ def _train_worker(args) -> dict | None:
         rows.append({"task": "train", "variant": variant, "world": world, "step_ms": 1e3 * max(gathered),
                      "rank_step_ms": [1e3 * t for t in gathered], "steps": args.steps,
                      "per_gpu_batch": f"{QUERIES} queries + {DOCUMENTS} documents", "chunk_rows": CHUNK_ROWS,
-                     "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30})
+                     "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda"
+                     else None})
     return rows if rank == 0 else None
 
 
@@ -225,8 +235,11 @@ def _run(world: int, worker: str, args, inputs: dict, row_file: Path) -> tuple[i
            "--corpus", inputs["corpus"], "--train", inputs["train"], "--row-file", str(row_file),
            "--batch-tokens", str(args.batch_tokens), "--chunk-tokens", str(args.chunk_tokens),
            "--steps", str(args.steps)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(world)),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(world))
+    else:
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout, env=env)
     return p.returncode, (p.stdout + p.stderr)[-3000:]
 
@@ -235,9 +248,9 @@ def parent_main(args) -> int:
     from benchmarks.common import environment, write_rows
     from benchmarks.models import save_random_model
 
-    available = torch.cuda.device_count()
+    available = torch.cuda.device_count() if args.device == "cuda" else max(args.gpus)
     if not available:
-        print("benchmarks.scaling needs CUDA GPUs", file=sys.stderr)
+        print("benchmarks.scaling needs CUDA GPUs (--device cpu runs the smoke version with gloo)", file=sys.stderr)
         return 2
     tmp = tempfile.TemporaryDirectory(prefix="pe-scaling-")
     args.workdir = tmp.name
@@ -251,7 +264,7 @@ def parent_main(args) -> int:
 
     vocab = AutoConfig.from_pretrained(args.model_dir, local_files_only=True).vocab_size
     inputs = _write_inputs(workdir, args.index_tokens, vocab)
-    env = environment("cuda")
+    env = environment(args.device)
     run_id = f"scaling-{time.strftime('%Y%m%d-%H%M%S')}"
     rows = []
     for world in args.gpus:
@@ -318,6 +331,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk-tokens", type=int, default=1 << 20)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: gloo ranks on the CPU, to smoke-test the script (--config tiny)")
     ap.add_argument("--render", nargs="+", default=None, metavar="JSONL", help="print the markdown table and exit")
     # worker side (set by the parent)
     ap.add_argument("--worker", choices=("index", "train"), default=None, help=argparse.SUPPRESS)

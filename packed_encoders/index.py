@@ -245,7 +245,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     """Encode a JSONL corpus into ``out_dir`` (see the module docstring for formats), on this rank's share.
 
     Call it on every rank of an initialised ``torch.distributed`` group (or in a single process without one);
-    ranks share nothing but the file system and one barrier at the start and one at the end.
+    ranks share the file system, rank 0's plan (one broadcast at the start) and a barrier at the end.
 
     Args:
         model: a packed (or packable) model on this rank's device: a ``ModernBertModel``, SentenceTransformer,
