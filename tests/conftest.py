@@ -13,28 +13,37 @@ from tests.helpers import (CONFIGS, PARITY_CONFIGS, SPECIAL, VOCAB, assert_close
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Triton gives its standard library (tl.sum, tl.sigmoid, ...) its compiled or interpreted form once, when it is
+# first imported, from TRITON_INTERPRET. Import it now with TRITON_INTERPRET unset, whoever runs the suite, so the
+# ahead-of-time compile tests always see the compiled form: the interpreter tests turn TRITON_INTERPRET on for
+# their own module or test only (the fixtures below), and an interpreted launch swaps the interpreted forms in and
+# out itself (packed_encoders/ops/triton/_runtime.py). Were Triton first imported while a test had it on, the
+# interpreted forms would stay for the whole process, and the compile tests would fail whenever Triton's disk
+# cache is cold (a warm cache skips the frontend that calls them).
+os.environ.pop("TRITON_INTERPRET", None)
+try:
+    import triton.language  # noqa: F401
+except ImportError:  # no Triton: its tests skip
+    pass
+
 
 @pytest.fixture(params=PARITY_CONFIGS)
 def config_name(request):
     return request.param
 
 
-@pytest.fixture
-def interpreter_fixes():
-    """For modules that launch a ``@triton.jit`` kernel directly (``pytestmark =
-    pytest.mark.usefixtures("interpreter_fixes")``): on CPU each test runs with ``TRITON_INTERPRET=1`` inside
-    ``ops.triton._runtime._interpreter_fixes()``, so Triton's standard library is in its interpreted form whatever
-    mode Triton was imported in, fp32 -> bf16 casts round as on the GPU, and every interpreter patch is undone
-    afterwards (the module passes in any order with the other interpreter modules). On CUDA it does nothing."""
+@pytest.fixture(scope="module")
+def interpret_on_cpu():
+    """``TRITON_INTERPRET=1`` for one test module on a machine without CUDA (``pytestmark =
+    pytest.mark.usefixtures("interpret_on_cpu")``), for modules whose tensors live on the GPU when there is one:
+    there the module runs compiled kernels and the variable stays unset (a kernel module first imported while it
+    is set would take its interpreted form for the whole process)."""
     if torch.cuda.is_available():
         yield
         return
-    from packed_encoders.ops.triton._runtime import _interpreter_fixes
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")  # read per call by the wrapper; another module may have reset it
-        with _interpreter_fixes():
-            yield
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 @pytest.fixture(scope="module")

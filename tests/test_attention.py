@@ -13,11 +13,6 @@ import warnings
 import pytest
 import torch
 
-from tests import _triton_interp_compat
-
-if not torch.cuda.is_available():
-    _triton_interp_compat.enable()  # before the kernel module is imported (triton.jit reads it then)
-
 from packed_encoders import calibrate  # noqa: E402
 from packed_encoders.attention import BACKENDS, Workload, attention_ref, resolve  # noqa: E402
 from packed_encoders.attention import dispatch, triton_short  # noqa: E402
@@ -29,7 +24,7 @@ from packed_encoders.errors import PackedEncodersError  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-pytestmark = pytest.mark.usefixtures("interpreter_fixes")  # CPU: the Triton kernel runs interpreted, cleanly
+pytestmark = pytest.mark.usefixtures("interpret_on_cpu")  # CPU: the Triton kernel runs interpreted
 
 
 def packed(lengths, heads=2, head_dim=64, dtype=torch.bfloat16, seed=0):
@@ -522,8 +517,8 @@ print(len(seen))
 def test_kernel_compiles_for_sm90_without_a_gpu():
     # The interpreter accepts programs the compiler rejects (it once ran a kernel reading a non-constexpr
     # global): compile the table's launch shapes for Hopper ahead of time, no driver needed. In a fresh
-    # process without TRITON_INTERPRET: the interpreter's patches of triton.language break ahead-of-time
-    # compilation in the process that ran it.
+    # process without TRITON_INTERPRET: the kernel module's @triton.jit functions take their form (compiled or
+    # interpreted) when it is first imported, and this process imported it for the interpreted tests.
     pytest.importorskip("triton")
     import os
 

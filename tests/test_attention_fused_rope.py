@@ -19,11 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import _triton_interp_compat
-
 pytest.importorskip("triton")
-if not torch.cuda.is_available():
-    _triton_interp_compat.enable()  # before the kernel module is imported (triton.jit reads it then)
 
 from packed_encoders.attention import backends, triton_short  # noqa: E402
 from packed_encoders.attention.backends import BACKENDS  # noqa: E402
@@ -39,7 +35,7 @@ LENGTHS = [0, 5, 6, 0, 0, 11, 1, 20, 3, 0]
 SMALL = TileConfig(16, 16)
 
 
-pytestmark = pytest.mark.usefixtures("interpreter_fixes")  # CPU: see tests/conftest.py
+pytestmark = pytest.mark.usefixtures("interpret_on_cpu")  # CPU: the Triton kernel runs interpreted
 
 
 def make(lengths, heads=2, head_dim=64, dtype=BF16, kind="per_token", seed=0):

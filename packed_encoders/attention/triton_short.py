@@ -126,6 +126,16 @@ def _fast_kernel(rope: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
+def _interpreted_kernel(rope: bool = False):
+    """The kernel for CPU tensors (``TRITON_INTERPRET=1``), each launch run inside the runtime's interpreter fixes:
+    Triton's standard library in its interpreted form, GPU rounding of fp32 -> bf16 casts, and every patch of
+    ``triton.language`` undone afterwards (left in place they break later compilation in the process)."""
+    from ..ops.triton._runtime import _Interpreted
+
+    return _Interpreted(_kernel(rope))
+
+
+@functools.lru_cache(maxsize=None)
 def triton_status() -> str | None:
     """``None`` when the kernel can run on this machine's GPU, else why not."""
     if not torch.cuda.is_available():
@@ -256,7 +266,7 @@ def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: flo
     grid = (grid_rows, triton_cdiv(heads, cfg.heads_per_program))
     rope = cos is not None
     tables, table_stride = ((cos, sin, rows), (cos.stride(0),)) if rope else ((), ())
-    (_fast_kernel(rope) if q.is_cuda else _kernel(rope))[grid](
+    (_fast_kernel(rope) if q.is_cuda else _interpreted_kernel(rope))[grid](
         q, k, v, out, cu_seqlens, cu_seqlens if key_lens is None else key_lens, *tables, scale * _LOG2E,
         total, n, max(0, math.ceil(math.log2(n))), int(window) if local else 0, tiles_per_seq, heads,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
