@@ -20,6 +20,7 @@ from packed_encoders.adapters.state import get_state
 from packed_encoders.graphs import buckets as B
 from packed_encoders.graphs.buckets import precapture_buckets
 from packed_encoders.graphs.config import GraphConfig
+from tests.helpers import make_model, packed_inputs, padded_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -33,41 +34,13 @@ TINY = {
                      local_attention=32, global_attn_every_n_layers=2, attention_bias=True, mlp_bias=True,
                      norm_bias=True, hidden_activation="gelu_pytorch_tanh", vocab_size=331),
 }
-SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
 
 
-def make_model(name="tiny64", dtype=torch.bfloat16, seed=0):
-    from transformers import ModernBertConfig, ModernBertModel
-
-    kw = dict(TINY[name], max_position_embeddings=8192, **SPECIAL) if name != "base" else {}
-    torch.manual_seed(seed)
-    config = ModernBertConfig(**kw)
-    config._attn_implementation = "sdpa"
-    model = ModernBertModel(config).eval()
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.add_(0.2 * torch.randn(m.weight.shape))
-    return model.to(DEV, dtype)
-
-
-def padded(lengths, vocab, seed=0, pad_to=None):
-    g = torch.Generator().manual_seed(seed)
-    s = max(pad_to or 0, max(lengths))
-    ids = torch.randint(3, vocab, (len(lengths), s), generator=g)
-    mask = torch.zeros(len(lengths), s, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if row % 2:
-            mask[row, s - n:] = 1
-        else:
-            mask[row, :n] = 1
-    return ids.to(DEV), mask.to(DEV)
-
-
-def packed_inputs(ids, mask):
-    """``(packed_ids [T], cu_seqlens int32 [B + 1], max_seqlen)`` of a padded batch, for ``pe.packed_forward``."""
-    lengths = mask.sum(1)
-    return ids[mask.bool()], torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32), int(lengths.max())
+def graph_model(name="tiny64", dtype=torch.bfloat16, seed=0):
+    """A random model of ``TINY[name]`` (or ModernBERT-base geometry for "base") on the GPU."""
+    if name == "base":
+        return make_model("base", seed=seed, dtype=dtype, device=DEV)
+    return make_model("base_like", seed=seed, dtype=dtype, device=DEV, max_position_embeddings=8192, **TINY[name])
 
 
 def queries(batch, seed=0, cap=128):
@@ -100,7 +73,7 @@ def _env(monkeypatch):
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "varlen"])
 def test_replay_matches_eager(name, backend):
-    model = make_model(name)
+    model = graph_model(name)
     ref_model = copy.deepcopy(model).float()
     pe.pack(ref_model, validate=False, attention_backend="sdpa")
     pe.pack(model, validate=False, attention_backend=backend, cuda_graph=True)
@@ -109,7 +82,7 @@ def test_replay_matches_eager(name, backend):
                [128] * 16, [2] * 3]
     with torch.no_grad():
         for seed, lengths in enumerate(batches):
-            ids, mask = padded(lengths, vocab, seed)
+            ids, mask = padded_batch(lengths, "mixed", vocab_size=vocab, seed=seed, device=DEV)
             graph = fwd(model, ids, mask)
             with pe.no_cuda_graph(model):
                 eager = fwd(model, ids, mask)
@@ -124,13 +97,14 @@ def test_replay_matches_eager(name, backend):
 
 
 def test_base_size_queries_reuse_buckets():
-    model = make_model("base")
+    model = graph_model("base")
     ref_model = copy.deepcopy(model).float()
     pe.pack(ref_model, validate=False, attention_backend="sdpa")
     pe.pack(model, validate=False, cuda_graph=True)
     with torch.no_grad():
         for batch, seed in [(8, s) for s in range(12)] + [(128, 100), (128, 101)]:
-            ids, mask = padded(queries(batch, seed), model.config.vocab_size, seed)
+            ids, mask = padded_batch(queries(batch, seed), "mixed", vocab_size=model.config.vocab_size, seed=seed,
+                                    device=DEV)
             graph = fwd(model, ids, mask)
             if seed % 4 == 0 or batch == 128:
                 with pe.no_cuda_graph(model):
@@ -143,9 +117,9 @@ def test_base_size_queries_reuse_buckets():
 
 @pytest.mark.parametrize("backend", ["sdpa", "varlen", "auto"])
 def test_padding_never_reaches_real_tokens(backend):
-    model = pe.pack(make_model("tiny64"), validate=False, attention_backend=backend, cuda_graph=True)
+    model = pe.pack(graph_model("tiny64"), validate=False, attention_backend=backend, cuda_graph=True)
     vocab = model.config.vocab_size
-    ids, mask = padded([100, 7, 128, 1, 45], vocab, 0)
+    ids, mask = padded_batch([100, 7, 128, 1, 45], "mixed", vocab_size=vocab, seed=0, device=DEV)
     with torch.no_grad():
         first = fwd(model, ids, mask)
         (runner,) = get_state(model).runtime["graphs"].runners()
@@ -158,16 +132,16 @@ def test_padding_never_reaches_real_tokens(backend):
                                            generator=g)
             assert torch.equal(fwd(model, ids, mask), first), "padding content changed real outputs"
         # a different batch in the same bucket leaves other stale content behind
-        other_ids, _ = padded([100, 7, 128, 1, 45], vocab, 9)
+        other_ids, _ = padded_batch([100, 7, 128, 1, 45], "mixed", vocab_size=vocab, seed=9, device=DEV)
         fwd(model, other_ids, mask)
         assert torch.equal(fwd(model, ids, mask), first)
     assert info(model)["graphs"] == 1
 
 
 def test_every_fallback_runs_eagerly():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=GraphConfig(max_seqs=8, max_seqlen=128))
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=GraphConfig(max_seqs=8, max_seqlen=128))
     vocab = model.config.vocab_size
-    ids, mask = padded([5, 40, 77], vocab)
+    ids, mask = padded_batch([5, 40, 77], "mixed", vocab_size=vocab, device=DEV)
 
     def fallbacks():
         return info(model).get("fallbacks", {})
@@ -181,11 +155,11 @@ def test_every_fallback_runs_eagerly():
     with torch.no_grad():
         fwd(model, ids, mask, output_hidden_states=True)
         model(inputs_embeds=model.embeddings.tok_embeddings(ids), attention_mask=mask)
-        fwd(model, *padded([3] * 9, vocab))                                         # > max_seqs
-        fwd(model, *padded([129, 3], vocab))                                        # > max_seqlen
+        fwd(model, *padded_batch([3] * 9, "mixed", vocab_size=vocab, device=DEV))   # > max_seqs
+        fwd(model, *padded_batch([129, 3], "mixed", vocab_size=vocab, device=DEV))  # > max_seqlen
         with pytest.raises(RuntimeError):
             fwd(model, ids.cpu(), mask.cpu())                                       # eager raises as unpacked
-    fp32 = pe.pack(make_model("tiny64", dtype=torch.float32), validate=False, cuda_graph=True)
+    fp32 = pe.pack(graph_model("tiny64", dtype=torch.float32), validate=False, cuda_graph=True)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         out = fwd(fp32, ids, mask)
     assert info(fp32)["fallbacks"] == {} and info(fp32)["graphs"] == 1  # autocast: a graph captured under it
@@ -196,8 +170,8 @@ def test_every_fallback_runs_eagerly():
 
 
 def test_documents_past_the_bounds_run_eagerly_and_match():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
-    ids, mask = padded([2049, 700, 1300], model.config.vocab_size)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded_batch([2049, 700, 1300], "mixed", vocab_size=model.config.vocab_size, device=DEV)
     with torch.no_grad():
         out = fwd(model, ids, mask)
         with pe.no_cuda_graph(model):
@@ -210,7 +184,7 @@ def test_documents_replay_matches_eager(lengths):
     """The default config serves documents (seqlen buckets 512 and 2048; local layers on the Triton kernel at any
     max_seqlen, global ones on FlashAttention past 512)."""
     model = pe.pack(make_model("base"), validate=False, cuda_graph=True)
-    ids, mask = padded(lengths, model.config.vocab_size)
+    ids, mask = padded_batch(lengths, "mixed", vocab_size=model.config.vocab_size, device=DEV)
     with torch.no_grad():
         out = fwd(model, ids, mask)
         with pe.no_cuda_graph(model):
@@ -224,12 +198,12 @@ def test_documents_replay_matches_eager(lengths):
 
 
 def test_lru_bound_and_recapture():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=GraphConfig(max_graphs=2))
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=GraphConfig(max_graphs=2))
     vocab = model.config.vocab_size
     shapes = [[10], [30] * 4, [100] * 8, [10]]
     with torch.no_grad():
         for lengths in shapes:
-            ids, mask = padded(lengths, vocab)
+            ids, mask = padded_batch(lengths, "mixed", vocab_size=vocab, device=DEV)
             out = fwd(model, ids, mask)
             with pe.no_cuda_graph(model):
                 eager = fwd(model, ids, mask)
@@ -240,8 +214,8 @@ def test_lru_bound_and_recapture():
 
 
 def test_recapture_after_dtype_and_device_change():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
-    ids, mask = padded([20, 64, 3], model.config.vocab_size)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded_batch([20, 64, 3], "mixed", vocab_size=model.config.vocab_size, device=DEV)
     with torch.no_grad():
         fwd(model, ids, mask)
         model.float()
@@ -265,8 +239,8 @@ def test_recapture_after_dtype_and_device_change():
 
 def test_kill_switch_read_at_pack(monkeypatch):
     monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "0")
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
-    ids, mask = padded([20, 64, 3], model.config.vocab_size)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded_batch([20, 64, 3], "mixed", vocab_size=model.config.vocab_size, device=DEV)
     with torch.no_grad():
         fwd(model, ids, mask)
         monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "1")
@@ -280,8 +254,8 @@ def test_kill_switch_read_at_pack(monkeypatch):
 
 
 def test_one_host_sync_per_padded_call_none_in_replay():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
-    ids, mask = padded(queries(8, 5), model.config.vocab_size)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded_batch(queries(8, 5), "mixed", vocab_size=model.config.vocab_size, device=DEV)
     flat_ids, cu, max_len = packed_inputs(ids, mask)
     with torch.no_grad():
         fwd(model, ids, mask)
@@ -302,8 +276,8 @@ def test_one_host_sync_per_padded_call_none_in_replay():
 
 def test_packed_forward_with_graphs_sees_hooks_and_a_new_window():
     """A captured graph reads no module: packed_forward checks the live model before replaying one."""
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
-    ids, mask = padded(queries(8, 5), model.config.vocab_size)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded_batch(queries(8, 5), "mixed", vocab_size=model.config.vocab_size, device=DEV)
     flat_ids, cu, max_len = packed_inputs(ids, mask)
     with torch.no_grad():
         first = pe.packed_forward(model, None, flat_ids, cu, max_len)  # captured
@@ -322,8 +296,8 @@ def test_packed_forward_with_graphs_sees_hooks_and_a_new_window():
 
 
 def test_inference_mode_and_streams():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
-    ids, mask = padded([33, 12, 90], model.config.vocab_size)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=True)
+    ids, mask = padded_batch([33, 12, 90], "mixed", vocab_size=model.config.vocab_size, device=DEV)
     with torch.inference_mode():
         a = fwd(model, ids, mask)                      # captured under inference mode
     with torch.no_grad():
@@ -347,9 +321,11 @@ def test_inbox_is_filled_before_the_sync_and_refilled_when_taken(monkeypatch):
     from packed_encoders.graphs import route
     from packed_encoders.ops.triton import stage
 
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=True)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=True)
     vocab = model.config.vocab_size
-    (ids_a, mask_a), (ids_b, mask_b) = padded([33, 12, 90], vocab, 1), padded([60, 30, 45], vocab, 2)  # one bucket
+    # one bucket
+    (ids_a, mask_a), (ids_b, mask_b) = (padded_batch([33, 12, 90], "mixed", vocab_size=vocab, seed=1, device=DEV),
+                                        padded_batch([60, 30, 45], "mixed", vocab_size=vocab, seed=2, device=DEV))
     with torch.no_grad():
         with pe.no_cuda_graph(model):
             want_a, want_b = fwd(model, ids_a, mask_a), fwd(model, ids_b, mask_b)
@@ -382,13 +358,13 @@ def test_inbox_is_filled_before_the_sync_and_refilled_when_taken(monkeypatch):
 
 def test_precapture_at_pack_and_set_cuda_graph():
     cfg = GraphConfig().with_precapture(8, 8, 512)
-    model = pe.pack(make_model("tiny64"), validate=True, cuda_graph=cfg)
+    model = pe.pack(graph_model("tiny64"), validate=True, cuda_graph=cfg)
     n = info(model)["graphs"]
     # the pack-time graph check's batch reaches max_seqlen (2048): one more bucket than the precaptured queries
     assert n == len(precapture_buckets(cfg)) + 1
     assert any(c.startswith("cuda_graph: replay vs eager") for c in get_state(model).report.checks)
     hits = info(model)["hits"]  # the pack-time check replays its (precaptured) bucket once
-    ids, mask = padded([30] * 8, model.config.vocab_size)
+    ids, mask = padded_batch([30] * 8, "mixed", vocab_size=model.config.vocab_size, device=DEV)
     with torch.no_grad():
         fwd(model, ids, mask)
     assert info(model)["misses"] == n and info(model)["hits"] == hits + 1
@@ -411,7 +387,7 @@ def sync_free_info(model):
 @pytest.mark.parametrize("name", list(TINY))
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "varlen"])
 def test_sync_free_replay_matches_eager(name, backend):
-    model = make_model(name)
+    model = graph_model(name)
     ref_model = copy.deepcopy(model).float()
     pe.pack(ref_model, validate=False, attention_backend="sdpa")
     pe.pack(model, validate=False, attention_backend=backend, cuda_graph=SYNC_FREE)
@@ -420,7 +396,7 @@ def test_sync_free_replay_matches_eager(name, backend):
                [128] * 16, [2] * 3, [0, 9, 0, 30], [300, 12, 511]]
     with torch.no_grad():
         for seed, lengths in enumerate(batches):
-            ids, mask = padded(lengths, vocab, seed)
+            ids, mask = padded_batch(lengths, "mixed", vocab_size=vocab, seed=seed, device=DEV)
             graph = fwd(model, ids, mask)
             with pe.no_cuda_graph(model):
                 eager = fwd(model, ids, mask)
@@ -437,14 +413,15 @@ def test_sync_free_replay_matches_eager(name, backend):
 
 
 def test_sync_free_base_queries_match_eager():
-    model = make_model("base")
+    model = graph_model("base")
     ref_model = copy.deepcopy(model).float()
     pe.pack(ref_model, validate=False, attention_backend="sdpa")
     pe.pack(model, validate=True, cuda_graph=SYNC_FREE)   # the pack-time check covers the rectangular path
     assert any(c.startswith("cuda_graph (sync_free)") for c in get_state(model).report.checks)
     with torch.no_grad():
         for batch, seed in [(8, s) for s in range(6)] + [(128, 100)]:
-            ids, mask = padded(queries(batch, seed), model.config.vocab_size, seed)
+            ids, mask = padded_batch(queries(batch, seed), "mixed", vocab_size=model.config.vocab_size, seed=seed,
+                                    device=DEV)
             graph = fwd(model, ids, mask)
             with pe.no_cuda_graph(model):
                 eager = fwd(model, ids, mask)
@@ -453,9 +430,9 @@ def test_sync_free_base_queries_match_eager():
 
 
 def test_sync_free_no_host_sync_per_call():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
     vocab = model.config.vocab_size
-    calls = [padded(queries(8, s), vocab, s) for s in range(4)]
+    calls = [padded_batch(queries(8, s), "mixed", vocab_size=vocab, seed=s, device=DEV) for s in range(4)]
     with torch.no_grad():
         for ids, mask in calls:   # capture each bucket, create the pinned slots and events outside the count
             fwd(model, ids, mask)
@@ -477,9 +454,10 @@ def test_sync_free_no_host_sync_per_call():
 
 @pytest.mark.parametrize("problem", ["oov", "huge", "negative", "mask2", "hole", "token_types"])
 def test_sync_free_deferred_error_on_the_next_call(problem):
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
     vocab = model.config.vocab_size
-    ids, mask = padded([20, 64, 3], vocab)            # row 0 right padded, row 1 left padded (full)
+    # row 0 right padded, row 1 left padded (full)
+    ids, mask = padded_batch([20, 64, 3], "mixed", vocab_size=vocab, device=DEV)
     bad_ids, bad_mask, tt = ids.clone(), mask.clone(), None
     if problem == "oov":
         bad_ids[0, 5] = vocab
@@ -516,8 +494,8 @@ def test_sync_free_deferred_error_on_the_next_call(problem):
 
 
 def test_sync_free_streams_inference_mode_and_invalidation():
-    model = pe.pack(make_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
-    ids, mask = padded([33, 12, 90], model.config.vocab_size)
+    model = pe.pack(graph_model("tiny64"), validate=False, cuda_graph=SYNC_FREE)
+    ids, mask = padded_batch([33, 12, 90], "mixed", vocab_size=model.config.vocab_size, device=DEV)
     with torch.inference_mode():
         a = fwd(model, ids, mask)
     with torch.no_grad():

@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 from packed_encoders.ops import (TORCH_OPS, geglu_ref, geglu_torch, layer_norm_ref, layer_norm_torch,  # noqa: E402
                                  residual_layer_norm_ref, residual_layer_norm_torch, rope_qkv_ref, rope_qkv_torch,
                                  rope_tables)
+from tests.helpers import cosine_stats, make_model, padded_batch  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -254,34 +255,6 @@ def test_cuda_graph_capture(fused):
 # ------------------------------------------------------------------------------------------------ model level
 
 
-def _base_model(dtype, seed=0):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.ModernBertConfig()
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = transformers.ModernBertModel(cfg).to(DEV, dtype).eval()
-    with torch.no_grad():  # HF inits LayerNorm to 1/0, which would hide weight bugs
-        for m in model.modules():
-            if isinstance(m, torch.nn.LayerNorm):
-                m.weight.add_(0.2 * torch.randn_like(m.weight))
-    return model
-
-
-def _padded(lengths, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, vocab, (len(lengths), max(lengths)), generator=g)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, :n] = 1
-    return ids.to(DEV), mask.to(DEV)
-
-
-def _token_cosines(a, b, mask):
-    real = mask.bool()
-    cos = torch.nn.functional.cosine_similarity(a[real].float(), b[real].float(), dim=-1)
-    return cos.min().item(), cos.mean().item()
-
-
 @pytest.mark.parametrize("kernels", ["triton", "cute"])
 def test_packed_model_vs_stock_hf(fused, kernels):
     """ModernBERT-base geometry, random init, bf16: packed forward with the fused op set against stock HF
@@ -294,8 +267,8 @@ def test_packed_model_vs_stock_hf(fused, kernels):
         why = unavailable(DEV)
         if why:
             pytest.skip(why)
-    model = _base_model(BF16)
-    ids, mask = _padded([8192, 2049, 1000, 200, 37], model.config.vocab_size)
+    model = make_model("base", dtype=BF16, device=DEV)
+    ids, mask = padded_batch([8192, 2049, 1000, 200, 37], vocab_size=model.config.vocab_size, device=DEV)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask).last_hidden_state
         scores = {}
@@ -303,7 +276,7 @@ def test_packed_model_vs_stock_hf(fused, kernels):
             pe.pack(model, kernels=choice, validate=False)
             assert pe.describe(model)["encoders"][0]["kernels"] == choice
             out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-            scores[choice] = _token_cosines(out, ref, mask)
+            scores[choice] = cosine_stats(out, ref, mask)
             pe.unpack(model)
     (t_min, t_mean), (f_min, f_mean) = scores["torch"], scores[kernels]
     assert f_min >= min(0.99, t_min - 0.005) and f_mean >= t_mean - 1e-3, scores
@@ -316,7 +289,7 @@ def test_packed_model_gradients_vs_torch_ops(fused):
     from packed_encoders.model.forward import encoder_forward
     from packed_encoders.model.params import ModernBertParams
 
-    model = _base_model(FP32)
+    model = make_model("base", dtype=FP32, device=DEV)
     params = ModernBertParams.from_hf_config(model.config)
     lengths = [1500, 512, 300, 77, 3]
     g = torch.Generator().manual_seed(1)

@@ -16,46 +16,20 @@ if not torch.cuda.is_available():
 
 import packed_encoders as pe  # noqa: E402
 from packed_encoders.attention import BACKENDS  # noqa: E402
+from tests.helpers import make_model, padded_batch, stock_positions, token_cosines  # noqa: E402
 
 DEV = torch.device("cuda")
-GEOMETRY = {
-    "base": dict(),  # ModernBertConfig() defaults: 22 layers, 768 hidden, 12 x 64 heads, intermediate 1152
-    "large": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, intermediate_size=2624),
-}
+GEOMETRY = ("base", "large")  # tests.helpers.CONFIGS
 LENGTHS = (1, 65, 130, 513, 2049, 8192)
 
 
-def random_model(**config):
-    """A random-init bf16 ``ModernBertModel`` on the GPU (sdpa) from ``ModernBertConfig(**config)``."""
-    from transformers import ModernBertConfig, ModernBertModel
-
-    torch.manual_seed(0)
-    config = ModernBertConfig(**config)
-    config._attn_implementation = "sdpa"
-    m = ModernBertModel(config).to(DEV, torch.bfloat16).eval()
-    with torch.no_grad():  # LayerNorm weights of exactly 1 would hide weight bugs
-        for mod in m.modules():
-            if isinstance(mod, torch.nn.LayerNorm):
-                mod.weight.add_(0.1 * torch.randn_like(mod.weight))
-    return m
-
-
-@pytest.fixture(scope="module", params=list(GEOMETRY))
+@pytest.fixture(scope="module", params=GEOMETRY)
 def model(request):
-    return random_model(**GEOMETRY[request.param])
+    return make_model(request.param, dtype=torch.bfloat16, device=DEV)
 
 
 def _batch(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    s = max(lengths)
-    ids = torch.randint(5, 50000, (len(lengths), s), generator=g)
-    mask = torch.zeros(len(lengths), s, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if row % 2:
-            mask[row, s - n:] = 1
-        else:
-            mask[row, :n] = 1
-    return ids.to(DEV), mask.to(DEV)
+    return padded_batch(lengths, "mixed", seed=seed, vocab_size=50000, device=DEV)
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +37,8 @@ def stock_out(model):
     ids, mask = _batch(LENGTHS)
     pe.unpack(model)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+        out = model(input_ids=ids, attention_mask=mask, position_ids=stock_positions(mask))
     return ids, mask, out.last_hidden_state.float()
-
-
-def _cos(a, b, mask):
-    real = mask.bool()
-    return torch.nn.functional.cosine_similarity(a[real].float(), b[real].float(), dim=-1)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "varlen", "fa4", "auto"])
@@ -83,7 +52,7 @@ def test_bf16_parity_long(model, stock_out, backend, kernels):
     try:
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask).last_hidden_state
-        cos = _cos(out, ref, mask)
+        cos = token_cosines(out, ref, mask)
         info = pe.describe(model)["encoders"][0]
         print(backend, kernels, info["kernels"], info["last_attention"], float(cos.min()), float(cos.mean()))
         assert cos.min() >= 0.995 and cos.mean() >= 0.999, (float(cos.min()), float(cos.mean()), info)
@@ -97,11 +66,11 @@ def test_triton_attention_short_batch(model):
         pytest.skip(BACKENDS["triton"].availability())
     ids, mask = _batch([5, 64, 65, 128, 30, 1, 77, 100])
     with torch.no_grad():
-        ref = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=stock_positions(mask))
         pe.pack(model, attention_backend="triton")
         out = model(input_ids=ids, attention_mask=mask).last_hidden_state
     pe.unpack(model)
-    cos = _cos(out, ref.last_hidden_state, mask)
+    cos = token_cosines(out, ref.last_hidden_state, mask)
     assert cos.min() >= 0.995 and cos.mean() >= 0.999
 
 
@@ -142,7 +111,7 @@ def test_gradients_bf16_autocast_vs_stock(model):
     master.train()
     try:
         ref = grads(lambda: master(input_ids=ids, attention_mask=mask,
-                                   position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state)
+                                   position_ids=stock_positions(mask)).last_hidden_state)
         pe.pack(master)
         got = grads(lambda: master(input_ids=ids, attention_mask=mask).last_hidden_state)
         info = pe.describe(master)["encoders"][0]

@@ -26,7 +26,9 @@ if WHY:
 
 from packed_encoders.ops.cute import gemm as qg  # noqa: E402
 
-from .test_model_parity import _batch, random_model  # noqa: E402  (rows padded right and left alternately)
+from tests.helpers import make_model  # noqa: E402
+
+from .test_model_parity import _batch  # noqa: E402  (rows padded right and left alternately)
 
 
 def _rel(out, ref):
@@ -102,7 +104,7 @@ def test_rope_linear_leaves_the_glu_gemm_alone():
 
 @pytest.fixture(scope="module")
 def base():
-    return random_model(num_hidden_layers=6)
+    return make_model("base", dtype=torch.bfloat16, device=DEV, num_hidden_layers=6)
 
 
 def _counting(monkeypatch):
