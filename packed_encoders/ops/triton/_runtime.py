@@ -7,7 +7,9 @@ import order. The kernels here are plain Python functions wrapped on first use i
 only while ``TRITON_INTERPRET=1`` is set (read per call). An interpreted launch runs inside
 :func:`_interpreter_fixes`, which makes Triton's interpreter usable whatever mode Triton was imported
 in and leaves no trace afterwards, so one process can run compiled GPU kernels and interpreted CPU
-tests side by side. Kernels call no jitted helpers of their own.
+tests side by side. Kernels call no jitted helpers of their own. The converse does not hold: Triton
+gives its standard library its form once, when ``triton`` is first imported, and a process that imported
+it with ``TRITON_INTERPRET=1`` cannot compile (the test suite's conftest imports it with the variable unset).
 """
 
 from __future__ import annotations
