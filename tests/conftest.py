@@ -32,6 +32,22 @@ def config_name(request):
     return request.param
 
 
+def _skip_unsupported_interpreter():
+    from packed_encoders.ops.triton._runtime import unsupported_interpreter
+
+    why = unsupported_interpreter()
+    if why:
+        pytest.skip(f"{why}; CI installs the lock's Triton and runs these")
+
+
+@pytest.fixture
+def supported_interpreter():
+    """On a machine without CUDA, skips the test, with the reason, under a Triton whose interpreter is not supported
+    (for tests that interpret a kernel inside modules that also hold tests that do not)."""
+    if not torch.cuda.is_available():
+        _skip_unsupported_interpreter()
+
+
 @pytest.fixture(scope="module")
 def interpret_on_cpu():
     """``TRITON_INTERPRET=1`` for one test module on a machine without CUDA (``pytestmark =
@@ -50,7 +66,9 @@ def interpret_on_cpu():
 def triton_interpret():
     """``TRITON_INTERPRET=1`` for one test module (``pytestmark = pytest.mark.usefixtures("triton_interpret")``):
     its Triton kernels run interpreted on CPU; compiled kernels elsewhere in the process are unaffected, since
-    interpretation is chosen per launch."""
+    interpretation is chosen per launch. Skipped, with the reason, under a Triton whose interpreter is not
+    supported."""
+    _skip_unsupported_interpreter()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         yield

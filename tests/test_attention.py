@@ -25,6 +25,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 pytestmark = pytest.mark.usefixtures("interpret_on_cpu")  # CPU: the Triton kernel runs interpreted
+needs_interpreter = pytest.mark.usefixtures("supported_interpreter")  # the tests that launch the kernel
 
 
 def packed(lengths, heads=2, head_dim=64, dtype=torch.bfloat16, seed=0):
@@ -79,6 +80,7 @@ def run(q, k, v, cu, smax, window, config=None):
     return triton_short_attention(q, k, v, cu, smax, window=window, scale=q.shape[-1] ** -0.5, config=config)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 8])
 def test_triton_ragged_window_edges_and_empties(dtype, window):
@@ -89,6 +91,7 @@ def test_triton_ragged_window_edges_and_empties(dtype, window):
     check(run(q, k, v, cu, smax, window, SMALL), q, k, v, cu, window)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("grid", ["stream", "seq"])
 def test_triton_one_long_among_many_short(grid):
     lengths = [3, 1, 40, 5, 2]
@@ -98,6 +101,7 @@ def test_triton_one_long_among_many_short(grid):
         check(run(q, k, v, cu, smax, window, cfg), q, k, v, cu, window)
 
 
+@needs_interpreter
 @pytest.mark.parametrize("window", [None, 3])
 def test_triton_key_lens(window):
     lengths, key_lens = [6, 20, 0, 5, 9], [4, 17, 0, 1, 2]
@@ -107,6 +111,7 @@ def test_triton_key_lens(window):
     check(out, q, k, v, cu, window, key_lens=kl)
 
 
+@needs_interpreter
 def test_triton_single_sequence_all_ones_and_default_tiles():
     for lengths in ([37], [1] * 21):
         q, k, v, cu, smax = packed(lengths)
@@ -115,12 +120,14 @@ def test_triton_single_sequence_all_ones_and_default_tiles():
     check(run(q, k, v, cu, smax, 6), q, k, v, cu, 6)
 
 
+@needs_interpreter
 def test_triton_head_dim_128_and_loose_max_seqlen():
     q, k, v, cu, _ = packed([5, 20, 11], heads=1, head_dim=128, dtype=torch.float16)
     out = run(q, k, v, cu, 64, 4)  # max_seqlen is an upper bound: 64 > 20 changes the launch, not the result
     check(out, q, k, v, cu, 4)
 
 
+@needs_interpreter
 def test_triton_cross_sequence_isolation():
     lengths = [7, 12, 9]  # tiles of 16 straddle A|B and B|C
     q, k, v, cu, smax = packed(lengths)
@@ -139,12 +146,14 @@ def test_triton_cross_sequence_isolation():
     assert not torch.equal(before[b], after[b])
 
 
+@needs_interpreter
 def test_triton_deterministic():
     q, k, v, cu, smax = packed([13, 30, 2])
     a = run(q, k, v, cu, smax, 5, SMALL)
     assert torch.equal(a, run(q, k, v, cu, smax, 5, SMALL))
 
 
+@needs_interpreter
 def test_triton_empty_batch_and_errors():
     q, k, v, cu, smax = packed([3, 4])
     empty = q[:0]
@@ -473,6 +482,7 @@ def test_from_sweep_cli_writes_a_loadable_policy(tmp_path, capsys):
     assert "speed-up" in md[0] and len(md) > 2 and all(line.endswith("x |") for line in md[2:])
 
 
+@needs_interpreter
 def test_sweep_point_and_parity_check_run_on_cpu(monkeypatch):
     # The sweep's per-point code (inputs, closures, grad, row shape) on the one backend CPU has; the clock
     # is replaced by one call of the closure.
@@ -530,6 +540,7 @@ def test_kernel_compiles_for_sm90_without_a_gpu():
     assert int(proc.stdout.split()[-1]) >= 2
 
 
+@needs_interpreter
 def test_triton_refuses_grad_and_custom_op_runs():
     q, k, v, cu, smax = packed([9, 4])
     with pytest.raises(ValueError, match="no backward"):

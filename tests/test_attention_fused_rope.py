@@ -35,7 +35,7 @@ LENGTHS = [0, 5, 6, 0, 0, 11, 1, 20, 3, 0]
 SMALL = TileConfig(16, 16)
 
 
-pytestmark = pytest.mark.usefixtures("interpret_on_cpu")  # CPU: the Triton kernel runs interpreted
+pytestmark = pytest.mark.usefixtures("interpret_on_cpu", "supported_interpreter")  # CPU: interpreted
 
 
 def make(lengths, heads=2, head_dim=64, dtype=BF16, kind="per_token", seed=0):

@@ -29,9 +29,28 @@ from ...switches import switched_off
 from . import interpret_enabled
 
 
+# The Triton releases whose interpreter internals :func:`_interpreter_fixes` is checked with (the H200 image's, the
+# lock's). Triton 3.9's interpreter, for one, fails inside the interpreted standard library (``tl.sigmoid``'s
+# ``math.exp``: "cannot convert ... to tensor").
+INTERPRETER_TRITON = ("3.6.",)
+
+
 def interpreter_unavailable() -> str | None:
     """Why CPU tensors cannot be interpreted now (``None`` when they can)."""
-    return None if interpret_enabled() else "TRITON_INTERPRET is not set"
+    if not interpret_enabled():
+        return "TRITON_INTERPRET is not set"
+    return unsupported_interpreter()
+
+
+def unsupported_interpreter() -> str | None:
+    """Why this Triton's interpreter is not supported (``None`` when it is one of :data:`INTERPRETER_TRITON`)."""
+    import triton
+
+    if triton.__version__.startswith(INTERPRETER_TRITON):
+        return None
+    checked = ", ".join(v.rstrip(".") for v in INTERPRETER_TRITON)
+    return (f"interpreting needs Triton {checked} (this is {triton.__version__}): the interpreter fixes patch "
+            "internals that change between releases")
 
 
 class Kernel:
