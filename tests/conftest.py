@@ -33,6 +33,7 @@ def config_name(request):
 
 
 def _skip_unsupported_interpreter():
+    pytest.importorskip("triton")
     from packed_encoders.ops.triton._runtime import unsupported_interpreter
 
     why = unsupported_interpreter()
