@@ -183,7 +183,7 @@ def test_documents_past_the_bounds_run_eagerly_and_match():
 def test_documents_replay_matches_eager(lengths):
     """The default config serves documents (seqlen buckets 512 and 2048; local layers on the Triton kernel at any
     max_seqlen, global ones on FlashAttention past 512)."""
-    model = pe.pack(make_model("base"), validate=False, cuda_graph=True)
+    model = pe.pack(graph_model("base"), validate=False, cuda_graph=True)
     ids, mask = padded_batch(lengths, "mixed", vocab_size=model.config.vocab_size, device=DEV)
     with torch.no_grad():
         out = fwd(model, ids, mask)
