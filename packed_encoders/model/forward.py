@@ -16,18 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from ..attention.backends import BACKENDS, Workload
+from ..attention.backends import Workload
 from ..attention.dispatch import Decision, Policy, resolve
 from ..batch import PackedBatch
 from ..ops import TORCH_OPS, OpSet, rope_tables
 from ..ops.rope import cached_pair_freq_table
 from .params import ModernBertParams
-
-
-def _linear(x: torch.Tensor, m: nn.Linear, ops: OpSet = TORCH_OPS, grad: bool = True) -> torch.Tensor:
-    if ops.linear is not None and not grad:
-        return ops.linear(x, m.weight, m.bias)
-    return F.linear(x, m.weight, m.bias)
+from .plan import Rules, plan_for
 
 
 def _dropout(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -135,7 +130,8 @@ def plan_attention(params: ModernBertParams, batch: PackedBatch, requested: str,
 def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBatch, *,
                     attention: Mapping[int | None, Decision] | None = None, attention_backend: str = "auto",
                     ops: OpSet = TORCH_OPS, gradient_checkpointing: bool = False,
-                    hidden_states: list | None = None, hidden_pre_norm_last: bool = False) -> torch.Tensor:
+                    hidden_states: list | None = None, hidden_pre_norm_last: bool = False,
+                    rules: Rules | None = None) -> torch.Tensor:
     """Run the packed encoder on ``batch`` and return ``[T, hidden_size]`` (after ``final_norm``).
 
     Args:
@@ -146,18 +142,24 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         hidden_states: when a list, receives HF v5's ``output_hidden_states`` entries as ``[T, H]`` tensors:
             the embedding output, the output of every layer but the last, then the final normed output
             (transformers v4 lists the last layer's output before ``final_norm``: ``hidden_pre_norm_last``).
+        rules: the switches the op choices read (:class:`..model.plan.Rules`; default: the environment's).
     """
     training = model.training
     grad = torch.is_grad_enabled()
     dtype = activation_dtype(model)
-    # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules only).
-    any_attn_p = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
     if attention is None:
+        # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules)
+        any_attn_p = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
         attention = plan_attention(params, batch, attention_backend, grad=grad, dtype=dtype, dropout=any_attn_p)
-    scale = params.scaling
-    nh, hd = params.num_attention_heads, params.head_dim
     total = batch.total_tokens
     device = batch.device
+    plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
+                    grad=grad, rules=rules)
+    run = plan.ops
+    scale = params.scaling
+    nh, hd = params.num_attention_heads, params.head_dim
+    extra_kw = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
+    glu_path, linear = plan.glu, plan.linear
 
     # RoPE inputs are built on first use: a forward whose q, k projections all rotate in their epilogue
     # (ops.rope_linear) needs no cos / sin, and each small op here is a kernel in every graph replay
@@ -172,8 +174,6 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
 
     def rope_linear(normed: torch.Tensor, wqkv: nn.Linear, is_global: bool):
         nonlocal positions
-        if ops.rope_linear is None or grad:
-            return None
         if is_global not in pair_freq:
             pair_freq[is_global] = rope_pair_inputs(model, params, device, is_global)
         freq = pair_freq[is_global]
@@ -192,66 +192,74 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     if grad and not x.requires_grad and any(getattr(h, "__name__", "") == "make_inputs_require_grads"
                                             for h in emb.tok_embeddings._forward_hooks.values()):
         x = x.requires_grad_()  # transformers' enable_input_require_grads(), which the embedding's hook does
-    x = ops.layer_norm(x, *_norm_args(emb.norm))
+    x = run.layer_norm(x, *_norm_args(emb.norm))
     x = _dropout(x, emb.drop)
     if hidden_states is not None:
         hidden_states.append(x)
 
+    if plan.blocks:
+        from .blocks import run_layer_blocks
+
+        def run_layer(index: int, carry: list):
+            return run_layer_blocks(model.layers[index], plan.layers[index], params, batch, ops, carry,
+                                    rope_tables_for)
+
     # Memory: the layer owns its inputs (``carry`` is emptied) and drops each activation once consumed, so the
     # peak of a no-grad forward is one layer's MLP working set, not every activation of the layer (H200, 128
     # documents of ~940 tokens, ModernBERT-base: 2.7 GiB peak allocated with them all held).
-    def run_layer(index: int, carry: list):
-        x, pending = carry
-        carry.clear()
-        layer = model.layers[index]
-        wqkv = layer.attn.Wqkv
-        is_global = params.layer_is_global[index]
-        if isinstance(layer.attn_norm, nn.Identity):
-            if pending is not None:
-                x = x + pending
-            normed = x
-        elif pending is not None:
-            x, normed = ops.residual_layer_norm(x, pending, *_norm_args(layer.attn_norm))
-        else:
-            normed = ops.layer_norm(x, *_norm_args(layer.attn_norm))
-        pending = None
-        rotated = rope_linear(normed, wqkv, is_global)
-        qkv = _linear(normed, wqkv, ops, grad) if rotated is None else None
-        normed = None
-        window = params.layer_window(index)
-        if window is not None and window >= batch.max_seqlen - 1:
-            window = None
-        backend = BACKENDS[attention[window].backend]
-        extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
-        if rotated is not None:
-            # q, k rotated in the projection's epilogue, both in pair order: q . k, hence attention, is unchanged
-            q, k, v = rotated
-            rotated = None
-        # the size rule was measured on local layers (key tiles rotated again by ~3 query tiles); global
-        # layers keep the fused rotation at any size
-        elif backend.fuse_rope(grad, total if window is not None else None):
-            # the attention kernel rotates q and k as it loads them: no separate RoPE launch (inference only)
-            q, k, v = qkv.view(total, 3, nh, hd).unbind(1)
-            extra["rope"] = rope_tables_for(is_global)
-        else:
-            q, k, v = ops.rope_qkv(qkv, *rope_tables_for(is_global), nh, hd)
-        attn_p = params.attention_dropout if layer.attn.training else 0.0
-        a = backend.fn(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=scale, dropout_p=attn_p,
-                       **extra)
-        qkv = q = k = v = extra = None
-        o = _dropout(_linear(a.reshape(total, nh * hd), layer.attn.Wo, ops, grad), layer.attn.out_drop)
-        a = None
-        x, normed = ops.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
-        o = None
-        wi = layer.mlp.Wi
-        if ops.glu_linear is not None and not grad:
-            h = ops.glu_linear(normed, wi.weight, wi.bias, params.activation)  # GLU fused into the Wi GEMM
-        else:
-            h = ops.glu(_linear(normed, wi), params.activation)
-        normed = None
-        g = _dropout(h, layer.mlp.drop)
-        h = None
-        return x, _linear(g, layer.mlp.Wo, ops, grad)
+    else:
+        def run_layer(index: int, carry: list):
+            x, pending = carry
+            carry.clear()
+            layer = model.layers[index]
+            step = plan.layers[index]
+            attn = layer.attn
+            wqkv = attn.Wqkv
+            is_global = params.layer_is_global[index]
+            attn_norm = layer.attn_norm
+            if isinstance(attn_norm, nn.Identity):
+                if pending is not None:
+                    x = x + pending
+                normed = x
+            elif pending is not None:
+                x, normed = run.residual_layer_norm(x, pending, *_norm_args(attn_norm))
+            else:
+                normed = run.layer_norm(x, *_norm_args(attn_norm))
+            pending = None
+            rotated = rope_linear(normed, wqkv, is_global) if step.rope == "linear" else None
+            qkv = linear(normed, wqkv.weight, wqkv.bias) if rotated is None else None
+            normed = None
+            extra = dict(extra_kw)
+            if rotated is not None:
+                # q, k rotated in the projection's epilogue, both in pair order: q . k, hence attention, unchanged
+                q, k, v = rotated
+                rotated = None
+            elif step.rope == "attention":
+                # the attention kernel rotates q and k as it loads them: no separate RoPE launch (inference only)
+                q, k, v = qkv.view(total, 3, nh, hd).unbind(1)
+                extra["rope"] = rope_tables_for(is_global)
+            else:
+                q, k, v = run.rope_qkv(qkv, *rope_tables_for(is_global), nh, hd)
+            attn_p = params.attention_dropout if attn.training else 0.0
+            a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=scale,
+                               dropout_p=attn_p, **extra)
+            qkv = q = k = v = extra = None
+            wo = attn.Wo
+            o = _dropout(linear(a.view(total, nh * hd), wo.weight, wo.bias), attn.out_drop)
+            a = None
+            x, normed = run.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
+            o = None
+            mlp = layer.mlp
+            wi = mlp.Wi
+            if glu_path == "split":
+                h = run.glu(F.linear(normed, wi.weight, wi.bias), params.activation)
+            else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
+                h = run.glu_linear(normed, wi.weight, wi.bias, params.activation)
+            normed = None
+            g = _dropout(h, mlp.drop)
+            h = None
+            wo = mlp.Wo
+            return x, linear(g, wo.weight, wo.bias)
 
     use_ckpt = gradient_checkpointing and training and grad
     pending = None
@@ -267,9 +275,9 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             x, pending = x + pending, None
             hidden_states.append(x)
     if pending is None:
-        out = ops.layer_norm(x, *_norm_args(model.final_norm))
+        out = run.layer_norm(x, *_norm_args(model.final_norm))
     else:
-        x, out = ops.residual_layer_norm(x, pending, *_norm_args(model.final_norm))
+        x, out = run.residual_layer_norm(x, pending, *_norm_args(model.final_norm))
     if hidden_states is not None:
         hidden_states.append(x if hidden_pre_norm_last else out)
     return out

@@ -57,10 +57,15 @@ class FusedOpSet(OpSet):
       call ran fused. ``describe()`` can report it per encoder as
       ``entry["kernel_fallbacks"] = state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {}``.
       Counts are per eager call; under ``torch.compile`` a fallback is recorded when it is traced.
+    - ``direct``: the same ops without per-call routing checks, forward only (no gradient): a forward that
+      asked ``covers(device, dtype, hidden, num_heads, head_dim, activation)`` once and got ``None`` launches
+      them directly (:mod:`packed_encoders.model.plan`). ``None``: every call goes through the checked ops.
     """
 
     smoke: Callable = field(default=None, compare=False)
     fallbacks: Callable = field(default=None, compare=False)
+    direct: OpSet | None = field(default=None, compare=False)
+    covers: Callable | None = field(default=None, compare=False)
 
 
 class RouteLog:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..switches import switched_off
-from . import FusedOpSet, RouteLog
+from . import FusedOpSet, OpSet, RouteLog
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
 from .rope import rope_qkv_torch
@@ -430,8 +430,62 @@ def smoke(device) -> None:
         raise RuntimeError(f"Triton smoke test on {device}: max error {err:.3g} against the fp32 reference")
 
 
+# ---------------------------------------------------------------------------------------------------------
+# unchecked launches: the forward checked the whole call once (``covers``), so no per-op routing
+
+
+def covers(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int, head_dim: int,
+           activation: str) -> str | None:
+    """Why the kernels cannot run a whole no-grad forward of these facts (``None`` when every op can): the
+    per-op checks of :func:`layer_norm` ... :func:`glu` asked once for the whole call. Activations are produced
+    by the forward itself (contiguous ``[T, ...]`` on one device), so these facts decide every per-op check."""
+    if device.type == "cpu":
+        why = interpreter_unavailable()
+        if why:
+            return f"CPU tensors (Triton kernels run on CUDA; not interpreting: {why})"
+    elif device.type != "cuda":
+        return f"{device.type} tensors"
+    if dtype not in _FLOATS:
+        return f"dtype {dtype} (kernels take float32, bfloat16, float16)"
+    if dtype == torch.float32 and device.type == "cuda" and not torch.is_autocast_enabled("cuda"):
+        return "fp32 activations outside autocast (plain torch keeps fp32 parity)"
+    if not 0 < hidden <= _ln.MAX_HIDDEN:
+        return f"hidden size {hidden} (kernel covers 1..{_ln.MAX_HIDDEN})"
+    if head_dim % 2 or not 2 <= head_dim <= 512:
+        return f"head_dim {head_dim} (kernel covers even sizes 2..512)"
+    if activation not in _glu.ACTIVATIONS:
+        return f"activation {activation!r}"
+    return None
+
+
+def _layer_norm_direct(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    return _ln.forward(x, None, weight, bias, eps, _norm_out_dtype(x.dtype, x.device), stats=False)[1]
+
+
+def _residual_layer_norm_direct(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None,
+                                eps: float) -> tuple[Tensor, Tensor]:
+    res_dtype = x.dtype if x.dtype is delta.dtype else torch.promote_types(x.dtype, delta.dtype)
+    s, y, _, _ = _ln.forward(x, delta, weight, bias, eps, _norm_out_dtype(res_dtype, x.device), res_dtype,
+                             stats=False)
+    return s, y
+
+
+def _rope_qkv_direct(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_heads: int, head_dim: int):
+    q, k = _rope.forward(qkv, cos, sin, position_ids, num_heads, head_dim)
+    return q, k, _v_view(qkv, num_heads, head_dim)
+
+
+def _glu_linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "gelu") -> Tensor:
+    if x.shape[0] <= GLU_LINEAR_MAX_TOKENS and weight.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
+        return _small_gemm.glu_linear(x, weight, bias, activation)
+    return _glu.forward(torch.nn.functional.linear(x, weight, bias), activation)
+
+
+DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _rope_qkv_direct, _glu.forward,
+                   _glu_linear_direct)
+
 TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,
-                        fallbacks=fallbacks)
+                        fallbacks=fallbacks, direct=DIRECT_OPS, covers=covers)
 
 __all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "reset_fallbacks", "residual_layer_norm",
            "rope_qkv", "smoke"]

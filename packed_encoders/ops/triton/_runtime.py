@@ -297,8 +297,9 @@ def persistent_programs(t: torch.Tensor, work_items: int, per_sm: int = 4) -> in
 
 
 def device_guard(t: torch.Tensor):
-    """Triton launches on the current device's current stream: make ``t``'s device current."""
-    if t.device.type == "cuda":
+    """Triton launches on the current device's current stream: make ``t``'s device current (nothing to do, and
+    no context switch paid, when it already is)."""
+    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return _NULL
 

@@ -7,6 +7,8 @@ tanh GELU, SiLU, ReLU. ``I`` is a compile-time constant; the token count is a ru
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton.language as tl
 
@@ -21,6 +23,7 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _TANH_C = tl.constexpr(0.044715)
 
 
+@functools.lru_cache(maxsize=None)
 def config(inner: int) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_I, num_warps)``: tiles of about 4096 outputs; ``BLOCK_I`` is the widest power of two
     whose column blocks waste at most 1/16 of their lanes on ``I`` (ModernBERT-base's 1152 -> 128)."""

@@ -13,6 +13,8 @@ specialise on, so one compiled kernel serves every batch.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton.language as tl
 
@@ -37,6 +39,7 @@ SMALL_BATCH_ROWS = 256
 SMALL_BATCH_TILE = (2, 4)
 
 
+@functools.lru_cache(maxsize=None)
 def config(hidden: int, elem_bytes: int = 2, backward: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_N, ROWS, num_warps)`` for a hidden size: tiles of about 8 KB per tensor in the forward and
     4 KB in the backward (which holds more live values per element), so registers stay at or below 128 per
@@ -52,7 +55,7 @@ def config(hidden: int, elem_bytes: int = 2, backward: bool = False) -> tuple[in
 @kernel(do_not_specialize=("n_rows",))
 def _fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
                 N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+                HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -78,8 +81,9 @@ def _fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
         b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
         y = y + b[None, :]
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + rows, mean, mask=rmask)
-    tl.store(RSTD + rows, rstd, mask=rmask)
+    if STATS:  # kept for a backward
+        tl.store(MEAN + rows, mean, mask=rmask)
+        tl.store(RSTD + rows, rstd, mask=rmask)
 
 
 @kernel(do_not_specialize=("n_rows", "n_tiles", "n_programs"))
@@ -127,13 +131,15 @@ def _bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, n_tiles, n_
 
 
 def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
-            eps: float, out_dtype: torch.dtype, res_dtype: torch.dtype | None = None):
+            eps: float, out_dtype: torch.dtype, res_dtype: torch.dtype | None = None, stats: bool = True):
     """LayerNorm (``delta is None``) or residual + LayerNorm of ``x`` ``[T, H]``.
 
     Args:
         x, delta: ``[T, H]`` fp32/bf16/fp16 (may differ); weight, bias: ``[H]`` or ``None``.
         out_dtype: dtype of the normalised output.
         res_dtype: dtype of the residual sum ``s`` (required with ``delta``).
+
+        stats: compute ``mean`` and ``rstd`` (for a backward); ``False`` returns ``None`` for both.
 
     Returns:
         ``(s, y, mean, rstd)``: ``s`` ``[T, H]`` (``None`` without ``delta``), ``y`` ``[T, H]``,
@@ -142,8 +148,10 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
     t, n = x.shape
     x = x.contiguous()
     y = torch.empty((t, n), dtype=out_dtype, device=x.device)
-    mean = torch.empty(t, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(t, dtype=torch.float32, device=x.device)
+    mean = rstd = None
+    if stats:
+        mean = torch.empty(t, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(t, dtype=torch.float32, device=x.device)
     s = None
     if delta is not None:
         delta = delta.contiguous()
@@ -157,9 +165,9 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
     with device_guard(x):
         _fwd_kernel.on(x)[grid](
             x, delta if delta is not None else x, weight if weight is not None else x,
-            bias if bias is not None else x, s if s is not None else y, y, mean, rstd, t, float(eps),
-            N=n, BLOCK_N=block_n, ROWS=rows, HAS_RES=delta is not None, HAS_W=weight is not None,
-            HAS_B=bias is not None, num_warps=warps)
+            bias if bias is not None else x, s if s is not None else y, y, mean if stats else y,
+            rstd if stats else y, t, float(eps), N=n, BLOCK_N=block_n, ROWS=rows, HAS_RES=delta is not None,
+            HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats, num_warps=warps)
     return s, y, mean, rstd
 
 

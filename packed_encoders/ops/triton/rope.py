@@ -13,12 +13,15 @@ the token count is a runtime argument that Triton does not specialise on.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton.language as tl
 
 from ._runtime import cdiv, device_guard, kernel, next_pow2
 
 
+@functools.lru_cache(maxsize=None)
 def config(num_heads: int, head_dim: int) -> tuple[int, int, int]:
     """``(BLOCK, ROWS, num_warps)``: about 2048 rotated pairs per program."""
     block = next_pow2(num_heads * (head_dim // 2))

@@ -1,0 +1,195 @@
+"""The packed forward's op choices as data: decided once per class of calls, then run without re-deciding.
+
+An eager ModernBERT-base forward launches ~110 kernels. When every launch re-checks its inputs (device, dtype,
+shape, autocast, size rules) and goes through the ``torch.library`` dispatcher, the host spends several times the
+GPU's time on a batch of short documents. A :class:`Plan` makes those choices once for a *call class* (op set,
+:class:`Rules`, activation dtype, device, grad mode, token-count class, attention decisions) and is cached; the
+forward then calls the chosen implementations directly:
+
+- ``ops``: the op set's unchecked launches (``FusedOpSet.direct``) when its ``covers`` check passes for the
+  whole call and no gradient is wanted, else the checked ops (which route per call and record fallbacks).
+- per layer (:class:`LayerPlan`): the attention window and backend, and where RoPE happens (``"linear"``: in the
+  ``Wqkv`` GEMM's epilogue, through the op set's ``rope_linear`` route; ``"attention"``: inside the attention
+  kernel; ``"separate"``: its own op).
+- the ``Wi`` + GLU path (``"small_gemm"``: one Triton launch for short calls; ``"route"``: the op set's
+  ``glu_linear`` route, e.g. quack's epilogue; ``"split"``: ``F.linear`` then the GLU op) and the projections
+  (``F.linear``, or the op set's ``linear`` route where it may take the call).
+- ``blocks``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op.
+
+Route choices count host time: quack's CuteDSL GEMMs cost ~10-20 us more host time per launch than cuBLAS, so an
+eager call consults quack's routes only from :data:`QUACK_EAGER_MIN_TOKENS` tokens (where the forward is
+GPU-bound), or while a CUDA graph is captured or validation forces them. Weights are never part of a plan: the
+forward reads them from the live modules on every call.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.backends import BACKENDS, FUSED_ROPE, FUSED_ROPE_MAX_TOKENS
+from ..ops import OpSet
+from ..switches import switched_off
+from .params import ModernBertParams
+
+LEAN_ENV = "PACKED_ENCODERS_LEAN"  # =0: the per-op checked path everywhere (A/B runs)
+GLU_GEMM_ENV = "PACKED_ENCODERS_FUSED_GLU_GEMM"
+# Below this many tokens an eager call never consults quack's routes (each would cost host time the GPU does not
+# win back: the call is host-bound). The smallest eager size rule of ops.quack_gemm.
+QUACK_EAGER_MIN_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The switches and thresholds a plan reads (the router's frozen tuning passes its own).
+
+    Attributes:
+        lean: unchecked launches and per-block autograd where they apply; ``False``: the per-op checked path.
+        fused_rope: hand RoPE to attention backends that fuse it (inference).
+        fused_rope_max_tokens: local layers of calls with at least this many tokens rotate in a separate pass.
+        glu_gemm_max_tokens: the Triton ``Wi`` + GLU GEMM serves calls of at most this many tokens (0: never).
+        quack_eager_min_tokens: eager calls below this many tokens never consult quack's routes.
+    """
+
+    lean: bool = True
+    fused_rope: bool = True
+    fused_rope_max_tokens: int = FUSED_ROPE_MAX_TOKENS
+    glu_gemm_max_tokens: int = 256
+    quack_eager_min_tokens: int = QUACK_EAGER_MIN_TOKENS
+
+    @classmethod
+    def from_env(cls) -> "Rules":
+        """Today's defaults from the environment: ``PACKED_ENCODERS_LEAN``, ``PACKED_ENCODERS_FUSED_ROPE``
+        (read at import of :mod:`..attention.backends`), ``PACKED_ENCODERS_FUSED_GLU_GEMM``."""
+        return cls(lean=not switched_off(LEAN_ENV), fused_rope=FUSED_ROPE,
+                   glu_gemm_max_tokens=0 if switched_off(GLU_GEMM_ENV) else 256)
+
+
+_DEFAULT_RULES: list = []
+
+
+def default_rules() -> Rules:
+    """:meth:`Rules.from_env`, read once per process (the router passes a frozen object of its own instead)."""
+    if not _DEFAULT_RULES:
+        _DEFAULT_RULES.append(Rules.from_env())
+    return _DEFAULT_RULES[0]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    window: int | None  # half window; None: global (or a band covering every sequence)
+    backend: str
+    attention: Callable
+    rope: str  # "linear" | "attention" | "separate"
+
+
+@dataclass(frozen=True)
+class Plan:
+    ops: OpSet
+    direct: bool
+    blocks: bool
+    glu: str  # "small_gemm" | "route" | "split"
+    linear: Callable
+    layers: tuple[LayerPlan, ...]
+    why_checked: str | None  # why the checked ops run (None when direct, or with gradients)
+
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+_CACHE_SIZE = 256
+
+
+def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -> bool:
+    """Whether quack's routes may take a call of ``tokens`` now (its wrappers then decide per op)."""
+    if ops.gemm != "quack" or ops.linear is None:
+        return False
+    if tokens >= rules.quack_eager_min_tokens:
+        return True
+    from ..ops import quack_gemm
+
+    return quack_gemm._forced() or (device.type == "cuda" and (quack_gemm._GRAPH_RULES.depth > 0
+                                                               or torch.cuda.is_current_stream_capturing()))
+
+
+def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens: int, max_seqlen: int,
+             dtype: torch.dtype, device: torch.device, grad: bool, rules: Rules | None = None) -> Plan:
+    """The :class:`Plan` of one call (cached per call class; see the module docstring).
+
+    ``attention``: ``{window: Decision}`` from :func:`..model.forward.plan_attention` (global: ``None``).
+    """
+    rules = rules or default_rules()
+    compiling = torch.compiler.is_compiling()
+    quack = not grad and not compiling and (_quack_active(ops, device, tokens, rules) if rules.lean
+                                            else ops.gemm == "quack" and ops.linear is not None)
+    glu_small = 0 < tokens <= rules.glu_gemm_max_tokens
+    rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
+    decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
+    autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
+    key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, rope_local_fused, decisions,
+           params.window >= max_seqlen - 1, autocast)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is ops:
+        return hit[1]
+    plan = _build(params, ops, attention, max_seqlen=max_seqlen, dtype=dtype, device=device, grad=grad,
+                  rules=rules, quack=quack, glu_small=glu_small, rope_local_fused=rope_local_fused,
+                  compiling=compiling)
+    with _LOCK:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = (ops, plan)
+    return plan
+
+
+def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int | None:
+    window = params.layer_window(index)
+    if window is not None and window >= max_seqlen - 1:
+        return None  # the band covers every sequence: a global layer in effect, and cheaper
+    return window
+
+
+def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, quack, glu_small,
+           rope_local_fused, compiling) -> Plan:
+    direct, why = False, None
+    if rules.lean and not grad and not compiling and getattr(ops, "direct", None) is not None:
+        why = ops.covers(device, dtype, params.hidden_size, params.num_attention_heads, params.head_dim,
+                         params.activation)
+        direct = why is None
+    run_ops = ops.direct if direct else ops
+    blocks = False
+    # An op set's own routes (linear, rope_linear, glu_linear) serve forwards without gradient; quack's are
+    # consulted only where its host cost per launch is paid back (``quack``: see _quack_active)
+    routed = not grad and (quack or ops.gemm != "quack")
+    layers = []
+    for index in range(params.num_hidden_layers):
+        window = _layer_window(params, index, max_seqlen)
+        name = attention[window].backend
+        backend = BACKENDS[name]
+        if routed and ops.rope_linear is not None:
+            rope = "linear"  # the route may still decline a call (it returns None): then rotated apart
+        elif (backend.fuses_rope and not grad and rules.fused_rope
+              and (window is None or rope_local_fused)):
+            # the size rule was measured on local layers (key tiles rotated again by ~3 query tiles); global
+            # layers keep the fused rotation at any size
+            rope = "attention"
+        else:
+            rope = "separate"
+        layers.append(LayerPlan(window, name, backend.fn, rope))
+    if grad:
+        glu = "split"
+    elif routed and ops.gemm == "quack" and ops.glu_linear is not None:
+        glu = "route"
+    elif direct and glu_small and run_ops.glu_linear is not None:
+        glu = "small_gemm"
+    elif not direct and ops.glu_linear is not None and (glu_small or not rules.lean):
+        glu = "route"  # the checked op applies its own size and cover rules
+    else:
+        glu = "split"
+    linear = ops.linear if (routed and ops.linear is not None) else F.linear
+    return Plan(run_ops, direct, blocks, glu, linear, tuple(layers), why)
+
+
+__all__ = ["LEAN_ENV", "LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "plan_for"]

@@ -1,0 +1,117 @@
+"""The forward plan (model/plan.py): which implementation each step takes, decided once per call class, and the
+unchecked (direct) Triton launches against the checked per-op path (interpreted on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.usefixtures("triton_interpret")
+
+from packed_encoders.attention.dispatch import Decision  # noqa: E402
+from packed_encoders.batch import unpad  # noqa: E402
+from packed_encoders.model import plan as plan_mod  # noqa: E402
+from packed_encoders.model.forward import encoder_forward  # noqa: E402
+from packed_encoders.model.params import ModernBertParams  # noqa: E402
+from packed_encoders.ops import TORCH_OPS  # noqa: E402
+from tests.conftest import make_model, padded_batch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fused():
+    from packed_encoders.ops import fused
+
+    return fused
+
+
+def _batch(model, lengths):
+    ids, mask = padded_batch(lengths, side="mixed")
+    return unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                 vocab_size=model.config.vocab_size)
+
+
+def _sdpa(params):
+    return {None: Decision("sdpa"), params.window: Decision("sdpa")}
+
+
+def test_direct_launches_match_checked_ops(fused):
+    """No gradient: the plan launches the Triton kernels unchecked, with the same outputs as the checked per-op
+    path (lean off) and nothing recorded as a fallback."""
+    model = make_model("odd")  # biases everywhere, tanh GELU
+    params = ModernBertParams.from_hf_config(model.config)
+    batch = _batch(model, [9, 30, 4])
+    fused.reset_fallbacks()
+    with torch.no_grad():
+        lean = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa",
+                               rules=plan_mod.Rules(lean=True))
+        checked = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa",
+                                  rules=plan_mod.Rules(lean=False))
+        plain = encoder_forward(model, params, batch, ops=TORCH_OPS, attention_backend="sdpa")
+    assert fused.fallbacks() == {}
+    torch.testing.assert_close(lean, checked, atol=0, rtol=0)
+    torch.testing.assert_close(lean, plain, atol=2e-5, rtol=2e-5)
+    p = plan_mod.plan_for(params, fused.TRITON_OPS, _sdpa(params), tokens=batch.total_tokens,
+                          max_seqlen=batch.max_seqlen, dtype=torch.float32, device=batch.device, grad=False)
+    assert p.direct and p.ops is fused.DIRECT_OPS and p.glu == "small_gemm"
+    assert plan_mod.plan_for(params, fused.TRITON_OPS, _sdpa(params), tokens=batch.total_tokens,
+                             max_seqlen=batch.max_seqlen, dtype=torch.float32, device=batch.device,
+                             grad=False) is p  # cached per call class
+
+
+def test_plan_choices_follow_the_rules(fused):
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    cpu = torch.device("cpu")
+
+    def plan(tokens, grad=False, rules=None, ops=fused.TRITON_OPS, max_seqlen=40):
+        return plan_mod.plan_for(params, ops, _sdpa(params), tokens=tokens, max_seqlen=max_seqlen,
+                                 dtype=torch.float32, device=cpu, grad=grad, rules=rules)
+
+    assert plan(300).glu == "split"  # past the small GEMM's size rule
+    assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0)).glu == "split"
+    g = plan(100, grad=True)
+    assert not g.direct and g.ops is fused.TRITON_OPS and g.glu == "split"
+    assert plan(100, ops=TORCH_OPS).ops is TORCH_OPS and not plan(100, ops=TORCH_OPS).direct
+    # every layer's window: a band covering every sequence is global
+    assert [lp.window for lp in plan(100).layers] == [params.layer_window(i) for i in range(4)]
+    assert all(lp.window is None for lp in plan(100, max_seqlen=params.window + 1).layers)
+    assert all(lp.rope == "separate" for lp in plan(100).layers)  # sdpa does not fuse RoPE
+
+
+def test_triton_cover_reasons(fused):
+    cpu = torch.device("cpu")
+    assert fused.covers(cpu, torch.float32, 128, 2, 64, "gelu") is None  # interpreting
+    assert "activation" in fused.covers(cpu, torch.float32, 128, 2, 64, "swiglu")
+    assert "head_dim" in fused.covers(cpu, torch.float32, 126, 2, 63, "gelu")
+    assert "dtype" in fused.covers(cpu, torch.float64, 128, 2, 64, "gelu")
+    assert "hidden size" in fused.covers(cpu, torch.bfloat16, 10**6, 2, 64, "gelu")
+
+
+def test_quack_routes_wait_for_their_host_cost(monkeypatch):
+    """A quack op set's routes are consulted by an eager call only from QUACK_EAGER_MIN_TOKENS tokens (below, the
+    call is host-bound and quack's launch costs more host time than cuBLAS), and always while capturing or forced."""
+    from dataclasses import replace
+
+    from packed_encoders.ops import quack_gemm
+
+    calls = []
+
+    def linear(x, w, b=None):
+        calls.append("linear")
+        return torch.nn.functional.linear(x, w, b)
+
+    ops = replace(TORCH_OPS, linear=linear, gemm="quack")
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    batch = _batch(model, [9, 30, 4])
+    with torch.no_grad():
+        encoder_forward(model, params, batch, ops=ops)
+        assert calls == []
+        encoder_forward(model, params, batch, ops=ops, rules=plan_mod.Rules(quack_eager_min_tokens=1))
+        assert len(calls) == 3 * params.num_hidden_layers
+        calls.clear()
+        with quack_gemm.forced():
+            encoder_forward(model, params, batch, ops=ops)
+        assert len(calls) == 3 * params.num_hidden_layers
