@@ -21,6 +21,8 @@ from ..attention.dispatch import Decision, Policy, resolve
 from ..batch import PackedBatch
 from ..ops import TORCH_OPS, OpSet, rope_tables
 from ..ops.rope import cached_pair_freq_table
+from ..ops.weight_cast import cast
+from .blocks import compute_dtype, run_layer_blocks
 from .params import ModernBertParams
 from .plan import Rules, plan_for
 
@@ -197,17 +199,21 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     if hidden_states is not None:
         hidden_states.append(x)
 
-    if plan.blocks:
-        from .blocks import run_layer_blocks
+    if plan.kernels is not None:  # with gradients: one autograd node per layer block
+        cdt = compute_dtype(device.type)
 
         def run_layer(index: int, carry: list):
-            return run_layer_blocks(model.layers[index], plan.layers[index], params, batch, ops, carry,
-                                    rope_tables_for)
+            return run_layer_blocks(model.layers[index], plan.layers[index], params, batch, plan.kernels, carry,
+                                    rope_tables_for, params.layer_is_global[index], cdt)
 
     # Memory: the layer owns its inputs (``carry`` is emptied) and drops each activation once consumed, so the
     # peak of a no-grad forward is one layer's MLP working set, not every activation of the layer (H200, 128
     # documents of ~940 tokens, ModernBERT-base: 2.7 GiB peak allocated with them all held).
     else:
+        # autocast without gradient: each fp32 weight's low-precision copy is made once and reused while the
+        # weight is unchanged (ops.weight_cast), rather than cast again by every call
+        wdt = compute_dtype(device.type) if not grad else None
+
         def run_layer(index: int, carry: list):
             x, pending = carry
             carry.clear()
@@ -227,7 +233,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 normed = run.layer_norm(x, *_norm_args(attn_norm))
             pending = None
             rotated = rope_linear(normed, wqkv, is_global) if step.rope == "linear" else None
-            qkv = linear(normed, wqkv.weight, wqkv.bias) if rotated is None else None
+            qkv = linear(normed, cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)) if rotated is None else None
             normed = None
             extra = dict(extra_kw)
             if rotated is not None:
@@ -245,21 +251,21 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                                dropout_p=attn_p, **extra)
             qkv = q = k = v = extra = None
             wo = attn.Wo
-            o = _dropout(linear(a.view(total, nh * hd), wo.weight, wo.bias), attn.out_drop)
+            o = _dropout(linear(a.reshape(total, nh * hd), cast(wo.weight, wdt), cast(wo.bias, wdt)), attn.out_drop)
             a = None
             x, normed = run.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
             o = None
             mlp = layer.mlp
             wi = mlp.Wi
             if glu_path == "split":
-                h = run.glu(F.linear(normed, wi.weight, wi.bias), params.activation)
+                h = run.glu(F.linear(normed, cast(wi.weight, wdt), cast(wi.bias, wdt)), params.activation)
             else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
                 h = run.glu_linear(normed, wi.weight, wi.bias, params.activation)
             normed = None
             g = _dropout(h, mlp.drop)
             h = None
             wo = mlp.Wo
-            return x, linear(g, wo.weight, wo.bias)
+            return x, linear(g, cast(wo.weight, wdt), cast(wo.bias, wdt))
 
     use_ckpt = gradient_checkpointing and training and grad
     pending = None

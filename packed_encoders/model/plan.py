@@ -14,7 +14,7 @@ forward then calls the chosen implementations directly:
 - the ``Wi`` + GLU path (``"small_gemm"``: one Triton launch for short calls; ``"route"``: the op set's
   ``glu_linear`` route, e.g. quack's epilogue; ``"split"``: ``F.linear`` then the GLU op) and the projections
   (``F.linear``, or the op set's ``linear`` route where it may take the call).
-- ``blocks``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op.
+- ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op.
 
 Route choices count host time: quack's CuteDSL GEMMs cost ~10-20 us more host time per launch than cuBLAS, so an
 eager call consults quack's routes only from :data:`QUACK_EAGER_MIN_TOKENS` tokens (where the forward is
@@ -31,8 +31,9 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from ..attention.backends import BACKENDS, FUSED_ROPE, FUSED_ROPE_MAX_TOKENS
-from ..ops import OpSet
+from ..attention import backends
+from ..attention.backends import BACKENDS, FUSED_ROPE_MAX_TOKENS
+from ..ops import TORCH_KERNELS, Kernels, OpSet
 from ..switches import switched_off
 from .params import ModernBertParams
 
@@ -63,20 +64,25 @@ class Rules:
 
     @classmethod
     def from_env(cls) -> "Rules":
-        """Today's defaults from the environment: ``PACKED_ENCODERS_LEAN``, ``PACKED_ENCODERS_FUSED_ROPE``
-        (read at import of :mod:`..attention.backends`), ``PACKED_ENCODERS_FUSED_GLU_GEMM``."""
-        return cls(lean=not switched_off(LEAN_ENV), fused_rope=FUSED_ROPE,
+        """Today's defaults: ``PACKED_ENCODERS_LEAN`` and ``PACKED_ENCODERS_FUSED_GLU_GEMM`` from the environment,
+        the fused-RoPE switch and size rule from :mod:`..attention.backends` (``PACKED_ENCODERS_FUSED_ROPE``, read
+        at its import)."""
+        return cls(lean=not switched_off(LEAN_ENV), fused_rope=backends.FUSED_ROPE,
+                   fused_rope_max_tokens=backends.FUSED_ROPE_MAX_TOKENS,
                    glu_gemm_max_tokens=0 if switched_off(GLU_GEMM_ENV) else 256)
 
 
-_DEFAULT_RULES: list = []
+_DEFAULT_RULES: dict = {}
 
 
 def default_rules() -> Rules:
-    """:meth:`Rules.from_env`, read once per process (the router passes a frozen object of its own instead)."""
-    if not _DEFAULT_RULES:
-        _DEFAULT_RULES.append(Rules.from_env())
-    return _DEFAULT_RULES[0]
+    """:meth:`Rules.from_env`, read once per process and again when :mod:`..attention.backends`' module-level
+    switches change (the router passes a frozen object of its own instead)."""
+    key = (backends.FUSED_ROPE, backends.FUSED_ROPE_MAX_TOKENS)
+    rules = _DEFAULT_RULES.get(key)
+    if rules is None:
+        rules = _DEFAULT_RULES[key] = Rules.from_env()
+    return rules
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ class LayerPlan:
 class Plan:
     ops: OpSet
     direct: bool
-    blocks: bool
+    kernels: Kernels | None  # with gradients: the raw launches of the per-block autograd functions (.blocks)
     glu: str  # "small_gemm" | "route" | "split"
     linear: Callable
     layers: tuple[LayerPlan, ...]
@@ -159,7 +165,12 @@ def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, qu
                          params.activation)
         direct = why is None
     run_ops = ops.direct if direct else ops
-    blocks = False
+    kernels = None
+    if rules.lean and grad and not compiling and ops.kernels is not None:
+        covers = getattr(ops, "covers", None)
+        why_not = None if covers is None else covers(device, dtype, params.hidden_size, params.num_attention_heads,
+                                                     params.head_dim, params.activation)
+        kernels = ops.kernels if why_not is None else TORCH_KERNELS
     # An op set's own routes (linear, rope_linear, glu_linear) serve forwards without gradient; quack's are
     # consulted only where its host cost per launch is paid back (``quack``: see _quack_active)
     routed = not grad and (quack or ops.gemm != "quack")
@@ -189,7 +200,7 @@ def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, qu
     else:
         glu = "split"
     linear = ops.linear if (routed and ops.linear is not None) else F.linear
-    return Plan(run_ops, direct, blocks, glu, linear, tuple(layers), why)
+    return Plan(run_ops, direct, kernels, glu, linear, tuple(layers), why)
 
 
 __all__ = ["LEAN_ENV", "LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "plan_for"]

@@ -8,10 +8,40 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .geglu import geglu_ref, geglu_torch
-from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_ref, residual_layer_norm_torch
-from .rope import (pair_freq_table, pair_order, rope_linear_ref, rope_linear_torch, rope_qkv_ref, rope_qkv_torch,
-                   rope_tables, rotate_pairs, to_pair_order)
+from .geglu import geglu_ref, geglu_torch, glu_bwd_torch
+from .layer_norm import (layer_norm_bwd_torch, layer_norm_fwd_torch, layer_norm_ref, layer_norm_torch,
+                         residual_layer_norm_ref, residual_layer_norm_torch)
+from .rope import (pair_freq_table, pair_order, rope_linear_ref, rope_linear_torch, rope_qkv_bwd_torch, rope_qkv_ref,
+                   rope_qkv_torch, rope_tables, rotate_pairs, to_pair_order)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The raw forward / backward launches of one op family, for autograd functions that span several ops (the
+    block functions of :mod:`packed_encoders.model.blocks`). No routing, no checks: the caller checked the call.
+
+    - ``ln_fwd(x, delta, weight, bias, eps, out_dtype, res_dtype) -> (s, y, mean, rstd)``
+    - ``ln_bwd(dy, s, weight, mean, rstd, dres, has_bias, dx_dtype, dx2_dtype) -> (dx, dx2, dw, db)``
+    - ``rope_fwd(qkv, cos, sin, rows, nh, hd) -> (q, k)``; ``rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, dtype) -> dqkv``
+    - ``glu_fwd(x, activation) -> y``; ``glu_bwd(dy, x, activation) -> dx``
+    """
+
+    name: str
+    ln_fwd: Callable
+    ln_bwd: Callable
+    rope_fwd: Callable
+    rope_bwd: Callable
+    glu_fwd: Callable
+    glu_bwd: Callable
+
+
+def _rope_fwd_torch(qkv, cos, sin, position_ids, num_heads, head_dim):
+    q, k, _ = rope_qkv_torch(qkv, cos, sin, position_ids, num_heads, head_dim)
+    return q, k
+
+
+TORCH_KERNELS = Kernels("torch", layer_norm_fwd_torch, layer_norm_bwd_torch, _rope_fwd_torch, rope_qkv_bwd_torch,
+                        geglu_torch, glu_bwd_torch)
 
 
 @dataclass(frozen=True)
@@ -30,6 +60,8 @@ class OpSet:
       ``-> (q, k, v) | None``, or ``None``: the ``Wqkv`` projection with RoPE applied on the way out, for forwards
       without gradient only; q and k come back in *pair order* (:func:`.rope.pair_order`), v in HF order.
       The callable returns ``None`` for a call it does not take (the forward then projects and rotates apart)
+    - ``kernels``: the family's raw launches (:class:`Kernels`) for the per-block autograd of training forwards,
+      or ``None`` (the ops above run one autograd node each)
     - ``gemm``: which GEMMs the op set runs, for ``describe()``: ``"torch"`` (``F.linear``: cuBLAS on CUDA) or
       ``"quack"`` (quack where :mod:`.quack_gemm` routes a call, ``F.linear`` for the rest)
     """
@@ -43,6 +75,7 @@ class OpSet:
     linear: Callable | None = field(default=None, compare=False)
     rope_linear: Callable | None = field(default=None, compare=False)
     gemm: str = field(default="torch", compare=False)
+    kernels: Kernels | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -92,10 +125,12 @@ class RouteLog:
             self._routes.clear()
 
 
-TORCH_OPS = OpSet("torch", layer_norm_torch, residual_layer_norm_torch, rope_qkv_torch, geglu_torch)
+TORCH_OPS = OpSet("torch", layer_norm_torch, residual_layer_norm_torch, rope_qkv_torch, geglu_torch,
+                  kernels=TORCH_KERNELS)
 
 __all__ = [
-    "FusedOpSet", "OpSet", "RouteLog", "TORCH_OPS", "geglu_ref", "geglu_torch", "layer_norm_ref", "layer_norm_torch",
+    "FusedOpSet", "Kernels", "OpSet", "RouteLog", "TORCH_KERNELS", "TORCH_OPS", "geglu_ref", "geglu_torch",
+    "glu_bwd_torch", "layer_norm_bwd_torch", "layer_norm_fwd_torch", "layer_norm_ref", "layer_norm_torch",
     "pair_freq_table", "pair_order", "residual_layer_norm_ref", "residual_layer_norm_torch", "rope_linear_ref",
     "rope_linear_torch", "rope_qkv_ref", "rotate_pairs", "to_pair_order", "rope_qkv_torch", "rope_tables",
 ]

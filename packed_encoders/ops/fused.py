@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..switches import switched_off
-from . import FusedOpSet, OpSet, RouteLog
+from . import FusedOpSet, Kernels, OpSet, RouteLog
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
 from .rope import rope_qkv_torch
@@ -484,8 +484,11 @@ def _glu_linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None, activatio
 DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _rope_qkv_direct, _glu.forward,
                    _glu_linear_direct)
 
+TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope.forward, _rope.backward, _glu.forward,
+                         _glu.backward)
+
 TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,
-                        fallbacks=fallbacks, direct=DIRECT_OPS, covers=covers)
+                        fallbacks=fallbacks, direct=DIRECT_OPS, covers=covers, kernels=TRITON_KERNELS)
 
 __all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "reset_fallbacks", "residual_layer_norm",
            "rope_qkv", "smoke"]

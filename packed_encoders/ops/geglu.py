@@ -32,3 +32,15 @@ def geglu_torch(x: torch.Tensor, activation: str = "gelu") -> torch.Tensor:
     """Plain PyTorch GLU in the activation dtype, rounding like HF's ``act(input) * gate``."""
     a, g = x.chunk(2, dim=-1)
     return _act(a, activation) * g
+
+
+def glu_bwd_torch(dy: torch.Tensor, x: torch.Tensor, activation: str = "gelu") -> torch.Tensor:
+    """Gradient of :func:`geglu_torch` with respect to ``x = [a | g]`` ``[T, 2I]`` given ``dy`` ``[T, I]``, in fp32
+    maths (as the Triton backward), returned in ``x.dtype``."""
+    a, g = x.float().chunk(2, dim=-1)
+    with torch.enable_grad():
+        a = a.detach().requires_grad_()
+        act = _act(a, activation)
+        (dact,) = torch.autograd.grad(act, a, torch.ones_like(act))
+    dyf = dy.float()
+    return torch.cat((dyf * g * dact, dyf * act.detach()), dim=-1).to(x.dtype)

@@ -42,3 +42,44 @@ def residual_layer_norm_torch(x: torch.Tensor, delta: torch.Tensor, weight, bias
     """Plain PyTorch residual + LayerNorm: ``s = x + delta`` (rounded to dtype), returns ``(s, LN(s))``."""
     s = x + delta
     return s, layer_norm_torch(s, weight, bias, eps)
+
+
+def layer_norm_fwd_torch(x: torch.Tensor, delta: torch.Tensor | None, weight, bias, eps: float,
+                         out_dtype: torch.dtype, res_dtype: torch.dtype | None = None):
+    """Plain PyTorch twin of the Triton forward (``ops.triton.layer_norm.forward``): ``(s, y, mean, rstd)`` with
+    ``s = x + delta`` rounded to ``res_dtype`` (``None`` without ``delta``), statistics in fp32 on it, ``y`` rounded
+    once to ``out_dtype``; ``mean, rstd`` fp32 ``[T]`` for :func:`layer_norm_bwd_torch`."""
+    s = None
+    if delta is not None:
+        s = (x.float() + delta.float()).to(res_dtype)
+        x = s
+    xf = x.float()
+    mean = xf.mean(-1)
+    xc = xf - mean[:, None]
+    rstd = torch.rsqrt(xc.square().mean(-1) + eps)
+    y = xc * rstd[:, None]
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return s, y.to(out_dtype), mean, rstd
+
+
+def layer_norm_bwd_torch(dy: torch.Tensor, x: torch.Tensor, weight, mean: torch.Tensor, rstd: torch.Tensor,
+                         dres: torch.Tensor | None, has_bias: bool, dx_dtype: torch.dtype,
+                         dx2_dtype: torch.dtype | None):
+    """Plain PyTorch twin of the Triton backward: ``(dx, dx2, dw, db)`` given the normalised input ``x``, with the
+    residual's gradient ``dres`` added into ``dx`` (and ``dx`` written again in ``dx2_dtype``); fp32 maths,
+    ``dw``/``db`` fp32 ``[H]`` or ``None``."""
+    xhat = (x.float() - mean[:, None]) * rstd[:, None]
+    dyf = dy.float()
+    wdy = dyf * weight.float() if weight is not None else dyf
+    n = x.shape[-1]
+    c1 = (xhat * wdy).sum(-1, keepdim=True) / n
+    c2 = wdy.sum(-1, keepdim=True) / n
+    dx = (wdy - (xhat * c1 + c2)) * rstd[:, None]
+    if dres is not None:
+        dx = dx + dres.float()
+    dw = (dyf * xhat).sum(0) if weight is not None else None
+    db = dyf.sum(0) if has_bias else None
+    return dx.to(dx_dtype), None if dx2_dtype is None else dx.to(dx2_dtype), dw, db

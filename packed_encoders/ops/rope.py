@@ -77,6 +77,21 @@ def rope_qkv_torch(qkv, cos, sin, position_ids, num_heads: int, head_dim: int):
     return rot(q), rot(k), v
 
 
+def rope_qkv_bwd_torch(dq, dk, dv, cos, sin, position_ids, num_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Gradient of :func:`rope_qkv_torch` with respect to ``qkv``: ``[T, 3 * nh * hd]`` in ``dtype`` from ``dq, dk,
+    dv`` ``[T, nh, hd]`` (``dv`` may be ``None``: zero); the transposed rotation in fp32."""
+    c = cos[position_ids][:, None, :]
+    s = sin[position_ids][:, None, :]
+
+    def unrot(d):
+        d1, d2 = d.float().chunk(2, dim=-1)
+        return torch.cat((d1 * c + d2 * s, d2 * c - d1 * s), dim=-1).to(dtype)
+
+    v = torch.zeros_like(dq, dtype=dtype) if dv is None else dv.to(dtype)
+    return torch.stack((unrot(dq), unrot(dk), v), dim=1).reshape(dq.shape[0], 3 * num_heads * head_dim)
+
+
 # ---- RoPE on the q, k projection's output in "pair order" --------------------------------------------------------
 # A GEMM epilogue sees adjacent accumulator columns together, so a rotation fused into the q, k projection rotates
 # column pairs (2j, 2j + 1). Reading each head's rows d and d + head_dim / 2 into adjacent columns makes that the

@@ -92,5 +92,8 @@ def smoke(device) -> None:
     _triton.smoke(device)
 
 
+# Training blocks and unchecked eager launches use the Triton LayerNorm: quack's costs ~15 us more host time
+# per launch, which a host-bound eager forward pays in full.
 CUTE_OPS = FusedOpSet("cute", layer_norm, residual_layer_norm, _triton.rope_qkv, _triton.glu, _triton.glu_linear,
-                      smoke=smoke, fallbacks=fallbacks)
+                      smoke=smoke, fallbacks=fallbacks, direct=_triton.DIRECT_OPS, covers=_triton.covers,
+                      kernels=_triton.TRITON_KERNELS)

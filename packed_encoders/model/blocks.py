@@ -1,0 +1,213 @@
+"""Training forwards with one autograd node per layer block instead of one per op.
+
+A ModernBERT layer under autograd as separate ops makes ~15 autograd nodes (casts, projections, norms, views,
+dropout), each paying dispatcher and autograd bookkeeping on the host, in forward and again in backward. Here a layer
+is three nodes:
+
+- :class:`AttentionIn`: residual add + ``attn_norm`` + ``Wqkv`` + RoPE -> ``(s, q, k, v)``;
+- the attention backend's own autograd (torch ``varlen_attn``, FA4 or sdpa);
+- :class:`AttentionOutMlp`: ``Wo`` (+ dropout) + residual + ``mlp_norm`` + ``Wi`` + GLU (+ dropout) + ``mlp.Wo``
+  -> ``(x, pending)``; ``pending`` is added into the next layer's norm.
+
+Their forwards and backwards launch the op family's raw kernels (:class:`..ops.Kernels`) and cuBLAS directly and
+save only what the backward reads. Numerics are autocast's: with autocast on, each projection runs in the autocast
+dtype (weights cast once and reused, :mod:`..ops.weight_cast`), norms and residual sums as the op set's kernels
+do; weight gradients are computed in the autocast dtype and returned in the parameter's dtype, as autocast's cast
+node would. Dropout masks are drawn in forward (``native_dropout``, so gradient checkpointing's RNG replay draws the
+same ones) and kept for the backward. The ``torch.library`` custom ops stay for ``torch.compile`` (which takes the
+per-op path).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.weight_cast import cast
+from .params import ModernBertParams
+
+
+def _norm_params(m: nn.Module):
+    """``(weight, bias, eps, present)`` of a LayerNorm slot (``nn.Identity``: nothing to normalise)."""
+    if isinstance(m, nn.Identity):
+        return None, None, 0.0, False
+    return m.weight, getattr(m, "bias", None), m.eps, True
+
+
+def _drop_p(m: nn.Module) -> float:
+    return m.p if isinstance(m, nn.Dropout) and m.training and m.p > 0 else 0.0
+
+
+def _dropout(x: torch.Tensor, p: float):
+    if not p:
+        return x, None
+    return torch.native_dropout(x, p, True)
+
+
+def _undrop(g: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
+    return g if mask is None else torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1.0 - p))
+
+
+def _grad_w(ctx, index: int, g: torch.Tensor | None, like: torch.Tensor | None):
+    """A parameter's gradient in its own dtype, or ``None`` when it takes none."""
+    if g is None or like is None or not ctx.needs_input_grad[index]:
+        return None
+    return g.to(like.dtype)
+
+
+def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, ctx, iw: int, ib: int, w, b):
+    """``(dx, dw, db)`` of ``y = x @ w_c.T + b`` (all in the compute dtype), weight gradients in the parameters'."""
+    dx = dy @ w_c
+    dw = _grad_w(ctx, iw, dy.t() @ x if ctx.needs_input_grad[iw] else None, w)
+    db = _grad_w(ctx, ib, dy.sum(0) if b is not None and ctx.needs_input_grad[ib] else None, b)
+    return dx, dw, db
+
+
+class AttentionIn(torch.autograd.Function):
+    """``s = x + pending``; ``q, k, v = rope(Wqkv(norm(s)))``. Returns ``(s, q, k, v)``; ``s`` is an empty
+    placeholder when ``pending`` is ``None`` (the caller's ``x`` is the residual)."""
+
+    @staticmethod
+    def forward(ctx, x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta):
+        kern, eps, has_norm, cdt, norm_dtype, nh, hd = meta
+        with torch.autocast(x.device.type, enabled=False):
+            res_dtype = x.dtype if pending is None else torch.promote_types(x.dtype, pending.dtype)
+            mean = rstd = None
+            if has_norm:
+                s, y, mean, rstd = kern.ln_fwd(x, pending, ln_w, ln_b, eps, norm_dtype(res_dtype), res_dtype)
+                if s is None:
+                    s = x
+            else:
+                s = x if pending is None else (x + pending)
+                y = s
+            y_c = y if cdt is None else y.to(cdt)
+            w_c, b_c = cast(w, cdt), cast(b, cdt)
+            qkv = F.linear(y_c, w_c, b_c)
+            q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
+            v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
+        ctx.save_for_backward(s if has_norm else None, ln_w, mean, rstd, y_c, w_c, cos, sin, rows)
+        ctx.meta = meta
+        ctx.has_pending = pending is not None
+        ctx.dtypes = (x.dtype, None if pending is None else pending.dtype, qkv.dtype, y.dtype)
+        ctx.has_ln_b = ln_b is not None
+        ctx.params = (ln_w, ln_b, w, b)
+        out_s = s if pending is not None else x.new_empty(0)
+        if pending is None:
+            ctx.mark_non_differentiable(out_s)
+        return out_s, q, k, v
+
+    @staticmethod
+    def backward(ctx, ds, dq, dk, dv):
+        kern, eps, has_norm, cdt, norm_dtype, nh, hd = ctx.meta
+        s, ln_w_saved, mean, rstd, y_c, w_c, cos, sin, rows = ctx.saved_tensors
+        ln_w, ln_b, w, b = ctx.params
+        x_dtype, p_dtype, qkv_dtype, y_dtype = ctx.dtypes
+        with torch.autocast(y_c.device.type, enabled=False):
+            dqkv = kern.rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, qkv_dtype)
+            dy, dw, db = _linear_bwd(dqkv, y_c, w_c, ctx, 4, 5, w, b)
+            dres = ds if ctx.has_pending else None
+            dlnw = dlnb = None
+            if has_norm:
+                two = ctx.has_pending and p_dtype != x_dtype
+                dx, dx2, dlnw, dlnb = kern.ln_bwd(dy, s, ln_w_saved, mean, rstd, dres, ctx.has_ln_b, x_dtype,
+                                                  p_dtype if two else None)
+                dlnw, dlnb = _grad_w(ctx, 2, dlnw, ln_w), _grad_w(ctx, 3, dlnb, ln_b)
+                dp = (dx2 if two else dx) if ctx.has_pending else None
+            else:
+                g = dy.to(y_dtype) if dres is None else dy.float() + dres.float()
+                dx = g.to(x_dtype)
+                dp = g.to(p_dtype) if ctx.has_pending else None
+        return dx, dp, dlnw, dlnb, dw, db, None, None, None, None
+
+
+class AttentionOutMlp(torch.autograd.Function):
+    """``x = s + drop(Wo(a))``; ``pending = Wo2(drop(glu(Wi(norm(x)))))``. Returns ``(x, pending)``."""
+
+    @staticmethod
+    def forward(ctx, a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta):
+        kern, eps, cdt, norm_dtype, activation, p_out, p_mlp = meta
+        with torch.autocast(a.device.type, enabled=False):
+            t = a.shape[0]
+            a2 = a.reshape(t, -1)
+            a_c = a2 if cdt is None else a2.to(cdt)
+            wo_c, bo_c = cast(wo, cdt), cast(bo, cdt)
+            o, mask_o = _dropout(F.linear(a_c, wo_c, bo_c), p_out)
+            res_dtype = torch.promote_types(s.dtype, o.dtype)
+            x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, norm_dtype(res_dtype), res_dtype)
+            y_c = y if cdt is None else y.to(cdt)
+            wi_c, bi_c = cast(wi, cdt), cast(bi, cdt)
+            h = F.linear(y_c, wi_c, bi_c)
+            g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
+            w2_c, b2_c = cast(w2, cdt), cast(b2, cdt)
+            pending = F.linear(g, w2_c, b2_c)
+        ctx.save_for_backward(a_c, x, ln_w, mean, rstd, y_c, h, g, mask_o, mask_g, wo_c, wi_c, w2_c)
+        ctx.meta = meta
+        ctx.params = (wo, bo, ln_w, ln_b, wi, bi, w2, b2)
+        ctx.dtypes = (a.dtype, a.shape, s.dtype, o.dtype, pending.dtype)
+        return x, pending
+
+    @staticmethod
+    def backward(ctx, dx, dpending):
+        kern, eps, cdt, norm_dtype, activation, p_out, p_mlp = ctx.meta
+        a_c, x, ln_w_saved, mean, rstd, y_c, h, g, mask_o, mask_g, wo_c, wi_c, w2_c = ctx.saved_tensors
+        wo, bo, ln_w, ln_b, wi, bi, w2, b2 = ctx.params
+        a_dtype, a_shape, s_dtype, o_dtype, p_dtype = ctx.dtypes
+        with torch.autocast(a_c.device.type, enabled=False):
+            if dpending is None:
+                dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
+            dg, dw2, db2 = _linear_bwd(dpending.to(g.dtype), g, w2_c, ctx, 8, 9, w2, b2)
+            dh = kern.glu_bwd(_undrop(dg, mask_g, p_mlp), h, activation)
+            dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, ctx, 6, 7, wi, bi)
+            two = s_dtype != o_dtype
+            ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
+                                             o_dtype if two else None)
+            do = _undrop(do if two else ds, mask_o, p_out).to(a_c.dtype)
+            da, dwo, dbo = _linear_bwd(do, a_c, wo_c, ctx, 2, 3, wo, bo)
+        return (da.view(a_shape).to(a_dtype), ds, dwo, dbo, _grad_w(ctx, 4, dlnw, ln_w), _grad_w(ctx, 5, dlnb, ln_b),
+                dwi, dbi, dw2, db2, None)
+
+
+def _norm_dtype_fn(device_type: str):
+    """LayerNorm output dtype for a residual dtype: fp32 under CUDA autocast (as ``F.layer_norm`` there), else the
+    residual's own."""
+    if device_type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return lambda d: torch.float32 if d in (torch.float16, torch.bfloat16) else d
+    return lambda d: d
+
+
+def compute_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype projections run in: autocast's when autocast is on for ``device_type``, else ``None`` (as is)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def run_layer_blocks(layer: nn.Module, step, params: ModernBertParams, batch, kernels, carry: list, rope_tables_for,
+                     is_global: bool, cdt: torch.dtype | None):
+    """One encoder layer as two block functions around the attention backend; ``carry`` is ``[x, pending]``
+    (emptied). Returns ``(x, pending)``."""
+    x, pending = carry
+    carry.clear()
+    device_type = x.device.type
+    norm_dtype = _norm_dtype_fn(device_type)
+    attn = layer.attn
+    ln_w, ln_b, eps, has_norm = _norm_params(layer.attn_norm)
+    wqkv = attn.Wqkv
+    nh, hd = params.num_attention_heads, params.head_dim
+    cos, sin, rows = rope_tables_for(is_global)
+    s, q, k, v = AttentionIn.apply(x, pending, ln_w, ln_b, wqkv.weight, wqkv.bias, cos, sin, rows,
+                                   (kernels, eps, has_norm, cdt, norm_dtype, nh, hd))
+    if pending is None:
+        s = x
+    x = pending = None
+    extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
+    attn_p = params.attention_dropout if attn.training else 0.0
+    a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=params.scaling,
+                       dropout_p=attn_p, **extra)
+    q = k = v = None
+    mlp = layer.mlp
+    m_w, m_b, m_eps, _ = _norm_params(layer.mlp_norm)
+    meta = (kernels, m_eps, cdt, norm_dtype, params.activation, _drop_p(attn.out_drop), _drop_p(mlp.drop))
+    return AttentionOutMlp.apply(a, s, attn.Wo.weight, attn.Wo.bias, m_w, m_b, mlp.Wi.weight, mlp.Wi.bias,
+                                 mlp.Wo.weight, mlp.Wo.bias, meta)

@@ -1,0 +1,187 @@
+"""Training forwards with one autograd node per layer block (model/blocks.py) and the cached autocast weight casts
+(ops/weight_cast.py): gradients against the per-op path and stock HF, dropout, checkpointing, autocast, staleness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import packed_encoders as pe
+from packed_encoders.batch import unpad
+from packed_encoders.model import plan as plan_mod
+from packed_encoders.model.forward import encoder_forward
+from packed_encoders.model.params import ModernBertParams
+from packed_encoders.ops import TORCH_OPS, weight_cast
+from tests.conftest import make_model, padded_batch, stock, stock_positions
+
+LEAN, PER_OP = plan_mod.Rules(lean=True), plan_mod.Rules(lean=False)
+
+
+def _setup(name="odd", lengths=(9, 30, 4), **overrides):
+    model = make_model(name, **overrides)
+    params = ModernBertParams.from_hf_config(model.config)
+    ids, mask = padded_batch(list(lengths), side="mixed")
+    batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                  vocab_size=model.config.vocab_size)
+    return model, params, batch, ids, mask
+
+
+def _grads(model, fn):
+    model.zero_grad(set_to_none=True)
+    out = fn()
+    out.float().square().mean().backward()
+    return out.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def _nodes(out):
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return len(seen)
+
+
+@pytest.mark.parametrize("name", ["odd", "base_like"])
+def test_blocks_match_the_per_op_path_fp32(name):
+    model, params, batch, _, _ = _setup(name)
+    model.train()
+    out_l, g_l = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
+    out_p, g_p = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=PER_OP))
+    torch.testing.assert_close(out_l, out_p, atol=1e-5, rtol=1e-5)
+    assert set(g_l) == set(g_p)
+    for n in g_p:
+        torch.testing.assert_close(g_l[n], g_p[n], atol=1e-5, rtol=1e-4, msg=n)
+    # the point of the blocks: far fewer autograd nodes (each costs host time in forward and backward)
+    with torch.enable_grad():
+        lean_nodes = _nodes(encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
+        per_op_nodes = _nodes(encoder_forward(model, params, batch, attention_backend="sdpa", rules=PER_OP))
+    assert lean_nodes * 2 < per_op_nodes, (lean_nodes, per_op_nodes)
+
+
+def test_blocks_under_cpu_autocast_match_stock_gradients():
+    """bf16 autocast on fp32 masters: output and per-parameter gradient cosine against stock HF under the same
+    autocast, and the gradients land on the fp32 parameters in fp32."""
+    model, params, batch, ids, mask = _setup("base_like", lengths=(40, 64, 17))
+    model.train()
+    real = mask.bool()
+    target = torch.randn(*ids.shape, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+
+    def loss(out):
+        return ((out.float() - target)[real] ** 2).mean()
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn()
+        loss(out).backward()
+        return out.detach().float(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                      if p.grad is not None}
+
+    ref_out, ref = run(lambda: stock(model, input_ids=ids, attention_mask=mask,
+                                     position_ids=stock_positions(mask)).last_hidden_state)
+    pe.pack(model, validate=False)
+    got_out, got = run(lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert _cos(got_out[real], ref_out[real]) > 0.999
+    assert set(got) == set(ref)
+    for n in ref:
+        assert got[n].dtype == torch.float32
+        assert _cos(got[n], ref[n]) > 0.99, n
+
+
+def test_blocks_dropout_and_checkpointing():
+    """Dropout in every slot (embedding, attention output, MLP; attention probabilities on sdpa): the masks drawn in
+    forward are the ones the backward applies, and gradient checkpointing replays them (same gradients)."""
+    model, params, batch, _, _ = _setup("base_like", embedding_dropout=0.1, mlp_dropout=0.2, attention_dropout=0.1)
+    model.train()
+
+    def run(ckpt):
+        torch.manual_seed(11)
+        return _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa",
+                                                     gradient_checkpointing=ckpt, rules=LEAN))
+
+    out_a, g_a = run(False)
+    out_b, g_b = run(True)
+    torch.testing.assert_close(out_a, out_b, atol=0, rtol=0)
+    for n in g_a:
+        torch.testing.assert_close(g_a[n], g_b[n], atol=1e-6, rtol=1e-5, msg=n)
+    torch.manual_seed(12)
+    out_c, _ = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
+    assert (out_c - out_a).abs().max() > 1e-3  # another seed, other masks
+    # the same masks through the per-op path give the same gradients (dropout's RNG draws match)
+    torch.manual_seed(11)
+    out_p, g_p = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=PER_OP))
+    torch.testing.assert_close(out_a, out_p, atol=1e-5, rtol=1e-5)
+    for n in g_a:
+        torch.testing.assert_close(g_a[n], g_p[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_frozen_parameters_get_no_gradient():
+    model, params, batch, _, _ = _setup("base_like")
+    model.train()
+    model.layers[1].mlp.Wi.weight.requires_grad_(False)
+    model.layers[0].attn.Wqkv.weight.requires_grad_(False)
+    _, g = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
+    assert "layers.1.mlp.Wi.weight" not in g and "layers.0.attn.Wqkv.weight" not in g
+    assert "layers.1.mlp.Wo.weight" in g and "embeddings.tok_embeddings.weight" in g
+
+
+# ------------------------------------------------------------------------------------------ cached weight casts
+
+
+def test_weight_cast_is_reused_and_never_stale():
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    a = weight_cast.cast(w, torch.bfloat16)
+    assert a.dtype == torch.bfloat16 and weight_cast.cast(w, torch.bfloat16) is a  # reused
+    assert weight_cast.cast(w, torch.float32) is w  # already that dtype
+    with torch.no_grad():
+        w.add_(1.0)  # in place: version bump
+    b = weight_cast.cast(w, torch.bfloat16)
+    assert b is not a and torch.equal(b, w.detach().to(torch.bfloat16))
+    w.data = torch.randn(8, 4)  # a new storage
+    c = weight_cast.cast(w, torch.bfloat16)
+    assert torch.equal(c, w.detach().to(torch.bfloat16))
+    w.grad = torch.ones_like(w)
+    torch.optim.AdamW([w], lr=0.1, fused=True).step()  # fused: no version bump; the step hook invalidates
+    d = weight_cast.cast(w, torch.bfloat16)
+    assert torch.equal(d, w.detach().to(torch.bfloat16))
+    with torch.no_grad():
+        w.data.mul_(2.0)  # through .data: not seen ...
+    assert weight_cast.cast(w, torch.bfloat16) is d
+    weight_cast.clear()  # ... until cleared
+    assert torch.equal(weight_cast.cast(w, torch.bfloat16), w.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_autocast_forward_sees_in_place_weight_changes(grad):
+    """Two forwards under autocast with a weight changed in place between them: the second sees the change
+    (no-grad: the cached cast is invalidated; grad: the blocks read it the same way), and with gradients the fp32
+    master receives them."""
+    model, params, batch, _, _ = _setup("base_like")
+    model.train(grad)
+    w = model.layers[2].mlp.Wo.weight
+
+    def fwd():
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            return encoder_forward(model, params, batch, attention_backend="sdpa", ops=TORCH_OPS)
+
+    first = fwd()
+    again = fwd()
+    torch.testing.assert_close(first, again, atol=0, rtol=0)
+    with torch.no_grad():
+        w.mul_(3.0)
+    second = fwd()
+    assert (second.float() - first.float()).abs().max() > 1e-2
+    if grad:
+        model.zero_grad(set_to_none=True)
+        second.float().square().mean().backward()
+        assert w.grad is not None and w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
+        torch.optim.SGD(model.parameters(), lr=1.0).step()
+        third = fwd()
+        assert (third.float() - second.float()).abs().max() > 1e-2
