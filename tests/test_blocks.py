@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import packed_encoders as pe
 from packed_encoders.batch import unpad
 from packed_encoders.model import plan as plan_mod
 from packed_encoders.model.forward import encoder_forward
@@ -14,7 +13,7 @@ from packed_encoders.model.params import ModernBertParams
 from packed_encoders.ops import TORCH_OPS, weight_cast
 from tests.conftest import make_model, padded_batch, stock, stock_positions
 
-LEAN, PER_OP = plan_mod.Rules(lean=True), plan_mod.Rules(lean=False)
+LEAN, PER_OP = plan_mod.Rules(lean=True, blocks=True), plan_mod.Rules(lean=False)
 
 
 def _setup(name="odd", lengths=(9, 30, 4), **overrides):
@@ -86,8 +85,7 @@ def test_blocks_under_cpu_autocast_match_stock_gradients():
 
     ref_out, ref = run(lambda: stock(model, input_ids=ids, attention_mask=mask,
                                      position_ids=stock_positions(mask)).last_hidden_state)
-    pe.pack(model, validate=False)
-    got_out, got = run(lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    got_out, got = run(lambda: batch.pad(encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN)))
     assert _cos(got_out[real], ref_out[real]) > 0.999
     assert set(got) == set(ref)
     for n in ref:
@@ -169,7 +167,7 @@ def test_autocast_forward_sees_in_place_weight_changes(grad):
 
     def fwd():
         with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
-            return encoder_forward(model, params, batch, attention_backend="sdpa", ops=TORCH_OPS)
+            return encoder_forward(model, params, batch, attention_backend="sdpa", ops=TORCH_OPS, rules=LEAN)
 
     first = fwd()
     again = fwd()

@@ -13,7 +13,8 @@ Their forwards and backwards launch the op family's raw kernels (:class:`..ops.K
 save only what the backward reads. Numerics are autocast's: with autocast on, each projection runs in the autocast
 dtype (weights cast once and reused, :mod:`..ops.weight_cast`), norms and residual sums as the op set's kernels
 do; weight gradients are computed in the autocast dtype and returned in the parameter's dtype, as autocast's cast
-node would. Dropout masks are drawn in forward (``native_dropout``, so gradient checkpointing's RNG replay draws the
+node would. Every projection gets its operands already in the compute dtype, so an ambient autocast has nothing
+left to cast (no autocast context is entered: that costs host time per block). Dropout masks are drawn in forward (``native_dropout``, so gradient checkpointing's RNG replay draws the
 same ones) and kept for the backward. The ``torch.library`` custom ops stay for ``torch.compile`` (which takes the
 per-op path).
 """
@@ -71,21 +72,20 @@ class AttentionIn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta):
         kern, eps, has_norm, cdt, norm_dtype, nh, hd = meta
-        with torch.autocast(x.device.type, enabled=False):
-            res_dtype = x.dtype if pending is None else torch.promote_types(x.dtype, pending.dtype)
-            mean = rstd = None
-            if has_norm:
-                s, y, mean, rstd = kern.ln_fwd(x, pending, ln_w, ln_b, eps, norm_dtype(res_dtype), res_dtype)
-                if s is None:
-                    s = x
-            else:
-                s = x if pending is None else (x + pending)
-                y = s
-            y_c = y if cdt is None else y.to(cdt)
-            w_c, b_c = cast(w, cdt), cast(b, cdt)
-            qkv = F.linear(y_c, w_c, b_c)
-            q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
-            v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
+        res_dtype = x.dtype if pending is None else torch.promote_types(x.dtype, pending.dtype)
+        mean = rstd = None
+        if has_norm:
+            s, y, mean, rstd = kern.ln_fwd(x, pending, ln_w, ln_b, eps, norm_dtype(res_dtype), res_dtype)
+            if s is None:
+                s = x
+        else:
+            s = x if pending is None else (x + pending)
+            y = s
+        y_c = y if cdt is None else y.to(cdt)
+        w_c, b_c = cast(w, cdt), cast(b, cdt)
+        qkv = F.linear(y_c, w_c, b_c)
+        q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
+        v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
         ctx.save_for_backward(s if has_norm else None, ln_w, mean, rstd, y_c, w_c, cos, sin, rows)
         ctx.meta = meta
         ctx.has_pending = pending is not None
@@ -103,21 +103,20 @@ class AttentionIn(torch.autograd.Function):
         s, ln_w_saved, mean, rstd, y_c, w_c, cos, sin, rows = ctx.saved_tensors
         ln_w, ln_b, w, b = ctx.params
         x_dtype, p_dtype, qkv_dtype, y_dtype = ctx.dtypes
-        with torch.autocast(y_c.device.type, enabled=False):
-            dqkv = kern.rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, qkv_dtype)
-            dy, dw, db = _linear_bwd(dqkv, y_c, w_c, ctx, 4, 5, w, b)
-            dres = ds if ctx.has_pending else None
-            dlnw = dlnb = None
-            if has_norm:
-                two = ctx.has_pending and p_dtype != x_dtype
-                dx, dx2, dlnw, dlnb = kern.ln_bwd(dy, s, ln_w_saved, mean, rstd, dres, ctx.has_ln_b, x_dtype,
-                                                  p_dtype if two else None)
-                dlnw, dlnb = _grad_w(ctx, 2, dlnw, ln_w), _grad_w(ctx, 3, dlnb, ln_b)
-                dp = (dx2 if two else dx) if ctx.has_pending else None
-            else:
-                g = dy.to(y_dtype) if dres is None else dy.float() + dres.float()
-                dx = g.to(x_dtype)
-                dp = g.to(p_dtype) if ctx.has_pending else None
+        dqkv = kern.rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, qkv_dtype)
+        dy, dw, db = _linear_bwd(dqkv, y_c, w_c, ctx, 4, 5, w, b)
+        dres = ds if ctx.has_pending else None
+        dlnw = dlnb = None
+        if has_norm:
+            two = ctx.has_pending and p_dtype != x_dtype
+            dx, dx2, dlnw, dlnb = kern.ln_bwd(dy, s, ln_w_saved, mean, rstd, dres, ctx.has_ln_b, x_dtype,
+                                              p_dtype if two else None)
+            dlnw, dlnb = _grad_w(ctx, 2, dlnw, ln_w), _grad_w(ctx, 3, dlnb, ln_b)
+            dp = (dx2 if two else dx) if ctx.has_pending else None
+        else:
+            g = dy.to(y_dtype) if dres is None else dy.float() + dres.float()
+            dx = g.to(x_dtype)
+            dp = g.to(p_dtype) if ctx.has_pending else None
         return dx, dp, dlnw, dlnb, dw, db, None, None, None, None
 
 
@@ -127,20 +126,19 @@ class AttentionOutMlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta):
         kern, eps, cdt, norm_dtype, activation, p_out, p_mlp = meta
-        with torch.autocast(a.device.type, enabled=False):
-            t = a.shape[0]
-            a2 = a.reshape(t, -1)
-            a_c = a2 if cdt is None else a2.to(cdt)
-            wo_c, bo_c = cast(wo, cdt), cast(bo, cdt)
-            o, mask_o = _dropout(F.linear(a_c, wo_c, bo_c), p_out)
-            res_dtype = torch.promote_types(s.dtype, o.dtype)
-            x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, norm_dtype(res_dtype), res_dtype)
-            y_c = y if cdt is None else y.to(cdt)
-            wi_c, bi_c = cast(wi, cdt), cast(bi, cdt)
-            h = F.linear(y_c, wi_c, bi_c)
-            g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
-            w2_c, b2_c = cast(w2, cdt), cast(b2, cdt)
-            pending = F.linear(g, w2_c, b2_c)
+        t = a.shape[0]
+        a2 = a.reshape(t, -1)
+        a_c = a2 if cdt is None else a2.to(cdt)
+        wo_c, bo_c = cast(wo, cdt), cast(bo, cdt)
+        o, mask_o = _dropout(F.linear(a_c, wo_c, bo_c), p_out)
+        res_dtype = torch.promote_types(s.dtype, o.dtype)
+        x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, norm_dtype(res_dtype), res_dtype)
+        y_c = y if cdt is None else y.to(cdt)
+        wi_c, bi_c = cast(wi, cdt), cast(bi, cdt)
+        h = F.linear(y_c, wi_c, bi_c)
+        g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
+        w2_c, b2_c = cast(w2, cdt), cast(b2, cdt)
+        pending = F.linear(g, w2_c, b2_c)
         ctx.save_for_backward(a_c, x, ln_w, mean, rstd, y_c, h, g, mask_o, mask_g, wo_c, wi_c, w2_c)
         ctx.meta = meta
         ctx.params = (wo, bo, ln_w, ln_b, wi, bi, w2, b2)
@@ -153,17 +151,16 @@ class AttentionOutMlp(torch.autograd.Function):
         a_c, x, ln_w_saved, mean, rstd, y_c, h, g, mask_o, mask_g, wo_c, wi_c, w2_c = ctx.saved_tensors
         wo, bo, ln_w, ln_b, wi, bi, w2, b2 = ctx.params
         a_dtype, a_shape, s_dtype, o_dtype, p_dtype = ctx.dtypes
-        with torch.autocast(a_c.device.type, enabled=False):
-            if dpending is None:
-                dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
-            dg, dw2, db2 = _linear_bwd(dpending.to(g.dtype), g, w2_c, ctx, 8, 9, w2, b2)
-            dh = kern.glu_bwd(_undrop(dg, mask_g, p_mlp), h, activation)
-            dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, ctx, 6, 7, wi, bi)
-            two = s_dtype != o_dtype
-            ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
-                                             o_dtype if two else None)
-            do = _undrop(do if two else ds, mask_o, p_out).to(a_c.dtype)
-            da, dwo, dbo = _linear_bwd(do, a_c, wo_c, ctx, 2, 3, wo, bo)
+        if dpending is None:
+            dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
+        dg, dw2, db2 = _linear_bwd(dpending.to(g.dtype), g, w2_c, ctx, 8, 9, w2, b2)
+        dh = kern.glu_bwd(_undrop(dg, mask_g, p_mlp), h, activation)
+        dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, ctx, 6, 7, wi, bi)
+        two = s_dtype != o_dtype
+        ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
+                                         o_dtype if two else None)
+        do = _undrop(do if two else ds, mask_o, p_out).to(a_c.dtype)
+        da, dwo, dbo = _linear_bwd(do, a_c, wo_c, ctx, 2, 3, wo, bo)
         return (da.view(a_shape).to(a_dtype), ds, dwo, dbo, _grad_w(ctx, 4, dlnw, ln_w), _grad_w(ctx, 5, dlnb, ln_b),
                 dwi, dbi, dw2, db2, None)
 

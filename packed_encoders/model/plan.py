@@ -54,6 +54,9 @@ class Rules:
         fused_rope_max_tokens: local layers of calls with at least this many tokens rotate in a separate pass.
         glu_gemm_max_tokens: the Triton ``Wi`` + GLU GEMM serves calls of at most this many tokens (0: never).
         quack_eager_min_tokens: eager calls below this many tokens never consult quack's routes.
+        blocks: training forwards as per-block autograd functions: ``None`` where the op family's kernels are
+            fused (Triton; plain-torch ops keep autograd's own C++ backwards, cheaper than Python twins), ``True``
+            for any family with kernels (tests use it to check the block maths on CPU), ``False`` never.
     """
 
     lean: bool = True
@@ -61,6 +64,7 @@ class Rules:
     fused_rope_max_tokens: int = FUSED_ROPE_MAX_TOKENS
     glu_gemm_max_tokens: int = 256
     quack_eager_min_tokens: int = QUACK_EAGER_MIN_TOKENS
+    blocks: bool | None = None
 
     @classmethod
     def from_env(cls) -> "Rules":
@@ -166,11 +170,13 @@ def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, qu
         direct = why is None
     run_ops = ops.direct if direct else ops
     kernels = None
-    if rules.lean and grad and not compiling and ops.kernels is not None:
+    if rules.lean and grad and not compiling and ops.kernels is not None and rules.blocks is not False:
         covers = getattr(ops, "covers", None)
         why_not = None if covers is None else covers(device, dtype, params.hidden_size, params.num_attention_heads,
                                                      params.head_dim, params.activation)
         kernels = ops.kernels if why_not is None else TORCH_KERNELS
+        if kernels is TORCH_KERNELS and rules.blocks is None:
+            kernels = None
     # An op set's own routes (linear, rope_linear, glu_linear) serve forwards without gradient; quack's are
     # consulted only where its host cost per launch is paid back (``quack``: see _quack_active)
     routed = not grad and (quack or ops.gemm != "quack")

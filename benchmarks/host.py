@@ -1,0 +1,242 @@
+"""Host time against GPU time of eager packed calls and training steps, per call path, each in a fresh process.
+
+    python -m benchmarks.host                         # H200: ModernBERT-base random init, ~3-4 minutes
+    python -m benchmarks.host --device cpu --config tiny --tokens /tmp/tokens.npz   # CPU smoke (host proxy only)
+
+Workloads (real text from the token cache, ``python -m benchmarks.data``): eager inference calls of ``queries`` b8
+(NQ-open), ``documents`` b8 (BoolQ 5-shot prompts, p50 ~925 tokens), ``passages`` b32 (BoolQ / SciQ), padded as a
+collator pads them, model in bf16; and the single-vector ``train`` step: 16 queries + 16 documents, fp32 master
+weights under bf16 autocast, mean pooling, in-batch InfoNCE, AdamW.
+
+Variants (environment of the child process):
+
+- ``stock``: HF's own forward (sdpa), not packed.
+- ``old``: ``pe.pack(model)`` with ``PACKED_ENCODERS_LEAN=0``: every op checks its inputs and routes per call, one
+  autograd node per op, quack's routes from their per-op size rules.
+- ``new``: ``pe.pack(model)`` (the lean path: op choices planned once per call class, unchecked launches, one
+  autograd node per layer block, cached autocast weight casts).
+- ``new_noquack``: ``new`` with ``PACKED_ENCODERS_QUACK_GEMM=0`` (installing the ``cute`` extra must not slow a call).
+
+Per (workload, variant): ``host_ms`` (median time for the call to return, GPU idle at the start: the host's share),
+``gpu_ms`` (kernel time per call from ``torch.profiler``), ``wall_ms`` (median per call back to back, CUDA events),
+``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), and for packed
+inference the per-token cosine against stock on the first batch. Rows go to ``--out`` as JSON lines; a table is
+printed. Host time per layer = ``host_ms / num_hidden_layers``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import ROOT, environment, run_child, synchronize, write_rows
+
+VARIANTS = {
+    "stock": {},
+    "old": {"PACKED_ENCODERS_LEAN": "0"},
+    "new": {"PACKED_ENCODERS_LEAN": "1"},
+    "new_noquack": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_QUACK_GEMM": "0"},
+}
+WORKLOADS = {"queries": ("queries", 8), "documents": ("long", 8), "passages": ("passages", 32)}
+N_BATCHES = 12
+REPS = {"host": 20, "train_host": 8, "wall_passes": 3, "profiled": 3}
+QUICK = {"host": 3, "train_host": 2, "wall_passes": 1, "profiled": 1}
+
+
+def _batches(corpus, set_name: str, batch: int, n: int, seed: int, device: str):
+    from benchmarks.common import padded_batch
+
+    ts = corpus[set_name]
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(ts), size=batch * n, replace=len(ts) < batch * n)  # small caches repeat sequences
+    out = []
+    for i in range(0, len(idx) - batch + 1, batch):
+        seqs = [np.asarray(ts[int(j)], dtype=np.int64) for j in idx[i:i + batch]]
+        out.append(padded_batch(seqs, 0, device))
+    return out
+
+
+def _profile(step, args, device: str, n: int = 3) -> tuple[float, int]:
+    """``(kernel ms per call, aten ops per call)``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    synchronize(device)
+    with profile(activities=acts) as prof:
+        for i in range(n):
+            step(args[i % len(args)])
+        synchronize(device)
+    gpu_us = 0.0
+    aten = 0
+    for e in prof.events():
+        if e.name.startswith("aten::"):
+            aten += 1
+        if device.startswith("cuda") and e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu_us += e.device_time
+    return gpu_us / 1e3 / n, aten // n
+
+
+def _measure(step, args, device: str, reps: int, counts: dict) -> dict:
+    for a in args[:3]:  # warm-up: compiles, captures nothing (eager)
+        step(a)
+    synchronize(device)
+    host = []
+    for i in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        step(args[i % len(args)])
+        host.append(time.perf_counter() - t0)
+    synchronize(device)
+    walls = []
+    for _ in range(counts["wall_passes"]):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for a in args:
+            step(a)
+        synchronize(device)
+        walls.append((time.perf_counter() - t0) / len(args))
+    pr = cProfile.Profile()
+    pr.enable()
+    step(args[0])
+    pr.disable()
+    synchronize(device)
+    gpu_ms, aten = _profile(step, args, device, counts["profiled"])
+    return {"host_ms": statistics.median(host) * 1e3, "wall_ms": statistics.median(walls) * 1e3, "gpu_ms": gpu_ms,
+            "python_calls": pstats.Stats(pr).total_calls, "aten_ops": aten}
+
+
+def child(args) -> dict:
+    import packed_encoders as pe
+    from benchmarks.data import load_corpus
+    from benchmarks.models import make_config
+
+    device = args.device
+    corpus = load_corpus(args.tokens, build=False)
+    config = make_config(args.config)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    from transformers import ModernBertModel
+
+    packed = args.variant != "stock"
+    counts = QUICK if args.quick else REPS
+    rows = []
+    for workload in args.workloads.split(","):
+        if workload == "train":
+            model = ModernBertModel(config).to(device).train()  # fp32 masters
+            if packed:
+                pe.pack(model, validate=False)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            q = _batches(corpus, "queries", 16, 4, 1, device)
+            d = _batches(corpus, "long", 16, 4, 2, device)
+            pairs = list(zip(q, d))
+            def encode(b):
+                with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+                    h = model(input_ids=b.input_ids, attention_mask=b.attention_mask).last_hidden_state
+                m = b.attention_mask.unsqueeze(-1).float()
+                return torch.nn.functional.normalize((h.float() * m).sum(1) / m.sum(1), dim=-1)
+
+            def step(pair):
+                qb, db = pair
+                scores = encode(qb) @ encode(db).t() / 0.05
+                loss = torch.nn.functional.cross_entropy(scores, torch.arange(scores.shape[0], device=device))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            row = _measure(step, pairs, device, counts["train_host"], counts)
+        else:
+            set_name, batch = WORKLOADS[workload]
+            batches = _batches(corpus, set_name, batch, 3 if args.quick else N_BATCHES, 0, device)
+            dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+            model = ModernBertModel(config).to(device, dtype).eval()
+            cos = None
+            if packed:
+                b = batches[0]
+                with torch.no_grad():
+                    ref = type(model).forward(model, input_ids=b.input_ids, attention_mask=b.attention_mask)
+                pe.pack(model, validate=False)
+                with torch.no_grad():
+                    got = model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+                real = b.attention_mask.bool()
+                cos = torch.nn.functional.cosine_similarity(got.last_hidden_state[real].float(),
+                                                            ref.last_hidden_state[real].float(), dim=-1).min().item()
+
+            def step(b):
+                with torch.no_grad():
+                    model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+
+            row = _measure(step, batches, device, counts["host"], counts)
+            row["token_cos_min"] = cos
+            row["tokens_per_call"] = float(np.mean([int(b.attention_mask.sum()) for b in batches]))
+        row.update(runner="host", workload=workload, variant=args.variant, config=args.config,
+                   layers=config.num_hidden_layers,
+                   host_us_per_layer=row["host_ms"] * 1e3 / config.num_hidden_layers,
+                   describe=pe.describe(model)["encoders"][0].get("kernels") if packed else None)
+        rows.append(row)
+        del model
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--config", default="modernbert-base")
+    ap.add_argument("--tokens", default=None, help="token cache (default: benchmarks.data's)")
+    ap.add_argument("--variants", default="stock,old,new,new_noquack")
+    ap.add_argument("--workloads", default="queries,documents,passages,train")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host"))
+    ap.add_argument("--quick", action="store_true", help="few repetitions (CPU smoke test)")
+    ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant (its fresh process)")
+    ap.add_argument("--child", dest="variant", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.variant is not None:
+        print("HOSTJSON " + json.dumps(child(args)))
+        return 0
+    rows = []
+    for variant in args.variants.split(","):
+        argv_child = ["benchmarks.host", "--child", variant, "--device", args.device, "--config", args.config,
+                      "--workloads", args.workloads] + (["--tokens", args.tokens] if args.tokens else []) \
+            + (["--quick"] if args.quick else [])
+        rc, out, secs = run_child(argv_child, timeout=args.timeout, env=VARIANTS[variant])
+        line = next((ln for ln in out.splitlines() if ln.startswith("HOSTJSON ")), None)
+        if rc != 0 or line is None:
+            print(f"[{variant}] failed (rc {rc}, {secs:.0f} s):\n{out[-2500:]}", file=sys.stderr)
+            rows.append({"runner": "host", "variant": variant, "status": "failed", "tail": out[-2000:]})
+            continue
+        for r in json.loads(line[len("HOSTJSON "):])["rows"]:
+            r["status"] = "ok"
+            rows.append(r)
+        print(f"[{variant}] {secs:.0f} s", file=sys.stderr)
+    env = environment(args.device)
+    for r in rows:
+        r["env"] = env
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"host_{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    write_rows(path, rows)
+    print(f"| workload | variant | host ms | us/layer | GPU ms | wall ms | python calls | aten ops | cos min |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r.get("status") != "ok":
+            print(f"| - | {r['variant']} | failed | | | | | | |")
+            continue
+        cos = "" if r.get("token_cos_min") is None else f"{r['token_cos_min']:.5f}"
+        print(f"| {r['workload']} | {r['variant']} | {r['host_ms']:.2f} | {r['host_us_per_layer']:.0f} | "
+              f"{r['gpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['python_calls']} | {r['aten_ops']} | {cos} |")
+    print(f"rows: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""The lean call path on CUDA (model/plan.py, model/blocks.py, ops/weight_cast.py) against the per-op path
+(``Rules(lean=False)``) and stock HF, ModernBERT-base geometry, random init: bf16 inference parity, unchecked Triton
+launches taken with nothing recorded as a fallback, training gradients (fp32 masters under bf16 autocast) with
+dropout and checkpointing, the cached weight casts never stale.
+
+Run: ``python -m pytest -q tests/gpu/test_lean.py`` (skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import packed_encoders as pe  # noqa: E402
+from packed_encoders.batch import unpad  # noqa: E402
+from packed_encoders.model import plan as plan_mod  # noqa: E402
+from packed_encoders.model.forward import encoder_forward, plan_attention  # noqa: E402
+from packed_encoders.model.params import ModernBertParams  # noqa: E402
+from packed_encoders.ops.select import select_ops  # noqa: E402
+
+DEV = torch.device("cuda")
+LEAN, PER_OP = plan_mod.Rules(lean=True), plan_mod.Rules(lean=False)
+
+
+def _model(dtype=torch.bfloat16, **overrides):
+    from transformers import ModernBertConfig, ModernBertModel
+
+    torch.manual_seed(0)
+    config = ModernBertConfig(**overrides)
+    config._attn_implementation = "sdpa"
+    m = ModernBertModel(config).to(DEV, dtype).eval()
+    with torch.no_grad():  # LayerNorm weights of exactly 1 would hide weight bugs
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.LayerNorm):
+                mod.weight.add_(0.1 * torch.randn_like(mod.weight))
+    return m
+
+
+def _batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = max(lengths)
+    ids = torch.randint(5, 50000, (len(lengths), s), generator=g)
+    mask = torch.zeros(len(lengths), s, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if row % 2:
+            mask[row, s - n:] = 1
+        else:
+            mask[row, :n] = 1
+    return ids.to(DEV), mask.to(DEV)
+
+
+def _packed(model, ids, mask):
+    return unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                 vocab_size=model.config.vocab_size)
+
+
+def _cos_rows(a, b):
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+@pytest.mark.parametrize("lengths", [[12, 30, 7, 128, 64, 3, 90, 40], [925, 300, 1500, 2048, 640, 800, 1100, 77],
+                                     [100] * 32])
+def test_lean_inference_matches_per_op_and_stock(lengths):
+    model = _model()
+    params = ModernBertParams.from_hf_config(model.config)
+    ids, mask = _batch(lengths)
+    batch = _packed(model, ids, mask)
+    ops, _ = select_ops("auto", DEV)
+    from packed_encoders.ops import fused
+
+    fused.reset_fallbacks()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+        ref = ref.last_hidden_state[mask.bool()]
+        attention = plan_attention(params, batch, "auto", grad=False, dtype=torch.bfloat16, dropout=False)
+        lean = encoder_forward(model, params, batch, attention=attention, ops=ops, rules=LEAN)
+        per_op = encoder_forward(model, params, batch, attention=attention, ops=ops, rules=PER_OP)
+    plan = plan_mod.plan_for(params, ops, attention, tokens=batch.total_tokens, max_seqlen=batch.max_seqlen,
+                             dtype=torch.bfloat16, device=batch.device, grad=False)
+    assert plan.direct, plan.why_checked
+    assert fused.fallbacks() == {}
+    cos = _cos_rows(lean, per_op)
+    assert cos.min() >= 0.9999, float(cos.min())
+    cos = _cos_rows(lean, ref)
+    print(lengths[:3], {lp.backend for lp in plan.layers}, plan.glu, float(cos.min()), float(cos.mean()))
+    assert cos.min() >= 0.995 and cos.mean() >= 0.999
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lean_training_gradients_vs_stock(checkpointing):
+    """fp32 masters under bf16 autocast: the block path against stock HF (output-proximate parameters tightly,
+    every parameter loosely) and against the per-op path."""
+    model = _model(torch.float32).train()
+    ids, mask = _batch([40, 300, 129, 7, 925])
+    real = mask.bool()
+    torch.manual_seed(1)
+    target = torch.randn(*ids.shape, model.config.hidden_size, device=DEV)
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn()
+        ((out.float() - target)[real] ** 2).mean().backward()
+        return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = grads(lambda: model(input_ids=ids, attention_mask=mask,
+                              position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    pe.pack(model, validate=False)
+    try:
+        got = grads(lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    finally:
+        pe.unpack(model)
+        model.gradient_checkpointing_disable()
+    last = model.config.num_hidden_layers - 1
+    worst = min((float(torch.nn.functional.cosine_similarity(got[n].flatten(), ref[n].flatten(), dim=0)), n)
+                for n in ref)
+    print("worst gradient cosine", worst)
+    assert set(got) == set(ref)
+    for name in [n for n in ref if n.startswith(f"layers.{last}.") or n.startswith("final_norm")]:
+        cos = torch.nn.functional.cosine_similarity(got[name].flatten(), ref[name].flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))
+    assert worst[0] > 0.9, worst
+    for n, g in got.items():
+        assert g.dtype == torch.float32 and torch.isfinite(g).all(), n
+
+
+def test_lean_training_matches_per_op_path_with_dropout():
+    model = _model(torch.float32, embedding_dropout=0.1, mlp_dropout=0.1, attention_dropout=0.0).train()
+    params = ModernBertParams.from_hf_config(model.config)
+    ids, mask = _batch([64, 200, 31, 512])
+    batch = _packed(model, ids, mask)
+    ops, _ = select_ops("auto", DEV)
+
+    def run(rules):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = encoder_forward(model, params, batch, ops=ops, rules=rules)
+        out.float().square().mean().backward()
+        return out.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    out_l, g_l = run(LEAN)
+    out_p, g_p = run(PER_OP)
+    assert _cos_rows(out_l, out_p).min() > 0.999
+    for n in g_p:
+        cos = torch.nn.functional.cosine_similarity(g_l[n].flatten(), g_p[n].flatten(), dim=0)
+        assert cos > 0.99, (n, float(cos))
+
+
+def test_autocast_inference_sees_weight_updates():
+    """Cached bf16 casts of fp32 weights: an in-place change, a fused AdamW step and ``param.data = ...`` between
+    two forwards all show in the second output."""
+    model = _model(torch.float32)
+    pe.pack(model, validate=False)
+    ids, mask = _batch([50, 120, 9])
+
+    def fwd():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+
+    a = fwd()
+    torch.testing.assert_close(fwd(), a, atol=0, rtol=0)
+    w = model.layers[5].mlp.Wi.weight
+    with torch.no_grad():
+        w.mul_(2.0)
+    b = fwd()
+    assert (b - a).abs().max() > 1e-2
+    w.grad = torch.randn_like(w)
+    torch.optim.AdamW([w], lr=1e-2, fused=True).step()
+    c = fwd()
+    assert (c - b).abs().max() > 1e-3
+    model.layers[3].attn.Wqkv.weight.data = torch.randn_like(model.layers[3].attn.Wqkv.weight) * 0.02
+    d = fwd()
+    assert (d - c).abs().max() > 1e-2
+    pe.unpack(model)
