@@ -327,3 +327,18 @@ def test_fused_kernel_compiles_for_sm90_without_spills():
     assert len(rows) == 3
     for head_dim, _, _, _, stack in rows:
         assert head_dim != "64" or stack in ("0", "?"), proc.stdout
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("with_rope", [False, True])
+def test_direct_entry_equals_checked(window, with_rope):
+    """The unchecked entry the packed forward's no-grad plan calls launches exactly what the checked one does."""
+    from packed_encoders.attention.triton_short import triton_short_attention_direct
+
+    lengths = [5, 0, 17, 3]
+    qkv, cu, _, rope = make(lengths)
+    q, k, v = views(qkv, 2, 64)
+    kw = {"rope": rope} if with_rope else {}
+    want = attend(q, k, v, cu, max(lengths), window, config=None, **kw)
+    got = triton_short_attention_direct(q, k, v, cu, max(lengths), window=window, scale=64 ** -0.5, **kw)
+    assert torch.equal(got, want)

@@ -154,6 +154,10 @@ def test_weight_cast_is_reused_and_never_stale():
     assert weight_cast.cast(w, torch.bfloat16) is d
     weight_cast.clear()  # ... until cleared
     assert torch.equal(weight_cast.cast(w, torch.bfloat16), w.detach().to(torch.bfloat16))
+    weight_cast.clear()
+    with torch.inference_mode():  # cached under inference_mode, then saved for a backward: a normal tensor
+        e = weight_cast.cast(w, torch.bfloat16)
+    assert not e.is_inference() and weight_cast.cast(w, torch.bfloat16) is e
 
 
 @pytest.mark.parametrize("grad", [False, True])

@@ -60,6 +60,9 @@ class Backend:
     envelope: Callable[[Workload], str | None]
     supports_key_lens: bool = False
     fuses_rope: bool = False  # fn takes rope=(cos, sin, rows) with unrotated q, k (forward only, no grad)
+    # fn without its per-call argument checks, for forwards that produced q, k, v, cu_seqlens and the RoPE tables
+    # themselves in the layouts fn checks for (model/plan.py's unchecked no-grad path); None: fn is cheap already
+    direct: Callable | None = None
 
     def fuse_rope(self, grad: bool, total_tokens: int | None = None) -> bool:
         """Whether the packed forward should hand RoPE to ``fn`` rather than rotate ``q, k`` first: a backend

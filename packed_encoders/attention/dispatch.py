@@ -90,6 +90,9 @@ def window_kind(window: int | None) -> str:
     return "global" if window is None else "local"
 
 
+_TABLE_MEMO: dict = {}
+
+
 @dataclass(frozen=True)
 class Policy:
     """Backend preference tables for one card (or one compute capability) and where they came from.
@@ -108,8 +111,20 @@ class Policy:
         (else the eager tables), then the closest geometry.
 
         Training workloads use an inference table when no grad table exists (dispatch then keeps only
-        backends with a backward).
+        backends with a backward). Memoised per (policy, grad, window kind, graph, geometry): every call resolves
+        it once per window, and the search is host time on each.
         """
+        key = (id(self), w.grad, w.window is None, w.graph, w.heads, w.head_dim)
+        hit = _TABLE_MEMO.get(key)
+        if hit is not None and hit[0] is self:
+            return hit[1]
+        table = self._table_for(w)
+        if len(_TABLE_MEMO) > 1024:
+            _TABLE_MEMO.clear()
+        _TABLE_MEMO[key] = (self, table)
+        return table
+
+    def _table_for(self, w: Workload) -> Table | None:
         kind = window_kind(w.window)
         for grad in ((True, False) if w.grad else (False,)):
             same = [t for t in self.tables if t.grad == grad and t.window == kind]

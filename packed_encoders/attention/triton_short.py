@@ -303,5 +303,22 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def triton_short_attention_direct(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
+                                  dropout_p: float = 0.0, key_lens: torch.Tensor | None = None,
+                                  rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """:func:`triton_short_attention` without its argument checks (each costs host time on every layer of a short
+    batch): for the packed forward's no-grad path, whose ``q, k, v`` (views of the fused projection or the RoPE
+    kernel's outputs), int32 ``cu_seqlens`` / ``key_lens`` and fp32 RoPE tables with contiguous ``rows`` meet the
+    contract by construction. No dropout, no gradient."""
+    if torch.compiler.is_compiling():
+        return triton_short_attention(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale,
+                                      dropout_p=dropout_p, key_lens=key_lens, rope=rope)
+    if rope is None:
+        return _launch(q, k, v, cu_seqlens, max_seqlen, window, scale, None, key_lens)
+    cos, sin, rows = rope
+    return _launch(q, k, v, cu_seqlens, max_seqlen, window, scale, None, key_lens, cos, sin, rows.contiguous())
+
+
 register(Backend("triton", triton_short_attention, has_backward=False, supports_dropout=False,
-                 availability=triton_status, envelope=envelope, supports_key_lens=True, fuses_rope=True))
+                 availability=triton_status, envelope=envelope, supports_key_lens=True, fuses_rope=True,
+                 direct=triton_short_attention_direct))

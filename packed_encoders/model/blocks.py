@@ -71,11 +71,12 @@ class AttentionIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta):
-        kern, eps, has_norm, cdt, norm_dtype, nh, hd = meta
+        kern, eps, has_norm, cdt, nh, hd = meta
         res_dtype = x.dtype if pending is None else torch.promote_types(x.dtype, pending.dtype)
         mean = rstd = None
         if has_norm:
-            s, y, mean, rstd = kern.ln_fwd(x, pending, ln_w, ln_b, eps, norm_dtype(res_dtype), res_dtype)
+            # the normed output feeds only the projection: written once in its dtype (the same rounding as a cast)
+            s, y, mean, rstd = kern.ln_fwd(x, pending, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
             if s is None:
                 s = x
         else:
@@ -99,7 +100,7 @@ class AttentionIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, ds, dq, dk, dv):
-        kern, eps, has_norm, cdt, norm_dtype, nh, hd = ctx.meta
+        kern, eps, has_norm, cdt, nh, hd = ctx.meta
         s, ln_w_saved, mean, rstd, y_c, w_c, cos, sin, rows = ctx.saved_tensors
         ln_w, ln_b, w, b = ctx.params
         x_dtype, p_dtype, qkv_dtype, y_dtype = ctx.dtypes
@@ -125,14 +126,14 @@ class AttentionOutMlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta):
-        kern, eps, cdt, norm_dtype, activation, p_out, p_mlp = meta
+        kern, eps, cdt, activation, p_out, p_mlp = meta
         t = a.shape[0]
         a2 = a.reshape(t, -1)
         a_c = a2 if cdt is None else a2.to(cdt)
         wo_c, bo_c = cast(wo, cdt), cast(bo, cdt)
         o, mask_o = _dropout(F.linear(a_c, wo_c, bo_c), p_out)
         res_dtype = torch.promote_types(s.dtype, o.dtype)
-        x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, norm_dtype(res_dtype), res_dtype)
+        x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
         y_c = y if cdt is None else y.to(cdt)
         wi_c, bi_c = cast(wi, cdt), cast(bi, cdt)
         h = F.linear(y_c, wi_c, bi_c)
@@ -147,7 +148,7 @@ class AttentionOutMlp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx, dpending):
-        kern, eps, cdt, norm_dtype, activation, p_out, p_mlp = ctx.meta
+        kern, eps, cdt, activation, p_out, p_mlp = ctx.meta
         a_c, x, ln_w_saved, mean, rstd, y_c, h, g, mask_o, mask_g, wo_c, wi_c, w2_c = ctx.saved_tensors
         wo, bo, ln_w, ln_b, wi, bi, w2, b2 = ctx.params
         a_dtype, a_shape, s_dtype, o_dtype, p_dtype = ctx.dtypes
@@ -165,14 +166,6 @@ class AttentionOutMlp(torch.autograd.Function):
                 dwi, dbi, dw2, db2, None)
 
 
-def _norm_dtype_fn(device_type: str):
-    """LayerNorm output dtype for a residual dtype: fp32 under CUDA autocast (as ``F.layer_norm`` there), else the
-    residual's own."""
-    if device_type == "cuda" and torch.is_autocast_enabled("cuda"):
-        return lambda d: torch.float32 if d in (torch.float16, torch.bfloat16) else d
-    return lambda d: d
-
-
 def compute_dtype(device_type: str) -> torch.dtype | None:
     """The dtype projections run in: autocast's when autocast is on for ``device_type``, else ``None`` (as is)."""
     if torch.is_autocast_enabled(device_type):
@@ -186,15 +179,13 @@ def run_layer_blocks(layer: nn.Module, step, params: ModernBertParams, batch, ke
     (emptied). Returns ``(x, pending)``."""
     x, pending = carry
     carry.clear()
-    device_type = x.device.type
-    norm_dtype = _norm_dtype_fn(device_type)
     attn = layer.attn
     ln_w, ln_b, eps, has_norm = _norm_params(layer.attn_norm)
     wqkv = attn.Wqkv
     nh, hd = params.num_attention_heads, params.head_dim
     cos, sin, rows = rope_tables_for(is_global)
     s, q, k, v = AttentionIn.apply(x, pending, ln_w, ln_b, wqkv.weight, wqkv.bias, cos, sin, rows,
-                                   (kernels, eps, has_norm, cdt, norm_dtype, nh, hd))
+                                   (kernels, eps, has_norm, cdt, nh, hd))
     if pending is None:
         s = x
     x = pending = None
@@ -205,6 +196,6 @@ def run_layer_blocks(layer: nn.Module, step, params: ModernBertParams, batch, ke
     q = k = v = None
     mlp = layer.mlp
     m_w, m_b, m_eps, _ = _norm_params(layer.mlp_norm)
-    meta = (kernels, m_eps, cdt, norm_dtype, params.activation, _drop_p(attn.out_drop), _drop_p(mlp.drop))
+    meta = (kernels, m_eps, cdt, params.activation, _drop_p(attn.out_drop), _drop_p(mlp.drop))
     return AttentionOutMlp.apply(a, s, attn.Wo.weight, attn.Wo.bias, m_w, m_b, mlp.Wi.weight, mlp.Wi.bias,
                                  mlp.Wo.weight, mlp.Wo.bias, meta)

@@ -194,7 +194,8 @@ def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, qu
             rope = "attention"
         else:
             rope = "separate"
-        layers.append(LayerPlan(window, name, backend.fn, rope))
+        fn = backend.direct if direct and backend.direct is not None else backend.fn
+        layers.append(LayerPlan(window, name, fn, rope))
     if grad:
         glu = "split"
     elif routed and ops.gemm == "quack" and ops.glu_linear is not None:

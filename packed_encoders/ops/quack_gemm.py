@@ -19,7 +19,9 @@ Measured on the H200 (``benchmarks/gemm_epilogue.py``, bf16, CUDA-graph GPU time
 
 A quack launch costs ~10-20 us more host time than cuBLAS's, which an eager forward of a few thousand tokens
 pays (it is host-bound there); inside a CUDA-graph capture only GPU time counts. So plain projections take
-quack from ``graph`` tokens while capturing and from ``eager`` tokens otherwise.
+quack from ``graph`` tokens while capturing and from ``eager`` tokens otherwise. The packed forward's plan (:mod:`packed_encoders.model.plan`)
+does not consult these routes at all for eager calls below ``QUACK_EAGER_MIN_TOKENS`` (16,384) tokens, so the GLU
+epilogue's :data:`GLU_MIN_TOKENS` serves graph captures and validation.
 
 Only on sm_90 (where it was measured) and only when the whole toolchain imports. Gradient-carrying calls and
 ``torch.compile`` tracing stay on cuBLAS by choice (not recorded). Calls that meet the size rule but that quack

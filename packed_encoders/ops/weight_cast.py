@@ -66,7 +66,8 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
     hit = _CACHE.get(key)
     if hit is not None and hit[1] == stamp and hit[0]() is t:
         return hit[2]
-    with torch.no_grad():
+    # a normal tensor even under inference_mode: a later training forward may save the cached copy for backward
+    with torch.inference_mode(False), torch.no_grad():
         out = t.to(dtype)
     ref = weakref.ref(t, lambda _, k=key: _CACHE.pop(k, None))
     with _LOCK:
