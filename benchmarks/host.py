@@ -81,7 +81,7 @@ def _profile(step, args, device: str, n: int = 3) -> tuple[float, int]:
         if e.name.startswith("aten::"):
             aten += 1
         if device.startswith("cuda") and e.device_type == torch.autograd.DeviceType.CUDA:
-            gpu_us += e.device_time
+            gpu_us += e.device_time_total  # a kernel, memcpy or memset: its duration
     return gpu_us / 1e3 / n, aten // n
 
 
