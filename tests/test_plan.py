@@ -77,7 +77,7 @@ def test_plan_choices_follow_the_rules(fused):
     # every layer's window: a band covering every sequence is global
     assert [lp.window for lp in plan(100).layers] == [params.layer_window(i) for i in range(4)]
     assert all(lp.window is None for lp in plan(100, max_seqlen=params.window + 1).layers)
-    assert all(lp.rope == "separate" for lp in plan(100).layers)  # sdpa does not fuse RoPE
+    assert not any(lp.rope_linear or lp.rope_in_attention for lp in plan(100).layers)  # sdpa does not fuse RoPE
 
 
 def test_triton_cover_reasons(fused):
@@ -115,3 +115,20 @@ def test_quack_routes_wait_for_their_host_cost(monkeypatch):
         with quack_gemm.forced():
             encoder_forward(model, params, batch, ops=ops)
         assert len(calls) == 3 * params.num_hidden_layers
+
+
+def test_a_declined_rope_linear_falls_back_to_the_attention_kernel():
+    """A layer asks the op set's rope_linear route first; when it declines a call (returns None), a backend that
+    fuses RoPE still rotates in the attention kernel rather than in a separate pass."""
+    from dataclasses import replace
+
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    ops = replace(TORCH_OPS, rope_linear=lambda *args: None)
+    attention = {None: Decision("triton"), params.window: Decision("triton")}
+    p = plan_mod.plan_for(params, ops, attention, tokens=100, max_seqlen=40, dtype=torch.bfloat16,
+                          device=torch.device("cpu"), grad=False)
+    assert all(lp.rope_linear and lp.rope_in_attention for lp in p.layers)
+    g = plan_mod.plan_for(params, ops, _sdpa(params), tokens=100, max_seqlen=40, dtype=torch.bfloat16,
+                          device=torch.device("cpu"), grad=True)
+    assert not any(lp.rope_linear or lp.rope_in_attention for lp in g.layers)  # with gradients: neither

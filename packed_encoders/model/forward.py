@@ -232,7 +232,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             else:
                 normed = run.layer_norm(x, *_norm_args(attn_norm))
             pending = None
-            rotated = rope_linear(normed, wqkv, is_global) if step.rope == "linear" else None
+            rotated = rope_linear(normed, wqkv, is_global) if step.rope_linear else None
             qkv = linear(normed, cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)) if rotated is None else None
             normed = None
             extra = dict(extra_kw)
@@ -240,7 +240,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 # q, k rotated in the projection's epilogue, both in pair order: q . k, hence attention, unchanged
                 q, k, v = rotated
                 rotated = None
-            elif step.rope == "attention":
+            elif step.rope_in_attention:
                 # the attention kernel rotates q and k as it loads them: no separate RoPE launch (inference only)
                 q, k, v = qkv.view(total, 3, nh, hd).unbind(1)
                 extra["rope"] = rope_tables_for(is_global)

@@ -8,9 +8,9 @@ forward then calls the chosen implementations directly:
 
 - ``ops``: the op set's unchecked launches (``FusedOpSet.direct``) when its ``covers`` check passes for the
   whole call and no gradient is wanted, else the checked ops (which route per call and record fallbacks).
-- per layer (:class:`LayerPlan`): the attention window and backend, and where RoPE happens (``"linear"``: in the
-  ``Wqkv`` GEMM's epilogue, through the op set's ``rope_linear`` route; ``"attention"``: inside the attention
-  kernel; ``"separate"``: its own op).
+- per layer (:class:`LayerPlan`): the attention window and backend, and where RoPE happens: in the ``Wqkv``
+  GEMM's epilogue (``rope_linear``: the op set's route is asked; it may decline a call), else inside the attention
+  kernel (``rope_in_attention``), else as its own op.
 - the ``Wi`` + GLU path (``"small_gemm"``: one Triton launch for short calls; ``"route"``: the op set's
   ``glu_linear`` route, e.g. quack's epilogue; ``"split"``: ``F.linear`` then the GLU op) and the projections
   (``F.linear``, or the op set's ``linear`` route where it may take the call).
@@ -94,7 +94,8 @@ class LayerPlan:
     window: int | None  # half window; None: global (or a band covering every sequence)
     backend: str
     attention: Callable
-    rope: str  # "linear" | "attention" | "separate"
+    rope_linear: bool  # ask the op set's rope_linear route first
+    rope_in_attention: bool  # else hand the rotation to the attention kernel (else: its own op)
 
 
 @dataclass(frozen=True)
@@ -185,17 +186,12 @@ def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, qu
         window = _layer_window(params, index, max_seqlen)
         name = attention[window].backend
         backend = BACKENDS[name]
-        if routed and ops.rope_linear is not None:
-            rope = "linear"  # the route may still decline a call (it returns None): then rotated apart
-        elif (backend.fuses_rope and not grad and rules.fused_rope
-              and (window is None or rope_local_fused)):
-            # the size rule was measured on local layers (key tiles rotated again by ~3 query tiles); global
-            # layers keep the fused rotation at any size
-            rope = "attention"
-        else:
-            rope = "separate"
+        # the size rule was measured on local layers (key tiles rotated again by ~3 query tiles); global layers
+        # keep the fused rotation at any size
+        in_attention = (backend.fuses_rope and not grad and rules.fused_rope
+                        and (window is None or rope_local_fused))
         fn = backend.direct if direct and backend.direct is not None else backend.fn
-        layers.append(LayerPlan(window, name, fn, rope))
+        layers.append(LayerPlan(window, name, fn, routed and ops.rope_linear is not None, in_attention))
     if grad:
         glu = "split"
     elif routed and ops.gemm == "quack" and ops.glu_linear is not None:
