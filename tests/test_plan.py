@@ -132,3 +132,24 @@ def test_a_declined_rope_linear_falls_back_to_the_attention_kernel():
     g = plan_mod.plan_for(params, ops, _sdpa(params), tokens=100, max_seqlen=40, dtype=torch.bfloat16,
                           device=torch.device("cpu"), grad=True)
     assert not any(lp.rope_linear or lp.rope_in_attention for lp in g.layers)  # with gradients: neither
+
+
+def test_quack_glu_route_is_called_on_the_direct_path(fused):
+    """With unchecked launches (direct ops) and quack active, the Wi + GLU goes to the op set's own route (quack's
+    epilogue), not to the direct op set's small GEMM."""
+    from dataclasses import replace
+
+    calls = []
+
+    def glu_linear(x, w, b, act):
+        calls.append(x.shape[0])
+        return fused.glu(torch.nn.functional.linear(x, w, b), act)
+
+    ops = replace(fused.TRITON_OPS, glu_linear=glu_linear, linear=torch.nn.functional.linear, gemm="quack")
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    batch = _batch(model, [9, 30, 4])
+    with torch.no_grad():
+        encoder_forward(model, params, batch, ops=ops, attention_backend="sdpa",
+                        rules=plan_mod.Rules(quack_eager_min_tokens=1))
+    assert calls == [batch.total_tokens] * params.num_hidden_layers

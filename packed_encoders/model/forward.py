@@ -161,7 +161,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     scale = params.scaling
     nh, hd = params.num_attention_heads, params.head_dim
     extra_kw = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
-    glu_path, linear = plan.glu, plan.linear
+    glu_path, glu_linear, linear = plan.glu, plan.glu_linear, plan.linear
 
     # RoPE inputs are built on first use: a forward whose q, k projections all rotate in their epilogue
     # (ops.rope_linear) needs no cos / sin, and each small op here is a kernel in every graph replay
@@ -260,7 +260,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             if glu_path == "split":
                 h = run.glu(F.linear(normed, cast(wi.weight, wdt), cast(wi.bias, wdt)), params.activation)
             else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
-                h = run.glu_linear(normed, wi.weight, wi.bias, params.activation)
+                h = glu_linear(normed, wi.weight, wi.bias, params.activation)
             normed = None
             g = _dropout(h, mlp.drop)
             h = None

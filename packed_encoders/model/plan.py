@@ -104,6 +104,7 @@ class Plan:
     direct: bool
     kernels: Kernels | None  # with gradients: the raw launches of the per-block autograd functions (.blocks)
     glu: str  # "small_gemm" | "route" | "split"
+    glu_linear: Callable | None  # what "small_gemm" / "route" call (the route is the op set's own, e.g. quack's)
     linear: Callable
     layers: tuple[LayerPlan, ...]
     why_checked: str | None  # why the checked ops run (None when direct, or with gradients)
@@ -202,8 +203,9 @@ def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, qu
         glu = "route"  # the checked op applies its own size and cover rules
     else:
         glu = "split"
+    glu_linear = {"small_gemm": run_ops.glu_linear, "route": ops.glu_linear}.get(glu)
     linear = ops.linear if (routed and ops.linear is not None) else F.linear
-    return Plan(run_ops, direct, kernels, glu, linear, tuple(layers), why)
+    return Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why)
 
 
 __all__ = ["LEAN_ENV", "LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "plan_for"]
