@@ -14,9 +14,9 @@ save only what the backward reads. Numerics are autocast's: with autocast on, ea
 dtype (weights cast once and reused, :mod:`..ops.weight_cast`), norms and residual sums as the op set's kernels
 do; weight gradients are computed in the autocast dtype and returned in the parameter's dtype, as autocast's cast
 node would. Every projection gets its operands already in the compute dtype, so an ambient autocast has nothing
-left to cast (no autocast context is entered: that costs host time per block). Dropout masks are drawn in forward (``native_dropout``, so gradient checkpointing's RNG replay draws the
-same ones) and kept for the backward. The ``torch.library`` custom ops stay for ``torch.compile`` (which takes the
-per-op path).
+left to cast (no autocast context is entered: that costs host time per block). Dropout masks are drawn in forward
+(``native_dropout``, so gradient checkpointing's RNG replay draws the same ones) and kept for the backward. The
+``torch.library`` custom ops stay for ``torch.compile`` (which takes the per-op path).
 """
 
 from __future__ import annotations

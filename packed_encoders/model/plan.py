@@ -77,6 +77,23 @@ class Rules:
 
 
 _DEFAULT_RULES: dict = {}
+_TUNED_RULES: dict = {}
+
+
+def rules_for(tuning) -> Rules:
+    """The :class:`Rules` of an encoder's frozen ``packed_encoders.tuning.Tuning`` (its ``fused_rope`` and
+    ``fused_glu_gemm`` switches as read at ``pack()``; ``PACKED_ENCODERS_LEAN`` as :func:`default_rules` reads it),
+    memoised per tuning object."""
+    hit = _TUNED_RULES.get(id(tuning))
+    if hit is not None and hit[0] is tuning:
+        return hit[1]
+    base = default_rules()
+    rules = Rules(lean=base.lean, fused_rope=bool(tuning.fused_rope), fused_rope_max_tokens=base.fused_rope_max_tokens,
+                  glu_gemm_max_tokens=base.glu_gemm_max_tokens if tuning.fused_glu_gemm else 0)
+    if len(_TUNED_RULES) > 64:
+        _TUNED_RULES.clear()
+    _TUNED_RULES[id(tuning)] = (tuning, rules)
+    return rules
 
 
 def default_rules() -> Rules:
@@ -208,4 +225,5 @@ def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, qu
     return Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why)
 
 
-__all__ = ["LEAN_ENV", "LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "plan_for"]
+__all__ = ["LEAN_ENV", "LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "plan_for",
+           "rules_for"]
