@@ -63,7 +63,8 @@ def test_layer_norm_compiles(hidden, dt, residual, bias):
     p = _ptr(dt)
     fwd = _compile(L._fwd_kernel, dict(X=p, D=p, W=p, B=p, S=p, Y=p, MEAN="*fp32", RSTD="*fp32", n_rows="i32",
                                        eps="fp32"),
-                   dict(N=hidden, BLOCK_N=block_n, ROWS=rows, HAS_RES=residual, HAS_W=True, HAS_B=bias), warps)
+                   dict(N=hidden, BLOCK_N=block_n, ROWS=rows, HAS_RES=residual, HAS_W=True, HAS_B=bias, STATS=True),
+                   warps)
     block_n, rows, warps = L.config(hidden, es, backward=True)
     bwd = _compile(L._bwd_kernel, dict(DY=p, X=p, W=p, MEAN="*fp32", RSTD="*fp32", DRES=p, DX=p, DX2="*bf16",
                                        DW="*fp32", DB="*fp32", n_rows="i32", n_tiles="i32", n_programs="i32"),

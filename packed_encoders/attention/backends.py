@@ -64,17 +64,19 @@ class Backend:
     # themselves in the layouts fn checks for (model/plan.py's unchecked no-grad path); None: fn is cheap already
     direct: Callable | None = None
 
-    def fuse_rope(self, grad: bool, total_tokens: int | None = None) -> bool:
+    def fuse_rope(self, grad: bool, total_tokens: int | None = None, *, enabled: bool | None = None,
+                  max_tokens: int | None = None) -> bool:
         """Whether the packed forward should hand RoPE to ``fn`` rather than rotate ``q, k`` first: a backend
-        that fuses it, no gradient wanted, :data:`FUSED_ROPE` on, and fewer than :data:`FUSED_ROPE_MAX_TOKENS`
-        tokens in the call. ``total_tokens``: the call's tokens (a graph's bucket size when captured); the
-        forward passes it for local layers only, where the rule was measured. ``None``, or a call traced by
-        ``torch.compile`` (sizes not checked, so that no recompile guard sits at the threshold): fused."""
-        if not (self.fuses_rope and not grad and FUSED_ROPE):
+        that fuses it, no gradient wanted, the switch on (``enabled``; default :data:`FUSED_ROPE`), and fewer than
+        ``max_tokens`` (default :data:`FUSED_ROPE_MAX_TOKENS`) tokens in the call. ``total_tokens``: the call's
+        tokens (a graph's bucket size when captured); the forward passes it for local layers only, where the rule
+        was measured. ``None``, or a call traced by ``torch.compile`` (sizes not checked, so that no recompile
+        guard sits at the threshold): fused."""
+        if not (self.fuses_rope and not grad and (FUSED_ROPE if enabled is None else enabled)):
             return False
         if total_tokens is None or torch.compiler.is_compiling():
             return True
-        return total_tokens < FUSED_ROPE_MAX_TOKENS
+        return total_tokens < (FUSED_ROPE_MAX_TOKENS if max_tokens is None else max_tokens)
 
     def why_not(self, w: Workload) -> str | None:
         """``None`` when this backend can run ``w``, else the reason it cannot."""

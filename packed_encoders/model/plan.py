@@ -163,9 +163,8 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         return hit[1]
-    plan = _build(params, ops, attention, max_seqlen=max_seqlen, dtype=dtype, device=device, grad=grad,
-                  rules=rules, quack=quack, glu_small=glu_small, rope_local_fused=rope_local_fused,
-                  compiling=compiling)
+    plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype, device=device,
+                  grad=grad, rules=rules, quack=quack, glu_small=glu_small, compiling=compiling)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -180,8 +179,8 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
     return window
 
 
-def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, quack, glu_small,
-           rope_local_fused, compiling) -> Plan:
+def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
+           compiling) -> Plan:
     direct, why = False, None
     if rules.lean and not grad and not compiling and getattr(ops, "direct", None) is not None:
         why = ops.covers(device, dtype, params.hidden_size, params.num_attention_heads, params.head_dim,
@@ -206,8 +205,8 @@ def _build(params, ops, attention, *, max_seqlen, dtype, device, grad, rules, qu
         backend = BACKENDS[name]
         # the size rule was measured on local layers (key tiles rotated again by ~3 query tiles); global layers
         # keep the fused rotation at any size
-        in_attention = (backend.fuses_rope and not grad and rules.fused_rope
-                        and (window is None or rope_local_fused))
+        in_attention = backend.fuse_rope(grad, None if window is None else tokens, enabled=rules.fused_rope,
+                                         max_tokens=rules.fused_rope_max_tokens)
         fn = backend.direct if direct and backend.direct is not None else backend.fn
         layers.append(LayerPlan(window, name, fn, routed and ops.rope_linear is not None, in_attention))
     if grad:
