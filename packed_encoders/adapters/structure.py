@@ -1,18 +1,26 @@
 """Is the live module tree still the one the packed forward reproduces?
 
-The packed forward reads parameters straight off the HF modules and never calls their ``forward``. A module
-replaced after ``pack`` (a LoRA wrapper, a quantised Linear, a custom subclass), a forward hook, a changed
-activation, or added/removed layers would be skipped silently, and so would a config value that transformers reads
-on every call (the sliding window). :func:`structure_problem` finds those; the patched forward then runs the stock
-forward instead and says so (a one-time warning and ``describe()``); ``packed_forward`` raises.
+The packed forward reads parameters straight off the HF modules and never calls their ``forward``. Anything that
+would run in stock HF's forward but not in the packed one is found here: a module replaced (a LoRA wrapper, a
+quantised Linear, a container such as ``ModernBertMLP`` replaced by a subclass with its own ``forward``, FSDP2
+sharding a module inside the encoder: ``adapters.fsdp``), a ``forward`` set on a module instance, a hook of any kind (forward, forward-pre, backward,
+backward-pre; per module or global) on a module the packed path skips (the rotary embedding included), layers
+reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, and a
+config value that transformers reads on every call (the sliding window). :func:`structure_problem` finds those;
+the patched forward then runs the stock forward instead and says so (a one-time warning and ``describe()``);
+``packed_forward`` raises; ``pack()`` refuses them (whatever ``validate`` is).
 """
 
 from __future__ import annotations
 
 import operator
+import sys
+from itertools import repeat
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from ..model.params import _ACTIVATIONS
 from .fsdp import fsdp_problem
 
 # Hooks transformers itself installs, which the packed forward honours by other means: the output-capturing
@@ -20,41 +28,123 @@ from .fsdp import fsdp_problem
 # enable_input_require_grads' hook on the input embeddings (emulated in model/forward.py).
 KNOWN_HOOKS = ("output_capturing_hook", "make_inputs_require_grads")
 
+_LINEAR = (nn.Linear,)
+_NORM = (nn.LayerNorm,)
+# The HF container classes whose forward the packed path reproduces (a slot's ``kind`` names one).
+_CONTAINERS = ("ModernBertEmbeddings", "ModernBertEncoderLayer", "ModernBertAttention", "ModernBertMLP",
+               "ModernBertRotaryEmbedding")
+_ACT = "act"
 
-def _foreign_hooks(m: nn.Module) -> bool:
+
+def _expected(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
+    """``(path, module, kind)`` for every module whose forward the packed path skips. ``kind``: a tuple of the
+    exact leaf types it reproduces, a container class name of :data:`_CONTAINERS`, or :data:`_ACT`."""
+    emb = model.embeddings
+    items = [("embeddings", emb, "ModernBertEmbeddings"),
+             ("embeddings.tok_embeddings", emb.tok_embeddings, (nn.Embedding,)),
+             ("embeddings.norm", emb.norm, _NORM), ("embeddings.drop", emb.drop, (nn.Dropout,)),
+             ("final_norm", model.final_norm, _NORM)]
+    if "rotary_emb" in model._modules:  # transformers v5: one rotary module for the model
+        items.append(("rotary_emb", model.rotary_emb, "ModernBertRotaryEmbedding"))
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}"
+        items += [(p, layer, "ModernBertEncoderLayer"),
+                  (f"{p}.attn_norm", layer.attn_norm, (nn.Identity, nn.LayerNorm)),
+                  (f"{p}.attn", layer.attn, "ModernBertAttention"), (f"{p}.attn.Wqkv", layer.attn.Wqkv, _LINEAR),
+                  (f"{p}.attn.Wo", layer.attn.Wo, _LINEAR),
+                  (f"{p}.attn.out_drop", layer.attn.out_drop, (nn.Identity, nn.Dropout)),
+                  (f"{p}.mlp_norm", layer.mlp_norm, _NORM), (f"{p}.mlp", layer.mlp, "ModernBertMLP"),
+                  (f"{p}.mlp.Wi", layer.mlp.Wi, _LINEAR), (f"{p}.mlp.Wo", layer.mlp.Wo, _LINEAR),
+                  (f"{p}.mlp.act", layer.mlp.act, _ACT), (f"{p}.mlp.drop", layer.mlp.drop, (nn.Dropout,))]
+        if "rotary_emb" in layer.attn._modules:  # transformers v4: one per attention module
+            items.append((f"{p}.attn.rotary_emb", layer.attn.rotary_emb, "ModernBertRotaryEmbedding"))
+    return items
+
+
+def _hf_module(model: nn.Module):
+    """The transformers module defining the model's ModernBERT classes (v4 or v5, whichever is installed)."""
+    for cls in type(model).__mro__:
+        if cls.__name__ == "ModernBertModel":
+            return sys.modules[cls.__module__]
+    from transformers.models.modernbert import modeling_modernbert
+
+    return modeling_modernbert
+
+
+def _activation_types(activation: str) -> tuple[type, ...]:
+    """The HF activation module types (``ACT2FN``) computing the GLU's ``activation``."""
+    from transformers.activations import ACT2FN
+
+    return tuple({type(ACT2FN[name]) for name, act in _ACTIVATIONS.items() if act == activation})
+
+
+def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
+    if kind == _ACT:
+        want = _activation_types(params.activation)
+        if type(m) not in want:
+            return (f"{path} is a {type(m).__name__}; the packed GLU applies config.hidden_activation "
+                    f"({params.activation}, HF's {' or '.join(sorted(t.__name__ for t in want))})")
+    elif isinstance(kind, str):
+        stock = getattr(hf, kind, None)
+        if stock is not None and (type(m).forward is not stock.forward or type(m).__call__ is not stock.__call__):
+            return (f"{path} is a {type(m).__module__}.{type(m).__qualname__}, whose forward is not HF's "
+                    f"{kind}.forward: the packed path would skip it")
+    elif type(m) not in kind:
+        want = " or ".join(t.__name__ for t in kind)
+        return (f"{path} is a {type(m).__module__}.{type(m).__qualname__}, not {want}: the packed path reads its "
+                "parameters directly and would skip its forward (merge adapters / undo the wrapping, or pe.unpack "
+                "the model)")
+    if "forward" in vars(m):
+        return f"{path} has its own instance forward, which the packed path would skip"
+    return None
+
+
+def _hooks_problem(path: str, m: nn.Module) -> str | None:
+    if m._backward_hooks or m._backward_pre_hooks:
+        return f"{path} has backward hooks, which fire only when its forward runs"
     for hooks in (m._forward_hooks, m._forward_pre_hooks):
         for fn in hooks.values():
             if getattr(fn, "__name__", "") not in KNOWN_HOOKS:
-                return True
-    return False
+                return f"{path} has forward hooks, which the packed path would skip"
+    return None
 
 
-_LINEAR = (nn.Linear,)
-_NORM = (nn.LayerNorm,)
+def _layer_facts(model: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    """The per-layer attribute stock HF reads on every call to choose a layer's attention (its mask and RoPE):
+    ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``."""
+    dicts, names = [], []
+    for layer in model.layers:
+        for owner, name in ((layer, "attention_type"), (layer.attn, "local_attention")):
+            if name in vars(owner):
+                dicts.append(vars(owner))
+                names.append(name)
+    return tuple(dicts), tuple(names)
 
 
-def _expected(model: nn.Module) -> list[tuple[str, nn.Module, tuple | None]]:
-    emb = model.embeddings
-    items = [("embeddings", emb, None), ("embeddings.tok_embeddings", emb.tok_embeddings, (nn.Embedding,)),
-             ("embeddings.norm", emb.norm, _NORM), ("embeddings.drop", emb.drop, (nn.Dropout,)),
-             ("final_norm", model.final_norm, _NORM)]
+def _layer_type_problem(model: nn.Module, params) -> str | None:
+    """A layer whose attention type is not the one the packed model runs at its index (layers reordered, or one
+    of the other type put in)."""
     for i, layer in enumerate(model.layers):
-        p = f"layers.{i}"
-        items += [(p, layer, None), (f"{p}.attn_norm", layer.attn_norm, (nn.Identity, nn.LayerNorm)),
-                  (f"{p}.attn", layer.attn, None), (f"{p}.attn.Wqkv", layer.attn.Wqkv, _LINEAR),
-                  (f"{p}.attn.Wo", layer.attn.Wo, _LINEAR),
-                  (f"{p}.attn.out_drop", layer.attn.out_drop, (nn.Identity, nn.Dropout)),
-                  (f"{p}.mlp_norm", layer.mlp_norm, _NORM), (f"{p}.mlp", layer.mlp, None),
-                  (f"{p}.mlp.Wi", layer.mlp.Wi, _LINEAR), (f"{p}.mlp.Wo", layer.mlp.Wo, _LINEAR),
-                  (f"{p}.mlp.act", layer.mlp.act, None), (f"{p}.mlp.drop", layer.mlp.drop, (nn.Dropout,))]
-    return items
+        d, attn = vars(layer), vars(layer.attn)
+        if "attention_type" in d:
+            name, value, is_global = "attention_type", d["attention_type"], d["attention_type"] == "full_attention"
+        elif "local_attention" in attn:
+            name, value = "attn.local_attention", attn["local_attention"]
+            is_global = tuple(value) == (-1, -1)
+        else:
+            continue
+        if is_global != params.layer_is_global[i]:
+            kind = "global" if params.layer_is_global[i] else f"local (window {params.window})"
+            return (f"layers.{i}.{name} is {value!r} but the packed model runs layer {i} as {kind} (layers "
+                    "reordered or replaced: re-pack a model whose layers match its config)")
+    return None
 
 
 def snapshot(model: nn.Module) -> dict:
     """The module slots the packed forward was set up for, as parallel tuples for a C-level check per call:
-    ``children`` (each parent's ``_modules``), ``names`` (the attribute), ``modules`` and ``module_dicts`` (each
-    module's instance ``__dict__``); and the activation module types (a swapped activation would be skipped:
-    the GLU applies the config's)."""
+    ``children`` (each parent's ``_modules``), ``names`` (the attribute), ``modules``, ``types`` and
+    ``module_dicts`` (each module's instance ``__dict__``); and the per-layer attention attributes stock reads
+    per call (``fact_dicts``, ``fact_names``, ``facts``); ``hook_counter`` (see :func:`_no_new_hooks`)."""
     children, names, modules = [], [], []
     for path, m, _ in _expected(model):
         parent_path, _, name = path.rpartition(".")
@@ -62,25 +152,42 @@ def snapshot(model: nn.Module) -> dict:
         children.append(parent._modules)
         names.append(name)
         modules.append(m)
-    return {"layers": model.layers, "acts": [type(layer.mlp.act) for layer in model.layers],
-            "children": tuple(children), "names": tuple(names), "modules": tuple(modules),
-            "module_dicts": tuple(vars(m) for m in modules)}
+    fact_dicts, fact_names = _layer_facts(model)
+    return {"layers": model.layers, "children": tuple(children), "names": tuple(names), "modules": tuple(modules),
+            "types": tuple(map(type, modules)), "module_dicts": tuple(vars(m) for m in modules),
+            "fact_dicts": fact_dicts, "fact_names": fact_names,
+            "facts": tuple(map(dict.get, fact_dicts, fact_names)),
+            "hook_counter": RemovableHandle.next_id}  # taken after a full check found no foreign hook
 
 
-# read from each module's instance __dict__: a dict lookup, ~2.5x cheaper than getattr on an nn.Module
-_FORWARD_HOOKS = operator.itemgetter("_forward_hooks")
-_FORWARD_PRE_HOOKS = operator.itemgetter("_forward_pre_hooks")
+# read from each module's instance __dict__: a dict lookup, ~2.5x cheaper than getattr on an nn.Module; one
+# itemgetter for the four hook dicts (any() of the tuple is True when one is non-empty)
+_HOOK_DICTS = operator.itemgetter("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _no_new_hooks(snap: dict) -> bool:
+    """No module of the snapshot has a hook. Every hook registration (module, global or tensor hook) creates a
+    ``torch.utils.hooks.RemovableHandle``, whose class counter moves: while it has not moved since the last scan
+    found no hook, the scan (the costliest part of the check) is skipped. A scan reads the hook dicts live (code
+    may assign a module a new dict and register into it)."""
+    counter = RemovableHandle.next_id
+    if counter == snap["hook_counter"]:
+        return True
+    if any(map(any, map(_HOOK_DICTS, snap["module_dicts"]))):
+        return False  # a hook (perhaps a known one): the slow path decides
+    snap["hook_counter"] = counter
+    return True
 
 
 def _snapshot_holds(snap: dict) -> bool:
-    """Every slot still holds its module and no module has a forward hook (~50 us for ModernBERT-base on a
-    2-core CI host: ``map`` runs the loops in C). The hook dicts are read live (code may assign a module a new
-    dict and register into it)."""
-    if not all(map(operator.is_, map(dict.get, snap["children"], snap["names"]), snap["modules"])):
-        return False
-    dicts = snap["module_dicts"]
-    # a hook (perhaps a known one): the slow path decides
-    return not (any(map(len, map(_FORWARD_HOOKS, dicts))) or any(map(len, map(_FORWARD_PRE_HOOKS, dicts))))
+    """Every slot still holds its module, of its type, with no instance ``forward``, no hook of any kind, and the
+    layers' attention attributes unchanged (``map`` runs the loops in C)."""
+    modules, dicts = snap["modules"], snap["module_dicts"]
+    return (all(map(operator.is_, map(dict.get, snap["children"], snap["names"]), modules))
+            and all(map(operator.is_, map(type, modules), snap["types"]))
+            and not any(map(operator.contains, dicts, repeat("forward")))
+            and tuple(map(dict.get, snap["fact_dicts"], snap["fact_names"])) == snap["facts"]
+            and _no_new_hooks(snap))
 
 
 def config_problem(model: nn.Module, params) -> str | None:
@@ -88,8 +195,9 @@ def config_problem(model: nn.Module, params) -> str | None:
 
     Only the local attention window qualifies: transformers builds the sliding-window mask from
     ``config.sliding_window`` (``= local_attention // 2``) on every call, while the layer types, RoPE, norms,
-    activation and dropout are read into modules when the model is built. The packed window, the attention
-    plan and any captured graph come from :class:`ModernBertParams` read at ``pack()``.
+    activation and dropout are read into modules when the model is built (the packed forward reads those modules
+    live). The packed window, the attention plan and any captured graph come from :class:`ModernBertParams` read
+    at ``pack()``.
     """
     local = getattr(model.config, "local_attention", None)
     if local is None or local == params.local_attention:
@@ -99,60 +207,45 @@ def config_problem(model: nn.Module, params) -> str | None:
             "pe.pack(model) packs the new window")
 
 
+def _global_hooks_problem() -> str | None:
+    g = nn.modules.module
+    if g._global_forward_hooks or g._global_forward_pre_hooks:
+        return "global module forward hooks are registered (the packed path calls no submodule forward)"
+    if g._global_backward_hooks or g._global_backward_pre_hooks:
+        return "global module backward hooks are registered (they fire only when a submodule's forward runs)"
+    return None
+
+
 def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str | None, bool]:
     """``(problem, unchanged)``: ``problem`` is ``None`` when the packed forward reproduces ``model``, else what it
     would skip; ``unchanged`` says ``snap`` still describes the module tree (so it can be kept).
 
-    With a current ``snapshot`` this is one identity and two dict checks per module (tens of microseconds for
-    ModernBERT-base), cheap enough for every call."""
-    hooks = nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-        return "global module forward hooks are registered (the packed path calls no submodule forward)", False
-    problem = config_problem(model, params)
+    With a current ``snapshot`` this is a few identity, type and dict checks per module run in C (tens of
+    microseconds for ModernBERT-base), cheap enough for every call."""
+    problem = _global_hooks_problem() or config_problem(model, params)
     if problem is not None:
         return problem, False
     if len(model.layers) != params.num_hidden_layers:
         return (f"model.layers has {len(model.layers)} layers but the packed config has {params.num_hidden_layers} "
                 "(re-pack after pruning or adding layers)"), False
-    if snap is not None and snap["layers"] is model.layers:
-        if _snapshot_holds(snap):
-            return None, True
-        for children, name, then in zip(snap["children"], snap["names"], snap["modules"]):
-            if children.get(name) is not then or ((then._forward_hooks or then._forward_pre_hooks)
-                                                  and _foreign_hooks(then)):
-                break  # rare: find and name the problem on the slow path below
-        else:
-            return None, True
-    problem = fsdp_problem(model)  # before the hook check, which would name FSDP's hooks without saying why
+    if snap is not None and snap["layers"] is model.layers and _snapshot_holds(snap):
+        return None, True
+    # something changed (or no snapshot yet): find and name the problem; FSDP2 before the hooks, which would name
+    # fully_shard's hooks without saying why
+    problem = fsdp_problem(model)
     if problem is not None:
         return problem, False
-    for path, m, types in _expected(model):
-        if types is not None and type(m) not in types:
-            return _describe_swap(path, m, types), False
-        if _foreign_hooks(m):
-            return f"{path} has forward hooks, which the packed path would skip", False
-    if snap is not None:
-        for i, (layer, act) in enumerate(zip(model.layers, snap["acts"])):
-            if type(layer.mlp.act) is not act:
-                return (f"layers.{i}.mlp.act was replaced by {type(layer.mlp.act).__name__}; the packed GLU applies "
-                        f"config.hidden_activation ({params.activation})"), False
-    return None, False
-
-
-def _describe_swap(path: str, module: nn.Module, types) -> str:
-    if types is not None and type(module) not in types:
-        want = " or ".join(t.__name__ for t in types)
-        return (f"{path} is a {type(module).__module__}.{type(module).__qualname__}, not {want}: the packed path "
-                "reads its parameters directly and would skip its forward (merge adapters / undo the wrapping, or "
-                "pe.unpack the model)")
-    return f"{path} was replaced after pe.pack (re-pack to check the new module)"
+    hf = _hf_module(model)
+    for path, m, kind in _expected(model):
+        problem = _kind_problem(path, m, kind, hf, params) or _hooks_problem(path, m)
+        if problem is not None:
+            return problem, False
+    return _layer_type_problem(model, params), False
 
 
 def check_at_pack(model: nn.Module, params) -> str | None:
-    """Structure problems that make ``pack()`` refuse (types and hooks; no snapshot yet)."""
+    """Structure problems that make ``pack()`` refuse (run whatever ``validate`` is)."""
     return structure_problem(model, params, None)[0]
-
-
 
 
 def structure_check(model: nn.Module, state) -> str | None:
@@ -162,5 +255,5 @@ def structure_check(model: nn.Module, state) -> str | None:
     snap = state.runtime.get("structure")
     problem, unchanged = structure_problem(model, state.params, snap)
     if problem is None and not unchanged:
-        state.runtime["structure"] = snapshot(model) if snap is None else {**snapshot(model), "acts": snap["acts"]}
+        state.runtime["structure"] = snapshot(model)
     return problem

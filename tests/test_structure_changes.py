@@ -1,0 +1,274 @@
+"""Every change to the module tree that stock HF's forward would honour and the packed forward would skip runs the
+stock forward (a one-time RuntimeWarning, the reason in describe()) when made after pack(), and makes pack() refuse
+when made before it, whatever ``validate`` is: layers reordered or of the other attention type, containers replaced
+by subclasses with their own forward, instance forwards, class swaps, hooks of every kind on every module the packed
+forward skips (the rotary embedding included) and global module hooks."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.modernbert import modeling_modernbert as hf
+
+import packed_encoders as pe
+from tests.helpers import make_model, padded_batch, stock
+
+# layer 0 global, layer 1 local: every slot kind on a tiny model
+TINY = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48)
+SKIPPED = ["embeddings", "embeddings.tok_embeddings", "embeddings.norm", "embeddings.drop", "final_norm",
+           "rotary_emb", "layers.1", "layers.1.attn_norm", "layers.1.attn", "layers.1.attn.Wqkv", "layers.1.attn.Wo",
+           "layers.1.attn.out_drop", "layers.1.mlp_norm", "layers.1.mlp", "layers.1.mlp.Wi", "layers.1.mlp.Wo",
+           "layers.1.mlp.act", "layers.1.mlp.drop"]
+
+
+def _model(**overrides):
+    return make_model("base_like", **{**TINY, **overrides})
+
+
+def _call(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def _assert_runs_stock(model, reason, *, grad=False):
+    """The call warns once naming ``reason``, equals stock exactly (outputs and, with ``grad``, gradients) and
+    describe() says why."""
+    ids, mask = padded_batch([5, 9])
+    with torch.set_grad_enabled(grad), pytest.warns(RuntimeWarning, match=reason):
+        out = _call(model, ids, mask)
+    with torch.set_grad_enabled(grad):
+        ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert "stock forward" in pe.describe(model)["encoders"][0]["attention_fallbacks"][0]
+    if grad:
+        w = model.embeddings.tok_embeddings.weight  # reached through every module's input
+        (g_out,) = torch.autograd.grad(out.square().sum(), w)
+        (g_ref,) = torch.autograd.grad(ref.square().sum(), w)
+        torch.testing.assert_close(g_out, g_ref, atol=0, rtol=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="packed_encoders")  # said once
+        with torch.set_grad_enabled(grad):
+            _call(model, ids, mask)
+
+
+def _packed_and_called(**overrides):
+    model = pe.pack(_model(**overrides), validate=False)
+    ids, mask = padded_batch([5, 9])
+    with torch.no_grad():
+        _call(model, ids, mask)  # the per-call snapshot exists: the change must be seen by the per-call check
+    return model
+
+
+class MyLayer(hf.ModernBertEncoderLayer):
+    def forward(self, hidden_states, *args, **kwargs):
+        return super().forward(hidden_states, *args, **kwargs) * 0.5
+
+
+class MyAttention(hf.ModernBertAttention):
+    def forward(self, hidden_states, **kwargs):
+        out, w = super().forward(hidden_states, **kwargs)
+        return out * 2.0, w
+
+
+class MyMLP(hf.ModernBertMLP):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) * 2.0
+
+
+class MyEmbeddings(hf.ModernBertEmbeddings):
+    def forward(self, input_ids=None, inputs_embeds=None):
+        return super().forward(input_ids, inputs_embeds) + 0.25
+
+
+class MyRotary(hf.ModernBertRotaryEmbedding):
+    def forward(self, x, position_ids, layer_type):
+        cos, sin = super().forward(x, position_ids, layer_type)
+        return cos, -sin
+
+
+class QuietMLP(hf.ModernBertMLP):
+    """A subclass without a forward of its own: the packed path reproduces it."""
+
+
+def _subclassed(model, slot):
+    """Replace ``slot`` by an instance of a subclass with its own forward, carrying the same weights."""
+    cls, parent, name, make = {
+        "layer": (MyLayer, model.layers, "1", lambda: MyLayer(model.config, 1)),
+        "attn": (MyAttention, model.layers[1], "attn", lambda: MyAttention(model.config, 1)),
+        "mlp": (MyMLP, model.layers[1], "mlp", lambda: MyMLP(model.config)),
+        "embeddings": (MyEmbeddings, model, "embeddings", lambda: MyEmbeddings(model.config)),
+        "rotary_emb": (MyRotary, model, "rotary_emb", lambda: MyRotary(model.config)),
+    }[slot]
+    new = make()
+    new.load_state_dict(parent._modules[name].state_dict())
+    parent._modules[name] = new
+    return cls
+
+
+@pytest.mark.parametrize("slot", ["layer", "attn", "mlp", "embeddings", "rotary_emb"])
+def test_container_subclass_with_its_own_forward_runs_stock(slot):
+    model = _packed_and_called()
+    cls = _subclassed(model, slot)
+    _assert_runs_stock(model, f"{cls.__qualname__}, whose forward is not HF's")
+
+
+def test_subclass_without_its_own_forward_stays_packed():
+    model = _packed_and_called()
+    new = QuietMLP(model.config)
+    new.load_state_dict(model.layers[1].mlp.state_dict())
+    model.layers[1].mlp = new
+    ids, mask = padded_batch([5, 9])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            out = _call(model, ids, mask)
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change", ["swap", "other_type"])
+def test_layers_of_another_attention_type_run_stock(change):
+    model = _packed_and_called(num_hidden_layers=3)  # layer 0 global, 1 and 2 local
+    if change == "swap":
+        model.layers[0], model.layers[1] = model.layers[1], model.layers[0]
+    else:
+        model.layers[2] = hf.ModernBertEncoderLayer(model.config, 0)  # a global layer at a local index
+    _assert_runs_stock(model, "attention_type is .* but the packed model runs layer")
+
+
+def test_two_layers_of_the_same_type_swapped_stay_packed():
+    model = _packed_and_called(num_hidden_layers=3)
+    model.layers[1], model.layers[2] = model.layers[2], model.layers[1]  # both local: weights are read live
+    ids, mask = padded_batch([5, 9])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            out = _call(model, ids, mask)
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_type_attribute_changed_runs_stock():
+    model = _packed_and_called()
+    model.layers[1].attention_type = "full_attention"  # read by stock on every call
+    _assert_runs_stock(model, "layers.1.attention_type")
+
+
+@pytest.mark.parametrize("path", ["layers.1.mlp", "layers.1.attn.Wqkv", "rotary_emb", "embeddings.norm"])
+def test_instance_forward_runs_stock(path):
+    model = _packed_and_called()
+    m = model.get_submodule(path)
+    original = m.forward
+    m.forward = lambda *a, **k: (lambda r: (r[0] * 2, r[1]) if isinstance(r, tuple) else r * 2)(original(*a, **k))
+    _assert_runs_stock(model, f"{path} has its own instance forward")
+
+
+def test_class_swapped_in_place_runs_stock():
+    model = _packed_and_called()
+    model.layers[1].mlp.__class__ = MyMLP
+    _assert_runs_stock(model, "MyMLP, whose forward is not HF's")
+
+
+def _register(module, kind):
+    if kind == "forward":
+        return module.register_forward_hook(lambda m, i, o: None)
+    if kind == "forward_pre":
+        return module.register_forward_pre_hook(lambda m, i: None)
+    if kind == "backward":
+        return module.register_full_backward_hook(lambda m, gi, go: None)
+    return module.register_full_backward_pre_hook(lambda m, go: None)
+
+
+@pytest.mark.parametrize("path", SKIPPED)
+def test_hook_of_every_kind_on_every_skipped_module_runs_stock(path):
+    model = _packed_and_called(attention_dropout=0.1)  # out_drop is an nn.Dropout
+    for kind in ("forward", "forward_pre", "backward", "backward_pre"):
+        handle = _register(model.get_submodule(path), kind)
+        # these hooks leave values alone, so what is checked is that the stock forward runs (warned, described);
+        # test_backward_hooks_fire_and_rewrite_gradients_as_in_stock checks hooks that change values
+        backward = kind.startswith("backward")
+        _assert_runs_stock(model, "backward hooks" if backward else "forward hooks", grad=backward)
+        handle.remove()
+        model._packed_encoders.runtime.pop("stock_fallback_warned")  # the next kind warns again
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with torch.no_grad():
+                _call(model, *padded_batch([5, 9]))  # packed again, silently
+
+
+def test_backward_hooks_fire_and_rewrite_gradients_as_in_stock():
+    model = _packed_and_called()
+    fired = []
+
+    def halve(m, grad_input, grad_output):
+        fired.append(type(m).__name__)
+        return tuple(None if g is None else g * 0.5 for g in grad_input)
+
+    model.layers[1].mlp.register_full_backward_hook(halve)
+    model.layers[1].mlp.Wo.register_full_backward_pre_hook(lambda m, go: (go[0] * 3.0,))
+    _assert_runs_stock(model, "backward hooks", grad=True)
+    assert fired  # stock fired it; the gradient check in _assert_runs_stock compares against stock's
+
+
+@pytest.mark.parametrize("kind", ["forward", "forward_pre", "backward", "backward_pre"])
+def test_global_module_hooks_run_stock(kind):
+    from torch.nn.modules import module as mm
+
+    register = {"forward": lambda: mm.register_module_forward_hook(lambda m, i, o: None),
+                "forward_pre": lambda: mm.register_module_forward_pre_hook(lambda m, i: None),
+                "backward": lambda: mm.register_module_full_backward_hook(lambda m, gi, go: None),
+                "backward_pre": lambda: mm.register_module_full_backward_pre_hook(lambda m, go: None)}[kind]
+    model = _packed_and_called()
+    handle = register()
+    try:
+        _assert_runs_stock(model, "global module (forward|backward) hooks", grad=kind.startswith("backward"))
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("change", ["swap_layers", "subclass", "activation", "backward_hook", "rotary_hook",
+                                    "instance_forward"])
+@pytest.mark.parametrize("validate", [False, True])
+def test_pack_refuses_what_it_would_skip_whatever_validate_is(change, validate):
+    model = _model(num_hidden_layers=3)
+    if change == "swap_layers":
+        model.layers[0], model.layers[1] = model.layers[1], model.layers[0]
+    elif change == "subclass":
+        _subclassed(model, "mlp")
+    elif change == "activation":
+        model.layers[1].mlp.act = nn.ReLU()
+    elif change == "backward_hook":
+        model.layers[1].attn.register_full_backward_hook(lambda m, gi, go: None)
+    elif change == "rotary_hook":
+        model.rotary_emb.register_forward_hook(lambda m, i, o: None)
+    else:
+        model.layers[1].mlp.forward = model.layers[1].mlp.forward
+    with pytest.raises(pe.UnsupportedTargetError, match="cannot pack"):
+        pe.pack(model, validate=validate)
+    assert not pe.is_packed(model)
+
+
+def test_fsdp_wrapped_layer_is_named():
+    """FSDP (fully_shard) swaps a module's class for an FSDP subclass and hooks it: named, stock forward."""
+    dist = pytest.importorskip("torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not dist.is_available() or not hasattr(fsdp, "fully_shard"):
+        pytest.skip("torch.distributed.fsdp.fully_shard unavailable")
+    model = _packed_and_called()
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        fsdp.fully_shard(model.layers[1])
+        assert "FSDP" in type(model.layers[1]).__name__
+        _assert_runs_stock(model, "layers.1 is sharded by FSDP2")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deepcopy_of_a_changed_model_still_runs_stock():
+    model = _packed_and_called()
+    model.layers[1].mlp.register_full_backward_hook(lambda m, gi, go: None)
+    _assert_runs_stock(copy.deepcopy(model), "backward hooks")
