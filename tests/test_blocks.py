@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from packed_encoders.attention.sdpa import sdpa_varlen
 from packed_encoders.batch import unpad
 from packed_encoders.model import plan as plan_mod
 from packed_encoders.model.forward import encoder_forward
@@ -61,7 +62,21 @@ def test_blocks_match_the_per_op_path_fp32(name):
     with torch.enable_grad():
         lean_nodes = _nodes(encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
         per_op_nodes = _nodes(encoder_forward(model, params, batch, attention_backend="sdpa", rules=PER_OP))
-    assert lean_nodes * 2 < per_op_nodes, (lean_nodes, per_op_nodes)
+    attn = _attention_nodes(params, batch)  # the same backend calls in both paths
+    assert (lean_nodes - attn) * 2 < per_op_nodes - attn, (lean_nodes, per_op_nodes, attn)
+
+
+def _attention_nodes(params, batch):
+    """Autograd nodes the sdpa backend adds to one forward (the blocks replace the nodes around it)."""
+    total = 0
+    for layer in range(params.num_hidden_layers):
+        window = params.layer_window(layer)
+        if window is not None and window >= batch.max_seqlen - 1:
+            window = None  # as plan_attention
+        q, k, v = (torch.randn(batch.total_tokens, params.num_attention_heads, params.head_dim, requires_grad=True)
+                   for _ in range(3))
+        total += _nodes(sdpa_varlen(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=window, scale=1.0)) - 3
+    return total
 
 
 def test_blocks_under_cpu_autocast_match_stock_gradients():

@@ -24,6 +24,13 @@ def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
 
 
+def _gather_keys(x: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+    """Keys / values at ``idx``, zero where ``inside`` is False. Those slots are filled from token 0 (another
+    sequence's token) and get probability 0, but 0 * NaN is NaN: a non-finite value in one sequence must not
+    reach the others (stock HF keeps rows independent)."""
+    return _gather(x, idx).masked_fill(~inside.view(*inside.shape, 1, 1), 0)
+
+
 def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
                 dropout_p: float = 0.0, key_lens: torch.Tensor | None = None) -> torch.Tensor:
     """``q, k, v``: ``[T, heads, head_dim]`` -> ``[T, heads, head_dim]`` (dtype of q).
@@ -43,7 +50,8 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sca
         p = torch.arange(s, device=q.device)
         valid = p[None, :] < lens[:, None]                              # [N, S]
         idx = torch.where(valid, cu[:-1, None] + p[None, :], 0)
-        qp, kp, vp = (_gather(t, idx).transpose(1, 2) for t in (q, k, v))  # [N, heads, S, D]
+        qp = _gather(q, idx).transpose(1, 2)                               # [N, heads, S, D]
+        kp, vp = (_gather_keys(t, idx, valid).transpose(1, 2) for t in (k, v))
         key_ok = p[None, :] < klens[:, None]
         has_key = key_ok.any(-1)                                            # [N]
         key_ok = key_ok | ~has_key[:, None]                                 # keep empty rows NaN-free
@@ -71,8 +79,8 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sca
     has_key = mask.any(-1)                                                              # [N, nb, w]
     mask = mask | ~has_key[..., None]                                                   # keep NaN-free
     qb = _gather(q, q_idx).view(n * nb, blk, heads, dim).transpose(1, 2)
-    kb = _gather(k, k_idx).view(n * nb, 3 * blk, heads, dim).transpose(1, 2)
-    vb = _gather(v, k_idx).view(n * nb, 3 * blk, heads, dim).transpose(1, 2)
+    kb = _gather_keys(k, k_idx, k_in).view(n * nb, 3 * blk, heads, dim).transpose(1, 2)
+    vb = _gather_keys(v, k_idx, k_in).view(n * nb, 3 * blk, heads, dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.view(n * nb, 1, blk, 3 * blk),
                                          dropout_p=dropout_p, scale=scale)
     # A query with no key in its window (query-only tokens past the window) gets zeros, as torch SDPA gives HF.

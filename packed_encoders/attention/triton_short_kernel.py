@@ -16,7 +16,8 @@ last sequence's end and never visits key tiles outside the window. With ``HAS_KL
 at ``cu[s] + KL[s]`` (query-only tail rows, ColBERT query expansion); a row left with no key writes zeros.
 Masked scores are ``-inf``; the running max starts finite so a row whose first key tiles are all masked stays
 NaN-free, and its masked keys add exact zeros (a sequence's output does not depend on its neighbours' values,
-bit for bit).
+bit for bit). A non-finite value would not add zero (0 * NaN is NaN): a head whose rows come out non-finite is
+recomputed with non-finite values masked, and the rows that attend one are set to NaN.
 
 Two entry points share that body: ``packed_attn_fwd`` takes rotated ``q, k``; ``packed_attn_rope_fwd``
 (``ROPE``, inference only) takes the unrotated projections and rotates each loaded q tile and k tile in registers
@@ -66,6 +67,53 @@ def _scores(q1, q2, k1, k2, DOT_F32: tl.constexpr):
         return tl.dot(q2.to(tl.float32), tl.trans(k2).to(tl.float32),
                       tl.dot(q1.to(tl.float32), tl.trans(k1).to(tl.float32)))
     return tl.dot(q2, tl.trans(k2), tl.dot(q1, tl.trans(k1)))
+
+
+@triton.jit
+def _key_loop(q1, q2, K, V, COS, SIN, ROWS, qk_scale, k_begin, k_end, k_lo, k_hi, h, h_ok,
+              sk_t, sk_h, sv_t, sv_h, scs_r, offs_n, offs_d, offs_h,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+              ROPE: tl.constexpr, MASK_NONFINITE: tl.constexpr):
+    """Online softmax over the key tiles ``[k_begin, k_end)`` for one head: ``(acc, l_i, poison)``.
+    ``MASK_NONFINITE``: non-finite values are zeroed before ``p @ v`` and ``poison`` ``[BLOCK_M]`` counts the row's
+    own keys holding one (else ``poison`` is zeros)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _M0
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    poison = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(k_begin, k_end, BLOCK_N):
+        kt = start + offs_n
+        kt_ok = kt < k_end
+        kt64 = kt.to(tl.int64)
+        if ROPE:  # as q; rows past k_end read nothing (masked loads) and rotate to zeros
+            k_cos, k_sin = _rope_rows(COS, SIN, ROWS, kt64, kt_ok, scs_r, offs_h)
+        else:
+            k_cos = 0.0
+            k_sin = 0.0
+        k1, k2 = _halves(K, kt64[:, None] * sk_t + h * sk_h + offs_h[None, :], kt_ok[:, None] & h_ok, k_cos,
+                         k_sin, HALF, ROPE)
+        s = _scores(q1, q2, k1, k2, DOT_F32)
+        allowed = (kt[None, :] >= k_lo[:, None]) & (kt[None, :] < k_hi[:, None])
+        s = tl.where(allowed, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + kt64[:, None] * sv_t + h * sv_h + offs_d[None, :], mask=kt_ok[:, None] & h_ok,
+                    other=0.0)
+        if MASK_NONFINITE:
+            # x * 0 is 0 for finite x, NaN for NaN / +-Inf: reduced per key row with no [BLOCK_N, HEAD_DIM] mask held
+            bad_key = tl.sum(v.to(tl.float32) * 0.0, axis=1) != 0.0
+            poison += tl.sum(tl.where(allowed & bad_key[None, :], 1.0, 0.0), axis=1)
+            v = tl.where(bad_key[:, None], 0.0, v)
+        p = p.to(v.dtype)  # bf16/fp16 probabilities into the MMA, fp32 accumulation (as FlashAttention)
+        if DOT_F32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    return acc, l_i, poison
 
 
 # The one program body, inlined into the two entry points below, which fix ROPE: ROPE=False compiles to the code
@@ -149,36 +197,19 @@ def _packed_attn(
         h_ok = h < H
         q1, q2 = _halves(Q, t64[:, None] * sq_t + h * sq_h + offs_h[None, :], q_ok[:, None] & h_ok, q_cos, q_sin,
                          HALF, ROPE)
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + _M0
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for start in range(k_begin, k_end, BLOCK_N):
-            kt = start + offs_n
-            kt_ok = kt < k_end
-            kt64 = kt.to(tl.int64)
-            if ROPE:  # as q; rows past k_end read nothing (masked loads) and rotate to zeros
-                k_cos, k_sin = _rope_rows(COS, SIN, ROWS, kt64, kt_ok, scs_r, offs_h)
-            else:
-                k_cos = 0.0
-                k_sin = 0.0
-            k1, k2 = _halves(K, kt64[:, None] * sk_t + h * sk_h + offs_h[None, :], kt_ok[:, None] & h_ok, k_cos,
-                             k_sin, HALF, ROPE)
-            s = _scores(q1, q2, k1, k2, DOT_F32)
-            allowed = (kt[None, :] >= k_lo[:, None]) & (kt[None, :] < k_hi[:, None])
-            s = tl.where(allowed, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + kt64[:, None] * sv_t + h * sv_h + offs_d[None, :], mask=kt_ok[:, None] & h_ok,
-                        other=0.0)
-            p = p.to(v.dtype)  # bf16/fp16 probabilities into the MMA, fp32 accumulation (as FlashAttention)
-            if DOT_F32:
-                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p, v)
-            m_i = m_new
+        acc, l_i, poison = _key_loop(q1, q2, K, V, COS, SIN, ROWS, qk_scale, k_begin, k_end, k_lo, k_hi, h, h_ok,
+                                     sk_t, sk_h, sv_t, sv_h, scs_r, offs_n, offs_d, offs_h,
+                                     HEAD_DIM, BLOCK_M, BLOCK_N, DOT_F32, ROPE, False)
+        # 0 * NaN is NaN: a non-finite value of another sequence's key tile row reaches this row through its zero
+        # probability. Rare, so checked once per head here and the loop rerun with the values masked (stock HF
+        # keeps rows independent; a row attending a non-finite value itself gets NaN)
+        row_sum = tl.sum(acc, axis=1)  # non-finite when one of the row's values is
+        if tl.max(((row_sum - row_sum) != 0).to(tl.int32), axis=0) > 0:
+            acc, l_i, poison = _key_loop(q1, q2, K, V, COS, SIN, ROWS, qk_scale, k_begin, k_end, k_lo, k_hi, h, h_ok,
+                                         sk_t, sk_h, sv_t, sv_h, scs_r, offs_n, offs_d, offs_h,
+                                         HEAD_DIM, BLOCK_M, BLOCK_N, DOT_F32, ROPE, True)
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        out = tl.where(poison[:, None] > 0.0, float("nan"), out)  # the row attends a non-finite value
         tl.store(O + t64[:, None] * so_t + h * so_h + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=q_ok[:, None] & h_ok)
 
