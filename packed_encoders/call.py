@@ -107,7 +107,7 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
     ``describe()``. Returns ``[T, hidden_size]``."""
     params = state.params
     grad = torch.is_grad_enabled()
-    dropout = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
+    dropout = params.any_attention_dropout(model.layers)
     requested = attention_backend or state.options.attention_backend
     if dropout and requested == "auto":
         requested = "sdpa"  # the only backend with attention-probability dropout; describe() reports it

@@ -190,7 +190,7 @@ def run_layer_blocks(layer: nn.Module, step, params: ModernBertParams, batch, ke
         s = x
     x = pending = None
     extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
-    attn_p = params.attention_dropout if attn.training else 0.0
+    attn_p = params.attention_dropout_of(attn)  # read per call, as stock HF does
     a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=params.scaling,
                        dropout_p=attn_p, **extra)
     q = k = v = None

@@ -151,7 +151,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     dtype = activation_dtype(model)
     if attention is None:
         # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules)
-        any_attn_p = params.attention_dropout > 0 and any(layer.attn.training for layer in model.layers)
+        any_attn_p = params.any_attention_dropout(model.layers)
         attention = plan_attention(params, batch, attention_backend, grad=grad, dtype=dtype, dropout=any_attn_p)
     total = batch.total_tokens
     device = batch.device
@@ -246,7 +246,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 extra["rope"] = rope_tables_for(is_global)
             else:
                 q, k, v = run.rope_qkv(qkv, *rope_tables_for(is_global), nh, hd)
-            attn_p = params.attention_dropout if attn.training else 0.0
+            attn_p = params.attention_dropout_of(attn)  # read per call, as stock HF does
             a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=scale,
                                dropout_p=attn_p, **extra)
             qkv = q = k = v = extra = None
