@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PackedEncodersError
+from .errors import PackedEncodersError, StockOnlyInput
 from .switches import switched_off
 
 
@@ -76,9 +76,9 @@ def _token_coords(cu: torch.Tensor, total: int):
     return seq, t - cu[seq]
 
 
-def _raise_if(count: int, message: str) -> None:
+def _raise_if(count: int, message: str, error: type = PackedEncodersError) -> None:
     if count:
-        raise PackedEncodersError(message.format(count=count))
+        raise error(message.format(count=count))
 
 
 def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
@@ -112,9 +112,10 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     ``PACKED_ENCODERS_FUSED_UNPAD`` is off now; a packed encoder passes its tuning's value, read at ``pack()``).
 
     Raises:
+        StockOnlyInput: a mask with holes inside a sequence (the patched forward runs stock HF for it).
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
-            a mask with holes inside a sequence, ids outside ``[0, vocab_size)`` at real tokens,
-            non-zero ``token_type_ids`` at real tokens, or negative ``position_ids``.
+            ids outside ``[0, vocab_size)`` at real tokens, non-zero ``token_type_ids`` at real tokens, or
+            negative ``position_ids``.
     """
     src = input_ids if input_ids is not None else inputs_embeds
     if input_ids is not None and input_ids.dim() != 2:
@@ -163,8 +164,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     stats = stats_t.tolist()  # the one sync
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
     _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} entries that are neither)")
-    _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): real tokens must be contiguous "
-                       "(padding on the left and/or right only)")
+    _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): the packed path needs contiguous real "
+                       "tokens (padding on the left and/or right only)", StockOnlyInput)
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
     _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
     _raise_if(n_negpos, "position_ids has {count} negative entries")

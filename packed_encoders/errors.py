@@ -7,6 +7,11 @@ class PackedEncodersError(RuntimeError):
     """Base class: a request the packed path cannot honour, or bad input to it."""
 
 
+class StockOnlyInput(PackedEncodersError):
+    """A call stock Hugging Face serves and the packed path does not (a mask with holes inside a row): the patched
+    ``forward`` runs the stock forward for it; ``packed_forward`` and other direct entry points raise it."""
+
+
 class UnsupportedTargetError(PackedEncodersError, TypeError):
     """`pack()` found no ModernBERT encoder inside the object it was given."""
 

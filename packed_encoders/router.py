@@ -7,7 +7,8 @@ once per call; :mod:`packed_encoders.call` then runs the route. ``choose`` reads
 
 Routes:
 
-- :class:`Stock`: HF's own forward (the packed forward would skip something in the live modules).
+- :class:`Stock`: HF's own forward (the packed forward would skip something in the live modules, or the call
+  is one only stock serves: :mod:`packed_encoders.adapters.stock_calls`).
 - :class:`Eager`: the eager packed forward; ``reason`` says why no graph serves the call (``None``: graphs are
   off for the encoder, ``cuda_graph=False``).
 - :class:`PackedGraph`: a captured packed graph of ``bucket``. A padded call only learns its sizes at its one
@@ -69,8 +70,8 @@ class Facts:
     """Host-visible facts of one call (built every call: slotted, not frozen, for a cheap ``__init__``).
 
     Attributes:
-        structure: what the packed forward would skip in the live module tree (a hook, a swapped module), or
-            ``None``.
+        structure: what the packed forward would skip in the live module tree (a hook, a swapped module), or why
+            only stock serves the call (``output_attentions=True``, ...), or ``None``.
         graphs: the encoder's :class:`~packed_encoders.GraphConfig`, or ``None`` (``cuda_graph=False``).
         kill_switch: ``PACKED_ENCODERS_GRAPH=0`` when the encoder was packed (its tuning).
         suspended: inside ``pe.no_cuda_graph(model)``.

@@ -6,7 +6,9 @@ kwargs of HF v5 / sentence-transformers' flattening collator (``cu_seq_lens_q/k`
 ``seq_idx``) or packed ``position_ids`` with batch 1 and no mask. Padded positions of the output are zeros,
 except the trailing masked positions of query calls under ColBERT query expansion
 (:mod:`packed_encoders.adapters.late_interaction`), which get HF's values.
-Anything the packed path cannot honour raises :class:`~packed_encoders.errors.PackedEncodersError`.
+Calls stock serves and the packed path does not reproduce run the stock forward
+(:mod:`packed_encoders.adapters.stock_calls`); anything else the packed path cannot honour raises
+:class:`~packed_encoders.errors.PackedEncodersError`.
 
 This module only translates: HF arguments -> host facts and a :class:`~packed_encoders.batch.PackedBatch` (or
 the padded tensors), the route chosen once per call by :mod:`packed_encoders.call`, and the result -> HF outputs.
@@ -23,8 +25,9 @@ from torch import nn
 
 from ..batch import from_packed, is_int_like
 from ..call import packed_route, padded_route, raise_earlier_errors, serve_batch, serve_padded
-from ..errors import PackedEncodersError
+from ..errors import PackedEncodersError, StockOnlyInput
 from ..model.forward import activation_dtype
+from .stock_calls import mask_holes_reason, stock_call_reason
 from .structure import structure_check
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
@@ -77,9 +80,12 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     state = model._packed_encoders
     raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
     problem = structure_check(model, state)
+    names = _positional_names(type(model))
+    if problem is None:
+        problem = stock_call_reason(model, names, args, kwargs)
     if problem is not None:
         return _stock_fallback(model, state, padded_route(model, state, structure=problem).reason, args, kwargs)
-    names = _positional_names(type(model))
+    call = dict(kwargs)  # as given: a mask with holes, found after the sync, runs stock with them
     if len(args) > len(names):
         raise PackedEncodersError(f"{type(model).__name__}.forward takes {len(names)} positional arguments; got {len(args)}")
     for name, value in zip(names, args):
@@ -97,9 +103,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     output_hidden_states = kwargs.pop("output_hidden_states", None)
     if output_hidden_states is None:
         output_hidden_states = getattr(config, "output_hidden_states", False)
-    output_attentions = kwargs.pop("output_attentions", None)
-    if output_attentions is None:
-        output_attentions = getattr(config, "output_attentions", False)
+    kwargs.pop("output_attentions", None)  # True runs stock (stock_call_reason)
     packed_kw = {k: kwargs.pop(k) for k in _PACKED if kwargs.get(k) is not None}
     for k in _PACKED:
         kwargs.pop(k, None)
@@ -107,11 +111,6 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     for k in IGNORED_KWARGS:
         kwargs.pop(k, None)
 
-    if output_attentions:
-        raise PackedEncodersError("output_attentions=True: the packed path never materialises attention "
-                                  "probabilities; call pe.unpack(model) or run the stock forward for them")
-    if not isinstance(output_hidden_states, bool):
-        raise PackedEncodersError(f"output_hidden_states={output_hidden_states!r}: only True/False are supported")
     if "sliding_window_mask" in v4:
         raise PackedEncodersError(
             "sliding_window_mask: a custom sliding-window mask is not supported by the packed path (its local "
@@ -156,8 +155,11 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)
     route = padded_route(model, state, hidden_states=output_hidden_states, **padded)
-    last, hidden_t = serve_padded(model, state, route, hidden_states=output_hidden_states,
-                                  hidden_pre_norm_last=pre_norm_last, **padded)
+    try:
+        last, hidden_t = serve_padded(model, state, route, hidden_states=output_hidden_states,
+                                      hidden_pre_norm_last=pre_norm_last, **padded)
+    except StockOnlyInput as error:  # raised by unpad at the call's one sync, before any layer ran
+        return _stock_fallback(model, state, mask_holes_reason(error), args, call)
     return _output(model, last, hidden_t, return_dict)
 
 

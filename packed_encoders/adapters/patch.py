@@ -7,6 +7,7 @@ import copy
 from torch import nn
 
 from .hf_call import hf_forward
+from .stock_calls import stock_signature
 from .state import _NO_FORWARD, STATE_ATTR, PackState, get_state
 
 
@@ -18,6 +19,17 @@ class PackedForward:
 
     def __call__(self, *args, **kwargs):
         return hf_forward(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        """The stock forward's signature (HF and other libraries read ``inspect.signature(model.forward)``)."""
+        return stock_signature(type(self.module))
+
+    @property
+    def __code__(self):
+        """The patched forward's code object: ``torch.export`` reads ``model.forward.__code__`` for its metadata
+        (it then traces the stock forward, see ``adapters.stock_calls``)."""
+        return hf_forward.__code__
 
     def __repr__(self) -> str:
         return f"<packed_encoders forward of {type(self.module).__name__}>"

@@ -1,0 +1,54 @@
+"""Calls stock HF serves that the packed path does not reproduce: the patched forward runs the stock forward for
+them (a one-time ``RuntimeWarning``, the reason in ``describe()``), so code written for stock HF keeps working.
+
+Named before the call: attention probabilities (``output_attentions=True``), HF's precomputed per-layer-type mask
+mapping (a dict ``attention_mask``), layer-selecting ``output_hidden_states`` (a list or tuple), and tracing by
+``torch.export`` (the exported program is the stock graph: the packed forward syncs the host on the lengths).
+Found while unpacking: a mask with holes inside a row (:class:`~packed_encoders.errors.StockOnlyInput`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+EXPORT = ("torch.export traces the stock forward (the packed forward reads the batch's lengths on the host, which "
+          "an exported graph cannot)")
+
+
+def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict) -> str | None:
+    """Why this call must run the stock forward, or ``None``. ``names``: the forward's positional parameter names
+    (after ``self``), to find ``attention_mask`` passed positionally. A few dict lookups on the hot path."""
+    if torch.compiler.is_exporting():
+        return EXPORT
+    mask = kwargs.get("attention_mask")
+    if mask is None and args and "attention_mask" in names[:len(args)]:
+        mask = args[names.index("attention_mask")]
+    if isinstance(mask, dict):
+        return ("attention_mask is a dict of per-layer-type masks (HF's precomputed mask mapping); the packed path "
+                "reads a [batch, seq_len] padding mask")
+    attentions = kwargs.get("output_attentions")
+    if attentions is None:
+        attentions = getattr(model.config, "output_attentions", False)
+    if attentions:
+        return "output_attentions=True: the packed path never materialises attention probabilities"
+    hidden = kwargs.get("output_hidden_states")
+    if hidden is not None and not isinstance(hidden, bool):
+        return (f"output_hidden_states={hidden!r} selects layers; the packed path returns all of them "
+                "(output_hidden_states=True) or none")
+    return None
+
+
+def mask_holes_reason(error: Exception) -> str:
+    return f"{error} (stock HF attends around the holes, with positions counted from the row's first column)"
+
+
+@functools.lru_cache(maxsize=None)
+def stock_signature(cls: type) -> inspect.Signature:
+    """The signature of ``cls.forward`` bound to an instance (``self`` dropped), as ``inspect.signature`` gives
+    for an unpatched model's ``forward``."""
+    sig = inspect.signature(cls.forward)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])

@@ -1,0 +1,92 @@
+"""Calls stock HF serves and the packed path does not reproduce run the stock forward (warned once, the reason in
+describe()) instead of raising: masks with holes, output_attentions=True, layer-selecting output_hidden_states,
+HF's dict of per-layer-type masks, torch.export. The patched forward keeps the stock forward's signature."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import packed_encoders as pe
+from tests.helpers import make_model, padded_batch, stock
+
+
+def _mask_mapping(model, ids, mask):
+    from transformers.masking_utils import create_bidirectional_mask, create_bidirectional_sliding_window_mask
+
+    embeds = model.embeddings(input_ids=ids)
+    kw = dict(config=model.config, inputs_embeds=embeds, attention_mask=mask)
+    return {"full_attention": create_bidirectional_mask(**kw),
+            "sliding_attention": create_bidirectional_sliding_window_mask(**kw)}
+
+
+CALLS = {
+    "holes": lambda model, ids, mask: dict(attention_mask=mask.index_fill(1, torch.tensor([2]), 0)),
+    "holes_positional": lambda model, ids, mask: dict(args=(ids, mask.index_fill(1, torch.tensor([2]), 0))),
+    "output_attentions": lambda model, ids, mask: dict(attention_mask=mask, output_attentions=True),
+    "hidden_states_list": lambda model, ids, mask: dict(attention_mask=mask, output_hidden_states=[1, 2]),
+    "dict_mask": lambda model, ids, mask: dict(attention_mask=_mask_mapping(model, ids, mask)),
+}
+REASONS = {"holes": "holes inside", "holes_positional": "holes inside", "output_attentions": "output_attentions",
+           "hidden_states_list": "output_hidden_states=", "dict_mask": "dict of per-layer-type masks"}
+
+
+@pytest.mark.parametrize("case", list(CALLS))
+def test_calls_stock_serves_run_the_stock_forward(case):
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12, 9])
+    kw = CALLS[case](model, ids, mask)
+    args = kw.pop("args", ())
+    if not args:
+        kw["input_ids"] = ids
+    with torch.no_grad():
+        ref = stock(model, **dict(zip(("input_ids", "attention_mask"), args)), **kw)
+        with pytest.warns(RuntimeWarning, match=REASONS[case]):
+            out = model(*args, **kw)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="packed_encoders")  # said once
+            model(*args, **kw)
+    for name in ("last_hidden_state", "hidden_states", "attentions"):
+        a, r = getattr(out, name, None), getattr(ref, name, None)
+        if isinstance(r, torch.Tensor):
+            torch.testing.assert_close(a, r, atol=0, rtol=0)
+        elif r is not None:
+            assert len(a) == len(r)
+            for x, y in zip(a, r):
+                torch.testing.assert_close(x, y, atol=0, rtol=0)
+    assert REASONS[case] in pe.describe(model)["encoders"][0]["attention_fallbacks"][0]
+    with warnings.catch_warnings():  # the next ordinary call is packed again, silently
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    assert "stock forward" not in str(pe.describe(model)["encoders"][0]["attention_fallbacks"])
+
+
+def test_mask_values_other_than_0_and_1_still_raise():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12])
+    with pytest.raises(pe.PackedEncodersError, match="only 0 and 1"):
+        model(input_ids=ids, attention_mask=mask * 2)
+
+
+def test_patched_forward_keeps_the_stock_signature():
+    model = make_model("base_like")
+    before = inspect.signature(model.forward)
+    pe.pack(model)
+    assert inspect.signature(model.forward) == before
+    assert "attention_mask" in inspect.signature(model.forward).parameters
+
+
+def test_torch_export_of_a_packed_model_exports_the_stock_graph():
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12, 9])
+    with pytest.warns(RuntimeWarning, match="torch.export traces the stock forward"):
+        program = torch.export.export(model, (), dict(input_ids=ids, attention_mask=mask))
+    ids2, mask2 = padded_batch([7, 12, 3], seed=1)  # same shapes, other values
+    with torch.no_grad():
+        out = program.module()(input_ids=ids2, attention_mask=mask2).last_hidden_state
+        ref = stock(model, input_ids=ids2, attention_mask=mask2).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
