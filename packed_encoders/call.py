@@ -95,10 +95,16 @@ def packed_route(model: nn.Module, state, batch: PackedBatch, *, structure: str 
                         **mode_facts(model, state)))
 
 
-def _gradient_checkpointing(model: nn.Module) -> bool:
-    if getattr(model, "gradient_checkpointing", False):
-        return True
-    return any(getattr(layer, "gradient_checkpointing", False) for layer in model.layers)
+def _gradient_checkpointing(model: nn.Module) -> tuple | bool:
+    """HF's per-layer choice (``gradient_checkpointing_enable(every_n_layers=...)`` flags each layer): per layer the
+    checkpoint function HF would call (its kwargs and CPU offload included), ``True`` for the default, or ``None``;
+    ``False`` when no layer is checkpointed. transformers v4 flags the model only, for every layer."""
+    default = getattr(model, "gradient_checkpointing", False)
+    flags = [getattr(layer, "gradient_checkpointing", default) for layer in model.layers]
+    if not any(flags):
+        return False
+    return tuple((vars(layer).get("_gradient_checkpointing_func") or True) if flag else None
+                 for layer, flag in zip(model.layers, flags))
 
 
 def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: list | None = None,

@@ -72,3 +72,74 @@ def test_attention_dropout_rate_read_per_call_by_the_training_forward(blocks):
     model.layers[1].attn.attention_dropout = 0.5
     model.layers[1].attn.eval()  # the module's own mode decides, as in stock
     torch.testing.assert_close(run(), base, atol=0, rtol=0)
+
+
+def _count_checkpoints(model):
+    calls = []
+    for index, layer in enumerate(model.layers):
+        real = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, real=real, index=index, **k: calls.append(index) or real(*a, **k)
+    return calls
+
+
+def test_gradient_checkpointing_follows_hf_per_layer_choice_and_options():
+    """gradient_checkpointing_enable(every_n_layers=2) checkpoints layers 0, 2, ...; the checkpoint function HF
+    built (its kwargs: use_reentrant, CPU offload) is the one called; gradients match stock's."""
+    from tests.helpers import stock, stock_positions
+
+    model = make_model("base_like", num_hidden_layers=5)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True}, every_n_layers=2)
+    model.train()
+    ids, mask = padded_batch([8, 20])
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        fn()[mask.bool()].pow(2).mean().backward()  # real tokens (stock computes padded positions too)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref = grads(lambda: stock(model, input_ids=ids, attention_mask=mask,
+                              position_ids=stock_positions(mask)).last_hidden_state)
+    pe.pack(model)
+    calls = _count_checkpoints(model)
+    got = grads(lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert calls == [0, 2, 4]
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-3, msg=n)
+    model.layers[2].gradient_checkpointing = False  # a per-layer flag changed by hand: read per call
+    calls.clear()
+    grads(lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert calls == [0, 4]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_per_block_training_forward_calls_hf_checkpoint_functions(reentrant):
+    """The per-block training forward (model/blocks.py) checkpoints the layers HF flags with HF's function; the
+    dropout masks replay in the recomputation (same output and gradients as without checkpointing)."""
+    from packed_encoders.call import _gradient_checkpointing
+
+    model = make_model("base_like", num_hidden_layers=4, attention_dropout=0.2, mlp_dropout=0.2,
+                       embedding_dropout=0.2)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant},
+                                          every_n_layers=2)
+    model.train()
+    params = ModernBertParams.from_hf_config(model.config)
+    ids, mask = padded_batch([8, 20])
+    batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                  vocab_size=model.config.vocab_size)
+    calls = _count_checkpoints(model)
+
+    def grads(ckpt):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        out = encoder_forward(model, params, batch, attention_backend="sdpa", rules=Rules(lean=True, blocks=True),
+                              gradient_checkpointing=ckpt)
+        out.pow(2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    out_c, g_c = grads(_gradient_checkpointing(model))
+    assert calls == [0, 2]
+    out_p, g_p = grads(False)
+    torch.testing.assert_close(out_c, out_p, atol=0, rtol=0)
+    assert set(g_c) == set(g_p)
+    for n in g_p:
+        torch.testing.assert_close(g_c[n], g_p[n], atol=1e-6, rtol=1e-5, msg=n)

@@ -9,7 +9,8 @@ Weights are read from the live HF modules on every call; nothing is copied.
 
 from __future__ import annotations
 
-from typing import Mapping
+import functools
+from typing import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +132,7 @@ def plan_attention(params: ModernBertParams, batch: PackedBatch, requested: str,
 
 def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBatch, *,
                     attention: Mapping[int | None, Decision] | None = None, attention_backend: str = "auto",
-                    ops: OpSet = TORCH_OPS, gradient_checkpointing: bool = False,
+                    ops: OpSet = TORCH_OPS, gradient_checkpointing: bool | Sequence = False,
                     hidden_states: list | None = None, hidden_pre_norm_last: bool = False,
                     rules: Rules | None = None) -> torch.Tensor:
     """Run the packed encoder on ``batch`` and return ``[T, hidden_size]`` (after ``final_norm``).
@@ -140,13 +141,14 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         model: the live ``ModernBertModel`` whose parameters are read.
         attention: a plan from :func:`plan_attention`; built here from ``attention_backend`` when ``None``.
         ops: the per-token op implementations (plain PyTorch by default).
-        gradient_checkpointing: recompute each layer in backward (only when training with grad enabled).
+        gradient_checkpointing: recompute each layer in backward (only in train mode with grad enabled); or per
+            layer ``None`` (not checkpointed), ``True`` (non-reentrant ``torch.utils.checkpoint``) or the function
+            to call as ``fn(layer_fn, *inputs)`` (HF's ``_gradient_checkpointing_func``).
         hidden_states: when a list, receives HF v5's ``output_hidden_states`` entries as ``[T, H]`` tensors:
             the embedding output, the output of every layer but the last, then the final normed output
             (transformers v4 lists the last layer's output before ``final_norm``: ``hidden_pre_norm_last``).
         rules: the switches the op choices read (:class:`..model.plan.Rules`; default: the environment's).
     """
-    training = model.training
     grad = torch.is_grad_enabled()
     dtype = activation_dtype(model)
     if attention is None:
@@ -267,12 +269,17 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             wo = mlp.Wo
             return x, linear(g, cast(wo.weight, wdt), cast(wo.bias, wdt))
 
-    use_ckpt = gradient_checkpointing and training and grad
+    ckpt = gradient_checkpointing
+    if isinstance(ckpt, bool):
+        ckpt = (ckpt,) * params.num_hidden_layers
     pending = None
     last = params.num_hidden_layers - 1
     for index in range(params.num_hidden_layers):
-        if use_ckpt:
-            x, pending = _checkpoint(lambda i, a, b: run_layer(i, [a, b]), index, x, pending, use_reentrant=False)
+        fn = ckpt[index] if grad and model.layers[index].training else None  # as HF: in train mode with grad
+        if fn is True:
+            fn = functools.partial(_checkpoint, use_reentrant=False)
+        if fn:
+            x, pending = fn(lambda i, a, b: run_layer(i, [a, b]), index, x, pending)
         else:
             carry = [x, pending]
             x = pending = None
