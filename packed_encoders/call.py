@@ -16,6 +16,7 @@ from torch import nn
 
 from .batch import PackedBatch, unpad
 from .graphs import route as graphs
+from .model.dropout import applies_attention_dropout, applies_dropout, dropout_modules
 from .model.forward import activation_dtype, encoder_forward, plan_attention
 from .model.plan import rules_for
 from .router import Eager, Facts, PackedGraph, RectangularGraph, Route, Stock, choose
@@ -39,11 +40,21 @@ def raise_earlier_errors(state) -> None:
     graphs.poll_deferred(state)
 
 
+def _dropout_modules(model: nn.Module, state):
+    """The dropout-applying modules, from the structure snapshot (rebuilt whenever the module tree changes; the
+    structure check runs before every route)."""
+    snap = state.runtime.get("structure")
+    return dropout_modules(model) if snap is None else snap["dropout"]
+
+
 def mode_facts(model: nn.Module, state) -> dict:
-    """The facts every graph route admits on: the encoder's switches, grad / autocast / dropout, its device."""
+    """The facts every graph route admits on: the encoder's switches, grad / autocast / dropout, its device.
+    ``dropout`` reads each module's live mode and rate (Monte-Carlo dropout in an eval model, a rate set after
+    ``pack()``): a graph would replay a forward without dropout."""
     on_cuda = _embedding(model)._parameters["weight"].is_cuda
+    dropout = applies_dropout(_dropout_modules(model, state), state.params.attention_dropout)
     return dict(kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
-                grad=torch.is_grad_enabled(), dropout=model.training and state.params.has_dropout,
+                grad=torch.is_grad_enabled(), dropout=dropout,
                 autocast=torch.get_autocast_dtype("cuda") if on_cuda and torch.is_autocast_enabled("cuda") else None,
                 model_on_cuda=on_cuda)
 
@@ -113,7 +124,7 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
     ``describe()``. Returns ``[T, hidden_size]``."""
     params = state.params
     grad = torch.is_grad_enabled()
-    dropout = params.any_attention_dropout(model.layers)
+    dropout = applies_attention_dropout(_dropout_modules(model, state), params.attention_dropout)
     requested = attention_backend or state.options.attention_backend
     if dropout and requested == "auto":
         requested = "sdpa"  # the only backend with attention-probability dropout; describe() reports it

@@ -75,7 +75,8 @@ class Facts:
         graphs: the encoder's :class:`~packed_encoders.GraphConfig`, or ``None`` (``cuda_graph=False``).
         kill_switch: ``PACKED_ENCODERS_GRAPH=0`` when the encoder was packed (its tuning).
         suspended: inside ``pe.no_cuda_graph(model)``.
-        grad, dropout: gradients enabled; training mode with a non-zero dropout rate.
+        grad, dropout: gradients enabled; some module applies dropout in this call (its own train mode and a
+            non-zero rate, read live: Monte-Carlo dropout in an eval model counts).
         autocast: the CUDA autocast dtype in force, or ``None``. Graphs are captured under it.
         hidden_states, inputs_embeds, position_ids, query_only: what the caller passed or asked for
             (``query_only``: ColBERT query expansion computes trailing masked positions).

@@ -398,12 +398,44 @@ def test_every_fallback_runs_eagerly(cpu_graphs, monkeypatch):
 
 def test_dropout_in_training_runs_eagerly(cpu_graphs):
     model = tiny_model()
-    model.config.attention_dropout = 0.1
     pe.pack(model, validate=False, cuda_graph=True)
+    for layer in model.layers:
+        layer.attn.attention_dropout = 0.1  # the rate stock's attention reads per call (set after pack)
     model.train()
     with torch.no_grad():
         _forward(model, *padded_batch([4, 6], "mixed"))
     assert _graph_info(model)["fallbacks"] == {B.DROPOUT: 1} and not cpu_graphs
+
+
+@pytest.mark.parametrize("where", ["mc_dropout", "attention_rate_after_pack", "replaced_module"])
+def test_live_dropout_in_an_eval_model_runs_eagerly(cpu_graphs, where):
+    """A graph replays a forward without dropout: Monte-Carlo dropout (model.eval(), nn.Dropout modules back in
+    train mode), an attention module in train mode with a rate set after pack(), or a dropout module swapped in
+    after pack() must run eagerly (with the dropout), whatever model.training and the config's rates say."""
+    model = tiny_model()  # all dropout rates 0 in the config
+    pe.pack(model, validate=False, cuda_graph=True)
+    ids, mask = padded_batch([4, 6], "mixed")
+    with torch.no_grad():
+        base = _forward(model, ids, mask)  # captured (CPU stand-in)
+        assert len(cpu_graphs) == 1
+        if where == "mc_dropout":
+            for m in model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.3
+                    m.train()
+        elif where == "attention_rate_after_pack":
+            model.layers[1].attn.attention_dropout = 0.3
+            model.layers[1].attn.train()
+        else:
+            model.layers[0].mlp.drop = torch.nn.Dropout(0.3)  # a new module, in train mode
+        assert not model.training
+        a, b = _forward(model, ids, mask), _forward(model, ids, mask)
+        assert _graph_info(model)["fallbacks"] == {B.DROPOUT: 2} and len(cpu_graphs) == 1
+        real = mask.bool()
+        assert (a - b)[real].abs().max() > 1e-3, "dropout applied on the eager route"
+        model.eval()  # every module back in eval mode: the graph serves again, without dropout
+        torch.testing.assert_close(_forward(model, ids, mask), base, atol=0, rtol=0)
+    assert _graph_info(model)["fallbacks"] == {B.DROPOUT: 2} and len(cpu_graphs) == 1
 
 
 def test_far_positions_are_served_by_graphs(cpu_graphs):

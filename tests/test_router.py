@@ -90,6 +90,44 @@ def test_choose_reads_nothing_but_its_facts(monkeypatch):
 # ------------------------------------------------------------------------------------------------ tuning
 
 
+def test_dropout_fact_reads_the_live_modules():
+    """The router's dropout fact follows each module's own mode and rate, read per call: not model.training and
+    not the config's rates at pack() (a graph would replay a forward without dropout)."""
+    from packed_encoders import call
+    from packed_encoders.adapters.structure import structure_check
+
+    model = pe.pack(tiny_model(), validate=False)  # every rate 0 in the config
+    state = get_state(model)
+
+    def dropout():
+        assert structure_check(model, state) is None  # as each call does first (refreshes the snapshot)
+        return call.mode_facts(model, state)["dropout"]
+
+    assert not dropout()
+    model.train()
+    assert not dropout(), "train mode with every rate 0 applies no dropout"
+    model.eval()
+    model.layers[1].mlp.drop.p = 0.2
+    assert not dropout(), "a rate on a module in eval mode applies none"
+    model.layers[1].mlp.drop.train()
+    assert dropout() and not model.training, "Monte-Carlo dropout: a dropout module in train mode in an eval model"
+    model.eval()
+    model.embeddings.drop.p = 0.2
+    model.embeddings.drop.train()
+    assert dropout()
+    model.eval()
+    model.layers[0].attn.attention_dropout = 0.1  # the rate stock's attention reads per call, set after pack()
+    assert not dropout()
+    model.layers[0].attn.train()
+    assert dropout()
+    model.layers[0].attn.attention_dropout = 0.0
+    assert not dropout()
+    model.layers[0].attn.out_drop = torch.nn.Dropout(0.3)  # was an nn.Identity: a new module, in train mode
+    assert dropout()
+    model.eval()
+    assert not dropout()
+
+
 def test_tuning_is_read_at_pack_and_again_on_repack(monkeypatch):
     for name in ("PACKED_ENCODERS_GRAPH", "PACKED_ENCODERS_FUSED_UNPAD", "PACKED_ENCODERS_GRAPH_MEMORY"):
         monkeypatch.delenv(name, raising=False)

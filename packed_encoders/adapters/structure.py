@@ -20,6 +20,7 @@ from itertools import repeat
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..model.dropout import dropout_modules
 from ..model.params import _ACTIVATIONS
 from .fsdp import fsdp_problem
 
@@ -144,7 +145,9 @@ def snapshot(model: nn.Module) -> dict:
     """The module slots the packed forward was set up for, as parallel tuples for a C-level check per call:
     ``children`` (each parent's ``_modules``), ``names`` (the attribute), ``modules``, ``types`` and
     ``module_dicts`` (each module's instance ``__dict__``); and the per-layer attention attributes stock reads
-    per call (``fact_dicts``, ``fact_names``, ``facts``); ``hook_counter`` (see :func:`_no_new_hooks`)."""
+    per call (``fact_dicts``, ``fact_names``, ``facts``); ``hook_counter`` (see :func:`_no_new_hooks`); ``dropout``:
+    the dropout-applying modules (:func:`~packed_encoders.model.dropout.dropout_modules`) whose modes and rates the
+    router reads per call (kept here: a snapshot is rebuilt whenever a module changes)."""
     children, names, modules = [], [], []
     for path, m, _ in _expected(model):
         parent_path, _, name = path.rpartition(".")
@@ -157,7 +160,7 @@ def snapshot(model: nn.Module) -> dict:
             "types": tuple(map(type, modules)), "module_dicts": tuple(vars(m) for m in modules),
             "fact_dicts": fact_dicts, "fact_names": fact_names,
             "facts": tuple(map(dict.get, fact_dicts, fact_names)),
-            "hook_counter": RemovableHandle.next_id}  # taken after a full check found no foreign hook
+            "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model)}  # taken after a full check found no foreign hook
 
 
 # read from each module's instance __dict__: a dict lookup, ~2.5x cheaper than getattr on an nn.Module; one

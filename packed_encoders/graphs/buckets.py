@@ -82,7 +82,7 @@ def precapture_buckets(config: GraphConfig) -> list[Bucket]:
 KILL_SWITCH = "PACKED_ENCODERS_GRAPH=0"
 SUSPENDED = "no_cuda_graph() block"
 GRAD = "grad enabled"
-DROPOUT = "training mode with dropout"
+DROPOUT = "dropout in force (a dropout or attention module in train mode with a non-zero rate)"
 HIDDEN_STATES = "output_hidden_states"
 EMBEDS = "inputs_embeds"
 NOT_CUDA = "model not on CUDA"

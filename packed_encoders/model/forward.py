@@ -24,6 +24,7 @@ from ..ops import TORCH_OPS, OpSet, rope_tables
 from ..ops.rope import cached_pair_freq_table
 from ..ops.weight_cast import cast
 from .blocks import compute_dtype, run_layer_blocks
+from .dropout import applies_attention_dropout, dropout_modules
 from .params import ModernBertParams
 from .plan import Rules, plan_for
 
@@ -153,7 +154,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     dtype = activation_dtype(model)
     if attention is None:
         # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules)
-        any_attn_p = params.any_attention_dropout(model.layers)
+        any_attn_p = applies_attention_dropout(dropout_modules(model), params.attention_dropout)
         attention = plan_attention(params, batch, attention_backend, grad=grad, dtype=dtype, dropout=any_attn_p)
     total = batch.total_tokens
     device = batch.device

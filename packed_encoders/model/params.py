@@ -84,19 +84,11 @@ class ModernBertParams:
     def layer_theta(self, layer: int) -> float:
         return self.rope_theta_global if self.layer_is_global[layer] else self.rope_theta_local
 
-    @property
-    def has_dropout(self) -> bool:
-        return max(self.embedding_dropout, self.attention_dropout, self.mlp_dropout) > 0.0
-
     def attention_dropout_of(self, attn) -> float:
         """The attention-probability dropout rate stock HF applies in ``attn``'s (a layer's attention module) next
         call: 0 in eval mode, else ``attn.attention_dropout`` read live, as stock reads it per call (the config's
         value at ``pack()`` when the module has none)."""
         return getattr(attn, "attention_dropout", self.attention_dropout) if attn.training else 0.0
-
-    def any_attention_dropout(self, layers) -> bool:
-        """Some layer of ``layers`` (``model.layers``) applies attention-probability dropout in its next call."""
-        return any(self.attention_dropout_of(layer.attn) > 0 for layer in layers)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModernBertParams":
