@@ -298,9 +298,13 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         torch.save(data, tmp)
         os.replace(tmp, _chunk_path(out_dir, c.index, "pt"))
         seconds = time.perf_counter() - started
-        with open(_chunk_path(out_dir, c.index, "done"), "w") as f:
+        # The marker too is renamed into place: a rank stopped mid-write (another rank's failure ends the whole
+        # job) must not leave an empty marker that a resumed run takes for a finished chunk.
+        marker = _chunk_path(out_dir, c.index, f"done.{rank}.tmp")
+        with open(marker, "w") as f:
             json.dump({"rows": c.stop - c.start, "tokens": c.tokens, "rank": rank, "world": world,
                        "seconds": seconds}, f)
+        os.replace(marker, _chunk_path(out_dir, c.index, "done"))
         if bar is not None:
             bar.update(c.tokens)
         if on_chunk is not None:
