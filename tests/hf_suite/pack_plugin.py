@@ -36,6 +36,8 @@ def _contiguous_masks():
 
 
 def _pack_every_model():
+    import importlib.util
+
     from transformers.models.modernbert import modeling_modernbert
 
     import packed_encoders as pe
@@ -56,7 +58,13 @@ def _pack_every_model():
             return fn(*args, **kwargs)
         return wrapper
 
-    hf_call.run_packed = counted(hf_call.run_packed, "packed_forwards")
+    # run_packed: the eager packed forward, a global of the module that calls it (hf_call, or call with the router)
+    owners = [m for m in (hf_call, importlib.util.find_spec("packed_encoders.call") and
+                          importlib.import_module("packed_encoders.call")) if m and "run_packed" in vars(m)]
+    if not owners or "_stock_fallback" not in vars(hf_call):
+        raise RuntimeError("pack_plugin: packed_encoders has no run_packed / hf_call._stock_fallback to count calls")
+    for owner in owners:
+        owner.run_packed = counted(owner.run_packed, "packed_forwards")
     hf_call._stock_fallback = counted(hf_call._stock_fallback, "stock_forwards")
 
 
