@@ -90,6 +90,8 @@ def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) 
 
     From HF's live ``inv_freq`` buffers: per-token ``cos/sin`` ``[T, head_dim // 2]`` computed on the device as
     HF does (``position * inv_freq`` in fp32; a few microseconds, no host work, capturable), rows ``arange(T)``.
+    An fp64 model (``model.double()`` makes the buffers fp64 too) gets fp64 tables: HF computes its angles in fp32
+    whatever the model's dtype (an error ~1e-7 * position radians), which would cap an fp64 model at fp32 accuracy.
     Without a readable buffer: the cached theta tables (:func:`packed_encoders.ops.rope_tables`) indexed by
     ``position_ids``."""
     out = {}
@@ -103,7 +105,8 @@ def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) 
             continue
         if rows is None:
             rows = torch.arange(batch.total_tokens, device=batch.device)
-        freqs = batch.position_ids.float()[:, None] * inv.to(device=batch.device, dtype=torch.float32)[None, :]
+        compute = torch.promote_types(inv.dtype, torch.float32)
+        freqs = batch.position_ids.to(compute)[:, None] * inv.to(device=batch.device, dtype=compute)[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         if scaling != 1.0:
             cos, sin = cos * scaling, sin * scaling

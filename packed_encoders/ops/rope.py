@@ -64,14 +64,16 @@ def rope_qkv_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positi
 
 
 def rope_qkv_torch(qkv, cos, sin, position_ids, num_heads: int, head_dim: int):
-    """Plain PyTorch: fp32 rotation, q and k rounded once to the activation dtype; v is a strided view."""
+    """Plain PyTorch: the rotation in fp32 (fp64 for an fp64 ``qkv``, with fp64 tables), q and k rounded once to
+    the activation dtype; v is a strided view."""
     t = qkv.shape[0]
     q, k, v = qkv.view(t, 3, num_heads, head_dim).unbind(1)
-    c = cos[position_ids][:, None, :]
-    s = sin[position_ids][:, None, :]
+    compute = torch.promote_types(qkv.dtype, torch.float32)
+    c = cos[position_ids][:, None, :].to(compute)
+    s = sin[position_ids][:, None, :].to(compute)
 
     def rot(x):
-        x1, x2 = x.float().chunk(2, dim=-1)
+        x1, x2 = x.to(compute).chunk(2, dim=-1)
         return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(qkv.dtype)
 
     return rot(q), rot(k), v
@@ -80,12 +82,13 @@ def rope_qkv_torch(qkv, cos, sin, position_ids, num_heads: int, head_dim: int):
 def rope_qkv_bwd_torch(dq, dk, dv, cos, sin, position_ids, num_heads: int, head_dim: int,
                        dtype: torch.dtype) -> torch.Tensor:
     """Gradient of :func:`rope_qkv_torch` with respect to ``qkv``: ``[T, 3 * nh * hd]`` in ``dtype`` from ``dq, dk,
-    dv`` ``[T, nh, hd]`` (``dv`` may be ``None``: zero); the transposed rotation in fp32."""
-    c = cos[position_ids][:, None, :]
-    s = sin[position_ids][:, None, :]
+    dv`` ``[T, nh, hd]`` (``dv`` may be ``None``: zero); the transposed rotation in fp32 (fp64 for fp64)."""
+    compute = torch.promote_types(dtype, torch.float32)
+    c = cos[position_ids][:, None, :].to(compute)
+    s = sin[position_ids][:, None, :].to(compute)
 
     def unrot(d):
-        d1, d2 = d.float().chunk(2, dim=-1)
+        d1, d2 = d.to(compute).chunk(2, dim=-1)
         return torch.cat((d1 * c + d2 * s, d2 * c - d1 * s), dim=-1).to(dtype)
 
     v = torch.zeros_like(dq, dtype=dtype) if dv is None else dv.to(dtype)
