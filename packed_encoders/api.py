@@ -40,6 +40,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         attention_backend: ``"auto"`` (policy per batch), ``"flash"`` (torch varlen_attn / FlashAttention-4),
             ``"sdpa"``, or a concrete ``"varlen"``, ``"fa4"``, ``"triton"``.
         kernels: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cute"`` (see :mod:`packed_encoders.ops.select`).
+            ``"cute"`` runs quack's LayerNorm on the checked path only: forwards without gradient that the op set
+            covers (eager and graph captures) and training blocks use the Triton LayerNorm, whose launch costs
+            less host time; ``describe()["encoders"][i]["kernel_substitutions"]`` says so.
         validate: run :func:`packed_encoders.validate` on the selected path first.
         padded_outputs: what the output holds at padded positions. ``"zeros"``; ``"all"``: trailing masked
             positions (after each row's last real token) get HF's values, computed as query-only tokens;
@@ -150,6 +153,8 @@ def describe(target) -> dict:
                 "kernels_reason": state.ops_reason,
                 "gemm": state.ops.gemm,
                 "kernel_fallbacks": state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {},
+                "kernel_substitutions": list(getattr(state.ops, "substitutions", ())),
+                "eager_plan": _plan_facts(state.runtime.get("eager_plan")),
                 "cuda_graph": describe_graphs(state, weight.device),
                 "tuning": state.tuning.describe(),
                 "padded_outputs": ("zeros" if state.trailing_max_len is None else
@@ -160,6 +165,15 @@ def describe(target) -> dict:
             })
         out.append(entry)
     return {"encoders": out}
+
+
+def _plan_facts(plan) -> dict | None:
+    """What the last eager call's plan decided (``None`` before one): ``direct``: its kernels launched unchecked
+    (``why_checked``: why not), ``glu``: the ``Wi`` + GLU path, ``blocks``: per-block training autograd."""
+    if plan is None:
+        return None
+    return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu,
+            "blocks": None if plan.kernels is None else plan.kernels.name}
 
 
 def _single_encoder(model) -> nn.Module:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from .errors import PackedEncodersError, StockOnlyInput
-from .switches import switched_off
 
 
 @dataclass
@@ -98,7 +97,7 @@ def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
-          trailing_query_only: bool = False, before_sync=None, fused: bool | None = None) -> PackedBatch:
+          trailing_query_only: bool = False, before_sync=None, fused: bool = True) -> PackedBatch:
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
@@ -108,8 +107,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     ``before_sync(ids, positions, cu_seqlens, key_lens)``, when given, is called just before the sync with the
     device buffers the batch will be sliced from (``ids`` / ``positions`` hold ``B * S + 1`` rows, the first
     ``cu_seqlens[-1]`` of them the batch's; ``ids`` is ``None`` for ``inputs_embeds``); it must not sync.
-    ``fused``: unpad with the Triton kernels where they can take the call (``None``: unless
-    ``PACKED_ENCODERS_FUSED_UNPAD`` is off now; a packed encoder passes its tuning's value, read at ``pack()``).
+    ``fused``: unpad with the Triton kernels where they can take the call (a packed encoder passes its tuning's
+    ``fused_unpad``: ``PACKED_ENCODERS_FUSED_UNPAD`` as read at ``pack()``).
 
     Raises:
         StockOnlyInput: a mask with holes inside a sequence (the patched forward runs stock HF for it).
@@ -149,8 +148,6 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
             key_lens=torch.zeros(b, dtype=torch.int32, device=device) if trailing_query_only else None)
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
-    if fused is None:
-        fused = not switched_off(FUSED_UNPAD_ENV)
     if fused and _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b):
         stats_t, cu, ids_all, pos_all, indices_all, key_lens = _triton_unpad().unpad(
             attention_mask, input_ids, token_type_ids, position_ids, vocab_size, trailing_query_only)
@@ -184,9 +181,6 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         padded_shape=(b, s),
         key_lens=key_lens,
     )
-
-
-FUSED_UNPAD_ENV = "PACKED_ENCODERS_FUSED_UNPAD"
 
 
 @functools.cache

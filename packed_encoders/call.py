@@ -18,7 +18,7 @@ from .batch import PackedBatch, unpad
 from .graphs import route as graphs
 from .model.dropout import applies_attention_dropout, applies_dropout, dropout_modules
 from .model.forward import activation_dtype, encoder_forward, plan_attention
-from .model.plan import rules_for
+from .model.plan import last_plan, rules_for
 from .router import Eager, Facts, PackedGraph, RectangularGraph, Route, Stock, choose
 
 _INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
@@ -132,9 +132,11 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
                           policy=state.policy)
     state.last_plan = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
     state.last_fallbacks = list(dict.fromkeys(r for d in plan.values() for r in d.reasons))  # once per reason
-    return encoder_forward(model, params, batch, attention=plan, ops=state.ops,
-                           gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
-                           hidden_pre_norm_last=hidden_pre_norm_last, rules=rules_for(state.tuning))
+    out = encoder_forward(model, params, batch, attention=plan, ops=state.ops,
+                          gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
+                          hidden_pre_norm_last=hidden_pre_norm_last, rules=rules_for(state.tuning))
+    state.runtime["eager_plan"] = last_plan()  # this thread's forward just ran it; describe() shows its facts
+    return out
 
 
 def serve_batch(model: nn.Module, state, route: Route, batch: PackedBatch, *, hidden_states: list | None = None,

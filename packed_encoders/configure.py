@@ -17,6 +17,7 @@ from .errors import PackedEncodersError, UnsupportedTargetError
 from .graphs.config import normalize
 from .model.params import ModernBertParams
 from .ops.select import select_ops
+from .ops.triton import set_fast_launch
 from .tuning import Tuning, read_tuning
 
 
@@ -54,10 +55,12 @@ def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuni
         raise PackedEncodersError(f"attention_backend={options.attention_backend!r} is not one of {CHOICES}")
     params = params_of(model)
     device = device_of(model)
-    ops, reason = select_ops(options.kernels, device)
-    return PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=load_policy(device),
-                     trailing_max_len=trailing_max_len(options.padded_outputs, target),
-                     tuning=tuning if tuning is not None else read_tuning(device))
+    tuning = tuning if tuning is not None else read_tuning(device)
+    ops, reason = select_ops(options.kernels, device, tuning)
+    set_fast_launch(tuning.triton_fast_launch)
+    policy = load_policy(device, policy_file=tuning.policy_file, cache=tuning.cache_dir)
+    return PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=policy,
+                     trailing_max_len=trailing_max_len(options.padded_outputs, target), tuning=tuning)
 
 
 def encoder_states(target, *, attention_backend=None, kernels=None):

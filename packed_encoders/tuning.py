@@ -1,13 +1,13 @@
 """`Tuning`: every environment switch and pack-time measurement, read once at ``pack()`` into one frozen object.
 
-``pe.pack(model, ...)`` reads it (:func:`read_tuning`) and keeps it on the encoder's state; the router and the
-routes read their switches from it, never from the environment, so a call behaves as the model was packed.
-Calling ``pe.pack(model, ...)`` again re-reads it (and re-packs when anything changed); ``describe()`` shows it
-under ``"tuning"``.
-
-Seams (switches the kernel layer still reads by itself, listed in :data:`OPS_READS` and in ``describe()``):
-``ops/`` and ``attention/`` read a few switches at import or per call. Their values at ``pack()`` are recorded
-here so ``describe()`` shows them, but changing those variables after ``pack()`` still reaches those reads.
+``pe.pack(model, ...)`` reads it (:func:`read_tuning`) and keeps it on the encoder's state; the router, the routes
+and the kernel layer take their switches from it, never from the environment, so a call behaves as the model was
+packed. The values reach ``ops/``, ``attention/`` and ``batch.py`` as arguments: the plan's
+``packed_encoders.model.plan.Rules`` (``rules_for``), the op set built at ``pack()`` (quack's GEMM and RoPE
+switches), the attention policy loaded at ``pack()``, the ``fused`` flag of the unpad. One switch is process-wide:
+the Triton fast launcher (``ops.triton.set_fast_launch``), set by every ``pack()``. Calling
+``pe.pack(model, ...)`` again re-reads it (and re-packs when anything changed); ``describe()`` shows it under
+``"tuning"``. Direct users of ``ops/`` or ``attention/`` get the defaults of a default :class:`Tuning`.
 
 Imports nothing from the package but the switch parsing rule, so every layer may use it.
 """
@@ -29,20 +29,12 @@ QUACK_ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"        # =0: no RoPE in the q, k p
 FAST_LAUNCH_ENV = "PACKED_ENCODERS_TRITON_FAST_LAUNCH"  # =0: Triton's own launcher
 FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"        # =0: RoPE never fused into the attention kernel
 FUSED_GLU_ENV = "PACKED_ENCODERS_FUSED_GLU_GEMM"     # =0: no GLU in the small-batch Wi GEMM
+LEAN_ENV = "PACKED_ENCODERS_LEAN"                  # =0: the per-op checked path everywhere (A/B runs)
 POLICY_ENV = "PACKED_ENCODERS_POLICY"                # an attention policy file, instead of the matched one
 CACHE_ENV = "PACKED_ENCODERS_CACHE"                  # where calibrated policies live
 GRAPH_MEMORY_ENV = "PACKED_ENCODERS_GRAPH_MEMORY"    # fraction of free GPU memory the graphs may hold
 
 DEFAULT_GRAPH_MEMORY_FRACTION = 0.1
-
-# Switches the kernel layer also reads by itself (module and when); the router never does.
-OPS_READS = {
-    QUACK_GEMM_ENV: "ops/quack_gemm.py, at every eager call and graph capture",
-    QUACK_ROPE_ENV: "ops/quack_gemm.py, at every eager call and graph capture",
-    FAST_LAUNCH_ENV: "ops/triton/_runtime.py, when a kernel's launcher is first built",
-    FUSED_ROPE_ENV: "attention/backends.py, at import",
-    FUSED_GLU_ENV: "ops/fused.py, at import",
-}
 
 
 @dataclass(frozen=True)
@@ -53,8 +45,13 @@ class Tuning:
         graphs: CUDA-graph replay allowed (``PACKED_ENCODERS_GRAPH`` not off).
         prestage: a graph call copies its batch into the inbox before its host sync.
         fused_unpad: padded calls unpad with the Triton kernels where they can.
-        quack_gemm, quack_rope, triton_fast_launch, fused_rope, fused_glu_gemm: the kernel layer's switches as
-            they were at ``pack()`` (see :data:`OPS_READS`).
+        quack_gemm, quack_rope: quack's GEMMs (and the RoPE epilogue of the q, k projection) in the op set
+            built at ``pack()``.
+        triton_fast_launch: the Triton fast launcher (process-wide; the last ``pack()`` sets it).
+        fused_rope, fused_glu_gemm: RoPE fused into the attention kernel; GLU in the small-batch ``Wi`` GEMM
+            (the plan's ``Rules``).
+        lean: unchecked launches and per-block autograd where they apply (``PACKED_ENCODERS_LEAN``; off: the
+            per-op checked path everywhere).
         policy_file: ``PACKED_ENCODERS_POLICY`` (``None``: the policy matched to the card).
         cache_dir: ``PACKED_ENCODERS_CACHE``.
         graph_memory_fraction: the fraction of free GPU memory the encoder's graphs may hold (their LRU budget).
@@ -71,6 +68,7 @@ class Tuning:
     triton_fast_launch: bool = True
     fused_rope: bool = True
     fused_glu_gemm: bool = True
+    lean: bool = True
     policy_file: str | None = None
     cache_dir: str | None = None
     graph_memory_fraction: float = DEFAULT_GRAPH_MEMORY_FRACTION
@@ -87,7 +85,6 @@ class Tuning:
         out = asdict(self)
         out["env"] = dict(self.env)
         out["read"] = "at pack(); pe.pack(model, ...) again re-reads"
-        out["ops_reads"] = dict(OPS_READS)
         return out
 
 
@@ -123,6 +120,7 @@ def read_tuning(device=None) -> Tuning:
         triton_fast_launch=not switched_off(FAST_LAUNCH_ENV),
         fused_rope=not switched_off(FUSED_ROPE_ENV),
         fused_glu_gemm=not switched_off(FUSED_GLU_ENV),
+        lean=not switched_off(LEAN_ENV),
         policy_file=os.environ.get(POLICY_ENV) or None,
         cache_dir=os.environ.get(CACHE_ENV) or None,
         graph_memory_fraction=_fraction(os.environ.get(GRAPH_MEMORY_ENV)),

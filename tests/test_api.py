@@ -212,8 +212,8 @@ def test_validation_failure_leaves_model_unchanged(monkeypatch):
     monkeypatch.setattr(select, "KERNEL_CHOICES", select.KERNEL_CHOICES + ("broken",))
     original = select.select_ops
 
-    def fake_select(kernels, device):
-        return (broken, "test") if kernels == "broken" else original(kernels, device)
+    def fake_select(kernels, device, tuning):
+        return (broken, "test") if kernels == "broken" else original(kernels, device, tuning)
 
     monkeypatch.setattr("packed_encoders.configure.select_ops", fake_select)
     model = make_model("base_like")

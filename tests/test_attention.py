@@ -559,17 +559,18 @@ def test_triton_refuses_grad_and_custom_op_runs():
 def test_load_policy_by_device_and_refreshes(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setenv("PACKED_ENCODERS_CACHE", str(tmp_path))
-    monkeypatch.delenv("PACKED_ENCODERS_POLICY", raising=False)
+    monkeypatch.setenv("PACKED_ENCODERS_CACHE", str(tmp_path))  # for user_policy_path (calibration's writer)
+    cache = str(tmp_path)  # pack() passes its Tuning's cache_dir and policy_file; load_policy reads no variable
     cuda = torch.device("cuda", 0)
-    assert dispatch.load_policy(cuda).match == {"device_name": "NVIDIA H200", "capability": [9, 0]}
+    assert dispatch.load_policy(cuda, cache=cache).match == {"device_name": "NVIDIA H200", "capability": [9, 0]}
     mine = Policy("calibrated here", DEFAULT_POLICY.tables, {"device_name": "NVIDIA H200", "capability": [9, 0]})
     mine.save(dispatch.user_policy_path("NVIDIA H200", (9, 0)))
-    assert dispatch.load_policy(cuda).name == "calibrated here"  # a new calibration is seen at the next pack
+    assert dispatch.load_policy(cuda, cache=cache).name == "calibrated here"  # seen at the next pack
     other = tmp_path / "other.json"
     Policy("explicit", DEFAULT_POLICY.tables, {"device_name": "NVIDIA H200"}).save(other)
     monkeypatch.setenv("PACKED_ENCODERS_POLICY", str(other))
-    assert dispatch.load_policy(cuda).name == "explicit"
+    assert dispatch.load_policy(cuda, cache=cache).name == "calibrated here"  # not read here
+    assert dispatch.load_policy(cuda, cache=cache, policy_file=str(other)).name == "explicit"
 
 
 def test_benchmark_report_from_a_synthetic_sweep(monkeypatch, tmp_path, capsys):

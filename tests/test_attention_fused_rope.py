@@ -182,38 +182,38 @@ def test_custom_op_carries_rope():
 def test_backend_capability_and_switch(monkeypatch):
     assert BACKENDS["triton"].fuses_rope
     assert not any(b.fuses_rope for name, b in BACKENDS.items() if name != "triton")
-    assert BACKENDS["triton"].fuse_rope(grad=False) is backends.FUSED_ROPE
+    assert BACKENDS["triton"].fuse_rope(grad=False) is backends.FUSED_ROPE is True  # a default Tuning()'s
     assert not BACKENDS["triton"].fuse_rope(grad=True)
     limit = backends.FUSED_ROPE_MAX_TOKENS
     with monkeypatch.context() as m:
-        m.setattr(backends, "FUSED_ROPE", True)
         assert BACKENDS["triton"].fuse_rope(False, limit - 1)
         assert BACKENDS["triton"].fuse_rope(False, None)  # no size given (global layers): fused
         assert not BACKENDS["triton"].fuse_rope(False, limit)  # large calls: a separate pass is cheaper
+        assert BACKENDS["triton"].fuse_rope(False, limit, max_tokens=limit + 1)
         m.setattr(torch.compiler, "is_compiling", lambda: True)
         assert BACKENDS["triton"].fuse_rope(False, limit)  # traced: no size guard
-    monkeypatch.setattr(backends, "FUSED_ROPE", False)
-    assert not BACKENDS["triton"].fuse_rope(grad=False)
-    assert not BACKENDS["triton"].fuse_rope(False, 8)
-    # the environment switch is read at import: a fresh process
-    code = "from packed_encoders.attention import backends; print(backends.FUSED_ROPE)"
-    env = dict(os.environ, PACKED_ENCODERS_FUSED_ROPE="0", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                          check=False)
-    assert proc.stdout.split()[-1:] == ["False"], proc.stderr[-2000:]
+    assert not BACKENDS["triton"].fuse_rope(grad=False, enabled=False)
+    assert not BACKENDS["triton"].fuse_rope(False, 8, enabled=False)
+    # the environment switch is read at pack() (into the Tuning, then the plan's Rules), never by the backend
+    monkeypatch.setenv("PACKED_ENCODERS_FUSED_ROPE", "0")
+    assert BACKENDS["triton"].fuse_rope(grad=False)
+    from packed_encoders.model.plan import rules_for
+    from packed_encoders.tuning import read_tuning
+
+    assert rules_for(read_tuning()).fused_rope is False
 
 
 # ------------------------------------------------------------------------------------------------ the model
 
 
-def _forward(model, batch, ops=TORCH_OPS):
+def _forward(model, batch, ops=TORCH_OPS, rules=None):
     from packed_encoders.attention.dispatch import Decision
     from packed_encoders.model.forward import encoder_forward
     from packed_encoders.model.params import ModernBertParams
 
     params = ModernBertParams.from_hf_config(model.config)
     plan = {w: Decision("triton") for w in {params.layer_window(i) for i in range(params.num_hidden_layers)}}
-    return encoder_forward(model, params, batch, attention=plan, ops=ops)
+    return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules)
 
 
 @pytest.mark.parametrize("tables", ["live_inv_freq", "theta"])
@@ -228,7 +228,8 @@ def test_model_fused_equals_unfused_and_matches_stock(monkeypatch, tables):
 
     if tables == "theta":  # no readable inv_freq buffer: the cached theta tables indexed by position_ids
         monkeypatch.setattr(forward, "live_inv_freq", lambda model, is_global, params: (None, 1.0))
-    monkeypatch.setattr(backends, "FUSED_ROPE", True)  # as shipped, whatever PACKED_ENCODERS_FUSED_ROPE says
+    from packed_encoders.model.plan import Rules
+
     model = make_model("base_like").to(BF16).to(DEV)  # 2 heads x 64, 4 layers, global and window-8 layers
     lengths = [5, 0, 17, 3, 12]
     ids = torch.randint(3, 211, (sum(lengths),), generator=torch.Generator().manual_seed(8)).to(DEV)
@@ -243,20 +244,18 @@ def test_model_fused_equals_unfused_and_matches_stock(monkeypatch, tables):
 
     ops = dataclasses.replace(TORCH_OPS, rope_qkv=counting_rope)
     with torch.no_grad():
-        fused = _forward(model, batch, ops)
+        fused = _forward(model, batch, ops)  # the default Rules: fused
         assert calls == []
-        monkeypatch.setattr(backends, "FUSED_ROPE_MAX_TOKENS", sum(lengths))  # a call this large rotates apart
-        by_size = _forward(model, batch, ops)  # ... on its local layers only: global ones stay fused
+        # a call this large rotates apart ... on its local layers only: global ones stay fused
+        by_size = _forward(model, batch, ops, Rules(fused_rope_max_tokens=sum(lengths)))
         params = ModernBertParams.from_hf_config(model.config)
         local = [i for i in range(params.num_hidden_layers)
                  if params.layer_window(i) is not None and params.layer_window(i) < max(lengths) - 1]
         assert 0 < len(local) < params.num_hidden_layers and len(calls) == len(local)
         if DEV == "cpu":
             assert torch.equal(by_size, fused)
-        monkeypatch.setattr(backends, "FUSED_ROPE_MAX_TOKENS", sum(lengths) + 1)
-        monkeypatch.setattr(backends, "FUSED_ROPE", False)
         calls.clear()
-        unfused = _forward(model, batch, ops)
+        unfused = _forward(model, batch, ops, Rules(fused_rope=False))  # PACKED_ENCODERS_FUSED_ROPE=0 at pack()
         assert len(calls) == model.config.num_hidden_layers
         if DEV == "cpu":
             assert torch.equal(fused, unfused)

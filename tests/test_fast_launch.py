@@ -97,9 +97,14 @@ def test_hooks_kill_switch_and_other_releases_take_triton_path(launcher, monkeyp
     monkeypatch.setattr(R.FastLauncher, "enabled", False)
     fast[(1,)](x, 1, 16, 1.0, BLOCK=64)
     assert jit.slow_calls == 3 and jit.compiled.runs == []
-    monkeypatch.setenv(R.FAST_LAUNCH_ENV, "0")
-    assert R._fast_launch_enabled() is False
-    monkeypatch.delenv(R.FAST_LAUNCH_ENV)
+    from packed_encoders.ops import triton as T
+
+    monkeypatch.setattr(T, "FAST_LAUNCH", True)
+    T.set_fast_launch(False)  # what pack() does with PACKED_ENCODERS_TRITON_FAST_LAUNCH=0
+    assert R.FastLauncher.enabled is None and R._fast_launch_enabled() is False
+    fast[(1,)](x, 1, 16, 1.0, BLOCK=64)
+    assert R.FastLauncher.enabled is False and jit.slow_calls == 4
+    T.set_fast_launch(True)
     import triton
 
     monkeypatch.setattr(triton, "__version__", "3.9.0")

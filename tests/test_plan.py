@@ -71,8 +71,14 @@ def test_plan_choices_follow_the_rules(fused):
 
     assert plan(300).glu == "split"  # past the small GEMM's size rule
     assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0)).glu == "split"
+    # the checked path routes through the checked op, unless PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at pack())
+    assert plan(300, rules=plan_mod.Rules(lean=False)).glu == "route"
+    assert plan(100, rules=plan_mod.Rules(lean=False, glu_gemm_max_tokens=0)).glu == "split"
+    assert plan(100, rules=plan_mod.Rules(lean=False)).why_checked.startswith("PACKED_ENCODERS_LEAN is off")
+    assert plan(100).direct and plan(100).why_checked is None
     g = plan(100, grad=True)
     assert not g.direct and g.ops is fused.TRITON_OPS and g.glu == "split"
+    assert g.why_checked.startswith("gradients wanted")
     assert plan(100, ops=TORCH_OPS).ops is TORCH_OPS and not plan(100, ops=TORCH_OPS).direct
     # every layer's window: a band covering every sequence is global
     assert [lp.window for lp in plan(100).layers] == [params.layer_window(i) for i in range(4)]

@@ -39,7 +39,6 @@ def fake(monkeypatch):
     monkeypatch.setattr(quack_gemm, "_kernels", lambda: SimpleNamespace(linear=linear, glu_linear=glu_linear,
                                                                           rope_linear=rope_linear))
     monkeypatch.setattr(quack_gemm, "_on_one_cuda_device", lambda x, w: x.device == w.device)
-    monkeypatch.delenv(quack_gemm.ENV, raising=False)
     quack_gemm.reset_fallbacks()
     yield calls
     quack_gemm.reset_fallbacks()
@@ -72,9 +71,9 @@ def test_glu_linear_modes_quack_does_not_serve(fake, monkeypatch):
         wg = w.clone().requires_grad_()
         out = ops.glu_linear(x, wg, None, "gelu")
         assert out.requires_grad  # F.linear + GLU, differentiable
-    monkeypatch.setenv(quack_gemm.ENV, "off")
+    monkeypatch.setenv(quack_gemm.ENV, "off")  # read at pack() only: an op set built before keeps routing
     ops.glu_linear(x, w, None, "gelu")
-    assert fake["glu_linear"] == 0 and quack_gemm.fallbacks() == {}
+    assert fake["glu_linear"] == 1 and quack_gemm.fallbacks() == {}
 
 
 @pytest.mark.parametrize("case, reason", [
@@ -156,7 +155,8 @@ def test_validation_checks_the_quack_route(fake, monkeypatch):
     from packed_encoders import configure
 
     model = make_model("base_like").to(torch.bfloat16)
-    monkeypatch.setattr(configure, "select_ops", lambda kernels, device: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
+    monkeypatch.setattr(configure, "select_ops",
+                        lambda kernels, device, tuning: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
     pe.pack(model)  # validate=True: the check batch is far below GLU_MIN_TOKENS, yet quack is what is checked
     assert fake["glu_linear"] >= model.config.num_hidden_layers
     entry = pe.describe(model)["encoders"][0]
@@ -182,8 +182,12 @@ def test_switch_off_at_pack_skips_the_route_without_importing_quack(monkeypatch)
         raise AssertionError("quack imported although the switch is off")
 
     monkeypatch.setattr(quack_gemm, "_kernels", no_import)
-    monkeypatch.setenv(quack_gemm.ENV, "0")
-    assert quack_gemm.unavailable(torch.device("cuda")) == f"{quack_gemm.ENV} is off"
+    assert quack_gemm.unavailable(torch.device("cuda"), enabled=False) == f"{quack_gemm.ENV} is off"
+    from packed_encoders.ops.select import _with_gemms
+    from packed_encoders.tuning import Tuning
+
+    ops, reason = _with_gemms(TORCH_OPS, "base", torch.device("cuda"), Tuning(quack_gemm=False))
+    assert ops is TORCH_OPS and reason == f"base; GEMMs: F.linear ({quack_gemm.ENV} is off)"
 
 
 def test_quack_op_set_pickles_and_deep_copies(fake):
@@ -205,7 +209,8 @@ def test_packed_model_with_the_quack_route_pickles(fake, monkeypatch):
     from packed_encoders import configure
 
     model = make_model("base_like").to(torch.bfloat16)
-    monkeypatch.setattr(configure, "select_ops", lambda kernels, device: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
+    monkeypatch.setattr(configure, "select_ops",
+                        lambda kernels, device, tuning: (quack_gemm.with_quack_gemms(TORCH_OPS), "test"))
     pe.pack(model, validate=False)
     clone = pickle.loads(pickle.dumps(model))
     ids, mask = padded_batch([5, 9])
@@ -311,3 +316,21 @@ def test_rope_linear_refusals_are_recorded(fake, monkeypatch, case, reason):
     assert fake["rope_linear"] == 0
     (why, count), = quack_gemm.fallbacks()["rope_linear"].items()
     assert reason in why and count == 1
+
+
+def test_rope_and_small_glu_switches_are_build_arguments():
+    """``PACKED_ENCODERS_QUACK_ROPE=0`` / ``_FUSED_GLU_GEMM=0`` (read at ``pack()``) build an op set without the
+    RoPE epilogue / whose GLU route below quack's rule skips the base's small GEMM; nothing reads them per call."""
+    from dataclasses import replace
+
+    def no_small_gemm(*a):
+        raise AssertionError("the small GLU GEMM ran although switched off")
+
+    base = replace(TORCH_OPS, glu_linear=no_small_gemm)
+    assert quack_gemm.with_quack_gemms(base).rope_linear is not None
+    ops = quack_gemm.with_quack_gemms(base, rope=False, small_glu=False)
+    assert ops.rope_linear is None and ops.gemm == "quack"
+    x, w = _glu_inputs(8)
+    torch.testing.assert_close(ops.glu_linear(x, w, None, "gelu"), geglu_torch(F.linear(x, w), "gelu"))
+    with pytest.raises(AssertionError, match="small GLU GEMM"):
+        quack_gemm.with_quack_gemms(base).glu_linear(x, w, None, "gelu")

@@ -141,9 +141,11 @@ def test_padding_ids_outside_the_vocabulary_are_ignored():
 def test_the_switch_and_the_cpu_default_use_the_torch_path(monkeypatch):
     ids, mask = _inputs([3, 6], "right", 8)
     assert not B._fused_unpad(ids, None, mask, None, None, 2)  # CPU tensors: the PyTorch ops
-    monkeypatch.setenv(B.FUSED_UNPAD_ENV, "0")
-    fake_cuda = torch.empty(0)
-    assert not B._fused_unpad(fake_cuda, None, None, None, None, 1)
+    # the switch (PACKED_ENCODERS_FUSED_UNPAD=0, read at pack() and passed as fused=False) never asks the kernels
+    monkeypatch.setattr(B, "_fused_unpad", lambda *a: pytest.fail("fused=False consulted the Triton unpad"))
+    ref = B.unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                  vocab_size=VOCAB, fused=False)
+    assert ref.cu_seqlens.tolist() == [0, 3, 9]
 
 
 def test_float_masks_and_embeddings_stay_on_the_torch_path():

@@ -15,12 +15,12 @@ from typing import Callable
 
 import torch
 
-from ..switches import switched_off
+from ..tuning import Tuning
 from . import flash, sdpa
 
-FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"
-# Read once at import (an A/B switch for benchmarks: =0 keeps the separate RoPE op everywhere).
-FUSED_ROPE = not switched_off(FUSED_ROPE_ENV)
+# The default of the fused-RoPE switch for direct callers of :meth:`Backend.fuse_rope`; a packed model passes its
+# own (``PACKED_ENCODERS_FUSED_ROPE``, read at ``pack()`` into the plan's Rules; =0 keeps the separate RoPE op).
+FUSED_ROPE = Tuning().fused_rope
 # Calls of this many tokens or more rotate q, k of local layers in a separate pass even where the backend could
 # fuse RoPE (a graph counts its bucket's tokens; global layers stay fused: not measured there). The
 # fused kernel rotates each key tile again for every query tile that visits it (about 3 at ModernBERT's window),

@@ -227,8 +227,12 @@ DEFAULT_POLICY = Policy("builtin default (no policy file matched)", _uniform(("v
 def cache_dir() -> Path:
     """Where calibrated policies live: ``$PACKED_ENCODERS_CACHE``, else ``$XDG_CACHE_HOME/packed_encoders``,
     else ``~/.cache/packed_encoders``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+    return _cache_dir(os.environ.get(CACHE_ENV))
+
+
+def _cache_dir(cache: str | None) -> Path:
+    if cache:
+        return Path(cache)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "packed_encoders"
 
@@ -282,12 +286,15 @@ def select_policy(device_name: str, capability: tuple[int, int], *, user_dir: Pa
     return best
 
 
-def load_policy(device: torch.device | str | None = None) -> Policy:
+def load_policy(device: torch.device | str | None = None, *, policy_file: str | None = None,
+                cache: str | None = None) -> Policy:
     """The attention policy for ``device`` (default: the current CUDA device); CPU gets :data:`DEFAULT_POLICY`.
 
-    Looks at ``$PACKED_ENCODERS_POLICY``, then calibrated files under :func:`cache_dir` ``/policies``, then the
-    files shipped in ``packed_encoders/attention/policies``. Reads a few small JSON files: call it at pack
-    time, not per batch.
+    Looks at ``policy_file``, then calibrated files under ``cache`` ``/policies`` (``None``:
+    ``$XDG_CACHE_HOME/packed_encoders``, else ``~/.cache/packed_encoders``), then the files shipped in
+    ``packed_encoders/attention/policies``. ``pack()`` passes ``PACKED_ENCODERS_POLICY`` and
+    ``PACKED_ENCODERS_CACHE`` from its frozen ``Tuning``. Reads a few small JSON files: call it at pack time,
+    not per batch.
     """
     device = torch.device(device) if device is not None else None
     if device is None:
@@ -297,8 +304,8 @@ def load_policy(device: torch.device | str | None = None) -> Policy:
     if device.type != "cuda":
         return DEFAULT_POLICY
     name, cap = torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device))
-    explicit = os.environ.get(POLICY_ENV) or None
-    user_dir = cache_dir() / "policies"
+    explicit = policy_file or None
+    user_dir = _cache_dir(cache) / "policies"
     # Cached by the files' names and modification times, so a new calibration is picked up by the next pack().
     stamp = tuple(_stamps(Path(explicit)) if explicit else ()) + tuple(_stamps(user_dir)) + tuple(_stamps(SHIPPED_DIR))
     return _select_cached(name, cap, explicit, str(user_dir), stamp)

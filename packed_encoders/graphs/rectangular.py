@@ -44,6 +44,7 @@ import torch
 from ..attention.backends import BACKENDS
 from ..batch import PackedBatch
 from ..model.forward import encoder_forward
+from ..model.plan import rules_for
 from .buckets import RectBucket
 from .deferred import CHECKS
 from .runner import autocast_state, capture_or_run, resolve_plan, theta_tables, triton_kernels_available
@@ -89,13 +90,14 @@ def fused_unpad_available(device: torch.device) -> bool:
 
 
 def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *, fused: bool = False,
-                    dead_padding: bool = False):
+                    dead_padding: bool = False, rules=None):
     """The forward captured for ``bucket``: static ``bufs`` in, ``(out [B, S, H], flags [4])`` out.
 
     ``fused``: unpad and scatter back with the two Triton kernels of ``ops.triton.rect_unpad`` (same layout
     and checks as :func:`device_unpad`, 2 launches instead of ~45).
     ``dead_padding``: the batch carries ``key_lens`` that give every padding sequence no key, so the attention
-    backend (it must support ``key_lens``) writes zeros for its rows without computing them."""
+    backend (it must support ``key_lens``) writes zeros for its rows without computing them.
+    ``rules``: the plan's switches (``model.plan.Rules``; the router passes the encoder's, read at ``pack()``)."""
     b, s = bucket.batch, bucket.width
     assert bufs["pos"].numel() == b * s
 
@@ -107,7 +109,7 @@ def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *,
                                                              key_lens=dead_padding)
             batch = PackedBatch(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=s,
                                 position_ids=bufs["pos"], max_position=s, key_lens=kl)
-            hidden = encoder_forward(model, params, batch, attention=plan, ops=ops)    # [N, H]
+            hidden = encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules)  # [N, H]
             return rect_unpad.scatter(hidden, bufs["mask"], first, row_flags)
 
         return forward_fused
@@ -116,7 +118,7 @@ def rect_forward_fn(model, params, ops, plan, bucket: RectBucket, bufs: dict, *,
         u = device_unpad(bufs, s, bucket.vocab)
         batch = PackedBatch(input_ids=u["ids"], inputs_embeds=None, cu_seqlens=u["cu"], max_seqlen=s,
                             position_ids=bufs["pos"], max_position=s, key_lens=u["kl"] if dead_padding else None)
-        hidden = encoder_forward(model, params, batch, attention=plan, ops=ops)        # [N, H]
+        hidden = encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules)  # [N, H]
         gathered = hidden.index_select(0, u["back"]).view(b, s, -1)
         bad = u["flags"].sum() > 0
         fill = torch.where(bad, bufs["nan"], bufs["zero"])
@@ -187,7 +189,7 @@ class RectRunner:
                 raise ValueError(f"dead_padding needs key_lens support; the plan is {self.plan_summary}")
             self.dead_padding = dead_padding
             forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs, fused=self.fused,
-                                      dead_padding=dead_padding)
+                                      dead_padding=dead_padding, rules=rules_for(state.tuning))
             self.graph, self._forward, (self.out, self.flags), pool_bytes = capture_or_run(
                 forward, device, capture, pool, stream, warmup)
         self._extent = (0, 0)      # the block of `mask` the last staging wrote

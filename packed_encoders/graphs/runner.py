@@ -21,6 +21,7 @@ import torch
 
 from ..batch import PackedBatch
 from ..model.forward import encoder_forward, live_inv_freq, plan_attention
+from ..model.plan import rules_for
 from ..ops import quack_gemm, rope_tables
 from .buckets import Bucket
 
@@ -58,6 +59,7 @@ class GraphRunner:
                  capture: bool = True, query_only: bool = False, fused_stage: bool | None = None,
                  inbox=None, autocast=None):
         params = state.params
+        rules = rules_for(state.tuning)  # the switches read at pack(), as the eager route runs them
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
         self.device = device
@@ -98,7 +100,7 @@ class GraphRunner:
             def forward():
                 if self.inbox is not None:  # captured: the replay reads whatever batch the inbox holds then
                     unbox(self.inbox, self.ids, self.pos, self.cu, self.kl, s)
-                return encoder_forward(model, params, batch, attention=plan, ops=ops)
+                return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules)
 
             self.graph, self._forward, self.out, pool_bytes = capture_or_run(forward, device, capture, pool, stream,
                                                                              warmup)

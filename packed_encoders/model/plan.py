@@ -31,14 +31,10 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from ..attention import backends
 from ..attention.backends import BACKENDS, FUSED_ROPE_MAX_TOKENS
 from ..ops import TORCH_KERNELS, Kernels, OpSet
-from ..switches import switched_off
 from .params import ModernBertParams
 
-LEAN_ENV = "PACKED_ENCODERS_LEAN"  # =0: the per-op checked path everywhere (A/B runs)
-GLU_GEMM_ENV = "PACKED_ENCODERS_FUSED_GLU_GEMM"
 # Below this many tokens an eager call never consults quack's routes (each would cost host time the GPU does not
 # win back: the call is host-bound). The smallest eager size rule of ops.quack_gemm.
 QUACK_EAGER_MIN_TOKENS = 16384
@@ -46,7 +42,8 @@ QUACK_EAGER_MIN_TOKENS = 16384
 
 @dataclass(frozen=True)
 class Rules:
-    """The switches and thresholds a plan reads (the router's frozen tuning passes its own).
+    """The switches and thresholds a plan reads: a packed model's are :func:`rules_for` its frozen tuning (read at
+    ``pack()``); the defaults (:func:`default_rules`) are a default ``Tuning()``'s.
 
     Attributes:
         lean: unchecked launches and per-block autograd where they apply; ``False``: the per-op checked path.
@@ -66,30 +63,19 @@ class Rules:
     quack_eager_min_tokens: int = QUACK_EAGER_MIN_TOKENS
     blocks: bool | None = None
 
-    @classmethod
-    def from_env(cls) -> "Rules":
-        """Today's defaults: ``PACKED_ENCODERS_LEAN`` and ``PACKED_ENCODERS_FUSED_GLU_GEMM`` from the environment,
-        the fused-RoPE switch and size rule from :mod:`..attention.backends` (``PACKED_ENCODERS_FUSED_ROPE``, read
-        at its import)."""
-        return cls(lean=not switched_off(LEAN_ENV), fused_rope=backends.FUSED_ROPE,
-                   fused_rope_max_tokens=backends.FUSED_ROPE_MAX_TOKENS,
-                   glu_gemm_max_tokens=0 if switched_off(GLU_GEMM_ENV) else 256)
 
-
-_DEFAULT_RULES: dict = {}
+_DEFAULT_RULES = Rules()
 _TUNED_RULES: dict = {}
 
 
 def rules_for(tuning) -> Rules:
-    """The :class:`Rules` of an encoder's frozen ``packed_encoders.tuning.Tuning`` (its ``fused_rope`` and
-    ``fused_glu_gemm`` switches as read at ``pack()``; ``PACKED_ENCODERS_LEAN`` as :func:`default_rules` reads it),
-    memoised per tuning object."""
+    """The :class:`Rules` of an encoder's frozen ``packed_encoders.tuning.Tuning`` (its ``lean``, ``fused_rope``
+    and ``fused_glu_gemm`` switches as read at ``pack()``), memoised per tuning object."""
     hit = _TUNED_RULES.get(id(tuning))
     if hit is not None and hit[0] is tuning:
         return hit[1]
-    base = default_rules()
-    rules = Rules(lean=base.lean, fused_rope=bool(tuning.fused_rope), fused_rope_max_tokens=base.fused_rope_max_tokens,
-                  glu_gemm_max_tokens=base.glu_gemm_max_tokens if tuning.fused_glu_gemm else 0)
+    rules = Rules(lean=bool(tuning.lean), fused_rope=bool(tuning.fused_rope),
+                  glu_gemm_max_tokens=_DEFAULT_RULES.glu_gemm_max_tokens if tuning.fused_glu_gemm else 0)
     if len(_TUNED_RULES) > 64:
         _TUNED_RULES.clear()
     _TUNED_RULES[id(tuning)] = (tuning, rules)
@@ -97,13 +83,9 @@ def rules_for(tuning) -> Rules:
 
 
 def default_rules() -> Rules:
-    """:meth:`Rules.from_env`, read once per process and again when :mod:`..attention.backends`' module-level
-    switches change (the router passes a frozen object of its own instead)."""
-    key = (backends.FUSED_ROPE, backends.FUSED_ROPE_MAX_TOKENS)
-    rules = _DEFAULT_RULES.get(key)
-    if rules is None:
-        rules = _DEFAULT_RULES[key] = Rules.from_env()
-    return rules
+    """The rules of a default ``Tuning()`` (every switch on), for direct callers of the packed forward; a packed
+    model's routes pass :func:`rules_for` of the tuning read at its ``pack()``."""
+    return _DEFAULT_RULES
 
 
 @dataclass(frozen=True)
@@ -124,12 +106,18 @@ class Plan:
     glu_linear: Callable | None  # what "small_gemm" / "route" call (the route is the op set's own, e.g. quack's)
     linear: Callable
     layers: tuple[LayerPlan, ...]
-    why_checked: str | None  # why the checked ops run (None when direct, or with gradients)
+    why_checked: str | None  # why the checked ops run (None when direct)
 
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
 _CACHE_SIZE = 256
+_LAST = threading.local()  # .plan: the last plan this thread's forward ran (the eager route shows it in describe())
+
+
+def last_plan() -> Plan | None:
+    """The :class:`Plan` of the last packed forward run on this thread (``None`` before the first)."""
+    return getattr(_LAST, "plan", None)
 
 
 def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -> bool:
@@ -162,9 +150,11 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
            params.window >= max_seqlen - 1, autocast)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
+        _LAST.plan = hit[1]
         return hit[1]
-    plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype, device=device,
-                  grad=grad, rules=rules, quack=quack, glu_small=glu_small, compiling=compiling)
+    plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
+                               device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
+                               compiling=compiling)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -182,7 +172,15 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
            compiling) -> Plan:
     direct, why = False, None
-    if rules.lean and not grad and not compiling and getattr(ops, "direct", None) is not None:
+    if not rules.lean:
+        why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
+    elif grad:
+        why = "gradients wanted (unchecked launches have no backward)"
+    elif compiling:
+        why = "traced by torch.compile"
+    elif getattr(ops, "direct", None) is None:
+        why = f"the {ops.name!r} op set has no unchecked launches"
+    else:
         why = ops.covers(device, dtype, params.hidden_size, params.num_attention_heads, params.head_dim,
                          params.activation)
         direct = why is None
@@ -215,8 +213,8 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         glu = "route"
     elif direct and glu_small and run_ops.glu_linear is not None:
         glu = "small_gemm"
-    elif not direct and ops.glu_linear is not None and (glu_small or not rules.lean):
-        glu = "route"  # the checked op applies its own size and cover rules
+    elif not direct and ops.glu_linear is not None and (glu_small or (not rules.lean and rules.glu_gemm_max_tokens)):
+        glu = "route"  # the checked op applies its own size and cover rules (0 tokens: the switch is off)
     else:
         glu = "split"
     glu_linear = {"small_gemm": run_ops.glu_linear, "route": ops.glu_linear}.get(glu)
@@ -224,5 +222,5 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
     return Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why)
 
 
-__all__ = ["LEAN_ENV", "LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "plan_for",
+__all__ = ["LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "last_plan", "plan_for",
            "rules_for"]

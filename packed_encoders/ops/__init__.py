@@ -93,12 +93,15 @@ class FusedOpSet(OpSet):
     - ``direct``: the same ops without per-call routing checks, forward only (no gradient): a forward that
       asked ``covers(device, dtype, hidden, num_heads, head_dim, activation)`` once and got ``None`` launches
       them directly (:mod:`packed_encoders.model.plan`). ``None``: every call goes through the checked ops.
+    - ``substitutions``: sentences naming the kernels ``direct`` or ``kernels`` run in place of this family's own
+      (``describe()["kernel_substitutions"]``), e.g. the cute family's Triton LayerNorm there.
     """
 
     smoke: Callable = field(default=None, compare=False)
     fallbacks: Callable = field(default=None, compare=False)
     direct: OpSet | None = field(default=None, compare=False)
     covers: Callable | None = field(default=None, compare=False)
+    substitutions: tuple[str, ...] = field(default=(), compare=False)
 
 
 class RouteLog:

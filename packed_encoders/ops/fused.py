@@ -22,7 +22,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..switches import switched_off
 from . import FusedOpSet, Kernels, OpSet, RouteLog
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
@@ -369,8 +368,8 @@ def glu(x: Tensor, activation: str = "gelu") -> Tensor:
 # 1152) against cuBLAS + the GLU kernel: alone (benchmarks/gemm_small.py, cold weights) 1.24x at 128 tokens,
 # 1.08x at 256, 1.02x at 512, 0.89x at 1024; inside a graph replay of the whole forward (profiled per kernel)
 # 6.6 vs 6.95 us per layer at 256 tokens but 8.4 vs 8.2 us at 512. PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at
-# import) turns it off, for A/B runs.
-GLU_LINEAR_MAX_TOKENS = 0 if switched_off("PACKED_ENCODERS_FUSED_GLU_GEMM") else 256
+# pack() into the plan's Rules, which then never routes Wi here) turns it off for a packed model, for A/B runs.
+GLU_LINEAR_MAX_TOKENS = 256
 
 
 @torch.library.custom_op("packed_encoders::triton_glu_linear", mutates_args=())

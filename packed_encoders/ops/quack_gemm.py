@@ -26,12 +26,12 @@ epilogue's :data:`GLU_MIN_TOKENS` serves graph captures and validation.
 Only on sm_90 (where it was measured) and only when the whole toolchain imports. Gradient-carrying calls and
 ``torch.compile`` tracing stay on cuBLAS by choice (not recorded). Calls that meet the size rule but that quack
 cannot take (a bias, fp32 or mixed dtypes, another device, unaligned strides or rows, an unknown activation)
-stay on cuBLAS and are recorded (:func:`fallbacks`, in ``describe()["kernel_fallbacks"]``). The environment
-switch ``PACKED_ENCODERS_QUACK_GEMM=0`` turns the route off: read at ``pack()`` (quack is then not even
-imported), at every eager call and at every graph capture; graphs captured before keep their kernels until
-recaptured (``pe.set_cuda_graph(model, True)``). ``PACKED_ENCODERS_QUACK_ROPE=0`` turns off only the RoPE
-epilogue on the q, k projection (read at every call and capture). Importing this module imports neither quack nor
-cutlass.
+stay on cuBLAS and are recorded (:func:`fallbacks`, in ``describe()["kernel_fallbacks"]``). The switches are
+arguments, read by ``pack()`` (its frozen ``Tuning``) and passed when the op set is built
+(:func:`with_quack_gemms`, :func:`unavailable`), never read here: ``PACKED_ENCODERS_QUACK_GEMM=0`` keeps the
+projections on cuBLAS (quack is then not even imported), ``PACKED_ENCODERS_QUACK_ROPE=0`` turns off only the
+RoPE epilogue on the q, k projection; a change takes effect at the next ``pe.pack(model)``, graphs included.
+Importing this module imports neither quack nor cutlass.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..switches import switched_off
 from . import OpSet, RouteLog
 
 ENV = "PACKED_ENCODERS_QUACK_GEMM"
@@ -63,7 +62,7 @@ LINEAR_MIN_TOKENS: dict[tuple[int, int], tuple[int, int]] = {
 # The q, k projection with RoPE in its epilogue (ops.cute.gemm.rope_linear) replaces the Wqkv GEMM plus the
 # separate (or attention-fused) rotation; v takes the plain linear route. (min tokens in a graph capture, eager)
 ROPE_MIN_TOKENS = (4096, 16384)
-ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"  # =0: the q, k projection stays a plain GEMM (read at every call / capture)
+ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"  # =0: the q, k projection stays a plain GEMM (read at pack())
 ROPE_HEAD_DIMS = frozenset({64})  # ops.cute.gemm.ROPE_HEAD_DIMS (kept here so the check imports no quack)
 
 _LOG = RouteLog("cublas: ")
@@ -115,11 +114,12 @@ def _kernels():
     return gemm
 
 
-def unavailable(device: torch.device) -> str | None:
-    """Why the route cannot run on ``device`` (``None`` when it can): the switch is off, not sm_90 CUDA, or the
-    CuteDSL stack (cutlass, quack) does not import (checked by importing it: the switch off skips that cost)."""
+def unavailable(device: torch.device, enabled: bool = True) -> str | None:
+    """Why the route cannot run on ``device`` (``None`` when it can): the switch is off (``enabled``: the
+    ``quack_gemm`` of the tuning read at ``pack()``), not sm_90 CUDA, or the CuteDSL stack (cutlass, quack) does
+    not import (checked by importing it: the switch off skips that cost)."""
     device = torch.device(device)
-    if switched_off(ENV):
+    if not enabled:
         return f"{ENV} is off"
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"quack GEMMs run on CUDA (device is {device.type})"
@@ -158,9 +158,7 @@ def _refusal(x: Tensor, weight: Tensor, bias: Tensor | None) -> str | None:
 
 
 def _modes_ok(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """The modes quack does not serve (not recorded: choices, not limits): the switch, gradients."""
-    if switched_off(ENV):
-        return False
+    """The modes quack does not serve (not recorded: choices, not limits): gradients."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return False
@@ -208,7 +206,7 @@ class _RopeLinear:
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, positions: Tensor, freq: Tensor,
                  num_heads: int, head_dim: int):
-        if torch.compiler.is_compiling() or x.dim() != 2 or switched_off(ROPE_ENV):
+        if torch.compiler.is_compiling() or x.dim() != 2:
             return None
         by_size = x.shape[0] >= (ROPE_MIN_TOKENS[0] if _capturing(x) else ROPE_MIN_TOKENS[1])
         if not ((by_size or _forced()) and _modes_ok(x, weight, bias)):
@@ -233,8 +231,12 @@ class _RopeLinear:
 
 
 class _GluLinear:
-    def __init__(self, base: OpSet):
+    """quack's GLU epilogue from :data:`GLU_MIN_TOKENS`; below it the base op set's ``glu_linear`` (the Triton
+    small-batch GEMM, unless built with ``small=False``: ``PACKED_ENCODERS_FUSED_GLU_GEMM=0`` at ``pack()``)."""
+
+    def __init__(self, base: OpSet, small: bool = True):
         self.base = base
+        self.small = small
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
         if not torch.compiler.is_compiling() and x.dim() == 2:
@@ -249,7 +251,7 @@ class _GluLinear:
                     return _kernels().glu_linear(x, weight, activation)
                 if by_size:
                     _record("glu_linear", why)
-        if self.base.glu_linear is not None:
+        if self.small and self.base.glu_linear is not None:
             return self.base.glu_linear(x, weight, bias, activation)
         return self.base.glu(F.linear(x, weight, bias), activation)
 
@@ -274,17 +276,19 @@ class _Smoke:
         base = getattr(self.base, "smoke", None)
         if base is not None:
             base(device)
-        if not switched_off(ENV):
-            smoke_quack(device)
+        smoke_quack(device)
 
 
-def with_quack_gemms(base: OpSet) -> OpSet:
-    """``base`` with ``linear``, ``glu_linear`` and ``rope_linear`` routed to quack by the rules above (the rest is ``base``'s)."""
+def with_quack_gemms(base: OpSet, *, rope: bool = True, small_glu: bool = True) -> OpSet:
+    """``base`` with ``linear``, ``glu_linear`` and ``rope_linear`` routed to quack by the rules above (the rest is
+    ``base``'s). ``rope``: the RoPE epilogue on the q, k projection (``PACKED_ENCODERS_QUACK_ROPE``; off: no
+    ``rope_linear``); ``small_glu``: below quack's GLU size rule, ``base``'s small-batch GLU GEMM
+    (``PACKED_ENCODERS_FUSED_GLU_GEMM``); both as read at ``pack()``."""
     extra = {}
     if hasattr(base, "smoke"):  # a FusedOpSet
         extra = dict(smoke=_Smoke(base), fallbacks=_Fallbacks(base))
-    return replace(base, linear=_Linear(), glu_linear=_GluLinear(base), rope_linear=_RopeLinear(), gemm="quack",
-                   **extra)
+    return replace(base, linear=_Linear(), glu_linear=_GluLinear(base, small_glu),
+                   rope_linear=_RopeLinear() if rope else None, gemm="quack", **extra)
 
 
 def smoke_quack(device) -> None:

@@ -10,8 +10,8 @@
 
 With a fused family on an sm_90 GPU where quack imports, the projections of forwards without gradient go to
 quack's CuteDSL GEMMs where they were measured faster than cuBLAS (the ``Wi`` GEMM with the GLU in its
-epilogue; :mod:`packed_encoders.ops.quack_gemm`); ``PACKED_ENCODERS_QUACK_GEMM=0`` turns that off (read here
-and by every eager call or graph capture).
+epilogue; :mod:`packed_encoders.ops.quack_gemm`); the ``tuning`` read at ``pack()`` says whether
+(``PACKED_ENCODERS_QUACK_GEMM``, ``_QUACK_ROPE``, ``_FUSED_GLU_GEMM``); nothing here reads the environment.
 
 Returns the op set and a sentence saying why, for ``describe()``. Nothing is imported until asked for:
 ``import packed_encoders`` works with neither Triton nor cutlass installed.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PackedEncodersError
+from ..tuning import Tuning
 from . import TORCH_OPS, OpSet
 
 KERNEL_CHOICES = ("auto", "torch", "triton", "cute")
@@ -68,20 +69,21 @@ def _cute_ops(device: torch.device) -> tuple[OpSet, str]:
 _FAMILIES = {"triton": _triton_ops, "cute": _cute_ops}
 
 
-def _with_gemms(ops: OpSet, reason: str, device: torch.device) -> tuple[OpSet, str]:
+def _with_gemms(ops: OpSet, reason: str, device: torch.device, tuning: Tuning) -> tuple[OpSet, str]:
     """The fused op set with quack GEMMs where the route can run on ``device``; the reason says which."""
     from . import quack_gemm
 
-    why = quack_gemm.unavailable(device)
+    why = quack_gemm.unavailable(device, tuning.quack_gemm)
     if why:
         return ops, f"{reason}; GEMMs: F.linear ({why})"
-    return quack_gemm.with_quack_gemms(ops), (
+    return quack_gemm.with_quack_gemms(ops, rope=tuning.quack_rope, small_glu=tuning.fused_glu_gemm), (
         f"{reason}; GEMMs: quack CuteDSL for Wi + GLU from {quack_gemm.GLU_MIN_TOKENS} tokens and the measured "
         "projection shapes (forwards without gradient), cuBLAS otherwise")
 
 
-def select_ops(kernels: str, device: torch.device) -> tuple[OpSet, str]:
-    """``(op_set, reason)`` for ``kernels`` on ``device``.
+def select_ops(kernels: str, device: torch.device, tuning: Tuning | None = None) -> tuple[OpSet, str]:
+    """``(op_set, reason)`` for ``kernels`` on ``device``, with the quack switches of ``tuning`` (default: a
+    default ``Tuning()``, every switch on).
 
     Raises:
         PackedEncodersError: ``kernels`` is not one of :data:`KERNEL_CHOICES`, or an explicitly requested
@@ -90,11 +92,12 @@ def select_ops(kernels: str, device: torch.device) -> tuple[OpSet, str]:
     if kernels not in KERNEL_CHOICES:
         raise PackedEncodersError(f"kernels={kernels!r} is not one of {KERNEL_CHOICES}")
     device = torch.device(device)
+    tuning = tuning if tuning is not None else Tuning()
     if kernels == "torch":
         return TORCH_OPS, "plain PyTorch ops (requested)"
     if kernels != "auto":
         ops, what = _FAMILIES[kernels](device)
-        return _with_gemms(ops, f"{what} (requested)", device)
+        return _with_gemms(ops, f"{what} (requested)", device, tuning)
     if device.type != "cuda":
         return TORCH_OPS, f"plain PyTorch ops (auto: fused kernels run on CUDA; device is {device.type})"
     refused = []
@@ -104,5 +107,5 @@ def select_ops(kernels: str, device: torch.device) -> tuple[OpSet, str]:
         except PackedEncodersError as exc:
             refused.append(str(exc))
             continue
-        return _with_gemms(ops, f"{what} (auto: first of {AUTO_ORDER} that runs here)", device)
+        return _with_gemms(ops, f"{what} (auto: first of {AUTO_ORDER} that runs here)", device, tuning)
     return TORCH_OPS, "plain PyTorch ops (auto: no fused family runs here: " + "; ".join(refused) + ")"

@@ -149,13 +149,20 @@ def test_packed_forward_with_quack_everywhere_matches_stock(base, monkeypatch):
         # v through linear, q / k through the RoPE epilogue
         assert calls == {"linear": 3 * layers, "glu_linear": layers, "rope_linear": layers}
         monkeypatch.setenv(quack_gemm.ROPE_ENV, "0")
+        with torch.no_grad(), quack_gemm.forced():  # read at pack(): no effect until re-packed
+            base(input_ids=ids, attention_mask=mask)
+        assert calls == {"linear": 6 * layers, "glu_linear": 2 * layers, "rope_linear": 2 * layers}
+        pe.pack(base, cuda_graph=False, validate=False)
+        assert pe.describe(base)["encoders"][0]["tuning"]["quack_rope"] is False
         with torch.no_grad(), quack_gemm.forced():
             no_rope = base(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-        assert calls == {"linear": 6 * layers, "glu_linear": 2 * layers, "rope_linear": layers}
+        assert calls == {"linear": 9 * layers, "glu_linear": 3 * layers, "rope_linear": 2 * layers}
         monkeypatch.setenv(quack_gemm.ENV, "0")
+        pe.pack(base, cuda_graph=False, validate=False)
+        assert pe.describe(base)["encoders"][0]["gemm"] == "torch"
         with torch.no_grad():
             off = base(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-        assert calls == {"linear": 6 * layers, "glu_linear": 2 * layers, "rope_linear": layers}  # switched off
+        assert calls == {"linear": 9 * layers, "glu_linear": 3 * layers, "rope_linear": 2 * layers}  # switched off
     finally:
         pe.unpack(base)
     real = mask.bool()

@@ -36,8 +36,7 @@ def test_fused_matches_torch(lengths, width, trailing, monkeypatch):
               vocab_size=50368, trailing_query_only=trailing)
     assert B._fused_unpad(ids, None, mask, None, None, len(lengths))
     fused = B.unpad(**kw)
-    monkeypatch.setenv(B.FUSED_UNPAD_ENV, "0")
-    ref = B.unpad(**kw)
+    ref = B.unpad(**kw, fused=False)  # PACKED_ENCODERS_FUSED_UNPAD=0 at pack()
     assert (fused.total_tokens, fused.max_seqlen, fused.max_position) == (ref.total_tokens, ref.max_seqlen,
                                                                           ref.max_position)
     for name in ("cu_seqlens", "input_ids", "position_ids", "indices") + (("key_lens",) if trailing else ()):

@@ -6,6 +6,9 @@ input (CUDA autocast), a hidden size that is not a multiple of 8 (quack vectoris
 chunks; other sizes are not exercised by its tests), or anything the Triton op itself would refuse.
 Those routes are recorded and reported by :func:`fallbacks` together with the Triton op set's own.
 
+The unchecked launches (``direct``) and the training blocks (``kernels``) are the Triton family's, LayerNorm
+included (:data:`SUBSTITUTIONS`, shown by ``describe()``).
+
 No CuteDSL RoPE or GLU kernel is written here: quack's rotary kernel takes positions from
 ``cu_seqlens`` rather than ``position_ids`` and rotates in place, and its gated activations live in
 GEMM epilogues; a new CuteDSL kernel could not be tested on the machine this was written on.
@@ -93,7 +96,11 @@ def smoke(device) -> None:
 
 
 # Training blocks and unchecked eager launches use the Triton LayerNorm: quack's costs ~15 us more host time
-# per launch, which a host-bound eager forward pays in full.
+# per launch, which a host-bound eager forward pays in full. describe() says so (SUBSTITUTIONS).
+SUBSTITUTIONS = ("LayerNorm: Triton's, not quack's, on the unchecked path (forwards without gradient that the op "
+                 "set covers, eager and CUDA-graph captures) and in the per-block training autograd: quack's costs "
+                 "~15 us more host time per launch; quack's LayerNorm runs on the checked path (torch.compile, "
+                 "PACKED_ENCODERS_LEAN=0, inputs the unchecked path does not cover)",)
 CUTE_OPS = FusedOpSet("cute", layer_norm, residual_layer_norm, _triton.rope_qkv, _triton.glu, _triton.glu_linear,
                       smoke=smoke, fallbacks=fallbacks, direct=_triton.DIRECT_OPS, covers=_triton.covers,
-                      kernels=_triton.TRITON_KERNELS)
+                      kernels=_triton.TRITON_KERNELS, substitutions=SUBSTITUTIONS)

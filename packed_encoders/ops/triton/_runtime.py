@@ -25,7 +25,6 @@ import triton.runtime.interpreter as _interp
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from ...switches import switched_off
 from . import interpret_enabled
 
 
@@ -80,7 +79,6 @@ class Kernel:
         raise RuntimeError(f"Triton kernels run on CUDA tensors, or on CPU tensors when interpreted; here: {why}")
 
 
-FAST_LAUNCH_ENV = "PACKED_ENCODERS_TRITON_FAST_LAUNCH"
 _I32 = (-(1 << 31), 1 << 31)
 
 
@@ -92,9 +90,9 @@ FAST_LAUNCH_TRITON = ("3.6.",)
 def _fast_launch_enabled() -> bool:
     import triton
 
-    if switched_off(FAST_LAUNCH_ENV):
-        return False
-    return triton.__version__.startswith(FAST_LAUNCH_TRITON)
+    from . import FAST_LAUNCH  # the switch as the last pack() set it (set_fast_launch)
+
+    return FAST_LAUNCH and triton.__version__.startswith(FAST_LAUNCH_TRITON)
 
 
 _KNOBS = None
@@ -123,12 +121,12 @@ class FastLauncher:
     ``== 1`` / ``% 16 == 0`` / 32-bit range (range only for ``do_not_specialize`` ones), floats as floats, and
     the keyword arguments (constexprs, ``num_warps``, ``num_stages``) by value. Kernels here read no mutable
     globals. Launch hooks (profilers such as proton) and pre-run hooks take Triton's path; so does everything
-    when ``FastLauncher.enabled`` is False (read per call; its default comes from
-    ``PACKED_ENCODERS_TRITON_FAST_LAUNCH``, read on first use, and is False on Triton releases other than
-    :data:`FAST_LAUNCH_TRITON`).
+    when ``FastLauncher.enabled`` is False (read per call; decided on first use from the switch ``pack()`` sets,
+    ``PACKED_ENCODERS_TRITON_FAST_LAUNCH`` in its ``Tuning`` (``set_fast_launch``), and False on Triton releases
+    other than :data:`FAST_LAUNCH_TRITON`).
     """
 
-    enabled: bool | None = None  # class-wide switch; None: decided on first use from the environment
+    enabled: bool | None = None  # class-wide switch; None: decided at the next launch (_fast_launch_enabled)
 
     def __init__(self, jit: JITFunction):
         self.jit = jit
