@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention.backends import BACKENDS, Workload
 from .batch import unpad
 from .call import run_packed
 from .errors import PackedEncodersError
@@ -21,9 +22,9 @@ from .router import Facts
 from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, rel_err
 
 
-def check_lengths(config, window: int) -> list[int]:
-    """Lengths past the local window and up to ``max_seqlen`` (at most ``max_seqs`` of them)."""
-    top = config.max_seqlen
+def check_lengths(config, window: int, top: int | None = None) -> list[int]:
+    """Lengths past the local window and up to ``top`` (default ``max_seqlen``; at most ``max_seqs`` of them)."""
+    top = config.max_seqlen if top is None else top
     lengths = sorted({1, min(top, window + 1), min(top, 2 * window + 2), max(1, top // 3), top})
     return lengths[: config.max_seqs]
 
@@ -35,6 +36,22 @@ def rect_check_lengths(config, lengths: list[int]) -> list[int]:
     fits = [w for w in config.sync_free_seqlen_grid if rows * w <= config.sync_free_max_tokens]
     top = fits[-1] if fits else config.sync_free_seqlen_grid[0]
     return sorted({min(n, top) for n in lengths})
+
+
+def backend_top(config, state, dtype: torch.dtype) -> int:
+    """The longest seqlen bucket whose global layers an explicitly requested attention backend runs (the Triton
+    kernel stops at 1,024 tokens): the check batch stays inside it, since a graph bucket past it is refused at
+    capture and runs eagerly (``describe()`` says why), which is not the path this check is for."""
+    backend = BACKENDS.get(state.options.attention_backend)  # None for "auto" / "flash": every bucket
+    if backend is None:
+        return config.max_seqlen
+    params = state.params
+    for seqlen in reversed(config.seqlen_grid):
+        w = Workload(num_seqs=1, total_tokens=seqlen, max_seqlen=seqlen, heads=params.num_attention_heads,
+                     head_dim=params.head_dim, window=None, grad=False, dtype=dtype, device_type="cuda", graph=True)
+        if backend.why_not(w) is None:
+            return seqlen
+    return config.seqlen_grid[0]
 
 
 def _eligible(config, weight, tuning) -> bool:
@@ -51,7 +68,7 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     if not _eligible(config, weight, state.tuning):
         return
     params = state.params
-    lengths = check_lengths(config, params.window)
+    lengths = check_lengths(config, params.window, backend_top(config, state, weight.dtype))
     ids, mask = check_batch(lengths, params.vocab_size, weight.device, seed)
     was_training = model.training
     model.eval()

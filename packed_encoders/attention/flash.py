@@ -60,6 +60,11 @@ def fa4_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scal
     if dropout_p:
         raise ValueError("FlashAttention-4 has no attention dropout")
     ws = (None, None) if window is None else (int(window), int(window))
+    # FA4's key / value tiles run past a sequence's end into the next sequence's rows; those keys get probability 0,
+    # but 0 * NaN is NaN, so one non-finite value would reach every sequence sharing its tile. A token with a
+    # non-finite v has non-finite q and k too (everything after a LayerNorm of it is NaN), so its own sequence
+    # still gets NaN through its scores, as stock does; only the cross-sequence products are cleaned.
+    v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
     out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                  max_seqlen_q=int(max_seqlen), max_seqlen_k=int(max_seqlen),
                                  softmax_scale=scale, causal=False, window_size=ws)

@@ -62,10 +62,15 @@ def _grads(model):
     return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _compare(ref, got, min_cos=0.999):
+def _worst(ref, got):
+    """The lowest per-parameter gradient cosine of ``got`` against ``ref`` and the parameter's name."""
     assert set(ref) == set(got)
-    worst = min((F.cosine_similarity(ref[n].flatten(), got[n].flatten(), dim=0).item(), n) for n in ref
-                if ref[n].abs().max() > 0)
+    return min((F.cosine_similarity(ref[n].flatten(), got[n].flatten(), dim=0).item(), n) for n in ref
+               if ref[n].abs().max() > 0)
+
+
+def _compare(ref, got, min_cos=0.999):
+    worst = _worst(ref, got)
     assert worst[0] > min_cos, worst
 
 
@@ -130,10 +135,18 @@ def test_colbert_gradcache_step_matches_stock():
         return loss.item(), {**_grads(model), "proj": proj.weight.grad.clone()}
 
     ref_loss, ref = step("stock")
+    # The bf16 noise floor of this step: HF's own eager attention against its sdpa attention (measured on the H200:
+    # worst per-parameter cosine ~0.979, on LayerNorm weights summed over ~30k tokens of a random model). The
+    # packed step must be as close to stock sdpa as stock's two attention implementations are to each other.
+    model.config._attn_implementation = "eager"
+    _, noise = step("stock")
+    model.config._attn_implementation = "sdpa"
+    floor = _worst(ref, noise)
     pe.pack(model)
     loss, got = step("packed")
     assert abs(loss - ref_loss) < 5e-4, (loss, ref_loss)
-    _compare(ref, got)
+    worst = _worst(ref, got)
+    assert worst[0] > min(0.999, floor[0] - 0.005), (worst, floor)
 
 
 def _inputs_slice(b, start, n):
