@@ -9,6 +9,10 @@ host / GPU time per step, loss curves, all against the run's ``hf_sdpa`` row.
     python -m benchmarks.render FILE.jsonl --md results.md --png-dir benchmarks/results/plots
     python -m benchmarks.render benchmarks/results/h200/training_*.jsonl --md docs/results/h200-training.md \\
         --png-dir docs/results/png             # training rows: step time, memory, host/GPU ms, loss curves
+    python -m benchmarks.render benchmarks/results/h200 --readme README.md   # the README's results block
+
+A row's ``code_commit`` (when set) names the commit whose tree ran; ``env.git_sha`` is what ``git`` said in the
+run's copy of the tree (a device copy may carry another checkout's ``.git``).
 """
 
 from __future__ import annotations
@@ -99,8 +103,84 @@ def _header(group: list[dict]) -> str:
     kit = (f" **Without {', '.join(missing)}: packed variants ran without the kit's kernels (quack GEMMs, FA4, "
            "CuteDSL).**") if missing else ""
     return (f"### {r.get('runner')} / {r.get('endpoint')} / {r.get('family')} -- {r.get('model')} "
-            f"{r.get('dtype')}\n\n{hw}; driver {env.get('driver', '-')}; {versions}; git {env.get('git_sha')}. "
+            f"{r.get('dtype')}\n\n{hw}; driver {env.get('driver', '-')}; {versions}; code {code_of(r)}. "
             f"{length}. Impl: {r.get('impl', '-')}.{kit}")
+
+
+def code_of(r: dict) -> str:
+    """The commit whose code produced row ``r``."""
+    return r.get("code_commit") or (r.get("env") or {}).get("git_sha") or "-"
+
+
+README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
+
+
+def _command(r: dict) -> str:
+    """The row's command without its machine-specific ``--out`` folder (rows default to benchmarks/results/h200)."""
+    words = (r.get("command") or "").split()
+    out = [w for i, w in enumerate(words) if w != "--out" and (i == 0 or words[i - 1] != "--out")]
+    return " ".join(out)
+
+
+def _latest(rows: list[dict], runner: str, workload: str) -> dict[str, dict]:
+    """``{variant: row}`` of the latest run holding both ``hf_sdpa`` and ``pack`` rows for (runner, workload)."""
+    runs = defaultdict(dict)
+    for r in rows:
+        if r.get("runner") == runner and r.get("status") == "ok" and (r.get("endpoint") or r.get("workload")) == workload:
+            runs[r.get("run_id", "?")][r["variant"]] = r
+    full = sorted((k for k, v in runs.items() if {"hf_sdpa", "pack"} <= set(v)), key=lambda k: k.split("@")[-1])
+    return runs[full[-1]] if full else {}
+
+
+def readme_block(rows: list[dict]) -> str:
+    """The README's results block: per workload, the latest run's stock HF sdpa row against the default
+    ``pe.pack(model)`` row (inference: sequences/s; training: ms per step with host and GPU time per step)."""
+    inference = sorted({r.get("endpoint") for r in rows if r.get("runner") in ("inference", "indexing")} - {None})
+    training = sorted({r.get("workload") for r in rows if r.get("runner") == "training"} - {None})
+    lines = ["| workload | stock HF sdpa | `pe.pack(model)` | vs stock | peak memory vs stock | token cos min | code "
+             "| command |", "|---|---:|---:|---:|---:|---:|---|---|"]
+    env = None
+    for runner, names in (("inference", inference), ("indexing", inference)):
+        for name in names:
+            pair = _latest(rows, runner, name)
+            if not pair:
+                continue
+            base, ours = pair["hf_sdpa"], pair["pack"]
+            env = env or ours.get("env")
+            n = ours.get("lengths") or {}
+            data = f" ({ours.get('set')})" if ours.get("set") != name else ""
+            what = f"{name}{data}, batch {ours.get('batch')} (p50 {n.get('p50'):g} tokens)"
+            lines.append(f"| {what} | {_fmt(base['seqs_per_s_median'], 0)} seq/s | {_fmt(ours['seqs_per_s_median'], 0)} "
+                         f"| {_ratio(ours['seqs_per_s_median'], base['seqs_per_s_median'])} "
+                         f"| {_ratio(ours.get('peak_reserved_bytes'), base.get('peak_reserved_bytes'))} "
+                         f"| {ours.get('parity', {}).get('token_cos_min', 0):.5f} | {code_of(ours)} "
+                         f"| `{_command(ours)}` |")
+    for name in training:
+        pair = _latest(rows, "training", name)
+        if not pair:
+            continue
+        base, ours = pair["hf_sdpa"], pair["pack"]
+        env = env or ours.get("env")
+        lines.append(f"| training step, {name} ({ours.get('precision', '')}) | {_fmt(base['step_ms_median'])} ms "
+                     f"| {_fmt(ours['step_ms_median'])} ms (host {_fmt(ours.get('host_ms_per_step'))}, GPU "
+                     f"{_fmt(ours.get('gpu_ms_per_step'))}) | {_ratio(base['step_ms_median'], ours['step_ms_median'])} "
+                     f"| {_ratio(ours.get('peak_reserved_bytes'), base.get('peak_reserved_bytes'))} | - "
+                     f"| {code_of(ours)} | `{_command(ours)}` |")
+    env = env or {}
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "triton", *common.KIT) if env.get(k))
+    head = (f"<!-- Rendered by `python -m benchmarks.render benchmarks/results/h200 --readme README.md` from the JSON "
+            f"rows under benchmarks/results/h200/ (per workload, the latest run with both rows). -->\n\n"
+            f"{env.get('gpu', '-')}, driver {env.get('driver', '-')}; {versions}. ModernBERT-base geometry, random "
+            "weights, bf16 (training: fp32 master weights under bf16 autocast, AdamW), real text from the token "
+            "cache (`benchmarks/README.md`); each variant in a fresh process, medians, ratios within one run. "
+            "Training time per step: wall clock; host and GPU ms per step from `torch.profiler`.")
+    return f"{README_BEGIN}\n{head}\n\n" + "\n".join(lines) + f"\n{README_END}"
+
+
+def replace_readme_block(text: str, block: str) -> str:
+    """``text`` with the part between :data:`README_BEGIN` and :data:`README_END` (markers included) replaced."""
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    return text[:start] + block + text[end:]
 
 
 def index_table(rows: list[dict]) -> str:
@@ -233,7 +313,7 @@ def _training_header(group: list[dict]) -> str:
                                                          else "")) if spec else ""
     steps = f"{r.get('warmup_steps')} warm-up + {r.get('timed_steps')} timed steps" if r.get("timed_steps") else ""
     return (f"### training / {r.get('workload')} -- {r.get('model')}, {r.get('precision', '')}\n\n{hw}; driver "
-            f"{env.get('driver', '-')}; {versions}; git {env.get('git_sha')}. {what}; {steps}; "
+            f"{env.get('driver', '-')}; {versions}; code {code_of(r)}. {what}; {steps}; "
             f"{r.get('optimizer', '')}. Run `{r.get('run_id')}`.{kit}")
 
 
@@ -297,11 +377,16 @@ def main(argv=None) -> int:
     ap.add_argument("inputs", nargs="+", help="JSON-lines files or folders holding them")
     ap.add_argument("--md", help="write the markdown here (default: stdout)")
     ap.add_argument("--png-dir", help="write PNG bar charts here")
+    ap.add_argument("--readme", help="rewrite this file's results block (between the results:begin/end markers)")
     args = ap.parse_args(argv)
     files = []
     for p in map(Path, args.inputs):
         files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
     rows = read_rows(files)
+    if args.readme:
+        path = Path(args.readme)
+        path.write_text(replace_readme_block(path.read_text(encoding="utf-8"), readme_block(rows)), encoding="utf-8")
+        return 0
     inference = [r for r in rows if r.get("runner") != "training"]
     training = [r for r in rows if r.get("runner") == "training"]
     text = "\n\n".join(([markdown(inference)] if inference else []) + ([training_markdown(training)] if training

@@ -1,0 +1,38 @@
+"""The README's results block is rendered from the committed JSON rows (benchmarks/render.py --readme)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.common import read_rows
+from benchmarks.render import README_BEGIN, README_END, readme_block, replace_readme_block
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(run, variant, rate, mem, endpoint="queries"):
+    return {"runner": "inference", "run_id": f"random:base@{run}", "endpoint": endpoint, "set": endpoint,
+            "variant": variant, "status": "ok", "batch": 8, "lengths": {"p50": 12.0}, "seqs_per_s_median": rate,
+            "peak_reserved_bytes": mem, "parity": {"token_cos_min": 0.99999}, "code_commit": run[-3:],
+            "command": "python -m benchmarks.inference --endpoints queries --out /tmp/x", "env": {"gpu": "G"}}
+
+
+def test_block_takes_the_latest_complete_run_and_its_ratios():
+    rows = [_row("20260101-000000", "hf_sdpa", 100.0, 10), _row("20260101-000000", "pack", 300.0, 5),
+            _row("20260202-000000", "hf_sdpa", 200.0, 10), _row("20260202-000000", "pack", 1000.0, 20),
+            _row("20260303-000000", "pack", 9999.0, 1)]  # no stock row in that run: not comparable
+    block = readme_block(rows)
+    line = next(x for x in block.splitlines() if x.startswith("| queries"))
+    assert "| 200 seq/s | 1,000 | 5.00x | 2.00x | 0.99999 | 000 |" in line
+    assert "--out" not in line and "9,999" not in block
+    text = f"intro\n{README_BEGIN}\nold\n{README_END}\noutro\n"
+    assert replace_readme_block(text, block) == f"intro\n{block}\noutro\n"
+
+
+def test_readme_block_matches_the_committed_rows():
+    rows = read_rows(sorted((ROOT / "benchmarks" / "results" / "h200").glob("*.jsonl")))
+    assert rows, "no committed H200 rows"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start, end = readme.index(README_BEGIN), readme.index(README_END) + len(README_END)
+    assert readme[start:end] == readme_block(rows), \
+        "README results block is stale: python -m benchmarks.render benchmarks/results/h200 --readme README.md"
