@@ -87,6 +87,27 @@ def _randomise_norms(model):
                 m.bias.add_(0.05 * torch.randn(m.bias.shape, generator=g))
 
 
+DROPOUT_AFTER_PACK = ("mc_dropout", "attention_rate_after_pack", "replaced_module")
+
+
+def enable_dropout(model, where: str) -> None:
+    """Turn dropout on after ``pack()`` without ``model.train()``: ``"mc_dropout"`` (every ``nn.Dropout`` at
+    p=0.3 in train mode, Monte-Carlo style), ``"attention_rate_after_pack"`` (layer 1's attention rate set to 0.3
+    and that module in train mode), ``"replaced_module"`` (a new ``nn.Dropout(0.3)`` in layer 0's MLP)."""
+    if where == "mc_dropout":
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.3
+                m.train()
+    elif where == "attention_rate_after_pack":
+        model.layers[1].attn.attention_dropout = 0.3
+        model.layers[1].attn.train()
+    elif where == "replaced_module":
+        model.layers[0].mlp.drop = torch.nn.Dropout(0.3)  # a new module, in train mode
+    else:
+        raise ValueError(f"where must be one of {DROPOUT_AFTER_PACK}, not {where!r}")
+
+
 def padded_batch(lengths, side: str = "right", *, seed: int = 0, pad_to: int | None = None,
                  vocab_size: int = VOCAB, device=None):
     """Random ids ``[B, S]`` (int64, from ``[3, vocab_size)``) and a 0/1 int64 mask ``[B, S]`` with

@@ -31,7 +31,7 @@ from packed_encoders.graphs.buckets import (Bucket, CallFacts, admit, bucket_for
 from packed_encoders.graphs.config import GraphConfig, normalize
 from packed_encoders.graphs.manager import GraphManager
 from packed_encoders.graphs.runner import GraphRunner
-from tests.helpers import VOCAB, padded_batch, tiny_model
+from tests.helpers import DROPOUT_AFTER_PACK, VOCAB, enable_dropout, padded_batch, tiny_model
 
 def batch_of(lengths, seed=0):
     ids, mask = padded_batch(lengths, "mixed", seed=seed)
@@ -407,7 +407,7 @@ def test_dropout_in_training_runs_eagerly(cpu_graphs):
     assert _graph_info(model)["fallbacks"] == {B.DROPOUT: 1} and not cpu_graphs
 
 
-@pytest.mark.parametrize("where", ["mc_dropout", "attention_rate_after_pack", "replaced_module"])
+@pytest.mark.parametrize("where", DROPOUT_AFTER_PACK)
 def test_live_dropout_in_an_eval_model_runs_eagerly(cpu_graphs, where):
     """A graph replays a forward without dropout: Monte-Carlo dropout (model.eval(), nn.Dropout modules back in
     train mode), an attention module in train mode with a rate set after pack(), or a dropout module swapped in
@@ -418,16 +418,7 @@ def test_live_dropout_in_an_eval_model_runs_eagerly(cpu_graphs, where):
     with torch.no_grad():
         base = _forward(model, ids, mask)  # captured (CPU stand-in)
         assert len(cpu_graphs) == 1
-        if where == "mc_dropout":
-            for m in model.modules():
-                if isinstance(m, torch.nn.Dropout):
-                    m.p = 0.3
-                    m.train()
-        elif where == "attention_rate_after_pack":
-            model.layers[1].attn.attention_dropout = 0.3
-            model.layers[1].attn.train()
-        else:
-            model.layers[0].mlp.drop = torch.nn.Dropout(0.3)  # a new module, in train mode
+        enable_dropout(model, where)
         assert not model.training
         a, b = _forward(model, ids, mask), _forward(model, ids, mask)
         assert _graph_info(model)["fallbacks"] == {B.DROPOUT: 2} and len(cpu_graphs) == 1

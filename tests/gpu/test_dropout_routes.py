@@ -11,7 +11,7 @@ import torch
 import packed_encoders as pe
 from packed_encoders.graphs.config import GraphConfig
 from tests.gpu.test_graphs import graph_model
-from tests.helpers import padded_batch
+from tests.helpers import DROPOUT_AFTER_PACK, enable_dropout, padded_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -26,20 +26,7 @@ def _served_by_graphs(model) -> int:
     return info["hits"] + info["misses"]  # replays of a captured graph, captures
 
 
-def _enable_dropout(model, where: str) -> None:
-    if where == "mc_dropout":  # Monte-Carlo dropout: the model stays in eval mode
-        for m in model.modules():
-            if isinstance(m, torch.nn.Dropout):
-                m.p = 0.3
-                m.train()
-    elif where == "attention_rate_after_pack":
-        model.layers[1].attn.attention_dropout = 0.3
-        model.layers[1].attn.train()
-    else:
-        model.layers[0].mlp.drop = torch.nn.Dropout(0.3)  # a new module, in train mode
-
-
-@pytest.mark.parametrize("where", ["mc_dropout", "attention_rate_after_pack", "replaced_module"])
+@pytest.mark.parametrize("where", DROPOUT_AFTER_PACK)
 @pytest.mark.parametrize("graphs", list(GRAPHS))
 def test_live_dropout_is_never_replayed_from_a_graph(graphs, where):
     model = graph_model("tiny64")  # every dropout rate 0 in the config
@@ -58,7 +45,7 @@ def test_live_dropout_is_never_replayed_from_a_graph(graphs, where):
         clean = run()
         served = _served_by_graphs(model)
         assert served >= 1 and pe.describe(model)["encoders"][0]["cuda_graph"]["hits"] >= 1  # a clean call replayed
-        _enable_dropout(model, where)
+        enable_dropout(model, where)
         assert not model.training
         a, b = run(), run()
         assert _served_by_graphs(model) == served, "a call with dropout was served by a graph"
