@@ -169,12 +169,7 @@ def run_parent(args, runner: str, endpoints: list[Endpoint], module: str) -> int
             family, variant, tail = failed
             print(f"\nPARITY FAILURE in {family}/{variant}: nothing is published.\n{tail}", file=sys.stderr)
             return PARITY_EXIT
-        wall = time.perf_counter() - t_start
-        for r in rows:
-            r["run_wall_s"] = round(wall, 1)
-        partial.unlink(missing_ok=True)
-        common.write_rows(path, rows)
-        print(f"\n{len(rows)} rows -> {path} ({wall:.0f} s)\n")
+        common.finish_rows(path, partial, rows, t_start)
         print(render.markdown(rows))
         return 0
     finally:

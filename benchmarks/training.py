@@ -668,12 +668,7 @@ def run_parent(args) -> int:
                     row = _spawn(args, work, model_dir, label, wl, variant, device, base)
                 common.write_rows(partial, [row])
                 rows.append(row)
-        wall = time.perf_counter() - t_start
-        for r in rows:
-            r["run_wall_s"] = round(wall, 1)
-        partial.unlink(missing_ok=True)
-        common.write_rows(path, rows)
-        print(f"\n{len(rows)} rows -> {path} ({wall:.0f} s)\n")
+        common.finish_rows(path, partial, rows, t_start)
         print(render.training_markdown(rows))
         return 0 if all(r["status"] != "error" for r in rows) else 1
     finally:
