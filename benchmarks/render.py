@@ -104,7 +104,15 @@ def _header(group: list[dict]) -> str:
            "CuteDSL).**") if missing else ""
     return (f"### {r.get('runner')} / {r.get('endpoint')} / {r.get('family')} -- {r.get('model')} "
             f"{r.get('dtype')}\n\n{hw}; driver {env.get('driver', '-')}; {versions}; code {code_of(r)}. "
-            f"{length}. Impl: {r.get('impl', '-')}.{kit}")
+            f"{length}. Impl: {r.get('impl', '-')}.{kit}{_cpu_note(env)}")
+
+
+CPU_NOTE = (" **CPU run: it checks that the harness works; its timings say nothing about the GPU kernels or "
+            "graphs.**")
+
+
+def _cpu_note(env: dict) -> str:
+    return CPU_NOTE if env.get("device") == "cpu" else ""
 
 
 def code_of(r: dict) -> str:
@@ -314,7 +322,7 @@ def _training_header(group: list[dict]) -> str:
     steps = f"{r.get('warmup_steps')} warm-up + {r.get('timed_steps')} timed steps" if r.get("timed_steps") else ""
     return (f"### training / {r.get('workload')} -- {r.get('model')}, {r.get('precision', '')}\n\n{hw}; driver "
             f"{env.get('driver', '-')}; {versions}; code {code_of(r)}. {what}; {steps}; "
-            f"{r.get('optimizer', '')}. Run `{r.get('run_id')}`.{kit}")
+            f"{r.get('optimizer', '')}. Run `{r.get('run_id')}`.{kit}{_cpu_note(env)}")
 
 
 def training_markdown(rows: list[dict]) -> str:

@@ -148,6 +148,7 @@ def describe(target) -> dict:
                 "attention_backend": state.options.attention_backend,
                 "last_attention": dict(state.last_plan),
                 "attention_fallbacks": list(state.last_fallbacks),
+                "stock_forward_calls": dict(state.runtime.get("stock_forward_calls", {})),
                 "attention_policy": None if state.policy is None else state.policy.name,
                 "kernels": state.ops.name,
                 "kernels_reason": state.ops_reason,

@@ -31,7 +31,7 @@ def test_inference_quick_cpu_two_variants(tmp_path):
         assert r["seqs_per_s_median"] > 0 and r["tokens_per_s_median"] > 0
         assert r["parity"]["passed"] and r["parity"]["token_cos_min"] > 0.9999
         assert r["env"]["torch"] and r["lengths"]["max"] <= 128
-    assert "x hf_sdpa" in proc.stdout and "| packed |" in proc.stdout
+    assert "x hf_sdpa" in proc.stdout and "| packed |" in proc.stdout and "CPU run" in proc.stdout
 
 
 def test_rows_without_the_kit_on_hopper_say_so():

@@ -7,6 +7,7 @@ forward skips (the rotary embedding included) and global module hooks."""
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -37,8 +38,9 @@ def _assert_runs_stock(model, reason, *, grad=False):
     """The call warns once naming ``reason``, equals stock exactly (outputs and, with ``grad``, gradients) and
     describe() says why."""
     ids, mask = padded_batch([5, 9])
-    with torch.set_grad_enabled(grad), pytest.warns(RuntimeWarning, match=reason):
+    with torch.set_grad_enabled(grad), pytest.warns(RuntimeWarning, match=reason) as caught:
         out = _call(model, ids, mask)
+    assert {w.filename for w in caught if "stock forward" in str(w.message)} == {__file__}  # the user's call
     with torch.set_grad_enabled(grad):
         ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
@@ -52,6 +54,8 @@ def _assert_runs_stock(model, reason, *, grad=False):
         warnings.filterwarnings("error", message="packed_encoders")  # said once
         with torch.set_grad_enabled(grad):
             _call(model, ids, mask)
+    calls = pe.describe(model)["encoders"][0]["stock_forward_calls"]  # kept after other calls, per reason
+    assert [n for r, n in calls.items() if re.search(reason, r)] == [2], calls
 
 
 def _packed_and_called(**overrides):
@@ -192,7 +196,7 @@ def test_hook_of_every_kind_on_every_skipped_module_runs_stock(path):
         backward = kind.startswith("backward")
         _assert_runs_stock(model, "backward hooks" if backward else "forward hooks", grad=backward)
         handle.remove()
-        model._packed_encoders.runtime.pop("stock_fallback_warned")  # the next kind warns again
+        model._packed_encoders.runtime.pop("stock_forward_calls")  # the next kind warns again
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with torch.no_grad():

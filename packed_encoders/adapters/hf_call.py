@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 import warnings
 
 import torch
@@ -64,12 +66,28 @@ def _output(model, last, hidden, return_dict):
     return out if return_dict else out.to_tuple()
 
 
+# packed_encoders/ and torch/ (nn.Module.__call__): frames a warning about a user's call should skip
+_LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+                 os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside packed_encoders and torch (``nn.Module.__call__``), so a
+    warning names the user's call rather than this module."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _stock_fallback(model, state, reason: str, args, kwargs):
-    """Run HF's own forward because the packed one cannot reproduce the live modules (said once, and in
-    ``describe()``)."""
-    if reason not in state.runtime.setdefault("stock_fallback_warned", set()):
-        state.runtime["stock_fallback_warned"].add(reason)
-        warnings.warn(f"packed_encoders: running the stock forward: {reason}", RuntimeWarning, stacklevel=3)
+    """Run HF's own forward because the packed one cannot reproduce the live modules or the call (warned once
+    per reason; ``describe()["encoders"][i]["stock_forward_calls"]`` counts the calls per reason)."""
+    counts = state.runtime.setdefault("stock_forward_calls", {})
+    counts[reason] = counts.get(reason, 0) + 1
+    if counts[reason] == 1:
+        warnings.warn(f"packed_encoders: running the stock forward: {reason}", RuntimeWarning,
+                      stacklevel=_caller_stacklevel())
     state.last_plan = {}
     state.last_fallbacks = [f"stock forward: {reason}"]
     return type(model).forward(model, *args, **kwargs)
