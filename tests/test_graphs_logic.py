@@ -31,7 +31,7 @@ from packed_encoders.graphs.buckets import (Bucket, CallFacts, admit, bucket_for
 from packed_encoders.graphs.config import GraphConfig, normalize
 from packed_encoders.graphs.manager import GraphManager
 from packed_encoders.graphs.runner import GraphRunner
-from tests.helpers import DROPOUT_AFTER_PACK, VOCAB, enable_dropout, padded_batch, tiny_model
+from tests.helpers import DROPOUT_AFTER_PACK, VOCAB, enable_dropout, make_model, padded_batch, tiny_model
 
 def batch_of(lengths, seed=0):
     ids, mask = padded_batch(lengths, "mixed", seed=seed)
@@ -678,3 +678,18 @@ def test_refused_calls_capture_nothing_before_the_sync(cpu_graphs, mode):
     with torch.no_grad():
         _forward(model, ids, mask)
     assert len(cpu_graphs) >= 1  # an admissible call runs the precapture
+
+
+@pytest.mark.parametrize("backend, top", [("auto", 2048), ("sdpa", 2048), ("triton", 512)])
+def test_graph_check_batch_stays_inside_an_explicit_backends_envelope(monkeypatch, backend, top):
+    """The pack-time graph check's longest sequence is the longest seqlen bucket the requested backend runs on a
+    global layer (the Triton kernel stops at 1,024 tokens, so bucket 512), else ``max_seqlen``."""
+    from packed_encoders import graph_check as check
+    from packed_encoders.attention import BACKENDS
+
+    monkeypatch.setitem(BACKENDS, "triton", replace(BACKENDS["triton"], availability=lambda: None))  # as on a GPU
+    state = get_state(pe.pack(make_model("base_like", hidden_size=128, num_attention_heads=2), validate=False))
+    state.options = replace(state.options, attention_backend=backend)
+    config = GraphConfig()
+    assert check.backend_top(config, state, torch.bfloat16) == top
+    assert max(check.check_lengths(config, 16, check.backend_top(config, state, torch.bfloat16))) == top
