@@ -345,16 +345,15 @@ def write_rows(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(r, default=str) + "\n")
 
 
-def finish_rows(path: Path, partial: Path, rows: list[dict], t_start: float) -> float:
-    """Stamp ``rows`` with the run's wall time, write them to ``path`` in place of the ``partial`` file the
-    runner appended to as it went, and return that wall time (s)."""
+def finish_rows(path: Path, partial: Path, rows: list[dict], t_start: float) -> None:
+    """Stamp ``rows`` with the run's wall time (s since ``t_start``) and write them to ``path`` in place of the
+    ``partial`` file the runner appended to as it went."""
     wall = time.perf_counter() - t_start
     for r in rows:
         r["run_wall_s"] = round(wall, 1)
     partial.unlink(missing_ok=True)
     write_rows(path, rows)
     print(f"\n{len(rows)} rows -> {path} ({wall:.0f} s)\n")
-    return wall
 
 
 def read_rows(paths) -> list[dict]:
