@@ -135,8 +135,10 @@ def hf_forward(model: nn.Module, *args, **kwargs):
             "layers use config.local_attention); call pe.unpack(model) or run the stock forward for it")
     if v4:
         raise PackedEncodersError(
-            f"{v4}: transformers v4's internal unpadding kwargs are not accepted by the packed path; load the "
-            "model with attn_implementation='sdpa' (the packed path unpads by itself)")
+            f"{v4}: transformers v4's internal unpadding kwargs are not accepted by the packed path (it unpads by "
+            "itself): pass a padded batch with its attention_mask, HF v5's cu_seq_lens_q / max_length_q, or call "
+            "pe.packed_forward(model, None, input_ids, cu_seqlens, max_seqlen); a v4 head passing them under "
+            "flash_attention_2 should be loaded with attn_implementation='sdpa'")
     if kwargs:
         raise PackedEncodersError(f"unsupported keyword argument(s) {sorted(kwargs)} for the packed ModernBERT forward")
     if (input_ids is None) == (inputs_embeds is None):
