@@ -89,16 +89,23 @@ def table(group: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _header(group: list[dict]) -> str:
+def _run_env(group: list[dict]) -> tuple[dict, dict, str, str]:
+    """``(row, env, hardware, versions)`` of a group's first successful row (else its first): what every table
+    header states about the run."""
     r = next((x for x in group if x.get("status") == "ok"), group[0])
     env = r.get("env", {})
     hw = env.get("gpu") or env.get("cpu") or env.get("device")
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "sentence_transformers", "triton",
+                                                     *common.KIT) if env.get(k))
+    return r, env, hw, versions
+
+
+def _header(group: list[dict]) -> str:
+    r, env, hw, versions = _run_env(group)
     s = r.get("lengths") or {}
     length = (f"{r.get('n_seqs')} seqs from `{r.get('set')}`, batch {r.get('batch')}: p50 {s.get('p50')}, "
               f"p90 {s.get('p90')}, p99 {s.get('p99')}, max {s.get('max')} tokens; padding "
               f"{s.get('padding_fraction', 0):.0%} of padded tokens") if s else ""
-    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "sentence_transformers", "triton",
-                                                     *common.KIT) if env.get(k))
     missing = common.missing_kit(env)
     kit = (f" **Without {', '.join(missing)}: packed variants ran without the kit's kernels (quack GEMMs, FA4, "
            "CuteDSL).**") if missing else ""
@@ -306,11 +313,7 @@ def training_table(group: list[dict]) -> str:
 
 
 def _training_header(group: list[dict]) -> str:
-    r = next((x for x in group if x.get("status") == "ok"), group[0])
-    env = r.get("env", {})
-    hw = env.get("gpu") or env.get("cpu") or env.get("device")
-    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "sentence_transformers", "triton",
-                                                     *common.KIT) if env.get(k))
+    r, env, hw, versions = _run_env(group)
     missing = common.missing_kit(env)
     kit = f" **Without {', '.join(missing)}.**" if missing else ""
     spec = r.get("workload_spec") or {}
