@@ -16,6 +16,7 @@ Variants (environment of the child process):
 - ``new``: ``pe.pack(model)`` (the lean path: op choices planned once per call class, unchecked launches, one
   autograd node per layer block, cached autocast weight casts).
 - ``new_noquack``: ``new`` with ``PACKED_ENCODERS_QUACK_GEMM=0`` (installing the ``cute`` extra must not slow a call).
+- ``new_eager``: ``new`` with ``PACKED_ENCODERS_GRAPH=0``: the eager path a call takes when no graph serves it.
 
 Per (workload, variant): ``host_ms`` (median time for the call to return, GPU idle at the start: the host's share),
 ``gpu_ms`` (kernel time per call from ``torch.profiler``), ``wall_ms`` (median per call back to back, CUDA events),
@@ -45,6 +46,7 @@ VARIANTS = {
     "old": {"PACKED_ENCODERS_LEAN": "0"},
     "new": {"PACKED_ENCODERS_LEAN": "1"},
     "new_noquack": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_QUACK_GEMM": "0"},
+    "new_eager": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_GRAPH": "0"},
 }
 WORKLOADS = {"queries": ("queries", 8), "documents": ("long", 8), "passages": ("passages", 32)}
 N_BATCHES = 12

@@ -22,7 +22,8 @@ hf_sdpa            stock ``ModernBertModel`` (sdpa), padded batches (dynamic pad
 compile            the same model after ``model.compile(dynamic=True)`` (default mode: max-autotune's training
                    compile does not fit a 10-minute run); compile time is in ``warmup_s`` / ``wall_s``
 pack               ``pe.pack(model)``, the same padded calls
-pack_train_graphs  ``pe.pack(model, train_cuda_graph=True)``; skipped while ``pe.pack`` has no such option
+pack_train_graphs  ``pe.pack(model, cuda_graph=pe.GraphConfig(training=True))``: training CUDA graphs, the same
+                   padded calls
 packed             ``pe.pack(model)``, then ``pe.packed_forward`` on padding-free batches
 st_sdpa / st_pack  sentence-transformers' ``SentenceTransformerTrainer`` + ``MultipleNegativesRankingLoss``
                    (workloads single / long), stock or packed; bf16 via the trainer (``bf16=True``)
@@ -56,7 +57,7 @@ the loss of every step. Then ``--profile-steps`` more steps under ``torch.profil
 from __future__ import annotations
 
 import argparse
-import inspect
+import dataclasses
 import json
 import os
 import shutil
@@ -240,7 +241,7 @@ class Trainee:
             self.model.compile(dynamic=True)
             self.info["compile"] = {"mode": "default", "dynamic": True, "target": type(model).__name__}
         elif variant == "pack_train_graphs":
-            pe.pack(self.model, train_cuda_graph=True)
+            pe.pack(self.model, cuda_graph=pe.GraphConfig(training=True))
         elif variant in ("pack", "packed"):
             pe.pack(self.model)
         self.setup_s = time.perf_counter() - t0
@@ -591,8 +592,8 @@ def why_skip(variant: str, wl: Workload, device: str, quick_cpu: bool, explicit:
 
     import packed_encoders as pe
 
-    if variant == "pack_train_graphs" and "train_cuda_graph" not in inspect.signature(pe.pack).parameters:
-        return "not available: pe.pack has no train_cuda_graph option in this build (training CUDA graphs)"
+    if variant == "pack_train_graphs" and "training" not in {f.name for f in dataclasses.fields(pe.GraphConfig)}:
+        return "not available: pe.GraphConfig has no training option in this build (training CUDA graphs)"
     if variant in PYLATE_VARIANTS:
         if wl.pooling != "maxsim":
             return "the PyLate variants run the ColBERT workload"

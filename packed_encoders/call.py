@@ -17,9 +17,9 @@ from torch import nn
 from .batch import PackedBatch, unpad
 from .graphs import route as graphs
 from .model.dropout import applies_attention_dropout, applies_dropout, dropout_modules
-from .model.forward import activation_dtype, encoder_forward, plan_attention
+from .model.forward import activation_dtype, encoder_forward, input_grads_hooked, plan_attention
 from .model.plan import last_plan, rules_for
-from .router import Eager, Facts, PackedGraph, RectangularGraph, Route, Stock, choose
+from .router import Eager, Facts, PackedGraph, RectangularGraph, Route, Stock, TrainingGraph, choose
 
 _INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
@@ -53,10 +53,16 @@ def mode_facts(model: nn.Module, state) -> dict:
     ``pack()``): a graph would replay a forward without dropout."""
     on_cuda = _embedding(model)._parameters["weight"].is_cuda
     dropout = applies_dropout(_dropout_modules(model, state), state.params.attention_dropout)
-    return dict(kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
-                grad=torch.is_grad_enabled(), dropout=dropout,
-                autocast=torch.get_autocast_dtype("cuda") if on_cuda and torch.is_autocast_enabled("cuda") else None,
-                model_on_cuda=on_cuda)
+    grad = torch.is_grad_enabled()
+    facts = dict(kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
+                 grad=grad, dropout=dropout,
+                 autocast=torch.get_autocast_dtype("cuda") if on_cuda and torch.is_autocast_enabled("cuda") else None,
+                 model_on_cuda=on_cuda)
+    config = state.options.cuda_graph
+    if grad and config is not None and config.training:
+        facts.update(checkpointing=bool(_gradient_checkpointing(model)),
+                     input_grads=input_grads_hooked(_embedding(model)))
+    return facts
 
 
 def padded_route(model: nn.Module, state, *, structure: str | None = None, input_ids=None, inputs_embeds=None,
@@ -148,6 +154,10 @@ def serve_batch(model: nn.Module, state, route: Route, batch: PackedBatch, *, hi
                                    backend=backend)
         if out is not None:
             return out
+    elif isinstance(route, TrainingGraph):
+        out = graphs.train_forward(model, state, batch, bucket=route.bucket, autocast=route.autocast, backend=backend)
+        if out is not None:
+            return out
     elif isinstance(route, Eager):
         graphs.note_eager(model, state, route.reason)
     return run_packed(model, state, batch, hidden_states=hidden_states, hidden_pre_norm_last=hidden_pre_norm_last,
@@ -189,7 +199,11 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
             last = graphs.graph_forward(model, state, batch, batch.pad, autocast=route.autocast, prepared=prepared)
             if last is not None:
                 return last, None
-        out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=hidden_pre_norm_last)
+        out = None
+        if isinstance(route, TrainingGraph):
+            out = graphs.train_forward(model, state, batch, autocast=route.autocast)
+        if out is None:
+            out = run_packed(model, state, batch, hidden_states=hidden, hidden_pre_norm_last=hidden_pre_norm_last)
     return batch.pad(out), None if hidden is None else tuple(batch.pad(h) for h in hidden)
 
 

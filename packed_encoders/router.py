@@ -15,8 +15,9 @@ Routes:
   host sync (``unpad``), so its bucket is ``None`` here and is admitted from the sizes after the sync
   (:func:`packed_encoders.graphs.buckets.admit_sizes`: a call too large runs eagerly, the reason counted).
 - :class:`RectangularGraph`: the opt-in ``GraphConfig(sync_free=True)`` graph of a padded call, no host sync.
-- A ``TrainingGraph`` route (graphs of a forward with gradients) would be chosen here, from ``grad`` and
-  ``dropout``, before the :data:`~packed_encoders.graphs.buckets.GRAD` refusal; it does not exist yet.
+- :class:`TrainingGraph`: with ``GraphConfig.training``, a call with gradients replays a captured forward (and
+  its backward replays the captured backward, :mod:`packed_encoders.graphs.training`); as for
+  :class:`PackedGraph`, a padded call's ``bucket`` is admitted after its sync.
 """
 
 from __future__ import annotations
@@ -62,7 +63,16 @@ class RectangularGraph:
     autocast: Any = None
 
 
-Route = Union[Stock, Eager, PackedGraph, RectangularGraph]
+@dataclass(frozen=True)
+class TrainingGraph:
+    """Replay the training graphs of ``bucket`` (``None``: admitted from the sizes after the call's sync, on the
+    training token grid), captured under ``autocast``."""
+
+    bucket: Bucket | None = None
+    autocast: Any = None
+
+
+Route = Union[Stock, Eager, PackedGraph, RectangularGraph, TrainingGraph]
 
 
 @dataclass(slots=True)
@@ -77,6 +87,9 @@ class Facts:
         suspended: inside ``pe.no_cuda_graph(model)``.
         grad, dropout: gradients enabled; some module applies dropout in this call (its own train mode and a
             non-zero rate, read live: Monte-Carlo dropout in an eval model counts).
+        checkpointing, input_grads: (gathered for calls with gradients under ``GraphConfig.training`` only) HF
+            gradient checkpointing is on for some layer; the embedding output must require gradients
+            (``enable_input_require_grads``).
         autocast: the CUDA autocast dtype in force, or ``None``. Graphs are captured under it.
         hidden_states, inputs_embeds, position_ids, query_only: what the caller passed or asked for
             (``query_only``: ColBERT query expansion computes trailing masked positions).
@@ -93,6 +106,8 @@ class Facts:
     suspended: bool = False
     grad: bool = False
     dropout: bool = False
+    checkpointing: bool = False
+    input_grads: bool = False
     autocast: Any = None
     hidden_states: bool = False
     inputs_embeds: bool = False
@@ -145,10 +160,43 @@ def _mode_refusal(f: Facts) -> str | None:
     return None
 
 
+def _training_refusal(f: Facts) -> str | None:
+    """Why a call with gradients cannot replay a training graph (``GraphConfig.training`` on), or ``None``."""
+    if f.kill_switch:
+        return B.KILL_SWITCH
+    if f.suspended:
+        return B.SUSPENDED
+    if f.dropout:
+        return B.DROPOUT
+    if f.checkpointing:
+        return B.CHECKPOINTING
+    if f.hidden_states:
+        return B.HIDDEN_STATES
+    if f.inputs_embeds or f.input_grads:
+        return B.EMBEDS if f.inputs_embeds else B.INPUT_GRADS
+    if not f.model_on_cuda:
+        return B.NOT_CUDA
+    return None
+
+
+def _training(facts: Facts, config) -> Route:
+    reason = _training_refusal(facts)
+    if reason is not None:
+        return _eager(reason, None)
+    if facts.padded:
+        return TrainingGraph(None, facts.autocast)
+    bucket = B.admit_sizes(config, facts.same_device, facts.num_seqs, facts.total_tokens, facts.max_seqlen,
+                           config.training_steps_per_octave)
+    if isinstance(bucket, str):
+        return _eager(bucket, None)
+    return TrainingGraph(bucket, facts.autocast)
+
+
 def choose(facts: Facts) -> Route:
     """The route serving a call with these facts (pure: reads ``facts`` only).
 
-    Order: a structure problem -> :class:`Stock`; graphs off -> :class:`Eager`; a padded call under
+    Order: a structure problem -> :class:`Stock`; graphs off -> :class:`Eager`; a call with gradients under
+    ``GraphConfig.training`` -> :class:`TrainingGraph` or, refused, :class:`Eager` with the reason; a padded call under
     ``sync_free`` that the rectangular graphs admit -> :class:`RectangularGraph`; a mode no graph serves (kill
     switch, ``no_cuda_graph``, grad, dropout, hidden states, ``inputs_embeds``, a model off CUDA) or a packed call
     outside the bounds -> :class:`Eager` with the reason; else :class:`PackedGraph`.
@@ -158,6 +206,8 @@ def choose(facts: Facts) -> Route:
     config = facts.graphs
     if config is None:
         return _GRAPHS_OFF
+    if facts.grad and config.training:
+        return _training(facts, config)
     refusal = None
     if facts.padded and config.sync_free and facts.well_formed:
         rect = B.admit_rect(config, facts, facts.vocab)

@@ -58,11 +58,14 @@ class Bucket:
         return [min(total_tokens + i * self.seqlen, self.tokens) for i in range(1, self.seqs - num_seqs + 1)]
 
 
-def bucket_for(config: GraphConfig, num_seqs: int, total_tokens: int, max_seqlen: int) -> Bucket:
-    """The bucket of an admitted batch (see :func:`admit`)."""
+def bucket_for(config: GraphConfig, num_seqs: int, total_tokens: int, max_seqlen: int,
+               steps: int | None = None) -> Bucket:
+    """The bucket of an admitted batch (see :func:`admit`); ``steps``: the token grid's steps per octave
+    (default ``config.token_steps_per_octave``; training graphs pass ``config.training_steps_per_octave``)."""
+    steps = steps or config.token_steps_per_octave
     seqlen = next(s for s in config.seqlen_grid if s >= max_seqlen)
-    tokens = round_tokens(max(total_tokens, 1), config.token_multiple, config.token_steps_per_octave)
-    slots = -(-pad_bound(tokens, config.token_multiple, config.token_steps_per_octave) // seqlen)
+    tokens = round_tokens(max(total_tokens, 1), config.token_multiple, steps)
+    slots = -(-pad_bound(tokens, config.token_multiple, steps) // seqlen)
     return Bucket(tokens, round_seqs(num_seqs, config.min_seq_bucket) + slots, seqlen)
 
 
@@ -93,6 +96,10 @@ TOO_LONG = "a sequence longer than max_seqlen"
 POSITIONS = "position_ids beyond the captured RoPE tables"
 CAPTURE_FAILED = "capture failed for this bucket"
 OVER_BUDGET = "the bucket's graph alone is over the graph memory budget"
+# ... of calls with gradients, when GraphConfig.training is on
+CHECKPOINTING = "gradient checkpointing"
+INPUT_GRADS = "inputs that require gradients (inputs_embeds, enable_input_require_grads)"
+FROZEN = "no trainable parameter in the encoder"
 
 
 @dataclass
@@ -132,7 +139,7 @@ def admit(config: GraphConfig, facts: CallFacts) -> Bucket | str:
 
 
 def admit_sizes(config: GraphConfig, same_device: bool, num_seqs: int, total_tokens: int,
-                max_seqlen: int) -> Bucket | str:
+                max_seqlen: int, steps: int | None = None) -> Bucket | str:
     """The part of :func:`admit` after the mode checks (the router calls it directly when the modes were
     accepted before the call's sync, saving the host microseconds of a :class:`CallFacts`)."""
     if not same_device:
@@ -143,7 +150,7 @@ def admit_sizes(config: GraphConfig, same_device: bool, num_seqs: int, total_tok
         return TOO_MANY_TOKENS
     if max_seqlen > config.max_seqlen:
         return TOO_LONG
-    return bucket_for(config, num_seqs, total_tokens, max_seqlen)
+    return bucket_for(config, num_seqs, total_tokens, max_seqlen, steps)
 
 
 # ----------------------------------------------------------------------- sync-free (rectangular) graphs

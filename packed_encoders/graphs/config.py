@@ -97,6 +97,18 @@ class GraphConfig:
         sync_free_max_tokens: the largest rectangular graph, in padded rows ``B_b * S_b`` (default 2048:
             batch 8 up to 256 wide, batch 32 up to 64; on the H200 the break-even against the packed graphs);
             larger calls take the packed path. Read only with ``sync_free``.
+        training: opt-in (default ``False``) **training graphs**: calls with gradients (on CUDA, no dropout in
+            force, no gradient checkpointing, no ``inputs_embeds`` / ``output_hidden_states``, within the bounds
+            above) replay a captured forward and, at their backward, a captured backward; the encoder is one
+            autograd node whose gradients reach ``.grad`` through autograd as usual
+            (:mod:`packed_encoders.graphs.training`). Others run the eager training path, the reason counted in
+            ``describe()``.
+        training_slots: most forwards with gradients awaiting their backward that training graphs serve at once
+            (each slot holds its own activations and one copy of the trainable parameters' gradients); default 2
+            (a query batch and a document batch before one loss).
+        training_steps_per_octave: the token grid of training graphs (a power of two; default 8: at most 1/8 of a
+            bucket is padding above 512 tokens). Coarser than inference's: a training graph costs a forward and a
+            backward capture, and training batches vary more.
 
     The padded widths ``S_b`` of the sync-free graphs are the property ``sync_free_seqlen_grid``: with
     ``seqlen_buckets`` unset, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048 below
@@ -123,19 +135,23 @@ class GraphConfig:
     sync_free: bool = False
     sync_free_max_tokens: int = 2048
     max_memory_bytes: int | None = None
+    training: bool = False
+    training_slots: int = 2
+    training_steps_per_octave: int = 8
 
     def __post_init__(self):
-        if not isinstance(self.sync_free, bool):
-            raise PackedEncodersError(f"GraphConfig.sync_free={self.sync_free!r} must be a bool")
+        for name in ("sync_free", "training"):
+            if not isinstance(getattr(self, name), bool):
+                raise PackedEncodersError(f"GraphConfig.{name}={getattr(self, name)!r} must be a bool")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("seqlen_buckets", "precapture", "sync_free"):
+            if f.name in ("seqlen_buckets", "precapture", "sync_free", "training"):
                 continue
             if value is None and f.name in ("max_tokens", "max_memory_bytes"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PackedEncodersError(f"GraphConfig.{f.name}={value!r} must be a positive int")
-        for name in ("token_multiple", "token_steps_per_octave"):
+        for name in ("token_multiple", "token_steps_per_octave", "training_steps_per_octave"):
             if not _is_pow2(getattr(self, name)):
                 raise PackedEncodersError(f"GraphConfig.{name}={getattr(self, name)} must be a power of two "
                                           "(so the token grid is idempotent and nested across octaves)")

@@ -57,6 +57,11 @@ class GraphManager:
         self.capture_seconds = 0.0
         self.fallbacks: Counter[str] = Counter()
         self.sync_free_fallbacks: Counter[str] = Counter()  # padded calls that took the synced path, and why
+        # training graphs (GraphConfig.training): a pool and gradient buffers per slot, the pending slots
+        self.train_pools: dict[int, Any] = {}
+        self.train_grads: dict[int, dict] = {}
+        self.train_slots: Any = None
+        self.train_hits = 0
 
     def __len__(self) -> int:
         return len(self._runners)
@@ -83,6 +88,8 @@ class GraphManager:
         self.pool = None
         self.last_stream = None
         self.precaptured_for = None
+        # a pending backward keeps its runner (and its pool, gradient buffers and slot bookkeeping) alive
+        self.train_pools, self.train_grads, self.train_slots = {}, {}, None
 
     def note_fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
@@ -137,6 +144,9 @@ class GraphManager:
         _, runner = self._runners.popitem(last=False)
         self.graph_bytes -= getattr(runner, "graph_bytes", 0) or 0
         self.evictions += 1
+
+    def is_failed(self, key: Hashable) -> bool:
+        return key in self._failed
 
     def failures(self) -> dict:
         return {str(k): v for k, v in self._failed.items()}

@@ -254,6 +254,88 @@ def graph_forward(model, state, batch, finish, *, bucket: Bucket | None = None, 
     return out
 
 
+def train_forward(model, state, batch, *, bucket: Bucket | None = None, autocast=None, backend: str | None = None):
+    """Serve a call with gradients from a training graph (``GraphConfig.training``, :mod:`.training`): returns
+    ``[T, hidden]`` whose autograd node replays the captured backward, or ``None`` when the call must run the
+    eager training path (the reason counted). ``bucket``: the router's, for a packed call; ``None`` admits the
+    batch's sizes on the training token grid here (a padded call after its sync)."""
+    from .training import TOO_MANY_PENDING, Lease, Slots, replay
+
+    mgr = _manager(state)
+    config = mgr.config
+    if bucket is None:
+        device = model.embeddings.tok_embeddings.weight.device
+        bucket = B.admit_sizes(config, batch.device == device, batch.num_seqs, batch.total_tokens, batch.max_seqlen,
+                               config.training_steps_per_octave)
+        if isinstance(bucket, str):
+            mgr.note_fallback(bucket)
+            return None
+    requested = backend or state.options.attention_backend
+    query_only = batch.key_lens is not None
+    with mgr.lock:
+        mgr.check_fingerprint(fingerprint(model, mgr))
+        trainable = tuple(p.requires_grad for p in mgr.weights[3])
+        if not any(trainable):
+            mgr.note_fallback(B.FROZEN)
+            return None
+        if mgr.train_slots is None:
+            mgr.train_slots = Slots(config.training_slots)
+        slot = mgr.train_slots.take()
+        if slot is None:
+            mgr.note_fallback(TOO_MANY_PENDING)
+            return None
+        lease = Lease(mgr.train_slots, slot)
+        try:
+            key = ("train", requested, bucket, query_only, autocast, slot, trainable)
+            cached, failed = key in mgr, mgr.is_failed(key)
+            _budget(model, state, mgr)
+            runner = mgr.get(key, lambda: _build_train(model, state, mgr, bucket, requested, query_only, autocast,
+                                                       slot, trainable))
+            if isinstance(runner, str):
+                if not failed and mgr.is_failed(key):  # a capture failed just now: later ones get a fresh pool
+                    mgr.train_pools.pop(slot, None)    # and stream (torch may leave both mid-capture)
+                    mgr.stream = None
+                mgr.note_fallback(runner)
+                lease.release()
+                return None
+            if batch.max_position > runner.rope_rows:
+                mgr.note_fallback(B.POSITIONS)
+                lease.release()
+                return None
+            _order_streams(mgr, batch.device)
+            out = replay(runner, lease, batch)
+        except BaseException:
+            lease.release()
+            raise
+        mgr.train_hits += cached
+    state.last_plan = dict(runner.plan_summary)
+    state.last_fallbacks = list(runner.plan_reasons)
+    return out
+
+
+def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str, query_only: bool, autocast,
+                 slot: int, trainable: tuple):
+    """A :class:`.training.TrainRunner` for ``slot``: the slot's pool and gradient buffers (caller holds the lock)."""
+    from .training import TrainRunner
+
+    params = mgr.weights[3]
+    buffers = mgr.train_grads.setdefault(slot, {})
+    with torch.no_grad(), torch.inference_mode(False):
+        grads = tuple(buffers.setdefault(i, torch.zeros_like(p)) for i, (p, t) in enumerate(zip(params, trainable))
+                      if t)
+    device = model.embeddings.tok_embeddings.weight.device
+    if device.type == "cuda":
+        kw = _capture_kw(model, mgr)
+        if slot not in mgr.train_pools:
+            mgr.train_pools[slot] = torch.cuda.graph_pool_handle()
+        kw["pool"] = mgr.train_pools[slot]
+        _order_streams(mgr, device)
+    else:  # the same slots, staging and gradient buffers, run eagerly (CPU tests)
+        kw = dict(capture=False)
+    return TrainRunner(model, state, bucket, requested, tuple(p for p, t in zip(params, trainable) if t), grads,
+                       query_only=query_only, autocast=autocast, **kw)
+
+
 def note_eager(model, state, reason: str | None, sync_free_refusal: str | None = None) -> None:
     """Count why a call with graphs on runs eagerly (``describe()``'s ``fallbacks``); a model that left the GPU
     frees its graphs now rather than on its return."""
@@ -352,7 +434,9 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
     if config is None:
         return out
     out["serves"] = ("inference calls on CUDA (no grad, no dropout, no output_hidden_states or inputs_embeds) "
-                     "within the config's bounds, under any autocast state (captured under it); others run eagerly")
+                     "within the config's bounds, under any autocast state (captured under it)"
+                     + ("; with GraphConfig.training, calls with gradients too (no dropout, no gradient checkpointing, "
+                        "no inputs that require gradients)" if config.training else "") + "; others run eagerly")
     if device is not None:
         out["idle_reason"] = ("PACKED_ENCODERS_GRAPH is off" if out["kill_switch"] else
                               "inside no_cuda_graph()" if out["suspended"] else
@@ -374,12 +458,21 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
         return out
     from .runner import pool_reserved_bytes
 
-    buckets = [{"backend": req, "tokens": b.tokens, "seqs": b.seqs, "seqlen": b.seqlen, "query_only": q,
-                "autocast": None if ac is None else str(ac).replace("torch.", ""),
-                "attention": dict(getattr(r, "plan_summary", {})), "bytes": getattr(r, "graph_bytes", None),
-                **({"layout": "rectangular", "batch": b.batch, "dead_padding": getattr(r, "dead_padding", False)}
-                   if isinstance(b, RectBucket) else {})}
-               for (req, b, q, ac), r in zip(mgr.keys(), mgr.runners())]
+    buckets = []
+    for key, r in zip(mgr.keys(), mgr.runners()):
+        training = key[0] == "train"
+        req, b, q, ac = key[1:5] if training else key
+        buckets.append({"backend": req, "tokens": b.tokens, "seqs": b.seqs, "seqlen": b.seqlen, "query_only": q,
+                        "autocast": None if ac is None else str(ac).replace("torch.", ""),
+                        "attention": dict(getattr(r, "plan_summary", {})), "bytes": getattr(r, "graph_bytes", None),
+                        **({"training": True, "slot": key[5]} if training else {}),
+                        **({"layout": "rectangular", "batch": b.batch,
+                            "dead_padding": getattr(r, "dead_padding", False)} if isinstance(b, RectBucket) else {})})
+    if config.training:
+        out["training"] = {"hits": mgr.train_hits,
+                           "pending_slots": 0 if mgr.train_slots is None else len(mgr.train_slots.pending),
+                           "gradient_buffer_bytes": sum(t.numel() * t.element_size() for bufs in
+                                                        mgr.train_grads.values() for t in bufs.values())}
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                memory={"budget_bytes": mgr.budget_bytes, "graph_bytes": mgr.graph_bytes,
                        "rule": "LRU evicts graphs until their bytes (static buffers + pool growth at capture) fit "

@@ -40,6 +40,12 @@ def _norm_args(m: nn.Module):
     return m.weight, getattr(m, "bias", None), m.eps
 
 
+def input_grads_hooked(embedding: nn.Module) -> bool:
+    """Whether transformers' ``enable_input_require_grads()`` hook is on the token ``embedding`` (the packed forward
+    then makes the embedding output require gradients, as the hook does)."""
+    return any(getattr(h, "__name__", "") == "make_inputs_require_grads" for h in embedding._forward_hooks.values())
+
+
 def activation_dtype(model: nn.Module) -> torch.dtype:
     """The dtype activations take in the packed forward (autocast's dtype when autocast is on)."""
     weight = model.embeddings.tok_embeddings.weight
@@ -197,8 +203,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     else:
         # padding_idx: the pad row gets no gradient, as nn.Embedding(padding_idx=...) in stock
         x = F.embedding(batch.input_ids, emb.tok_embeddings.weight, emb.tok_embeddings.padding_idx)
-    if grad and not x.requires_grad and any(getattr(h, "__name__", "") == "make_inputs_require_grads"
-                                            for h in emb.tok_embeddings._forward_hooks.values()):
+    if grad and not x.requires_grad and input_grads_hooked(emb.tok_embeddings):
         x = x.requires_grad_()  # transformers' enable_input_require_grads(), which the embedding's hook does
     x = run.layer_norm(x, *_norm_args(emb.norm))
     x = _dropout(x, emb.drop)

@@ -1,0 +1,338 @@
+"""Training CUDA graphs: the packed encoder's forward and backward for one bucket, captured as two graphs.
+
+A training step of the packed encoder is host-bound: ~110 kernels forward and ~200 backward, each launched from
+Python. :class:`TrainRunner` captures both passes for one bucket (``tokens``, ``seqs``, ``seqlen``, as the
+inference graphs, :mod:`.buckets`) and :class:`_Replay` puts the pair into autograd as one node whose inputs are
+the encoder's trainable parameters, so everything around it is ordinary PyTorch:
+
+- **Gradients go through autograd.** The backward graph computes the parameters' gradients into buffers shared by
+  the training graphs of one slot (below; one copy of the trainable parameters per slot); the node returns those
+  buffers and autograd's ``AccumulateGrad`` adds them into ``.grad`` as it does for any op, so accumulation
+  across chunks and steps, ``zero_grad(set_to_none=...)``, gradient hooks and DDP's reducer behave as in eager
+  training. ``AccumulateGrad`` never keeps a buffer that another reference holds (it copies it, or adds it into
+  an existing ``.grad``), and the runner holds every buffer, so no ``.grad`` ever aliases one. Buffers are per
+  slot because one backward pass may run two nodes whose gradients autograd sums only after both ran.
+- **Several forwards before one backward** (a query batch and a document batch, then one loss): each graph belongs
+  to a *slot*; a forward takes the lowest slot no pending backward holds, and the graphs of one slot share one
+  memory pool (only one of them can be pending at a time, so they may reuse each other's activations). A slot is
+  held from the forward's replay until its backward has run or its autograd graph is freed; ``max`` slots
+  (``GraphConfig.training_slots``) pending at once, a further forward runs eagerly (counted in ``describe()``).
+- **What a backward replays must be what its forward saved**: a second backward through the same node after its
+  slot served another forward (``retain_graph=True`` then more forwards) raises instead of reading overwritten
+  activations.
+- **Weights are read live**: casts of fp32 master weights under autocast are inside the graphs (autocast's cast
+  cache off, the encoder's weight-cast cache bypassed under capture), so an in-place optimizer step is seen by the
+  next replay; replaced parameters (new storage) drop every graph (the weights fingerprint, :mod:`.route`).
+- **Checked once per capture**: the warm-up runs the same forward and backward eagerly; the captured pair is
+  replayed on the warm-up's inputs and must reproduce its output and gradients, or the bucket runs eagerly.
+
+Calls that a graph would run differently take the eager training path, the reason counted in ``describe()``:
+dropout in force (a graph would replay the same masks), gradient checkpointing, inputs that require gradients
+(``inputs_embeds``, ``enable_input_require_grads``), ``output_hidden_states``, sizes outside the config's bounds
+(the router, :mod:`packed_encoders.router`). ``capture=False`` runs the same slots, staging and gradient buffers
+with an eager forward per replay (CPU tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ..batch import PackedBatch
+from ..errors import PackedEncodersError
+from ..model.forward import encoder_forward, plan_attention
+from ..model.plan import rules_for
+from ..ops import quack_gemm
+from .buckets import Bucket
+from .runner import autocast_state, theta_tables
+
+TOO_MANY_PENDING = "more training forwards awaiting their backward than GraphConfig.training_slots"
+STALE = ("this backward's training graph has since served another forward (its saved activations are "
+         "overwritten): with training graphs a forward's graph can be backpropagated only until its slot is reused; "
+         "run this model with pe.no_cuda_graph(model) to backpropagate through it again after other forwards")
+
+
+class Slots:
+    """Which slot indices hold a pending backward (host-only bookkeeping, one per encoder)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pending: set[int] = set()
+        self.generation: dict[int, int] = {}
+
+    def take(self) -> int | None:
+        """The lowest free slot, now pending, or ``None`` when ``limit`` are pending."""
+        for k in range(self.limit):
+            if k not in self.pending:
+                self.pending.add(k)
+                self.generation[k] = self.generation.get(k, 0) + 1
+                return k
+        return None
+
+
+class Lease:
+    """A forward's hold on its slot: released by its backward, or when its autograd node is freed."""
+
+    def __init__(self, slots: Slots, k: int):
+        self.slots, self.k, self.generation = slots, k, slots.generation[k]
+        self._finalizer = None
+
+    def attach(self, owner) -> None:
+        self._finalizer = weakref.finalize(owner, Lease._free, self.slots, self.k, self.generation)
+
+    @property
+    def current(self) -> bool:
+        return self.slots.generation.get(self.k) == self.generation
+
+    def release(self) -> None:
+        Lease._free(self.slots, self.k, self.generation)
+
+    @staticmethod
+    def _free(slots: Slots, k: int, generation: int) -> None:
+        if slots.generation.get(k) == generation:
+            slots.pending.discard(k)
+
+
+class _Handle:
+    """What the autograd node keeps of its forward (the finalizer releases the slot when the node is freed)."""
+
+    __slots__ = ("runner", "lease", "total", "__weakref__")
+
+    def __init__(self, runner, lease, total):
+        self.runner, self.lease, self.total = runner, lease, total
+
+
+class _Replay(torch.autograd.Function):
+    """One node for the encoder: inputs the trainable parameters, output ``[T, hidden]`` (a copy of the graph's
+    static output, owned by the caller)."""
+
+    @staticmethod
+    def forward(ctx, handle, *params):
+        out = handle.runner.forward_replay()[:handle.total].clone()
+        ctx.handle = handle
+        handle.lease.attach(handle)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        handle = ctx.handle
+        if not handle.lease.current:
+            raise PackedEncodersError(STALE)
+        grads = handle.runner.backward_replay(grad_out, handle.total)
+        handle.lease.release()
+        return (None, *grads)
+
+
+class TrainRunner:
+    """Forward + backward of ``model`` for ``bucket`` (slot ``slot``), captured into ``pool``.
+
+    Args:
+        params_list: the trainable parameters, in the order :class:`_Replay` takes them.
+        grads: one buffer per parameter (shared by every training graph of the encoder), written by each
+            backward replay.
+        pool, stream, warmup, autocast, query_only: as :class:`~packed_encoders.graphs.runner.GraphRunner`.
+        capture: ``False`` runs the forward eagerly at each replay (keeping its autograd graph until the
+            backward), on any device.
+
+    Raises:
+        PackedEncodersError: the requested attention backend cannot run the bucket with gradients.
+        RuntimeError: the forward or backward cannot be captured, or the captured pair does not reproduce its
+            eager warm-up (the manager then serves the bucket eagerly and says why).
+    """
+
+    def __init__(self, model, state, bucket: Bucket, requested: str, params_list: tuple, grads: tuple, *,
+                 pool=None, stream=None, warmup: int = 2, capture: bool = True, query_only: bool = False,
+                 autocast=None):
+        self.bucket, self.requested, self.capture, self.model = bucket, requested, capture, model
+        self.params_list, self.grads = params_list, grads
+        weight = model.embeddings.tok_embeddings.weight
+        device = self.device = weight.device
+        t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        params = state.params
+        rules = rules_for(state.tuning)
+        with on_device, torch.inference_mode(False):
+            with torch.no_grad():
+                self.steps = torch.arange(1, n + 1, dtype=torch.int32, device=device) * s
+                self.cu = torch.zeros(n + 1, dtype=torch.int32, device=device)
+                self.cu[1:] = self.steps.clamp(max=t)
+                self.ids = torch.zeros(t, dtype=torch.long, device=device)
+                self.pos = torch.arange(t, device=device) % s
+                self.kl = torch.full((n,), s, dtype=torch.int32, device=device) if query_only else None
+                self.tables = theta_tables(model, params, s, device)
+                self.rope_rows = min(cos.shape[0] for cos, _ in self.tables) if self.tables else 1 << 62
+            self.grad_out = None  # [tokens, hidden] in the output's dtype, made after the first forward
+            self.unused: tuple = ()  # parameters the forward does not reach (their gradient stays None)
+            batch = PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
+                                position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)
+            self.plan = plan_attention(params, batch, requested, grad=True, dtype=autocast or weight.dtype,
+                                       dropout=False, policy=state.policy, graph=capture)
+            self.plan_summary = {("global" if w is None else f"window {w}"): d.backend for w, d in self.plan.items()}
+            self.plan_reasons = list(dict.fromkeys(r for d in self.plan.values() for r in d.reasons))
+            ops, plan = state.ops, self.plan
+
+            def forward():
+                with autocast_state(device, autocast):
+                    return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules)
+
+            self._forward = forward
+            self._eager_out = None
+            self.out = None
+            self.fwd_graph = self.bwd_graph = None
+            if capture:
+                self._capture(pool, stream, warmup)
+        static = (self.steps, self.cu, self.ids, self.pos, self.grad_out, self.out) + ((self.kl,) if query_only else ())
+        self.static_bytes = sum(x.numel() * x.element_size() for x in static if x is not None)
+        self.graph_bytes = self.static_bytes + getattr(self, "_pool_growth", 0)
+
+    # ------------------------------------------------------------------------------------------ capture
+
+    def _grads_of(self, out, leaves=None):
+        if self.grad_out is None:
+            with torch.no_grad():
+                gen = torch.Generator(device=out.device).manual_seed(0)
+                self.grad_out = torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype) * 1e-2
+        grads = torch.autograd.grad(out, leaves or self.params_list, self.grad_out, allow_unused=True)
+        self.unused = tuple(g is None for g in grads)
+        return grads
+
+    def _store(self, grads) -> None:
+        for buf, g in zip(self.grads, grads):
+            if g is not None:
+                buf.copy_(g)
+
+    def _capture(self, pool, stream, warmup: int) -> None:
+        from .runner import _pool_bytes
+
+        device = self.device
+        before = _pool_bytes(pool, device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        # The passes differentiate fresh leaves aliasing the parameters (same storage): the parameters' own
+        # AccumulateGrad nodes may live on (a pending forward's autograd graph holds them) with the caller's
+        # stream, and a backward reaching them from the capture stream would wait on that stream, which
+        # invalidates the capture.
+        with _aliased(self.model, self.params_list) as leaves:
+            with quack_gemm.graph_rules(), torch.cuda.stream(stream):
+                for _ in range(max(1, warmup)):
+                    ref = self._forward()
+                    ref_grads = [None if g is None else g.detach().clone() for g in self._grads_of(ref, leaves)]
+                ref = ref.detach()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            gc_was_enabled = gc.isenabled()
+            gc.disable()  # collecting an unreachable graph mid-capture is an error
+            try:
+                with quack_gemm.graph_rules():
+                    with torch.cuda.graph(fwd, pool=pool, stream=stream):
+                        out = self._forward()
+                    with torch.cuda.graph(bwd, pool=pool, stream=stream):
+                        self._store(self._grads_of(out, leaves))
+                self.out = out.detach()
+                del out  # its autograd graph (the saved activations) goes back to the pool for later captures
+            except BaseException:
+                _end_pool(device, pool)
+                raise
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
+        self.fwd_graph, self.bwd_graph = fwd, bwd
+        self._pool_growth = max(0, _pool_bytes(pool, device) - before)
+        self._verify(ref, ref_grads)
+
+    def _verify(self, ref, ref_grads) -> None:
+        """Replay both graphs on the warm-up's inputs; they must reproduce its output and gradients."""
+        self.fwd_graph.replay()
+        self.bwd_graph.replay()
+        if not torch.allclose(self.out.float(), ref.float(), rtol=1e-2, atol=1e-2, equal_nan=True):
+            raise RuntimeError("the captured training forward differs from its eager warm-up")
+        for buf, want in zip(self.grads, ref_grads):
+            if want is None:
+                continue
+            err = (buf.float() - want.float()).norm()
+            if not bool(err <= 1e-2 * want.float().norm() + 1e-6):
+                raise RuntimeError("the captured training backward differs from its eager warm-up "
+                                   f"(relative gradient error {float(err / (want.float().norm() + 1e-12)):.3g})")
+
+    # ------------------------------------------------------------------------------------------- replay
+
+    def stage(self, batch: PackedBatch) -> None:
+        """Copy ``batch`` (within the bucket) into the static inputs; padding becomes dummy sequences."""
+        total, num = batch.total_tokens, batch.num_seqs
+        with torch.no_grad():
+            self.ids[:total].copy_(batch.input_ids)
+            self.pos[:total].copy_(batch.position_ids)
+            self.cu[:num + 1].copy_(batch.cu_seqlens)
+            if self.kl is not None:
+                self.kl[:num].copy_(batch.key_lens)
+            extra = self.bucket.seqs - num
+            if extra:
+                tail = self.cu[num + 1:]
+                torch.add(self.steps[:extra], total, out=tail)
+                tail.clamp_(max=self.bucket.tokens)
+
+    def forward_replay(self) -> torch.Tensor:
+        if self.fwd_graph is not None:
+            self.fwd_graph.replay()
+            return self.out
+        with torch.enable_grad():
+            self._eager_out = self._forward()
+        if self.grad_out is None:
+            self.grad_out = torch.zeros_like(self._eager_out)
+        return self._eager_out.detach()
+
+    def backward_replay(self, grad_out: torch.Tensor, total: int) -> tuple:
+        """The parameters' gradients (the shared buffers; ``None`` for parameters the forward does not reach)
+        for ``grad_out`` ``[total, hidden]`` at the output."""
+        with torch.no_grad():
+            self.grad_out[:total].copy_(grad_out)
+            self.grad_out[total:].zero_()  # padding rows: no gradient reaches the weights through them
+        if self.bwd_graph is not None:
+            self.bwd_graph.replay()
+        else:
+            out, self._eager_out = self._eager_out, None
+            with torch.enable_grad():
+                grads = self._grads_of(out)
+            with torch.no_grad():
+                self._store(grads)
+        return tuple(None if unused else g for g, unused in zip(self.grads, self.unused))
+
+
+@contextlib.contextmanager
+def _aliased(model: nn.Module, params: tuple):
+    """Within the block, every parameter of ``params`` in ``model`` is replaced by a new leaf Parameter sharing
+    its storage; yields those leaves in ``params``' order. The originals are put back on exit."""
+    alias = {id(p): nn.Parameter(p.detach(), requires_grad=True) for p in params}
+    swaps = []
+    for m in model.modules():
+        for name, p in m._parameters.items():
+            if p is not None and id(p) in alias:
+                swaps.append((m, name, p))
+                m._parameters[name] = alias[id(p)]
+    try:
+        yield tuple(alias[id(p)] for p in params)
+    finally:
+        for m, name, p in swaps:
+            m._parameters[name] = p
+
+
+def _end_pool(device, pool) -> None:
+    """After a failed capture, stop routing the capture stream's allocations to ``pool`` (torch leaves it
+    recording when the capture was invalidated; every later capture into it would fail)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None and pool is not None:
+        try:
+            end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+        except Exception:  # noqa: BLE001 - best effort: the manager also gives the slot a fresh pool
+            pass
+
+
+def replay(runner: TrainRunner, lease: Lease, batch: PackedBatch) -> torch.Tensor:
+    """Serve ``batch`` from ``runner`` under ``lease``: ``[T, hidden]`` with its autograd node."""
+    runner.stage(batch)
+    return _Replay.apply(_Handle(runner, lease, batch.total_tokens), *runner.params_list)
