@@ -123,8 +123,10 @@ def _cpu_note(env: dict) -> str:
 
 
 def code_of(r: dict) -> str:
-    """The commit whose code produced row ``r``."""
-    return r.get("code_commit") or (r.get("env") or {}).get("git_sha") or "-"
+    """The commit whose code produced row ``r`` (abbreviated; ``-dirty`` kept)."""
+    sha = r.get("code_commit") or (r.get("env") or {}).get("git_sha") or "-"
+    head, dirty = sha.removesuffix("-dirty"), sha.endswith("-dirty")
+    return head[:7] + ("-dirty" if dirty else "")
 
 
 README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -137,58 +139,82 @@ def _command(r: dict) -> str:
     return " ".join(out)
 
 
-def _latest(rows: list[dict], runner: str, workload: str) -> dict[str, dict]:
-    """``{variant: row}`` of the latest run holding both ``hf_sdpa`` and ``pack`` rows for (runner, workload)."""
-    runs = defaultdict(dict)
+PACKED = ("pack", "pack_train_graphs")  # the README's packed variants: the default call, and training graphs
+PACKED_LABEL = {"pack": "", "pack_train_graphs": ", training graphs (`GraphConfig(training=True)`)"}
+
+
+def _workload_key(r: dict) -> tuple:
+    """What makes two rows the same README workload: the model, and the endpoint, text set and batch (inference,
+    indexing) or the workload (training)."""
+    if r.get("runner") == "training":
+        return ("training", r.get("model"), r.get("workload"))
+    return (r.get("runner"), r.get("model"), r.get("endpoint"), r.get("set"), r.get("batch"))
+
+
+def _latest_runs(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """Per workload key, ``{variant: row}`` of the latest run holding its ``hf_sdpa`` row and a packed one."""
+    runs: dict = defaultdict(lambda: defaultdict(dict))
     for r in rows:
-        if r.get("runner") == runner and r.get("status") == "ok" and (r.get("endpoint") or r.get("workload")) == workload:
-            runs[r.get("run_id", "?")][r["variant"]] = r
-    full = sorted((k for k, v in runs.items() if {"hf_sdpa", "pack"} <= set(v)), key=lambda k: k.split("@")[-1])
-    return runs[full[-1]] if full else {}
+        if r.get("status") == "ok" and r.get("runner") in ("inference", "indexing", "training"):
+            runs[_workload_key(r)][r.get("run_id", "?")][r["variant"]] = r
+    out = {}
+    for key, by_run in runs.items():
+        full = sorted((k for k, v in by_run.items() if "hf_sdpa" in v and set(PACKED) & set(v)),
+                      key=lambda k: k.split("@")[-1])
+        if full:
+            out[key] = by_run[full[-1]]
+    return out
+
+
+def _model_label(r: dict) -> str:
+    model = str(r.get("model") or "")
+    return "" if not model or model.endswith("modernbert-base") else f"{model.split(':')[-1]}, "
 
 
 def readme_block(rows: list[dict]) -> str:
-    """The README's results block: per workload, the latest run's stock HF sdpa row against the default
-    ``pe.pack(model)`` row (inference: sequences/s; training: ms per step with host and GPU time per step)."""
-    inference = sorted({r.get("endpoint") for r in rows if r.get("runner") in ("inference", "indexing")} - {None})
-    training = sorted({r.get("workload") for r in rows if r.get("runner") == "training"} - {None})
+    """The README's results block: per workload (model, endpoint, text set, batch), the latest run's stock HF sdpa
+    row against the packed rows (the default ``pe.pack(model)``; for training also training graphs): inference
+    in sequences/s, training in ms per step with host and GPU time per step."""
     lines = ["| workload | stock HF sdpa | `pe.pack(model)` | vs stock | peak memory vs stock | token cos min | code "
              "| command |", "|---|---:|---:|---:|---:|---:|---|---|"]
     env = None
-    for runner, names in (("inference", inference), ("indexing", inference)):
-        for name in names:
-            pair = _latest(rows, runner, name)
-            if not pair:
+    latest = _latest_runs(rows)
+    for key in sorted(latest, key=lambda k: (k[0] == "training", tuple(str(x) for x in k))):
+        pair = latest[key]
+        base = pair["hf_sdpa"]
+        for variant in PACKED:
+            ours = pair.get(variant)
+            if ours is None:
                 continue
-            base, ours = pair["hf_sdpa"], pair["pack"]
             env = env or ours.get("env")
+            mem = _ratio(ours.get("peak_reserved_bytes"), base.get("peak_reserved_bytes"))
+            if key[0] == "training":
+                host = ours.get("host_ms_per_step")
+                host = None if host is not None and host < 0 else host  # profiler artefact under graph launches
+                lines.append(
+                    f"| training step, {_model_label(ours)}{key[2]} ({ours.get('precision', '')})"
+                    f"{PACKED_LABEL[variant]} | {_fmt(base['step_ms_median'])} ms | {_fmt(ours['step_ms_median'])} ms "
+                    f"(host {_fmt(host)}, GPU {_fmt(ours.get('gpu_ms_per_step'))}) "
+                    f"| {_ratio(base['step_ms_median'], ours['step_ms_median'])} | {mem} | - | {code_of(ours)} "
+                    f"| `{_command(ours)}` |")
+                continue
+            name = key[2]
             n = ours.get("lengths") or {}
             data = f" ({ours.get('set')})" if ours.get("set") != name else ""
-            what = f"{name}{data}, batch {ours.get('batch')} (p50 {n.get('p50'):g} tokens)"
+            what = f"{_model_label(ours)}{name}{data}, batch {ours.get('batch')} (p50 {n.get('p50'):g} tokens)"
             lines.append(f"| {what} | {_fmt(base['seqs_per_s_median'], 0)} seq/s | {_fmt(ours['seqs_per_s_median'], 0)} "
-                         f"| {_ratio(ours['seqs_per_s_median'], base['seqs_per_s_median'])} "
-                         f"| {_ratio(ours.get('peak_reserved_bytes'), base.get('peak_reserved_bytes'))} "
+                         f"| {_ratio(ours['seqs_per_s_median'], base['seqs_per_s_median'])} | {mem} "
                          f"| {ours.get('parity', {}).get('token_cos_min', 0):.5f} | {code_of(ours)} "
                          f"| `{_command(ours)}` |")
-    for name in training:
-        pair = _latest(rows, "training", name)
-        if not pair:
-            continue
-        base, ours = pair["hf_sdpa"], pair["pack"]
-        env = env or ours.get("env")
-        lines.append(f"| training step, {name} ({ours.get('precision', '')}) | {_fmt(base['step_ms_median'])} ms "
-                     f"| {_fmt(ours['step_ms_median'])} ms (host {_fmt(ours.get('host_ms_per_step'))}, GPU "
-                     f"{_fmt(ours.get('gpu_ms_per_step'))}) | {_ratio(base['step_ms_median'], ours['step_ms_median'])} "
-                     f"| {_ratio(ours.get('peak_reserved_bytes'), base.get('peak_reserved_bytes'))} | - "
-                     f"| {code_of(ours)} | `{_command(ours)}` |")
     env = env or {}
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "triton", *common.KIT) if env.get(k))
     head = (f"<!-- Rendered by `python -m benchmarks.render benchmarks/results/h200 --readme README.md` from the JSON "
             f"rows under benchmarks/results/h200/ (per workload, the latest run with both rows). -->\n\n"
-            f"{env.get('gpu', '-')}, driver {env.get('driver', '-')}; {versions}. ModernBERT-base geometry, random "
-            "weights, bf16 (training: fp32 master weights under bf16 autocast, AdamW), real text from the token "
-            "cache (`benchmarks/README.md`); each variant in a fresh process, medians, ratios within one run. "
-            "Training time per step: wall clock; host and GPU ms per step from `torch.profiler`.")
+            f"{env.get('gpu', '-')}, driver {env.get('driver', '-')}; {versions}. ModernBERT-base geometry unless a "
+            "row names another, random weights, bf16 (training: fp32 master weights under bf16 autocast, AdamW), real "
+            "text from the token cache (`benchmarks/README.md`); each variant in a fresh process, medians, ratios "
+            "within one run. Training time per step: wall clock; host and GPU ms per step from `torch.profiler` "
+            "(with training graphs the host figure is not meaningful: the host waits in graph launches).")
     return f"{README_BEGIN}\n{head}\n\n" + "\n".join(lines) + f"\n{README_END}"
 
 

@@ -29,6 +29,22 @@ def test_block_takes_the_latest_complete_run_and_its_ratios():
     assert replace_readme_block(text, block) == f"intro\n{block}\noutro\n"
 
 
+def test_models_sets_and_training_graphs_get_their_own_rows():
+    large = [dict(_row("20260404-000000", v, r, 10, endpoint="documents"), model="random:modernbert-large")
+             for v, r in (("hf_sdpa", 50.0), ("pack", 150.0))]
+    base = [_row("20260101-000000", v, r, 10, endpoint="documents") for v, r in (("hf_sdpa", 100.0), ("pack", 400.0))]
+    train = [{"runner": "training", "run_id": "random:base@20260505-000000", "workload": "single", "variant": v,
+              "status": "ok", "step_ms_median": ms, "host_ms_per_step": host, "gpu_ms_per_step": 40.0,
+              "peak_reserved_bytes": 10, "precision": "p", "env": {"gpu": "G"}}
+             for v, ms, host in (("hf_sdpa", 300.0, 200.0), ("pack", 100.0, 90.0), ("pack_train_graphs", 50.0, -3.0))]
+    lines = readme_block(large + base + train).splitlines()
+    assert any(x.startswith("| documents, batch 8") and "| 4.00x |" in x for x in lines)  # not hidden by large's run
+    assert any(x.startswith("| modernbert-large, documents") and "| 3.00x |" in x for x in lines)
+    graphs = next(x for x in lines if "training graphs (" in x)
+    assert "| 6.00x |" in graphs and "host -," in graphs  # a negative profiler host figure is not shown
+    assert any(x.startswith("| training step, single (p) |") and "| 3.00x |" in x for x in lines)
+
+
 def test_readme_block_matches_the_committed_rows():
     rows = read_rows(sorted((ROOT / "benchmarks" / "results" / "h200").glob("*.jsonl")))
     assert rows, "no committed H200 rows"
