@@ -1,4 +1,5 @@
-"""CUDA-graph replay of the packed forward, for inference batches (queries, passages, documents).
+"""CUDA-graph replay of the packed forward, for inference batches (queries, passages, documents), and, opt-in
+(``GraphConfig(training=True)``, :mod:`.training`), of the forward and backward of calls with gradients.
 
 A packed forward launches ~110 kernels; on the H200 machine's CPU that host work (12-14 ms per forward) exceeds
 the GPU time of batch-8 queries (~0.7 ms) and even of 8 documents of ~900 tokens (~6 ms). One graph replay per
@@ -29,7 +30,7 @@ call removes that floor. Design, and why:
   fraction of the free GPU memory, :mod:`packed_encoders.tuning`) as well as ``max_graphs``.
 - **Autocast is served**: a graph is captured under the call's autocast dtype (keyed by it), with autocast's
   cast cache off, so it replays the casts the eager forward runs.
-- **Eager whenever the graph could differ** from the eager forward: grad, dropout,
+- **Eager whenever the graph could differ** from the eager forward: grad (unless training graphs are on), dropout,
   ``output_hidden_states``, ``inputs_embeds``, another device, out of bounds, the kill switch
   ``PACKED_ENCODERS_GRAPH=0`` (read at ``pack()``), or inside ``no_cuda_graph(model)``. Graphs are dropped when
   the weights' device, dtype or storage changes. The router (:mod:`packed_encoders.router`) makes that choice.
