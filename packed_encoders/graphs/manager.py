@@ -59,6 +59,7 @@ class GraphManager:
         self.sync_free_fallbacks: Counter[str] = Counter()  # padded calls that took the synced path, and why
         # training graphs (GraphConfig.training): a pool and gradient buffers per slot, the pending slots
         self.train_pools: dict[int, Any] = {}
+        self.train_pool_tokens: dict[int, int] = {}   # per slot, the largest bucket its pool has held
         self.train_grads: dict[int, dict] = {}
         self.train_slots: Any = None
         self.train_hits = 0
@@ -89,7 +90,7 @@ class GraphManager:
         self.last_stream = None
         self.precaptured_for = None
         # a pending backward keeps its runner (and its pool, gradient buffers and slot bookkeeping) alive
-        self.train_pools, self.train_grads, self.train_slots = {}, {}, None
+        self.train_pools, self.train_pool_tokens, self.train_grads, self.train_slots = {}, {}, {}, None
 
     def note_fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
@@ -139,6 +140,14 @@ class GraphManager:
         self._runners[key] = runner
         self.graph_bytes += cost
         return runner
+
+    def drop(self, predicate: Callable[[Hashable], bool]) -> int:
+        """Remove the cached runners whose key satisfies ``predicate`` (counted as evictions); returns how many."""
+        keys = [k for k in self._runners if predicate(k)]
+        for k in keys:
+            self.graph_bytes -= getattr(self._runners.pop(k), "graph_bytes", 0) or 0
+        self.evictions += len(keys)
+        return len(keys)
 
     def _evict(self) -> None:
         _, runner = self._runners.popitem(last=False)

@@ -326,14 +326,27 @@ def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str
     device = model.embeddings.tok_embeddings.weight.device
     if device.type == "cuda":
         kw = _capture_kw(model, mgr)
+        if slot in mgr.train_pools and bucket.tokens > mgr.train_pool_tokens.get(slot, 0):
+            # A bucket larger than any this slot's pool has held: the slot's graphs are dropped and its pool
+            # starts afresh with this one, so the smaller buckets captured after it reuse its blocks (a pool grows
+            # by a whole activation set at each new largest bucket otherwise; they are recaptured on their
+            # next call). No graph of the slot is pending: the slot was free to take.
+            mgr.drop(lambda k: k[0] == "train" and k[5] == slot)
+            del mgr.train_pools[slot]
+            mgr.train_pool_tokens.pop(slot, None)
+            torch.cuda.empty_cache()  # the dropped pool's blocks, before the capture allocates a new one
         if slot not in mgr.train_pools:
             mgr.train_pools[slot] = torch.cuda.graph_pool_handle()
+        mgr.train_pool_tokens[slot] = max(mgr.train_pool_tokens.get(slot, 0), bucket.tokens)
         kw["pool"] = mgr.train_pools[slot]
         _order_streams(mgr, device)
     else:  # the same slots, staging and gradient buffers, run eagerly (CPU tests)
         kw = dict(capture=False)
-    return TrainRunner(model, state, bucket, requested, tuple(p for p, t in zip(params, trainable) if t), grads,
+    runner = TrainRunner(model, state, bucket, requested, tuple(p for p, t in zip(params, trainable) if t), grads,
                        query_only=query_only, autocast=autocast, **kw)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the eager warm-up's activations (a training step's worth) stay cached otherwise
+    return runner
 
 
 def note_eager(model, state, reason: str | None, sync_free_refusal: str | None = None) -> None:
