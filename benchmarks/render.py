@@ -151,18 +151,19 @@ def _workload_key(r: dict) -> tuple:
     return (r.get("runner"), r.get("model"), r.get("endpoint"), r.get("set"), r.get("batch"))
 
 
-def _latest_runs(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
-    """Per workload key, ``{variant: row}`` of the latest run holding its ``hf_sdpa`` row and a packed one."""
+def _latest_runs(rows: list[dict]) -> dict[tuple, dict[str, tuple[dict, dict]]]:
+    """Per workload key and packed variant, ``(hf_sdpa row, packed row)`` of the latest run holding both."""
     runs: dict = defaultdict(lambda: defaultdict(dict))
     for r in rows:
         if r.get("status") == "ok" and r.get("runner") in ("inference", "indexing", "training"):
             runs[_workload_key(r)][r.get("run_id", "?")][r["variant"]] = r
-    out = {}
+    out: dict = defaultdict(dict)
     for key, by_run in runs.items():
-        full = sorted((k for k, v in by_run.items() if "hf_sdpa" in v and set(PACKED) & set(v)),
-                      key=lambda k: k.split("@")[-1])
-        if full:
-            out[key] = by_run[full[-1]]
+        for variant in PACKED:
+            full = sorted((k for k, v in by_run.items() if "hf_sdpa" in v and variant in v),
+                          key=lambda k: k.split("@")[-1])
+            if full:
+                out[key][variant] = (by_run[full[-1]]["hf_sdpa"], by_run[full[-1]][variant])
     return out
 
 
@@ -172,20 +173,18 @@ def _model_label(r: dict) -> str:
 
 
 def readme_block(rows: list[dict]) -> str:
-    """The README's results block: per workload (model, endpoint, text set, batch), the latest run's stock HF sdpa
-    row against the packed rows (the default ``pe.pack(model)``; for training also training graphs): inference
-    in sequences/s, training in ms per step with host and GPU time per step."""
+    """The README's results block: per workload (model, endpoint, text set, batch) and packed variant (the default
+    ``pe.pack(model)``; for training also training graphs), the latest run holding both that variant and stock HF
+    sdpa, the ratio within that run: inference in sequences/s, training in ms per step with host and GPU time."""
     lines = ["| workload | stock HF sdpa | `pe.pack(model)` | vs stock | peak memory vs stock | token cos min | code "
              "| command |", "|---|---:|---:|---:|---:|---:|---|---|"]
     env = None
     latest = _latest_runs(rows)
     for key in sorted(latest, key=lambda k: (k[0] == "training", tuple(str(x) for x in k))):
-        pair = latest[key]
-        base = pair["hf_sdpa"]
         for variant in PACKED:
-            ours = pair.get(variant)
-            if ours is None:
+            if variant not in latest[key]:
                 continue
+            base, ours = latest[key][variant]
             env = env or ours.get("env")
             mem = _ratio(ours.get("peak_reserved_bytes"), base.get("peak_reserved_bytes"))
             if key[0] == "training":
@@ -209,7 +208,7 @@ def readme_block(rows: list[dict]) -> str:
     env = env or {}
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "triton", *common.KIT) if env.get(k))
     head = (f"<!-- Rendered by `python -m benchmarks.render benchmarks/results/h200 --readme README.md` from the JSON "
-            f"rows under benchmarks/results/h200/ (per workload, the latest run with both rows). -->\n\n"
+            f"rows under benchmarks/results/h200/ (per workload and variant, the latest run with both rows). -->\n\n"
             f"{env.get('gpu', '-')}, driver {env.get('driver', '-')}; {versions}. ModernBERT-base geometry unless a "
             "row names another, random weights, bf16 (training: fp32 master weights under bf16 autocast, AdamW), real "
             "text from the token cache (`benchmarks/README.md`); each variant in a fresh process, medians, ratios "
