@@ -254,3 +254,26 @@ def test_padded_call_through_the_patched_forward_routes_to_training_graphs(monke
     d = pe.describe(model)["encoders"][0]["cuda_graph"]
     assert d["training"]["hits"] == 0 and d["training"]["gradient_buffer_bytes"] > 0
     assert any(b.get("training") for b in d["buckets"])
+
+
+@pytest.mark.parametrize("kw", [dict(training="yes"), dict(training_slots=0), dict(training_steps_per_octave=3),
+                                dict(training_slots=True)])
+def test_config_rejects_bad_training_fields(kw):
+    with pytest.raises(PackedEncodersError, match="GraphConfig.training"):
+        GraphConfig(**kw)
+
+
+def test_manager_drop_removes_matching_runners_and_their_bytes():
+    from packed_encoders.graphs.manager import GraphManager
+
+    class R:
+        def __init__(self, n):
+            self.graph_bytes = n
+
+    mgr = GraphManager(GraphConfig())
+    for key, n in ((("train", "auto", 1, False, None, 0, ()), 10), (("train", "auto", 2, False, None, 1, ()), 20),
+                   (("auto", 3, False, None), 5)):
+        mgr.get(key, lambda n=n: R(n))
+    assert mgr.graph_bytes == 35
+    assert mgr.drop(lambda k: k[0] == "train" and k[5] == 0) == 1
+    assert mgr.graph_bytes == 25 and len(mgr) == 2 and mgr.evictions == 1
