@@ -80,10 +80,10 @@ class Lease:
 
     def __init__(self, slots: Slots, k: int):
         self.slots, self.k, self.generation = slots, k, slots.generation[k]
-        self._finalizer = None
 
     def attach(self, owner) -> None:
-        self._finalizer = weakref.finalize(owner, Lease._free, self.slots, self.k, self.generation)
+        """Release the slot when ``owner`` (the autograd node's handle) is freed, if nothing released it before."""
+        weakref.finalize(owner, Lease._free, self.slots, self.k, self.generation)
 
     @property
     def current(self) -> bool:
@@ -130,12 +130,12 @@ class _Replay(torch.autograd.Function):
 
 
 class TrainRunner:
-    """Forward + backward of ``model`` for ``bucket`` (slot ``slot``), captured into ``pool``.
+    """Forward + backward of ``model`` for ``bucket``, captured into ``pool`` (its slot's).
 
     Args:
         params_list: the trainable parameters, in the order :class:`_Replay` takes them.
-        grads: one buffer per parameter (shared by every training graph of the encoder), written by each
-            backward replay.
+        grads: one buffer per parameter of ``params_list`` (shared by the training graphs of one slot), written by
+            each backward replay.
         pool, stream, warmup, autocast, query_only: as :class:`~packed_encoders.graphs.runner.GraphRunner`.
         capture: ``False`` runs the forward eagerly at each replay (keeping its autograd graph until the
             backward), on any device.
