@@ -72,8 +72,9 @@ def no_cuda_graph(model):
 def set_cuda_graph(model, enabled: bool, config: GraphConfig | None = None):
     """Turn CUDA-graph replay on or off for every packed encoder inside ``model``; returns ``model``.
 
-    ``enabled=True`` keeps the current config (or ``GraphConfig()``) unless ``config`` is given; a new config,
-    or enabling again, drops captured graphs (re-listing the parameters). ``enabled=False`` frees them.
+    ``enabled=True`` keeps the current config (or, after ``enabled=False``, the config graphs had before; else
+    ``GraphConfig()``) unless ``config`` is given; a new config, or enabling again, drops captured graphs
+    (re-listing the parameters). ``enabled=False`` frees them.
 
     Raises:
         PackedEncodersError: ``model`` has no packed encoder, or ``config`` given with ``enabled=False``.
@@ -88,7 +89,10 @@ def set_cuda_graph(model, enabled: bool, config: GraphConfig | None = None):
     for _, state in pairs:
         new = None
         if enabled:
-            new = (None if config is None else normalize(config)) or state.options.cuda_graph or GraphConfig()
+            new = ((None if config is None else normalize(config)) or state.options.cuda_graph
+                   or state.runtime.get("graph_config_before_off") or GraphConfig())
+        elif state.options.cuda_graph is not None:
+            state.runtime["graph_config_before_off"] = state.options.cuda_graph
         state.options = replace(state.options, cuda_graph=new, graph_auto=False)
         state.runtime.pop("graphs", None)
     if enabled:

@@ -507,8 +507,10 @@ def test_set_cuda_graph_and_precapture(cpu_graphs):
     assert set(cpu_graphs) == set(precapture_buckets(cfg)) and _graph_info(model)["hits"] == 1
     pe.set_cuda_graph(model, False)
     assert _graph_info(model) == {"enabled": False, "mode": "off", "kill_switch": False, "suspended": False}
-    pe.set_cuda_graph(model, True)
-    assert get_state(model).options.cuda_graph == GraphConfig()
+    pe.set_cuda_graph(model, True)  # back on: the config graphs had before they were switched off
+    assert get_state(model).options.cuda_graph == cfg
+    assert get_state(pe.set_cuda_graph(pe.pack(tiny_model(), validate=False, cuda_graph=False), True)).options \
+        .cuda_graph == GraphConfig()
 
 
 def test_repack_same_graph_option_keeps_state():

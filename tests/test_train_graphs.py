@@ -21,7 +21,7 @@ from packed_encoders.errors import PackedEncodersError
 from packed_encoders.graphs import buckets as B
 from packed_encoders.graphs import route
 from packed_encoders.graphs.config import GraphConfig
-from packed_encoders.graphs.training import STALE, TOO_MANY_PENDING, Lease, Slots
+from packed_encoders.graphs.training import TOO_MANY_PENDING, TWICE, Lease, Slots
 from packed_encoders.router import Eager, Facts, PackedGraph, TrainingGraph, choose
 from tests.helpers import VOCAB, padded_batch, tiny_model
 
@@ -110,7 +110,7 @@ def test_slots_take_the_lowest_free_and_release_by_generation():
     assert (a.k, b.k) == (0, 1) and slots.take() is None
     a.release()
     c = Lease(slots, slots.take())
-    assert c.k == 0 and not a.current and c.current
+    assert c.k == 0 and c.generation == a.generation + 1
     a.release()  # a stale release does not free the slot's new holder
     assert slots.pending == {0, 1}
 
@@ -183,8 +183,33 @@ def test_gradients_accumulate_and_never_alias_the_buffers():
     loss_of(route.train_forward(model, state, batches[0]), 7).backward()
     for n in kept:  # the first step's .grad tensors were not overwritten by the next backward
         torch.testing.assert_close(kept[n], snapshot[n], atol=0, rtol=0, msg=n)
-    buffers = {t.data_ptr() for bufs in state.runtime["graphs"].train_grads.values() for t in bufs.values()}
+    buffers = {t.data_ptr() for t in state.runtime["graphs"].train_grads.values()}
     assert not buffers & {p.grad.data_ptr() for p in model.parameters()}
+
+
+def test_autograd_grad_and_hooks_get_tensors_they_own():
+    model, state = packed_model()
+    batch = batch_of([20, 11])
+    params = list(model.parameters())
+    ref = torch.autograd.grad(loss_of(run_packed(model, state, batch), 1), params)
+    g1 = torch.autograd.grad(loss_of(route.train_forward(model, state, batch), 1), params)
+    kept = [g.clone() for g in g1]
+    g2 = torch.autograd.grad(loss_of(route.train_forward(model, state, batch), 2), params)
+    for a, b, c, r in zip(g1, kept, g2, ref):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)  # not overwritten by the next backward
+        torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-4)
+        assert a.data_ptr() != c.data_ptr()
+    # a parameter hook runs once per backward, on the gradient the eager path gives
+    seen = []
+    handle = params[0].register_hook(lambda g: seen.append(g.clone()) or g * 0.5)
+    loss_of(run_packed(model, state, batch), 3).backward()
+    want = params[0].grad.clone()
+    model.zero_grad(set_to_none=True)
+    loss_of(route.train_forward(model, state, batch), 3).backward()
+    handle.remove()
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[0], seen[1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(params[0].grad, want, atol=1e-5, rtol=1e-4)
 
 
 def test_optimizer_steps_are_seen_by_the_next_forward():
@@ -199,16 +224,36 @@ def test_optimizer_steps_are_seen_by_the_next_forward():
     assert not torch.allclose(out0.detach(), out1.detach())
 
 
-def test_a_backward_after_its_slot_was_reused_raises():
+def test_a_second_backward_through_a_forward_raises():
     model, state = packed_model()
     batch = batch_of([20, 11])
     out = route.train_forward(model, state, batch)
     loss = loss_of(out, 0)
-    loss.backward(retain_graph=True)  # releases the slot
-    route.train_forward(model, state, batch)  # takes it again
-    with pytest.raises(PackedEncodersError, match="overwritten"):
+    loss.backward(retain_graph=True)  # one backward: fine, and the slot is free again
+    assert state.runtime["graphs"].train_slots.pending == set()
+    with pytest.raises(PackedEncodersError, match="second backward"):
+        loss.backward(retain_graph=True)
+    route.train_forward(model, state, batch)  # the slot serves a new forward
+    with pytest.raises(PackedEncodersError, match="second backward"):
         loss.backward()
-    assert "no_cuda_graph" in STALE
+    assert "no_cuda_graph" in TWICE
+
+
+def test_a_parameter_changed_in_place_before_the_backward_raises():
+    model, state = packed_model()
+    batch = batch_of([20, 11])
+    loss = loss_of(route.train_forward(model, state, batch), 0)
+    with torch.no_grad():
+        model.layers[0].mlp.Wo.weight.mul_(1.5)
+    with pytest.raises(PackedEncodersError, match="modified in place"):
+        loss.backward()
+
+
+def test_graphs_switched_off_and_on_keep_the_training_config():
+    model, state = packed_model()
+    pe.set_cuda_graph(model, False)
+    pe.set_cuda_graph(model, True)
+    assert pe.describe(model)["encoders"][0]["cuda_graph"]["config"]["training"]
 
 
 def test_frozen_parameters_get_no_gradient_and_change_the_key():

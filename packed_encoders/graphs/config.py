@@ -104,8 +104,9 @@ class GraphConfig:
             (:mod:`packed_encoders.graphs.training`). Others run the eager training path, the reason counted in
             ``describe()``.
         training_slots: most forwards with gradients awaiting their backward that training graphs serve at once
-            (each slot holds its own activations and one copy of the trainable parameters' gradients); default 2
-            (a query batch and a document batch before one loss).
+            (each slot holds its own activations); default 2 (a query batch and a document batch before one loss).
+            Read only with ``training``, as is ``training_steps_per_octave``. A training bucket (its forward and
+            backward graphs) counts as one graph for ``max_graphs``.
         training_steps_per_octave: the token grid of training graphs (a power of two; default 8: at most 1/8 of a
             bucket is padding above 512 tokens). Coarser than inference's: a training graph costs a forward and a
             backward capture, and training batches vary more.

@@ -57,10 +57,10 @@ class GraphManager:
         self.capture_seconds = 0.0
         self.fallbacks: Counter[str] = Counter()
         self.sync_free_fallbacks: Counter[str] = Counter()  # padded calls that took the synced path, and why
-        # training graphs (GraphConfig.training): a pool and gradient buffers per slot, the pending slots
+        # training graphs (GraphConfig.training): a pool per slot, the gradient buffers, the pending slots
         self.train_pools: dict[int, Any] = {}
         self.train_pool_tokens: dict[int, int] = {}   # per slot, the largest bucket its pool has held
-        self.train_grads: dict[int, dict] = {}
+        self.train_grads: dict[int, Any] = {}       # parameter index -> gradient buffer
         self.train_slots: Any = None
         self.train_hits = 0
 

@@ -294,6 +294,7 @@ def train_forward(model, state, batch, *, bucket: Bucket | None = None, autocast
             if isinstance(runner, str):
                 if not failed and mgr.is_failed(key):  # a capture failed just now: later ones get a fresh pool
                     mgr.train_pools.pop(slot, None)    # and stream (torch may leave both mid-capture)
+                    mgr.train_pool_tokens.pop(slot, None)
                     mgr.stream = None
                 mgr.note_fallback(runner)
                 lease.release()
@@ -315,11 +316,12 @@ def train_forward(model, state, batch, *, bucket: Bucket | None = None, autocast
 
 def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str, query_only: bool, autocast,
                  slot: int, trainable: tuple):
-    """A :class:`.training.TrainRunner` for ``slot``: the slot's pool and gradient buffers (caller holds the lock)."""
+    """A :class:`.training.TrainRunner` for ``slot``: the slot's pool, the encoder's gradient buffers (caller holds
+    the lock)."""
     from .training import TrainRunner
 
     params = mgr.weights[3]
-    buffers = mgr.train_grads.setdefault(slot, {})
+    buffers = mgr.train_grads  # one per parameter, shared by every slot: the node returns copies of them
     with torch.no_grad(), torch.inference_mode(False):
         grads = tuple(buffers.setdefault(i, torch.zeros_like(p)) for i, (p, t) in enumerate(zip(params, trainable))
                       if t)
@@ -449,7 +451,8 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
     out["serves"] = ("inference calls on CUDA (no grad, no dropout, no output_hidden_states or inputs_embeds) "
                      "within the config's bounds, under any autocast state (captured under it)"
                      + ("; with GraphConfig.training, calls with gradients too (no dropout, no gradient checkpointing, "
-                        "no inputs that require gradients)" if config.training else "") + "; others run eagerly")
+                        "no inputs that require gradients or output_hidden_states, at most training_slots forwards "
+                        "awaiting their backward)" if config.training else "") + "; others run eagerly")
     if device is not None:
         out["idle_reason"] = ("PACKED_ENCODERS_GRAPH is off" if out["kill_switch"] else
                               "inside no_cuda_graph()" if out["suspended"] else
@@ -484,8 +487,8 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
     if config.training:
         out["training"] = {"hits": mgr.train_hits,
                            "pending_slots": 0 if mgr.train_slots is None else len(mgr.train_slots.pending),
-                           "gradient_buffer_bytes": sum(t.numel() * t.element_size() for bufs in
-                                                        mgr.train_grads.values() for t in bufs.values())}
+                           "gradient_buffer_bytes": sum(t.numel() * t.element_size() for t in mgr.train_grads.values()),
+                           "pool_reserved_bytes": sum(pool_reserved_bytes(p) or 0 for p in mgr.train_pools.values())}
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                memory={"budget_bytes": mgr.budget_bytes, "graph_bytes": mgr.graph_bytes,
                        "rule": "LRU evicts graphs until their bytes (static buffers + pool growth at capture) fit "

@@ -6,20 +6,20 @@ inference graphs, :mod:`.buckets`) and :class:`_Replay` puts the pair into autog
 the encoder's trainable parameters, so everything around it is ordinary PyTorch:
 
 - **Gradients go through autograd.** The backward graph computes the parameters' gradients into buffers shared by
-  the training graphs of one slot (below; one copy of the trainable parameters per slot); the node returns those
-  buffers and autograd's ``AccumulateGrad`` adds them into ``.grad`` as it does for any op, so accumulation
-  across chunks and steps, ``zero_grad(set_to_none=...)``, gradient hooks and DDP's reducer behave as in eager
-  training. ``AccumulateGrad`` never keeps a buffer that another reference holds (it copies it, or adds it into
-  an existing ``.grad``), and the runner holds every buffer, so no ``.grad`` ever aliases one. Buffers are per
-  slot because one backward pass may run two nodes whose gradients autograd sums only after both ran.
+  the encoder's training graphs (one copy of the trainable parameters); the node returns copies of them, and
+  autograd's ``AccumulateGrad`` adds those into ``.grad`` as it does for any op's gradients, so accumulation across
+  chunks and steps, ``zero_grad(set_to_none=...)``, gradient hooks, ``torch.autograd.grad`` and DDP's reducer
+  behave as in eager training (the copy costs one read and write of the gradients per backward; returning the
+  buffers themselves would hand ``autograd.grad`` callers and hooks tensors the next backward overwrites).
 - **Several forwards before one backward** (a query batch and a document batch, then one loss): each graph belongs
   to a *slot*; a forward takes the lowest slot no pending backward holds, and the graphs of one slot share one
   memory pool (only one of them can be pending at a time, so they may reuse each other's activations). A slot is
   held from the forward's replay until its backward has run or its autograd graph is freed; ``max`` slots
   (``GraphConfig.training_slots``) pending at once, a further forward runs eagerly (counted in ``describe()``).
-- **What a backward replays must be what its forward saved**: a second backward through the same node after its
-  slot served another forward (``retain_graph=True`` then more forwards) raises instead of reading overwritten
-  activations.
+- **What a backward replays must be what its forward saved**: one backward per forward (the captured backward
+  reuses the saved activations' memory as it goes, so a second backward through the same node, after
+  ``retain_graph=True``, raises instead of reading them), and a parameter changed in place between a forward and
+  its backward raises, as autograd does for a saved tensor.
 - **Weights are read live**: casts of fp32 master weights under autocast are inside the graphs (autocast's cast
   cache off, the encoder's weight-cast cache bypassed under capture), so an in-place optimizer step is seen by the
   next replay; replaced parameters (new storage) drop every graph (the weights fingerprint, :mod:`.route`).
@@ -52,9 +52,9 @@ from .buckets import Bucket
 from .runner import autocast_state, theta_tables
 
 TOO_MANY_PENDING = "more training forwards awaiting their backward than GraphConfig.training_slots"
-STALE = ("this backward's training graph has since served another forward (its saved activations are "
-         "overwritten): with training graphs a forward's graph can be backpropagated only until its slot is reused; "
-         "run this model with pe.no_cuda_graph(model) to backpropagate through it again after other forwards")
+TWICE = ("a second backward through a training-graph forward (retain_graph=True): its captured backward reuses the "
+         "saved activations' memory, so each forward is backpropagated once; run this model with "
+         "pe.no_cuda_graph(model) to backpropagate through a forward more than once")
 
 
 class Slots:
@@ -85,10 +85,6 @@ class Lease:
         """Release the slot when ``owner`` (the autograd node's handle) is freed, if nothing released it before."""
         weakref.finalize(owner, Lease._free, self.slots, self.k, self.generation)
 
-    @property
-    def current(self) -> bool:
-        return self.slots.generation.get(self.k) == self.generation
-
     def release(self) -> None:
         Lease._free(self.slots, self.k, self.generation)
 
@@ -101,10 +97,12 @@ class Lease:
 class _Handle:
     """What the autograd node keeps of its forward (the finalizer releases the slot when the node is freed)."""
 
-    __slots__ = ("runner", "lease", "total", "__weakref__")
+    __slots__ = ("runner", "lease", "total", "versions", "done", "__weakref__")
 
     def __init__(self, runner, lease, total):
         self.runner, self.lease, self.total = runner, lease, total
+        self.versions = versions(runner.params_list)
+        self.done = False
 
 
 class _Replay(torch.autograd.Function):
@@ -122,11 +120,17 @@ class _Replay(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         handle = ctx.handle
-        if not handle.lease.current:
-            raise PackedEncodersError(STALE)
+        if handle.done:  # (the slot is released only here or when the node is freed: never reused under it)
+            raise PackedEncodersError(TWICE)
+        changed = [i for i, (a, b) in enumerate(zip(handle.versions, versions(handle.runner.params_list))) if a != b]
+        if changed:
+            raise PackedEncodersError(f"{len(changed)} trainable parameter(s) of the encoder were modified in place "
+                                      "between the forward and its backward (a training graph's backward would read "
+                                      "the new values); run the optimizer step after the backward")
+        handle.done = True
         grads = handle.runner.backward_replay(grad_out, handle.total)
         handle.lease.release()
-        return (None, *grads)
+        return (None, *(None if g is None else g.clone() for g in grads))
 
 
 class TrainRunner:
@@ -134,11 +138,11 @@ class TrainRunner:
 
     Args:
         params_list: the trainable parameters, in the order :class:`_Replay` takes them.
-        grads: one buffer per parameter of ``params_list`` (shared by the training graphs of one slot), written by
+        grads: one buffer per parameter of ``params_list`` (shared by the encoder's training graphs), written by
             each backward replay.
         pool, stream, warmup, autocast, query_only: as :class:`~packed_encoders.graphs.runner.GraphRunner`.
         capture: ``False`` runs the forward eagerly at each replay (keeping its autograd graph until the
-            backward), on any device.
+            backward), on any device, differentiating the same parameter aliases as a capture.
 
     Raises:
         PackedEncodersError: the requested attention backend cannot run the bucket with gradients.
@@ -182,7 +186,7 @@ class TrainRunner:
                     return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules)
 
             self._forward = forward
-            self._eager_out = None
+            self._eager_out = self._eager_leaves = None
             self.out = None
             self.fwd_graph = self.bwd_graph = None
             if capture:
@@ -280,8 +284,9 @@ class TrainRunner:
         if self.fwd_graph is not None:
             self.fwd_graph.replay()
             return self.out
-        with torch.enable_grad():
+        with torch.enable_grad(), _aliased(self.model, self.params_list) as leaves:
             self._eager_out = self._forward()
+        self._eager_leaves = leaves
         if self.grad_out is None:
             self.grad_out = torch.zeros_like(self._eager_out)
         return self._eager_out.detach()
@@ -295,9 +300,9 @@ class TrainRunner:
         if self.bwd_graph is not None:
             self.bwd_graph.replay()
         else:
-            out, self._eager_out = self._eager_out, None
+            out, leaves, self._eager_out, self._eager_leaves = self._eager_out, self._eager_leaves, None, None
             with torch.enable_grad():
-                grads = self._grads_of(out)
+                grads = self._grads_of(out, leaves)
             with torch.no_grad():
                 self._store(grads)
         return tuple(None if unused else g for g, unused in zip(self.grads, self.unused))
@@ -330,6 +335,11 @@ def _end_pool(device, pool) -> None:
             end(device.index if device.index is not None else torch.cuda.current_device(), pool)
         except Exception:  # noqa: BLE001 - best effort: the manager also gives the slot a fresh pool
             pass
+
+
+def versions(params: tuple) -> list[int]:
+    """The in-place version counters of ``params`` (a change between forward and backward is refused)."""
+    return [p._version for p in params]
 
 
 def replay(runner: TrainRunner, lease: Lease, batch: PackedBatch) -> torch.Tensor:
