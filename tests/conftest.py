@@ -73,3 +73,13 @@ def triton_interpret():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a test module (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny matmuls,
+    where extra threads only contend on a shared CI machine (3x slower there with the default)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -91,19 +91,24 @@ def _stock_grads(ids, mask, target):
     return _grads(ref)
 
 
-def _ddp_check(rank, world, ref, order, **ddp_kw):
+def _ddp_check(rank, world, ref, order, pack_kw=None, **ddp_kw):
+    """Two DDP steps on this rank's rows (``pack_kw``: ``pe.pack``'s options): the gradients' relative difference
+    from ``ref``, whether the packed forward ran, and ``describe()``'s training-graph entry (``None`` without)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import packed_encoders as pe
 
     ids, mask, target, rows = _batch(rank, world)
     model = _model()
-    wrapped = DDP(pe.pack(model), **ddp_kw) if order == "ddp_of_packed" else pe.pack(DDP(model, **ddp_kw))
+    pack_kw = pack_kw or {}
+    wrapped = (DDP(pe.pack(model, **pack_kw), **ddp_kw) if order == "ddp_of_packed"
+               else pe.pack(DDP(model, **ddp_kw), **pack_kw))
     for _ in range(2):  # the second step shows DDP's steady state (static_graph records the first)
         wrapped.zero_grad(set_to_none=True)
         out = wrapped(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
         _mse(out, mask[rows], target[rows], int(mask.sum()), world).backward()
-    return {"rel": _rel_diff(_grads(model), ref), "packed": _packed_ran(model)}
+    return {"rel": _rel_diff(_grads(model), ref), "packed": _packed_ran(model),
+            "training": pe.describe(model)["encoders"][0]["cuda_graph"].get("training")}
 
 
 def _mean_pool(out, mask):

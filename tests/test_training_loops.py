@@ -10,7 +10,6 @@ runs see identical arithmetic up to fp32 rounding. PyLate's losses run in PyLate
 from __future__ import annotations
 
 import pytest
-import torch
 
 import packed_encoders as pe
 from tests.tiny_tokenizer import save_tiny_model
@@ -20,14 +19,7 @@ st = pytest.importorskip("sentence_transformers")
 
 STEPS, BATCH = 3, 4
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: extra threads only contend on a shared CI machine (3x slower there with the default)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +36,15 @@ def _st_model(model_dir):
                                device="cpu")
 
 
-def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: bool):
+def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: bool, pack_kw: dict | None = None):
+    """Train for ``STEPS`` steps; returns the recorder, the final weights and the model (``pack_kw``: ``pe.pack``'s
+    options when ``packed``)."""
     from datasets import Dataset
     from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
 
     model = _st_model(model_dir)
     if packed:
-        pe.pack(model)
+        pe.pack(model, **(pack_kw or {}))
     if loss_name == "mnrl":
         loss = losses.MultipleNegativesRankingLoss(model)
     else:  # GradCache: mini-batches of 2 (two chunks per step), several forwards before one backward
@@ -70,13 +64,21 @@ def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: boo
         assert info["packed"] and info["last_attention"], info  # the packed path really ran
     assert model[0].auto_model.is_gradient_checkpointing == checkpointing
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return rec, weights
+    return rec, weights, model
+
+
+def packed_matches_stock(model_dir, tmp_path, loss_name: str, checkpointing: bool = False, pack_kw: dict | None = None):
+    """Train stock, then packed (``pe.pack(model, **pack_kw)``); assert the two runs agree (``compare``) and return
+    the packed model."""
+    ref, ref_w, _ = _train(model_dir, tmp_path, loss_name, packed=False, checkpointing=checkpointing)
+    got, got_w, model = _train(model_dir, tmp_path, loss_name, packed=True, checkpointing=checkpointing,
+                               pack_kw=pack_kw)
+    initial = {n: p.detach().clone() for n, p in _st_model(model_dir).named_parameters()}
+    compare(ref, got, ref_w, got_w, initial, STEPS)
+    return model
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("loss_name", ["mnrl", "cached_mnrl"])
 def test_sentence_transformer_trainer_matches_stock(model_dir, tmp_path, loss_name, checkpointing):
-    ref, ref_w = _train(model_dir, tmp_path, loss_name, packed=False, checkpointing=checkpointing)
-    got, got_w = _train(model_dir, tmp_path, loss_name, packed=True, checkpointing=checkpointing)
-    initial = {n: p.detach().clone() for n, p in _st_model(model_dir).named_parameters()}
-    compare(ref, got, ref_w, got_w, initial, STEPS)
+    packed_matches_stock(model_dir, tmp_path, loss_name, checkpointing)
