@@ -31,14 +31,23 @@ def test_pylate_colbert_parity():
 @pytest.mark.skipif(not os.environ.get("PE_PYLATE_PYTHON"),
                     reason="needs PE_PYLATE_PYTHON (bash tests/envs/pylate.sh DIR builds PyLate's environment)")
 def test_pylate_training_matches_stock():
-    """Contrastive and CachedContrastive, gradient checkpointing off and on: 3 trainer steps packed vs stock."""
+    """Contrastive and CachedContrastive, gradient checkpointing off and on: 3 trainer steps packed vs stock;
+    Contrastive also on training graphs (``GraphConfig(training=True)``, the route forced as on CUDA)."""
     proc = subprocess.run([os.environ["PE_PYLATE_PYTHON"], str(ROOT / "tests" / "pylate_train_check.py"), str(ROOT)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"')]
     assert results, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.returncode == 0 and "error" not in results[-1], (results[-1], proc.stderr[-4000:])
-    assert [(r["loss"], r["checkpointing"]) for r in results] == [
-        ("contrastive", False), ("contrastive", True), ("cached_contrastive", False), ("cached_contrastive", True)]
+    assert [(r["loss"], r["checkpointing"], r["graphs"]) for r in results] == [
+        ("contrastive", False, False), ("contrastive", True, False), ("contrastive", False, True),
+        ("cached_contrastive", False, False), ("cached_contrastive", True, False)]
     for r in results:
         assert r["max_loss_diff"] < 1e-5 and r["max_weight_update"] > 1e-4
         assert "16 wide" in r["padded_outputs"]  # masked query expansion: the expansion tokens are trained too
+    # training graphs (route forced as on CUDA): queries, positives and negatives embedded with gradients, three
+    # slots pending until the one backward; every such call served by the node, nothing run eagerly
+    graphs = results[2]
+    assert graphs["calls"] == {"served": 3 * 3, "refused": 0, "without_grad": 0}, graphs
+    training = graphs["training"]
+    assert training["pending_slots"] == 0 and training["slots"] == [0, 1, 2], training
+    assert training["fallbacks"] == {} and training["gradient_buffer_bytes"] > 0, training
