@@ -4,9 +4,9 @@ For ``losses.Contrastive`` and ``losses.CachedContrastive`` (GradCache, chunks o
 off and on: 3 steps of sentence-transformers' trainer with PyLate's ColBERTCollator (queries expanded with
 [MASK] to ``query_length``, as PyLate trains), stock then ``pe.pack``-ed, same seed and data order. Compares the
 loss of every step, every gradient before each optimizer step and the weights after (tests/training_compare.py).
-Then, for ``Contrastive``, the packed model on training graphs (``GraphConfig(training=True)``, the route forced as on CUDA
-by tests/test_train_graphs_loops.py's ``training_route_as_on_cuda``; checkpointing off, which training graphs
-refuse) against the same stock run, with the calls the training-graph node served and describe()'s entry.
+Then, for ``Contrastive``, the packed model on training graphs (``GraphConfig(training=True)``, the route forced as
+on CUDA by tests/test_train_graphs_loops.py's ``training_route_as_on_cuda``; checkpointing off, which training
+graphs refuse) against the same stock run, with the calls the training-graph node served and describe()'s entry.
 Prints one JSON line per case; exits non-zero on the first mismatch.
 """
 
