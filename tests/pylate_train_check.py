@@ -32,8 +32,10 @@ from tests.training_compare import Recorder, compare, texts  # noqa: E402
 STEPS, BATCH = 3, 4
 # Contrastive embeds queries, positives and negatives with gradients before its one backward: three slots pending
 TRAINING = GraphConfig(training=True, training_slots=3)
-# how many of (no checkpointing, checkpointing, training graphs) each loss runs: CachedContrastive on training
-# graphs does not yet match stock (layer 0's attention gradients differ from the second step on)
+# how many of (no checkpointing, checkpointing, training graphs) each loss runs. CachedContrastive on training graphs
+# is left out: a graph's bucket layout sums in another order than its GradCache first pass (~1e-7 relative per
+# call), and AdamW turns that into weight differences up to ~5e-4 after a step on entries whose gradient is near its
+# eps, beyond this check's 1e-5 (with SGD the second step's gradients agree to 1e-6)
 GRAPH_CASE = {"contrastive": 3, "cached_contrastive": 2}
 
 
