@@ -140,47 +140,34 @@ def _eager(reason: str, refusal: str | None) -> Eager:
     return route
 
 
-def _mode_refusal(f: Facts) -> str | None:
+def _mode_refusal(f: Facts, training: bool = False) -> str | None:
     """The mode refusals of :func:`~packed_encoders.graphs.buckets.admit`, in its order, then the device, as one
-    chain of tests (this runs on every call: no tuple of checks built per call)."""
+    chain of tests (this runs on every call: no tuple of checks built per call). ``training``: the refusals of a
+    training graph for a call with gradients instead (gradients are served; checkpointing and inputs that
+    require gradients are not)."""
     if f.kill_switch:
         return B.KILL_SWITCH
     if f.suspended:
         return B.SUSPENDED
-    if f.grad:
+    if f.grad and not training:
         return B.GRAD
     if f.dropout:
         return B.DROPOUT
+    if training and f.checkpointing:
+        return B.CHECKPOINTING
     if f.hidden_states:
         return B.HIDDEN_STATES
     if f.inputs_embeds:
         return B.EMBEDS
-    if not f.model_on_cuda:
-        return B.NOT_CUDA
-    return None
-
-
-def _training_refusal(f: Facts) -> str | None:
-    """Why a call with gradients cannot replay a training graph (``GraphConfig.training`` on), or ``None``."""
-    if f.kill_switch:
-        return B.KILL_SWITCH
-    if f.suspended:
-        return B.SUSPENDED
-    if f.dropout:
-        return B.DROPOUT
-    if f.checkpointing:
-        return B.CHECKPOINTING
-    if f.hidden_states:
-        return B.HIDDEN_STATES
-    if f.inputs_embeds or f.input_grads:
-        return B.EMBEDS if f.inputs_embeds else B.INPUT_GRADS
+    if training and f.input_grads:
+        return B.INPUT_GRADS
     if not f.model_on_cuda:
         return B.NOT_CUDA
     return None
 
 
 def _training(facts: Facts, config) -> Route:
-    reason = _training_refusal(facts)
+    reason = _mode_refusal(facts, training=True)
     if reason is not None:
         return _eager(reason, None)
     if facts.padded:

@@ -26,7 +26,47 @@ from ..ops import quack_gemm, rope_tables
 from .buckets import Bucket
 
 
-class GraphRunner:
+class StaticInputs:
+    """A bucket's static inputs, shared by the packed inference and training runners: ``ids`` / ``pos`` int64
+    ``[tokens]``, ``cu`` int32 ``[seqs + 1]`` (first in the capture layout: sequences of ``seqlen`` tokens),
+    ``kl`` int32 ``[seqs]`` for query-only batches, ``steps`` (the dummy boundaries), the RoPE theta tables."""
+
+    def _init_static(self, model, params, bucket: Bucket, device, query_only: bool) -> PackedBatch:
+        """Allocate the buffers (call under ``torch.no_grad()`` and ``inference_mode(False)``: normal tensors, so
+        staging works whether the caller is in inference_mode or not); returns the batch the forward reads."""
+        t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
+        self.bucket = bucket
+        self.steps = torch.arange(1, n + 1, dtype=torch.int32, device=device) * s   # dummy boundaries
+        self.cu = torch.zeros(n + 1, dtype=torch.int32, device=device)
+        self.cu[1:] = self.steps.clamp(max=t)                  # capture layout: sequences of s tokens
+        self.ids = torch.zeros(t, dtype=torch.long, device=device)
+        self.pos = torch.arange(t, device=device) % s
+        self.tables = theta_tables(model, params, s, device)   # positions past them run eagerly
+        self.rope_rows = min(cos.shape[0] for cos, _ in self.tables) if self.tables else 1 << 62
+        self.kl = torch.full((n,), s, dtype=torch.int32, device=device) if query_only else None
+        return PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
+                           position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)
+
+    def _static_tensors(self) -> tuple:
+        return (self.steps, self.cu, self.ids, self.pos) + (() if self.kl is None else (self.kl,))
+
+    def _copy_in(self, batch: PackedBatch) -> None:
+        """Stage ``batch`` (within the bucket) with PyTorch copies: its rows, then the dummy / empty tail of
+        ``cu`` from host ints."""
+        total, num = batch.total_tokens, batch.num_seqs
+        self.ids[:total].copy_(batch.input_ids)
+        self.pos[:total].copy_(batch.position_ids)
+        self.cu[:num + 1].copy_(batch.cu_seqlens)
+        if self.kl is not None:
+            self.kl[:num].copy_(batch.key_lens)
+        extra = self.bucket.seqs - num
+        if extra:
+            tail = self.cu[num + 1:]
+            torch.add(self.steps[:extra], total, out=tail)   # dummy sequences of <= seqlen padding tokens,
+            tail.clamp_(max=self.bucket.tokens)               # then empty sequences at the end
+
+
+class GraphRunner(StaticInputs):
     """Capture the packed forward of ``model`` for ``bucket`` with ``state``'s ops and the attention backend
     ``requested`` resolved for the bucket's shapes (and baked in).
 
@@ -63,22 +103,11 @@ class GraphRunner:
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
         self.device = device
-        self.bucket = bucket
         self.requested = requested
-        t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
+        s = bucket.seqlen
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        # Normal (non-inference) tensors, so staging works whether the caller is in inference_mode or not.
         with on_device, autocast_state(device, autocast), torch.inference_mode(False), torch.no_grad():
-            self.steps = torch.arange(1, n + 1, dtype=torch.int32, device=device) * s   # dummy boundaries
-            self.cu = torch.zeros(n + 1, dtype=torch.int32, device=device)
-            self.cu[1:] = self.steps.clamp(max=t)                  # capture layout: sequences of s tokens
-            self.ids = torch.zeros(t, dtype=torch.long, device=device)
-            self.pos = torch.arange(t, device=device) % s
-            self.tables = theta_tables(model, params, s, device)   # positions past them run eagerly
-            self.rope_rows = min(cos.shape[0] for cos, _ in self.tables) if self.tables else 1 << 62
-            self.kl = torch.full((n,), s, dtype=torch.int32, device=device) if query_only else None
-            batch = PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
-                                position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)
+            batch = self._init_static(model, params, bucket, device, query_only)
             self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, batch, requested,
                                                                            autocast or weight.dtype, state.policy,
                                                                            graph=capture)
@@ -89,7 +118,7 @@ class GraphRunner:
             if fused_stage:
                 from ..ops.triton.stage import Inbox, unbox
 
-                self.inbox = inbox if inbox is not None else Inbox(t, n, device)
+                self.inbox = inbox if inbox is not None else Inbox(bucket.tokens, bucket.seqs, device)
                 if self.inbox.device != device:
                     raise RuntimeError(f"an inbox on {self.inbox.device} for a graph on {device} (router bug)")
                 # The warm-up reads the inbox: empty it (on the current stream, which the warm-up waits for), or
@@ -104,7 +133,7 @@ class GraphRunner:
 
             self.graph, self._forward, self.out, pool_bytes = capture_or_run(forward, device, capture, pool, stream,
                                                                              warmup)
-        static = (self.steps, self.cu, self.ids, self.pos, self.out) + ((self.kl,) if query_only else ())
+        static = self._static_tensors() + (self.out,)
         self.static_bytes = sum(x.numel() * x.element_size() for x in static)
         self.graph_bytes = self.static_bytes + pool_bytes
 
@@ -112,30 +141,20 @@ class GraphRunner:
         """Serve ``batch`` (within the bucket, on this device; the router checked) and return
         ``finish(out[:T])``; ``finish`` must copy. Launches copies and the graph on the current stream.
         ``staged``: the inbox already holds ``batch`` (filled before the sync, nothing written since)."""
-        total, num = batch.total_tokens, batch.num_seqs
         if (batch.key_lens is None) != (self.kl is None):
             raise RuntimeError("graph bucket captured with and without key_lens mixed up (router bug)")
         if self.inbox is not None:
             if not staged:
                 fill_from(self.inbox, batch)
         else:
-            self.ids[:total].copy_(batch.input_ids)
-            self.pos[:total].copy_(batch.position_ids)
-            self.cu[:num + 1].copy_(batch.cu_seqlens)
-            if self.kl is not None:
-                self.kl[:num].copy_(batch.key_lens)
-            extra = self.bucket.seqs - num
-            if extra:
-                tail = self.cu[num + 1:]
-                torch.add(self.steps[:extra], total, out=tail)   # dummy sequences of <= seqlen padding tokens,
-                tail.clamp_(max=self.bucket.tokens)               # then empty sequences at the end
+            self._copy_in(batch)
         if self.graph is not None:
             self.graph.replay()
             out = self.out
         else:
             with torch.no_grad():
                 out = self._forward()
-        return finish(out[:total])
+        return finish(out[:batch.total_tokens])
 
 
 def triton_kernels_available(device: torch.device, module: str) -> bool:
@@ -179,11 +198,12 @@ def theta_tables(model, params, rows: int, device) -> list:
             for theta in sorted({params.rope_theta_global, params.rope_theta_local})]
 
 
-def resolve_plan(params, batch: PackedBatch, requested: str, dtype: torch.dtype, policy, *, graph: bool = True):
+def resolve_plan(params, batch: PackedBatch, requested: str, dtype: torch.dtype, policy, *, graph: bool = True,
+                 grad: bool = False):
     """``(plan, summary, reasons)`` baked into a graph: the attention plan for the bucket's shapes (from the
-    policy's graph tables; ``graph=False`` for runners that do not capture), the backend per layer kind (for
-    ``describe()``), and each fallback reason once."""
-    plan = plan_attention(params, batch, requested, grad=False, dtype=dtype, dropout=False, policy=policy,
+    policy's graph tables; ``graph=False`` for runners that do not capture; ``grad`` for training graphs), the
+    backend per layer kind (for ``describe()``), and each fallback reason once."""
+    plan = plan_attention(params, batch, requested, grad=grad, dtype=dtype, dropout=False, policy=policy,
                           graph=graph)
     summary = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
     return plan, summary, list(dict.fromkeys(r for d in plan.values() for r in d.reasons))
@@ -243,6 +263,19 @@ def _verify(graph, eager, captured) -> None:
                                f"(max abs diff {float((got.float() - want.float()).abs().nan_to_num().max()):.3g})")
 
 
+@contextlib.contextmanager
+def no_gc():
+    """No garbage collection within the block (a capture: collecting an unreachable graph mid-capture is an
+    error)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _warm_and_capture(forward, device, pool, stream, warmup: int):
     stream.wait_stream(torch.cuda.current_stream(device))
     eager = None
@@ -251,15 +284,8 @@ def _warm_and_capture(forward, device, pool, stream, warmup: int):
             eager = forward()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # No garbage collection during capture: collecting an unreachable graph mid-capture is an error.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = forward()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    with no_gc(), torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = forward()
     if eager is not None:
         _verify(graph, eager, out)
     return graph, out

@@ -36,7 +36,6 @@ with an eager forward per replay (CPU tests).
 from __future__ import annotations
 
 import contextlib
-import gc
 import weakref
 
 import torch
@@ -45,11 +44,11 @@ from torch.autograd.function import once_differentiable
 
 from ..batch import PackedBatch
 from ..errors import PackedEncodersError
-from ..model.forward import encoder_forward, plan_attention
+from ..model.forward import encoder_forward
 from ..model.plan import rules_for
 from ..ops import quack_gemm
 from .buckets import Bucket
-from .runner import autocast_state, theta_tables
+from .runner import StaticInputs, autocast_state, no_gc, resolve_plan
 
 TOO_MANY_PENDING = "more training forwards awaiting their backward than GraphConfig.training_slots"
 TWICE = ("a second backward through a training-graph forward (retain_graph=True): its captured backward reuses the "
@@ -133,7 +132,7 @@ class _Replay(torch.autograd.Function):
         return (None, *(None if g is None else g.clone() for g in grads))
 
 
-class TrainRunner:
+class TrainRunner(StaticInputs):
     """Forward + backward of ``model`` for ``bucket``, captured into ``pool`` (its slot's).
 
     Args:
@@ -153,32 +152,21 @@ class TrainRunner:
     def __init__(self, model, state, bucket: Bucket, requested: str, params_list: tuple, grads: tuple, *,
                  pool=None, stream=None, warmup: int = 2, capture: bool = True, query_only: bool = False,
                  autocast=None):
-        self.bucket, self.requested, self.capture, self.model = bucket, requested, capture, model
+        self.requested, self.capture, self.model = requested, capture, model
         self.params_list, self.grads = params_list, grads
         weight = model.embeddings.tok_embeddings.weight
         device = self.device = weight.device
-        t, n, s = bucket.tokens, bucket.seqs, bucket.seqlen
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         params = state.params
         rules = rules_for(state.tuning)
         with on_device, torch.inference_mode(False):
             with torch.no_grad():
-                self.steps = torch.arange(1, n + 1, dtype=torch.int32, device=device) * s
-                self.cu = torch.zeros(n + 1, dtype=torch.int32, device=device)
-                self.cu[1:] = self.steps.clamp(max=t)
-                self.ids = torch.zeros(t, dtype=torch.long, device=device)
-                self.pos = torch.arange(t, device=device) % s
-                self.kl = torch.full((n,), s, dtype=torch.int32, device=device) if query_only else None
-                self.tables = theta_tables(model, params, s, device)
-                self.rope_rows = min(cos.shape[0] for cos, _ in self.tables) if self.tables else 1 << 62
+                batch = self._init_static(model, params, bucket, device, query_only)
             self.grad_out = None  # [tokens, hidden] in the output's dtype, made after the first forward
             self.unused: tuple = ()  # parameters the forward does not reach (their gradient stays None)
-            batch = PackedBatch(input_ids=self.ids, inputs_embeds=None, cu_seqlens=self.cu, max_seqlen=s,
-                                position_ids=self.pos, max_position=self.rope_rows, key_lens=self.kl)
-            self.plan = plan_attention(params, batch, requested, grad=True, dtype=autocast or weight.dtype,
-                                       dropout=False, policy=state.policy, graph=capture)
-            self.plan_summary = {("global" if w is None else f"window {w}"): d.backend for w, d in self.plan.items()}
-            self.plan_reasons = list(dict.fromkeys(r for d in self.plan.values() for r in d.reasons))
+            self.plan, self.plan_summary, self.plan_reasons = resolve_plan(params, batch, requested,
+                                                                           autocast or weight.dtype, state.policy,
+                                                                           graph=capture, grad=True)
             ops, plan = state.ops, self.plan
 
             def forward():
@@ -191,7 +179,7 @@ class TrainRunner:
             self.fwd_graph = self.bwd_graph = None
             if capture:
                 self._capture(pool, stream, warmup)
-        static = (self.steps, self.cu, self.ids, self.pos, self.grad_out, self.out) + ((self.kl,) if query_only else ())
+        static = self._static_tensors() + (self.grad_out, self.out)
         self.static_bytes = sum(x.numel() * x.element_size() for x in static if x is not None)
         self.graph_bytes = self.static_bytes + getattr(self, "_pool_growth", 0)
 
@@ -229,22 +217,17 @@ class TrainRunner:
                 ref = ref.detach()
             torch.cuda.current_stream(device).wait_stream(stream)
             fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-            gc_was_enabled = gc.isenabled()
-            gc.disable()  # collecting an unreachable graph mid-capture is an error
             try:
-                with quack_gemm.graph_rules():
+                with no_gc(), quack_gemm.graph_rules():
                     with torch.cuda.graph(fwd, pool=pool, stream=stream):
                         out = self._forward()
                     with torch.cuda.graph(bwd, pool=pool, stream=stream):
                         self._store(self._grads_of(out, leaves))
-                self.out = out.detach()
-                del out  # its autograd graph (the saved activations) goes back to the pool for later captures
+                    self.out = out.detach()
+                    del out  # its autograd graph (the saved activations) goes back to the pool for later captures
             except BaseException:
                 _end_pool(device, pool)
                 raise
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
         self.fwd_graph, self.bwd_graph = fwd, bwd
         self._pool_growth = max(0, _pool_bytes(pool, device) - before)
         self._verify(ref, ref_grads)
@@ -267,18 +250,8 @@ class TrainRunner:
 
     def stage(self, batch: PackedBatch) -> None:
         """Copy ``batch`` (within the bucket) into the static inputs; padding becomes dummy sequences."""
-        total, num = batch.total_tokens, batch.num_seqs
         with torch.no_grad():
-            self.ids[:total].copy_(batch.input_ids)
-            self.pos[:total].copy_(batch.position_ids)
-            self.cu[:num + 1].copy_(batch.cu_seqlens)
-            if self.kl is not None:
-                self.kl[:num].copy_(batch.key_lens)
-            extra = self.bucket.seqs - num
-            if extra:
-                tail = self.cu[num + 1:]
-                torch.add(self.steps[:extra], total, out=tail)
-                tail.clamp_(max=self.bucket.tokens)
+            self._copy_in(batch)
 
     def forward_replay(self) -> torch.Tensor:
         if self.fwd_graph is not None:
