@@ -337,7 +337,7 @@ def test_inbox_is_filled_before_the_sync_and_refilled_when_taken(monkeypatch):
         got_a = fwd(model, ids_a, mask_a)
         assert events == ["fill", "sync"]
         state = get_state(model)
-        prepared = route.prepare(model, state, hidden_states=False)
+        prepared = route.prepare(model, state)
         batch_a = PB.unpad(input_ids=ids_a, inputs_embeds=None, attention_mask=mask_a, position_ids=None,
                            token_type_ids=None, vocab_size=vocab, before_sync=functools.partial(route.prestage, prepared))
         side = torch.cuda.Stream()
