@@ -695,3 +695,52 @@ def test_graph_check_batch_stays_inside_an_explicit_backends_envelope(monkeypatc
     config = GraphConfig()
     assert check.backend_top(config, state, torch.bfloat16) == top
     assert max(check.check_lengths(config, 16, check.backend_top(config, state, torch.bfloat16))) == top
+
+
+def test_packed_graphs_of_one_octave_share_one_static_output():
+    """The static outputs of packed graphs whose buckets lie in one octave are views of one manager buffer; every
+    replay's result still equals the eager forward (each is copied out before the next replay writes)."""
+    import functools
+
+    model = tiny_model()
+    pe.pack(model, validate=False, attention_backend="sdpa")
+    state = get_state(model)
+    mgr = GraphManager(GraphConfig(max_seqlen=64))
+    outputs = functools.partial(route.shared_output, mgr, torch.device("cpu"))
+    cfg = GraphConfig(max_seqlen=64, token_multiple=16)
+    runs = []
+    for lengths in ([30, 7, 64], [40, 33, 50]):
+        batch = batch_of(lengths)
+        bucket = bucket_for(cfg, batch.num_seqs, batch.total_tokens, batch.max_seqlen)
+        runs.append((batch, bucket, GraphRunner(model, state, bucket, "sdpa", capture=False, outputs=outputs)))
+    (_, b1, r1), (_, b2, r2) = runs
+    assert b1.tokens != b2.tokens and (b1.tokens - 1).bit_length() == (b2.tokens - 1).bit_length()
+    assert r1.shared_out and r2.shared_out and r1.out.data_ptr() == r2.out.data_ptr()
+    assert len(mgr.outputs) == 1 and next(iter(mgr.outputs.values())).shape[0] == 1 << (b1.tokens - 1).bit_length()
+    # the buffer is counted once, by the runner that allocated it
+    buf = next(iter(mgr.outputs.values()))
+    own = [r.static_bytes - sum(x.numel() * x.element_size() for x in r._static_tensors()) for r in (r1, r2)]
+    assert own == [buf.numel() * buf.element_size(), 0]
+    with torch.no_grad():
+        for batch, _, runner in runs + runs[::-1]:
+            torch.testing.assert_close(runner.replay(batch, torch.clone), run_packed(model, state, batch),
+                                       atol=2e-5, rtol=2e-5)
+
+
+def test_encoder_forward_writes_its_result_into_out():
+    """``encoder_forward(out=)``: the result is ``out`` (copied in by ops without ``norm_out``) when the dtype fits;
+    a mismatched ``out`` is left alone."""
+    from packed_encoders.model.forward import encoder_forward
+
+    model = tiny_model()
+    pe.pack(model, validate=False, attention_backend="sdpa")
+    state = get_state(model)
+    batch = batch_of([12, 30, 5])
+    with torch.no_grad():
+        want = encoder_forward(model, state.params, batch)
+        buf = torch.full((64, model.config.hidden_size), float("nan"))
+        got = encoder_forward(model, state.params, batch, out=buf[:batch.total_tokens])
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want)
+        wrong = torch.zeros(batch.total_tokens, model.config.hidden_size, dtype=torch.float64)
+        got = encoder_forward(model, state.params, batch, out=wrong)
+        assert got.data_ptr() != wrong.data_ptr() and torch.equal(got, want) and not wrong.any()

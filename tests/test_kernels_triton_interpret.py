@@ -425,3 +425,26 @@ def test_smoke_runs_interpreted(fused, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="cannot run"):
         fused.smoke("cpu")
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_direct_norm_writes_into_out(fused, residual):
+    """The unchecked LayerNorm launches write the normed output into ``out`` when it fits (a graph's shared static
+    output) and allocate their own when its dtype or shape does not (``out`` untouched)."""
+    g = _gen(5)
+    x, d = torch.randn(37, 96, generator=g), torch.randn(37, 96, generator=g)
+    w, b = torch.randn(96, generator=g), torch.randn(96, generator=g)
+
+    def run(out=None):
+        if residual:
+            return fused.DIRECT_OPS.residual_layer_norm(x, d, w, b, 1e-5, out=out)[1]
+        return fused.DIRECT_OPS.layer_norm(x, w, b, 1e-5, out=out)
+
+    want = run()
+    buf = torch.full((64, 96), float("nan"))
+    got = run(out=buf[:37])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want)
+    assert fused.DIRECT_OPS.norm_out
+    for wrong in (torch.zeros(37, 96, dtype=torch.float64), torch.zeros(36, 96)):
+        got = run(out=wrong)
+        assert got.data_ptr() != wrong.data_ptr() and torch.equal(got, want) and not wrong.any()

@@ -63,6 +63,8 @@ class GraphManager:
         self.train_grads: dict[int, Any] = {}       # parameter index -> gradient buffer
         self.train_slots: Any = None
         self.train_hits = 0
+        # (device, dtype, hidden, rows) -> the static output the packed graphs of buckets of <= rows tokens share
+        self.outputs: dict[tuple, Any] = {}
 
     def __len__(self) -> int:
         return len(self._runners)
@@ -91,6 +93,7 @@ class GraphManager:
         self.precaptured_for = None
         # a pending backward keeps its runner (and its pool, gradient buffers and slot bookkeeping) alive
         self.train_pools, self.train_pool_tokens, self.train_grads, self.train_slots = {}, {}, {}, None
+        self.outputs = {}
 
     def note_fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1

@@ -13,6 +13,7 @@ environment. Nothing here imports the adapters or the router (imports point down
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 from dataclasses import asdict
@@ -105,7 +106,26 @@ def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, quer
     fused = fused_stage_available(device)
     _order_streams(mgr, device)  # the capture empties the shared inbox, which a replay on another stream may read
     return GraphRunner(model, state, bucket, requested, query_only=query_only, fused_stage=fused,
-                       inbox=_inbox(mgr, device) if fused else None, autocast=autocast, **_capture_kw(model, mgr))
+                       inbox=_inbox(mgr, device) if fused else None, autocast=autocast,
+                       outputs=functools.partial(shared_output, mgr, device), **_capture_kw(model, mgr))
+
+
+def shared_output(mgr: GraphManager, device: torch.device, dtype: torch.dtype, tokens: int,
+                  hidden: int) -> tuple[torch.Tensor, int]:
+    """``(out, new_bytes)``: the ``[tokens, hidden]`` static output of a packed graph, a view of the buffer that
+    every packed graph of the encoder with a bucket in the same octave ``(rows / 2, rows]`` shares (``rows``: a
+    power of two), and the bytes allocated for it now (0 when it existed). One replay's output is copied out
+    (``finish``) before another replay of the encoder starts (its lock, :func:`_order_streams`), so the graphs
+    need not own their outputs: 8 documents over three buckets of one octave hold one buffer instead of three
+    (caller holds ``mgr.lock``)."""
+    rows = 1 << max(0, tokens - 1).bit_length()
+    key = (device, dtype, hidden, rows)
+    buf = mgr.outputs.get(key)
+    new = 0
+    if buf is None:
+        buf = mgr.outputs[key] = torch.empty(rows, hidden, dtype=dtype, device=device)
+        new = buf.numel() * buf.element_size()
+    return buf[:tokens], new
 
 
 def _inbox(mgr: GraphManager, device: torch.device):
@@ -491,6 +511,7 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
                            "pool_reserved_bytes": sum(pool_reserved_bytes(p) or 0 for p in mgr.train_pools.values())}
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                memory={"budget_bytes": mgr.budget_bytes, "graph_bytes": mgr.graph_bytes,
+                       "shared_output_bytes": sum(t.numel() * t.element_size() for t in mgr.outputs.values()),
                        "rule": "LRU evicts graphs until their bytes (static buffers + pool growth at capture) fit "
                                "the budget: GraphConfig.max_memory_bytes, else PACKED_ENCODERS_GRAPH_MEMORY (default "
                                "0.1) of the free GPU memory at pack() (or at the first capture)"},

@@ -85,6 +85,10 @@ class GraphRunner(StaticInputs):
         autocast: the CUDA autocast dtype the graph is captured under (``None``: autocast off), so that a call
             under that autocast state replays the casts its eager forward would run (caching off: a captured
             cast must read the live weights, not a cast cached outside the graph).
+        outputs: ``outputs(dtype, tokens, hidden) -> (tensor, new_bytes)``: the ``[tokens, hidden]`` static
+            output, a view of a buffer the encoder's graphs share (one replay's output is copied out before the next
+            replay, which the manager's lock and stream order ensure), and the bytes it newly allocated; ``None``:
+            the output is the graph's own.
 
     ``graph_bytes``: the memory the graph holds (its static buffers plus the pool's growth while capturing),
     for the manager's budget. After capture the graph is replayed once on the warm-up's inputs and must match
@@ -97,7 +101,7 @@ class GraphRunner(StaticInputs):
 
     def __init__(self, model, state, bucket: Bucket, requested: str, *, pool=None, stream=None, warmup: int = 1,
                  capture: bool = True, query_only: bool = False, fused_stage: bool | None = None,
-                 inbox=None, autocast=None):
+                 inbox=None, autocast=None, outputs=None):
         params = state.params
         rules = rules_for(state.tuning)  # the switches read at pack(), as the eager route runs them
         weight = model.embeddings.tok_embeddings.weight
@@ -126,15 +130,22 @@ class GraphRunner(StaticInputs):
                 # failed its input checks. The call being served then stages again (owner cleared).
                 self.inbox.clear()
 
+            shared, shared_bytes = None, 0
+            if outputs is not None:
+                shared, shared_bytes = outputs(output_dtype(device, autocast, weight.dtype), bucket.tokens,
+                                               params.hidden_size)
+
             def forward():
                 if self.inbox is not None:  # captured: the replay reads whatever batch the inbox holds then
                     unbox(self.inbox, self.ids, self.pos, self.cu, self.kl, s)
-                return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules)
+                return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules, out=shared)
 
             self.graph, self._forward, self.out, pool_bytes = capture_or_run(forward, device, capture, pool, stream,
                                                                              warmup)
-        static = self._static_tensors() + (self.out,)
-        self.static_bytes = sum(x.numel() * x.element_size() for x in static)
+        self.shared_out = shared is not None and self.out.data_ptr() == shared.data_ptr()
+        static = self._static_tensors() + (() if self.shared_out else (self.out,))
+        self.static_bytes = sum(x.numel() * x.element_size() for x in static) + (shared_bytes if self.shared_out
+                                                                                  else 0)
         self.graph_bytes = self.static_bytes + pool_bytes
 
     def replay(self, batch: PackedBatch, finish, staged: bool = False):
@@ -155,6 +166,14 @@ class GraphRunner(StaticInputs):
             with torch.no_grad():
                 out = self._forward()
         return finish(out[:batch.total_tokens])
+
+
+def output_dtype(device: torch.device, autocast, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the packed forward's result: ``final_norm`` runs in fp32 under CUDA autocast (as
+    ``F.layer_norm`` does there), else in the weights' dtype."""
+    if device.type == "cuda" and autocast in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return weight_dtype
 
 
 def triton_kernels_available(device: torch.device, module: str) -> bool:

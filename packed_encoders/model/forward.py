@@ -144,7 +144,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                     attention: Mapping[int | None, Decision] | None = None, attention_backend: str = "auto",
                     ops: OpSet = TORCH_OPS, gradient_checkpointing: bool | Sequence = False,
                     hidden_states: list | None = None, hidden_pre_norm_last: bool = False,
-                    rules: Rules | None = None) -> torch.Tensor:
+                    rules: Rules | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the packed encoder on ``batch`` and return ``[T, hidden_size]`` (after ``final_norm``).
 
     Args:
@@ -158,6 +158,10 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             the embedding output, the output of every layer but the last, then the final normed output
             (transformers v4 lists the last layer's output before ``final_norm``: ``hidden_pre_norm_last``).
         rules: the switches the op choices read (:class:`..model.plan.Rules`; default: the environment's).
+        out: a ``[T, hidden_size]`` tensor to hold the result (a CUDA graph's static output, shared by the graphs
+            of one encoder): written in place and returned when the result has its dtype (``final_norm``'s output:
+            fp32 under CUDA autocast), else ignored. The op set's norm writes there directly where it can
+            (``OpSet.norm_out``); other op sets' results are copied in.
     """
     grad = torch.is_grad_enabled()
     dtype = activation_dtype(model)
@@ -296,10 +300,13 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         if hidden_states is not None and index < last:
             x, pending = x + pending, None
             hidden_states.append(x)
+    into = {"out": out} if out is not None and run.norm_out else {}
     if pending is None:
-        out = run.layer_norm(x, *_norm_args(model.final_norm))
+        y = run.layer_norm(x, *_norm_args(model.final_norm), **into)
     else:
-        x, out = run.residual_layer_norm(x, pending, *_norm_args(model.final_norm))
+        x, y = run.residual_layer_norm(x, pending, *_norm_args(model.final_norm), **into)
+    if out is not None and y is not out and y.dtype == out.dtype and y.shape == out.shape:
+        y = out.copy_(y)
     if hidden_states is not None:
-        hidden_states.append(x if hidden_pre_norm_last else out)
-    return out
+        hidden_states.append(x if hidden_pre_norm_last else y)
+    return y

@@ -62,6 +62,8 @@ class OpSet:
       The callable returns ``None`` for a call it does not take (the forward then projects and rotates apart)
     - ``kernels``: the family's raw launches (:class:`Kernels`) for the per-block autograd of training forwards,
       or ``None`` (the ops above run one autograd node each)
+    - ``norm_out``: ``layer_norm`` and ``residual_layer_norm`` take ``out=`` (a ``[T, H]`` tensor the normed output
+      is written into when its dtype is the one they produce, e.g. a CUDA graph's shared static output)
     - ``gemm``: which GEMMs the op set runs, for ``describe()``: ``"torch"`` (``F.linear``: cuBLAS on CUDA) or
       ``"quack"`` (quack where :mod:`.quack_gemm` routes a call, ``F.linear`` for the rest)
     """
@@ -76,6 +78,7 @@ class OpSet:
     rope_linear: Callable | None = field(default=None, compare=False)
     gemm: str = field(default="torch", compare=False)
     kernels: Kernels | None = field(default=None, compare=False)
+    norm_out: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -457,15 +457,24 @@ def covers(device: torch.device, dtype: torch.dtype, hidden: int, num_heads: int
     return None
 
 
-def _layer_norm_direct(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-    return _ln.forward(x, None, weight, bias, eps, _norm_out_dtype(x.dtype, x.device), stats=False)[1]
+def _into(out: Tensor | None, x: Tensor, dtype: torch.dtype) -> Tensor | None:
+    """``out`` when the kernel can write the normed ``x`` there (same shape, ``dtype``, contiguous), else ``None``."""
+    if out is None or out.dtype != dtype or out.shape != x.shape or not out.is_contiguous():
+        return None
+    return out
+
+
+def _layer_norm_direct(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                       out: Tensor | None = None) -> Tensor:
+    dtype = _norm_out_dtype(x.dtype, x.device)
+    return _ln.forward(x, None, weight, bias, eps, dtype, stats=False, out=_into(out, x, dtype))[1]
 
 
 def _residual_layer_norm_direct(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None,
-                                eps: float) -> tuple[Tensor, Tensor]:
+                                eps: float, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     res_dtype = x.dtype if x.dtype is delta.dtype else torch.promote_types(x.dtype, delta.dtype)
-    s, y, _, _ = _ln.forward(x, delta, weight, bias, eps, _norm_out_dtype(res_dtype, x.device), res_dtype,
-                             stats=False)
+    dtype = _norm_out_dtype(res_dtype, x.device)
+    s, y, _, _ = _ln.forward(x, delta, weight, bias, eps, dtype, res_dtype, stats=False, out=_into(out, x, dtype))
     return s, y
 
 
@@ -481,7 +490,7 @@ def _glu_linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None, activatio
 
 
 DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _rope_qkv_direct, _glu.forward,
-                   _glu_linear_direct)
+                   _glu_linear_direct, norm_out=True)
 
 TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope.forward, _rope.backward, _glu.forward,
                          _glu.backward)

@@ -198,3 +198,28 @@ def test_a_model_moved_to_cuda_after_pack_starts_using_graphs():
     state = info(model)
     assert state["graphs"] == 1 and state["hits"] == 1 and state["memory"]["budget_bytes"] > 0, state
     assert cos_min(out.float().cpu(), cpu_out, mask.cpu()) >= 0.99
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_buckets_of_one_octave_share_one_static_output(autocast):
+    """Three buckets of one octave: one shared output buffer (fp32 under autocast, as final_norm returns there),
+    every call's output equal to the eager forward's, calls interleaved across the buckets."""
+    model = pe.pack(make_model(dtype=torch.float32 if autocast else torch.bfloat16), validate=False)
+    batches = [padded(lengths, seed=i) for i, lengths in enumerate(([800, 900, 500], [1000, 900, 700], [1000, 1000, 1000, 200]))]
+    ctx = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if autocast else torch.no_grad
+    with torch.no_grad(), ctx():
+        with pe.no_cuda_graph(model):
+            want = [fwd(model, *b) for b in batches]
+        got = [[fwd(model, *b) for b in batches] for _ in range(2)]
+    cg = info(model)
+    tokens = sorted({b["tokens"] for b in cg["buckets"]})
+    assert len(tokens) == 3 and len({(t - 1).bit_length() for t in tokens}) == 1, tokens
+    rows = 1 << (tokens[-1] - 1).bit_length()
+    elem = 4 if autocast else 2
+    assert cg["memory"]["shared_output_bytes"] == rows * CFG["hidden_size"] * elem
+    for outs in got:
+        for g, w, (_, mask) in zip(outs, want, batches):
+            real = mask.bool()
+            assert g.dtype == w.dtype
+            cos = torch.nn.functional.cosine_similarity(g[real].float(), w[real].float(), dim=-1)
+            assert cos.min().item() > 0.999

@@ -131,7 +131,8 @@ def _bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, n_tiles, n_
 
 
 def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
-            eps: float, out_dtype: torch.dtype, res_dtype: torch.dtype | None = None, stats: bool = True):
+            eps: float, out_dtype: torch.dtype, res_dtype: torch.dtype | None = None, stats: bool = True,
+            out: torch.Tensor | None = None):
     """LayerNorm (``delta is None``) or residual + LayerNorm of ``x`` ``[T, H]``.
 
     Args:
@@ -140,6 +141,7 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
         res_dtype: dtype of the residual sum ``s`` (required with ``delta``).
 
         stats: compute ``mean`` and ``rstd`` (for a backward); ``False`` returns ``None`` for both.
+        out: a contiguous ``[T, H]`` tensor of ``out_dtype`` that ``y`` is written into (not checked), or ``None``.
 
     Returns:
         ``(s, y, mean, rstd)``: ``s`` ``[T, H]`` (``None`` without ``delta``), ``y`` ``[T, H]``,
@@ -147,7 +149,7 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
     """
     t, n = x.shape
     x = x.contiguous()
-    y = torch.empty((t, n), dtype=out_dtype, device=x.device)
+    y = torch.empty((t, n), dtype=out_dtype, device=x.device) if out is None else out
     mean = rstd = None
     if stats:
         mean = torch.empty(t, dtype=torch.float32, device=x.device)
