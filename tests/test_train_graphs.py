@@ -322,3 +322,23 @@ def test_manager_drop_removes_matching_runners_and_their_bytes():
     assert mgr.graph_bytes == 35
     assert mgr.drop(lambda k: k[0] == "train" and k[5] == 0) == 1
     assert mgr.graph_bytes == 25 and len(mgr) == 2 and mgr.evictions == 1
+
+
+def test_a_node_does_not_keep_its_runner_after_its_backward():
+    """A loop holds the last step's `loss` (hence its autograd nodes) until the next step reassigns it; a runner
+    dropped meanwhile (a pool restart, an eviction) must be freed then, not kept by the spent node."""
+    import weakref
+
+    model, state = packed_model()
+    batch = batch_of([20, 11])
+    loss = loss_of(route.train_forward(model, state, batch), 0)
+    mgr = state.runtime["graphs"]
+    (key,) = [k for k in mgr.keys() if k[0] == "train"]
+    runner = weakref.ref(mgr.get(key, None))
+    loss.backward(retain_graph=True)
+    assert mgr.drop(lambda k: k == key) == 1
+    gc.collect()
+    assert runner() is None, "the spent node still references the dropped runner"
+    assert loss.grad_fn is not None  # the step's graph itself is still alive
+    with pytest.raises(PackedEncodersError, match="second backward"):
+        loss.backward()

@@ -128,6 +128,10 @@ class _Replay(torch.autograd.Function):
                                       "the new values); run the optimizer step after the backward")
         handle.done = True
         grads = handle.runner.backward_replay(grad_out, handle.total)
+        # The node outlives its backward while the caller holds any tensor of the step (a loop's `loss` until
+        # the next step reassigns it): it must not keep the runner, whose graphs and pool a restart or an
+        # eviction during the next step means to free.
+        handle.runner = None
         handle.lease.release()
         return (None, *(None if g is None else g.clone() for g in grads))
 
