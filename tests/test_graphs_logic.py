@@ -744,3 +744,39 @@ def test_encoder_forward_writes_its_result_into_out():
         wrong = torch.zeros(batch.total_tokens, model.config.hidden_size, dtype=torch.float64)
         got = encoder_forward(model, state.params, batch, out=wrong)
         assert got.data_ptr() != wrong.data_ptr() and torch.equal(got, want) and not wrong.any()
+
+
+@pytest.mark.parametrize("faithful", [True, False])
+def test_capture_check_compares_the_replay_with_a_copy_of_the_warm_up(monkeypatch, faithful):
+    """After capture the graph is replayed once and compared with the warm-up's output. A forward that writes into a
+    static output (an octave's shared one) returns that same tensor at warm-up and capture: the warm-up's result
+    must be kept as a copy, or the check compares the buffer with itself and passes a capture that recorded
+    something else (here: a replay writing 2 where the forward writes 1). The CUDA pieces are fakes."""
+    import contextlib
+
+    from packed_encoders.graphs import runner as R
+
+    shared = torch.full((64, 8), float("nan"))
+    out = shared[:48]
+
+    def forward():
+        return out.fill_(1.0)
+
+    class Graph:
+        def replay(self):
+            out.fill_(1.0 if faithful else 2.0)
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None, stream=None: contextlib.nullcontext())
+    if faithful:
+        graph, got = R._warm_and_capture(forward, torch.device("cpu"), None, Stream(), warmup=1)
+        assert isinstance(graph, Graph) and got.data_ptr() == shared.data_ptr()
+    else:
+        with pytest.raises(RuntimeError, match="differs from its eager warm-up"):
+            R._warm_and_capture(forward, torch.device("cpu"), None, Stream(), warmup=1)
