@@ -514,3 +514,22 @@ def test_sync_free_streams_inference_mode_and_invalidation():
     torch.testing.assert_close(e, eager, atol=1e-4, rtol=1e-4)
     assert info(model)["invalidations"] == 1 and info(model)["misses"] == 2
     pe.check_errors(model, wait=True)
+
+
+def test_capture_check_catches_a_replay_differing_from_its_warm_up_in_a_static_output():
+    """The capture's check (replay once, compare with the warm-up) holds a copy of the warm-up's result: a forward
+    writing into a static output (an octave's shared one) returns that buffer at warm-up and capture alike. Here
+    the forward fills it with a Python counter, which the capture bakes in (2 where the warm-up wrote 1)."""
+    from packed_encoders.graphs.runner import _warm_and_capture
+
+    out = torch.zeros(64, 8, device=DEV)
+    calls = []
+
+    def forward():
+        calls.append(None)
+        return out.fill_(float(len(calls)))
+
+    with pytest.raises(RuntimeError, match="differs from its eager warm-up"):
+        _warm_and_capture(forward, torch.device(DEV), torch.cuda.graph_pool_handle(), torch.cuda.Stream(DEV),
+                          warmup=1)
+    assert len(calls) == 2
