@@ -717,14 +717,48 @@ def test_packed_graphs_of_one_octave_share_one_static_output():
     assert b1.tokens != b2.tokens and (b1.tokens - 1).bit_length() == (b2.tokens - 1).bit_length()
     assert r1.shared_out and r2.shared_out and r1.out.data_ptr() == r2.out.data_ptr()
     assert len(mgr.outputs) == 1 and next(iter(mgr.outputs.values())).shape[0] == 1 << (b1.tokens - 1).bit_length()
-    # the buffer is counted once, by the runner that allocated it
+    # the buffer is the manager's, counted once by it, by neither runner
     buf = next(iter(mgr.outputs.values()))
     own = [r.static_bytes - sum(x.numel() * x.element_size() for x in r._static_tensors()) for r in (r1, r2)]
-    assert own == [buf.numel() * buf.element_size(), 0]
+    assert own == [0, 0] and mgr.output_bytes() == buf.numel() * buf.element_size()
     with torch.no_grad():
         for batch, _, runner in runs + runs[::-1]:
             torch.testing.assert_close(runner.replay(batch, torch.clone), run_packed(model, state, batch),
                                        atol=2e-5, rtol=2e-5)
+
+
+def test_shared_outputs_count_against_the_budget_after_their_first_graph_is_evicted():
+    """A shared static output outlives the graph whose capture allocated it (the manager holds it until clear()):
+    the budget keeps counting it, so the graphs cached plus the shared outputs never hold more than the budget.
+    Here two graphs of one octave and the buffer exceed the budget: capturing the second evicts the first, and
+    capturing the first again evicts the second."""
+    import functools
+
+    model = tiny_model()
+    pe.pack(model, validate=False, attention_backend="sdpa")
+    state = get_state(model)
+    cfg = GraphConfig(max_seqlen=64, token_multiple=16)
+    buckets = [bucket_for(cfg, b.num_seqs, b.total_tokens, b.max_seqlen)
+               for b in (batch_of([30, 7, 64]), batch_of([40, 33, 50]))]
+    assert (buckets[0].tokens - 1).bit_length() == (buckets[1].tokens - 1).bit_length()
+
+    def held(mgr):  # what the cached graphs and the manager's shared outputs hold (CPU runners: no pool)
+        return (sum(sum(x.numel() * x.element_size() for x in r._static_tensors()) for r in mgr.runners())
+                + sum(t.numel() * t.element_size() for t in mgr.outputs.values()))
+
+    def capture(mgr, bucket):
+        outputs = functools.partial(route.shared_output, mgr, torch.device("cpu"))
+        return mgr.get(bucket, lambda: GraphRunner(model, state, bucket, "sdpa", capture=False, outputs=outputs))
+
+    probe = GraphManager(cfg)
+    for bucket in buckets:
+        capture(probe, bucket)
+    budget = held(probe) - 1  # everything but one byte
+    mgr = GraphManager(cfg, budget_bytes=budget)
+    for bucket in buckets + buckets[:1]:
+        assert capture(mgr, bucket).shared_out
+        assert len(mgr) == 1 and held(mgr) <= budget, (mgr.keys(), held(mgr), budget)
+    assert mgr.keys() == buckets[:1] and mgr.evictions == 2
 
 
 def test_encoder_forward_writes_its_result_into_out():

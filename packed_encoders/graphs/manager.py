@@ -31,7 +31,9 @@ class GraphManager:
     captured). With ``budget_bytes`` set, a capture that takes the total past it evicts least recently used
     graphs until it fits (evicted graphs' pool blocks are reused by later captures, so the pool stops growing);
     a graph over the budget by itself is dropped and its bucket runs eagerly (:data:`.buckets.OVER_BUDGET`).
-    ``max_graphs`` bounds the count either way.
+    ``max_graphs`` bounds the count either way. The static outputs the packed graphs of one octave share
+    (``outputs``) are the manager's, held until :meth:`clear` whichever graphs are evicted: they count against the
+    budget too (:meth:`output_bytes`), outside ``graph_bytes``.
     """
 
     def __init__(self, config: GraphConfig, budget_bytes: int | None = None):
@@ -65,6 +67,10 @@ class GraphManager:
         self.train_hits = 0
         # (device, dtype, hidden, rows) -> the static output the packed graphs of buckets of <= rows tokens share
         self.outputs: dict[tuple, Any] = {}
+
+    def output_bytes(self) -> int:
+        """Bytes of the shared static outputs (``outputs``)."""
+        return sum(t.numel() * t.element_size() for t in list(self.outputs.values()))
 
     def __len__(self) -> int:
         return len(self._runners)
@@ -138,7 +144,8 @@ class GraphManager:
         if self.budget_bytes is not None and cost > self.budget_bytes:
             self._failed[key] = f"{OVER_BUDGET} ({cost} > {self.budget_bytes} bytes)"
             return OVER_BUDGET
-        while self._runners and self.budget_bytes is not None and self.graph_bytes + cost > self.budget_bytes:
+        while (self._runners and self.budget_bytes is not None
+               and self.graph_bytes + self.output_bytes() + cost > self.budget_bytes):
             self._evict()
         self._runners[key] = runner
         self.graph_bytes += cost

@@ -111,21 +111,19 @@ def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, quer
 
 
 def shared_output(mgr: GraphManager, device: torch.device, dtype: torch.dtype, tokens: int,
-                  hidden: int) -> tuple[torch.Tensor, int]:
-    """``(out, new_bytes)``: the ``[tokens, hidden]`` static output of a packed graph, a view of the buffer that
-    every packed graph of the encoder with a bucket in the same octave ``(rows / 2, rows]`` shares (``rows``: a
-    power of two), and the bytes allocated for it now (0 when it existed). One replay's output is copied out
-    (``finish``) before another replay of the encoder starts (its lock, :func:`_order_streams`), so the graphs
-    need not own their outputs: 8 documents over three buckets of one octave hold one buffer instead of three
-    (caller holds ``mgr.lock``)."""
+                  hidden: int) -> torch.Tensor:
+    """The ``[tokens, hidden]`` static output of a packed graph: a view of the buffer that every packed graph of
+    the encoder with a bucket in the same octave ``(rows / 2, rows]`` shares (``rows``: a power of two). One
+    replay's output is copied out (``finish``) before another replay of the encoder starts (its lock,
+    :func:`_order_streams`), so the graphs need not own their outputs: 8 documents over three buckets of one
+    octave hold one buffer instead of three. The manager holds the buffers (and counts them against its budget)
+    until :meth:`GraphManager.clear` (caller holds ``mgr.lock``)."""
     rows = 1 << max(0, tokens - 1).bit_length()
     key = (device, dtype, hidden, rows)
     buf = mgr.outputs.get(key)
-    new = 0
     if buf is None:
         buf = mgr.outputs[key] = torch.empty(rows, hidden, dtype=dtype, device=device)
-        new = buf.numel() * buf.element_size()
-    return buf[:tokens], new
+    return buf[:tokens]
 
 
 def _inbox(mgr: GraphManager, device: torch.device):
@@ -511,14 +509,15 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
                            "pool_reserved_bytes": sum(pool_reserved_bytes(p) or 0 for p in mgr.train_pools.values())}
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                memory={"budget_bytes": mgr.budget_bytes, "graph_bytes": mgr.graph_bytes,
-                       "shared_output_bytes": sum(t.numel() * t.element_size() for t in mgr.outputs.values()),
-                       "rule": "LRU evicts graphs until their bytes (static buffers + pool growth at capture) fit "
-                               "the budget: GraphConfig.max_memory_bytes, else PACKED_ENCODERS_GRAPH_MEMORY (default "
-                               "0.1) of the free GPU memory at pack() (or at the first capture)"},
+                       "shared_output_bytes": mgr.output_bytes(),
+                       "rule": "LRU evicts graphs until their bytes (static buffers + pool growth at capture) and "
+                               "the shared outputs fit the budget: GraphConfig.max_memory_bytes, else "
+                               "PACKED_ENCODERS_GRAPH_MEMORY (default 0.1) of the free GPU memory at pack() (or at the "
+                               "first capture)"},
                invalidations=mgr.invalidations, capture_seconds=round(mgr.capture_seconds, 4),
                fallbacks=dict(mgr.fallbacks), capture_failures=mgr.failures(),
                staged={"before_sync": mgr.staged_before_sync, "after_sync": mgr.staged_after_sync},
-               static_bytes=sum(getattr(r, "static_bytes", 0) for r in mgr.runners())
+               static_bytes=sum(getattr(r, "static_bytes", 0) for r in mgr.runners()) + mgr.output_bytes()
                + (0 if mgr.inbox is None else mgr.inbox.nbytes),
                pool_reserved_bytes=pool_reserved_bytes(mgr.pool) if mgr.pool is not None else 0)
     return out

@@ -85,14 +85,15 @@ class GraphRunner(StaticInputs):
         autocast: the CUDA autocast dtype the graph is captured under (``None``: autocast off), so that a call
             under that autocast state replays the casts its eager forward would run (caching off: a captured
             cast must read the live weights, not a cast cached outside the graph).
-        outputs: ``outputs(dtype, tokens, hidden) -> (tensor, new_bytes)``: the ``[tokens, hidden]`` static
-            output, a view of a buffer the encoder's graphs share (one replay's output is copied out before the next
-            replay, which the manager's lock and stream order ensure), and the bytes it newly allocated; ``None``:
-            the output is the graph's own.
+        outputs: ``outputs(dtype, tokens, hidden) -> tensor``: the ``[tokens, hidden]`` static output, a view of
+            a buffer the encoder's graphs share (one replay's output is copied out before the next replay, which the
+            manager's lock and stream order ensure) and the manager holds and counts; ``None``: the output is the
+            graph's own.
 
-    ``graph_bytes``: the memory the graph holds (its static buffers plus the pool's growth while capturing),
-    for the manager's budget. After capture the graph is replayed once on the warm-up's inputs and must match
-    the warm-up's eager output, or the capture fails (the bucket then runs eagerly, said in ``describe()``).
+    ``graph_bytes``: the memory the graph holds (its static buffers, not a shared output, plus the pool's growth
+    while capturing), for the manager's budget. After capture the graph is replayed once on the warm-up's inputs
+    and must match the warm-up's eager output, or the capture fails (the bucket then runs eagerly, said in
+    ``describe()``).
 
     Raises:
         PackedEncodersError: the requested backend cannot run the bucket (as the eager path would).
@@ -130,10 +131,9 @@ class GraphRunner(StaticInputs):
                 # failed its input checks. The call being served then stages again (owner cleared).
                 self.inbox.clear()
 
-            shared, shared_bytes = None, 0
+            shared = None
             if outputs is not None:
-                shared, shared_bytes = outputs(output_dtype(device, autocast, weight.dtype), bucket.tokens,
-                                               params.hidden_size)
+                shared = outputs(output_dtype(device, autocast, weight.dtype), bucket.tokens, params.hidden_size)
 
             def forward():
                 if self.inbox is not None:  # captured: the replay reads whatever batch the inbox holds then
@@ -144,8 +144,7 @@ class GraphRunner(StaticInputs):
                                                                              warmup)
         self.shared_out = shared is not None and self.out.data_ptr() == shared.data_ptr()
         static = self._static_tensors() + (() if self.shared_out else (self.out,))
-        self.static_bytes = sum(x.numel() * x.element_size() for x in static) + (shared_bytes if self.shared_out
-                                                                                  else 0)
+        self.static_bytes = sum(x.numel() * x.element_size() for x in static)
         self.graph_bytes = self.static_bytes + pool_bytes
 
     def replay(self, batch: PackedBatch, finish, staged: bool = False):
