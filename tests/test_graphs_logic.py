@@ -814,3 +814,28 @@ def test_capture_check_compares_the_replay_with_a_copy_of_the_warm_up(monkeypatc
     else:
         with pytest.raises(RuntimeError, match="differs from its eager warm-up"):
             R._warm_and_capture(forward, torch.device("cpu"), None, Stream(), warmup=1)
+
+
+def test_shared_output_dtype_follows_the_forward_result():
+    from packed_encoders.graphs.runner import output_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for autocast in (torch.bfloat16, torch.float16, torch.float32):  # final_norm returns fp32 under CUDA autocast
+        assert output_dtype(cuda, autocast, torch.bfloat16) is torch.float32
+    assert output_dtype(cuda, None, torch.bfloat16) is torch.bfloat16
+    assert output_dtype(cpu, torch.bfloat16, torch.float32) is torch.float32  # CPU graphs are never captured
+
+
+def test_a_weights_change_waits_for_the_last_replay_stream_before_freeing_buffers():
+    class Stream:
+        synced = 0
+
+        def synchronize(self):
+            Stream.synced += 1
+
+    mgr = GraphManager(GraphConfig())
+    mgr.last_stream = Stream()
+    assert not mgr.check_fingerprint(("fp", 1)) and Stream.synced == 0  # the first fingerprint drops nothing
+    mgr.last_stream = Stream()  # a replay ran since
+    mgr.outputs[("k",)] = torch.empty(4)
+    assert mgr.check_fingerprint(("fp", 2)) and Stream.synced == 1 and mgr.outputs == {}

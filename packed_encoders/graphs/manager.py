@@ -86,6 +86,10 @@ class GraphManager:
         changed = self.fingerprint is not None
         if changed:
             self.invalidations += 1
+            if self.last_stream is not None:
+                # a replay may still run there (a packed call checks before any sync): the buffers its graph reads
+                # and writes (static inputs, the shared outputs) are freed below; weights change rarely
+                self.last_stream.synchronize()
         self.clear()
         self.fingerprint = fingerprint
         return changed

@@ -168,9 +168,9 @@ class GraphRunner(StaticInputs):
 
 
 def output_dtype(device: torch.device, autocast, weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the packed forward's result: ``final_norm`` runs in fp32 under CUDA autocast (as
-    ``F.layer_norm`` does there), else in the weights' dtype."""
-    if device.type == "cuda" and autocast in (torch.float16, torch.bfloat16):
+    """The dtype of the packed forward's result: fp32 under CUDA autocast (``final_norm`` runs in fp32 there, as
+    ``F.layer_norm`` does, and an fp32 autocast keeps fp32 activations), else the weights' dtype."""
+    if device.type == "cuda" and autocast is not None:
         return torch.float32
     return weight_dtype
 
