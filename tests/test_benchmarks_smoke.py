@@ -48,3 +48,20 @@ def test_rows_without_the_kit_on_hopper_say_so():
     row = {"status": "ok", "runner": "inference", "endpoint": "documents", "family": "hf", "env": bare}
     assert "**Without fa4, quack" in render._header([row])
     assert "Without" not in render._header([dict(row, env=full)])
+
+
+def test_host_ops_cpu_smoke(tmp_path):
+    """``benchmarks.host_ops`` on CPU: the plain PyTorch ops are timed, the CUDA-only ones skipped with a reason."""
+    import json
+
+    from benchmarks import host_ops
+
+    assert host_ops.main(["--device", "cpu", "--hidden", "64", "--heads", "4", "--tokens", "16", "--seqs", "2",
+                          "--calls", "5", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("host_ops_*.jsonl")
+    rows = {r["op"]: r for r in map(json.loads, path.read_text().splitlines())}
+    for op in ("python_call", "empty", "view", "linear", "mm_out"):
+        assert rows[op]["status"] == "ok" and rows[op]["wall_us"] >= rows[op]["host_us"] > 0, rows[op]
+    for op in ("linear_cublaslt", "ln_direct", "attn_triton", "attn_fa4"):
+        assert rows[op]["status"] == "skipped" and rows[op]["reason"] == "CUDA only"
+    assert all(r["runner"] == "host_ops" and "env" in r for r in rows.values())
