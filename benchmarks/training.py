@@ -57,7 +57,6 @@ the loss of every step. Then ``--profile-steps`` more steps under ``torch.profil
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -590,10 +589,6 @@ def _sequential_loader(trainer, data, collate, batch):
 def why_skip(variant: str, wl: Workload, device: str, quick_cpu: bool, explicit: bool) -> str | None:
     import importlib.util
 
-    import packed_encoders as pe
-
-    if variant == "pack_train_graphs" and "training" not in {f.name for f in dataclasses.fields(pe.GraphConfig)}:
-        return "not available: pe.GraphConfig has no training option in this build (training CUDA graphs)"
     if variant in PYLATE_VARIANTS:
         if wl.pooling != "maxsim":
             return "the PyLate variants run the ColBERT workload"

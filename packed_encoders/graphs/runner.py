@@ -267,7 +267,7 @@ def _tensors(out) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _verify(graph, eager, captured) -> None:
+def verify_replay(graph, eager, captured) -> None:
     """Replay ``graph`` once on the warm-up's inputs and compare with the warm-up's eager output ``eager``
     (the same kernels on the same inputs: a mismatch means the capture recorded something else, e.g. a host
     value baked in). One sync, per capture only.
@@ -309,7 +309,7 @@ def _warm_and_capture(forward, device, pool, stream, warmup: int):
     with no_gc(), torch.cuda.graph(graph, pool=pool, stream=stream):
         out = forward()
     if eager is not None:
-        _verify(graph, eager, out)
+        verify_replay(graph, eager, out)
     return graph, out
 
 

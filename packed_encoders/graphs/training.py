@@ -48,7 +48,7 @@ from ..model.forward import encoder_forward
 from ..model.plan import rules_for
 from ..ops import quack_gemm
 from .buckets import Bucket
-from .runner import StaticInputs, autocast_state, no_gc, resolve_plan
+from .runner import StaticInputs, autocast_state, no_gc, resolve_plan, verify_replay
 
 TOO_MANY_PENDING = "more training forwards awaiting their backward than GraphConfig.training_slots"
 TWICE = ("a second backward through a training-graph forward (retain_graph=True): its captured backward reuses the "
@@ -237,11 +237,10 @@ class TrainRunner(StaticInputs):
         self._verify(ref, ref_grads)
 
     def _verify(self, ref, ref_grads) -> None:
-        """Replay both graphs on the warm-up's inputs; they must reproduce its output and gradients."""
-        self.fwd_graph.replay()
+        """Replay both graphs on the warm-up's inputs; they must reproduce its output (as an inference graph's
+        check, :func:`.runner.verify_replay`) and gradients."""
+        verify_replay(self.fwd_graph, ref, self.out)
         self.bwd_graph.replay()
-        if not torch.allclose(self.out.float(), ref.float(), rtol=1e-2, atol=1e-2, equal_nan=True):
-            raise RuntimeError("the captured training forward differs from its eager warm-up")
         for buf, want in zip(self.grads, ref_grads):
             if want is None:
                 continue
