@@ -48,6 +48,7 @@ the loss of every step. Then ``--profile-steps`` more steps under ``torch.profil
   call returns (before the closing synchronize), minus the time the CPU spent blocked on the GPU inside the step
   (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaEventSynchronize`` and blocking ``cudaMemcpy*``
   as the profiler records them), / steps. It includes the profiler's own per-op overhead (a few us per op).
+* ``top_device_ms_per_step`` (in ``profile``): the 15 kernels with the most device time, ms and calls per step.
 
     python -m benchmarks.training --workloads single --config modernbert-base      # one workload, all variants
     python -m benchmarks.training --quick                                           # 12 steps, a few minutes
@@ -387,7 +388,20 @@ def _profile_summary(prof, host_s: list[float], cuda: bool) -> dict:
             "blocked_ms_per_step": blocked_us / 1e3 / n,
             "gpu_ms_per_step": sum(e.time_range.elapsed_us() for e in device_events) / 1e3 / n if cuda else None,
             "device_events_per_step": len(device_events) / n,
-            "aten_ops_per_step": sum(e.name.startswith("aten::") for e in cpu) / n}
+            "aten_ops_per_step": sum(e.name.startswith("aten::") for e in cpu) / n,
+            "top_device_ms_per_step": _top_device(device_events, n) if cuda else None}
+
+
+def _top_device(device_events, n: int, top: int = 15) -> list[dict]:
+    """The ``top`` kernels (memcpys, memsets) by device time: ``{name (first 120 characters), ms, calls}`` per
+    step, where the GPU time of a step goes."""
+    totals: dict[str, list] = {}
+    for e in device_events:
+        t = totals.setdefault(e.name[:120], [0.0, 0])
+        t[0] += e.time_range.elapsed_us()
+        t[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": k, "ms": round(us / 1e3 / n, 3), "calls": round(c / n, 1)} for k, (us, c) in ranked]
 
 
 # ------------------------------------------------------------------------------------------- child

@@ -96,14 +96,15 @@ def test_rope_compiles(nh, hd, dt):
     block, rows, warps = R.config(nh, hd)
     p = _ptr(dt)
     meta = dict(NH=nh, HD=hd, HALF=hd // 2, BLOCK=block, ROWS=rows)
-    fwd = _compile(R._fwd_kernel, dict(QKV=p, COS="*fp32", SIN="*fp32", POS="*i64", Q=p, K=p, n_rows="i32"), meta,
-                   warps)
+    for out_stride in (nh * hd, 3 * nh * hd):  # new q, k / rotated inside qkv
+        fwd = _compile(R._fwd_kernel, dict(QKV=p, COS="*fp32", SIN="*fp32", POS="*i64", Q=p, K=p, n_rows="i32"),
+                       dict(meta, OUT_STRIDE=out_stride), warps)
+        assert _resources(fwd).get("STACK", 0) == 0, _resources(fwd)
     strides = {n: "i32" for n in ("dq_st", "dq_sh", "dk_st", "dk_sh", "dv_st", "dv_sh")}
     for has_dv in (True, False):
         bwd = _compile(R._bwd_kernel, dict(DQ=p, DK=p, DV=p, COS="*fp32", SIN="*fp32", POS="*i64", DQKV=p,
                                            n_rows="i32", **strides), dict(meta, HAS_DV=has_dv), warps)
-    for k in (fwd, bwd):
-        assert _resources(k).get("STACK", 0) == 0, _resources(k)
+        assert _resources(bwd).get("STACK", 0) == 0, _resources(bwd)
 
 
 @pytest.mark.parametrize("inner,dt", [(1152, "bf16"), (2624, "fp16"), (1000, "fp32")])
@@ -113,6 +114,7 @@ def test_glu_compiles(inner, dt):
     for act in G.ACTIVATIONS.values():
         meta = dict(I=inner, BLOCK_T=block_t, BLOCK_I=block_i, ACT=act)
         fwd = _compile(G._fwd_kernel, dict(X=p, Y=p, n_rows="i32"), meta, warps)
-        bwd = _compile(G._bwd_kernel, dict(DY=p, X=p, DX=p, n_rows="i32"), meta, warps)
-        for k in (fwd, bwd):
-            assert _resources(k).get("STACK", 0) == 0, _resources(k)
+        for has_y in (False, True):
+            bwd = _compile(G._bwd_kernel, dict(DY=p, X=p, DX=p, Y=p, n_rows="i32"), dict(meta, HAS_Y=has_y), warps)
+            assert _resources(bwd).get("STACK", 0) == 0, _resources(bwd)
+        assert _resources(fwd).get("STACK", 0) == 0, _resources(fwd)

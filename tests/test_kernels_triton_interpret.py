@@ -175,6 +175,27 @@ def test_rope_qkv(fused, dtype, t, nh, hd):
     assert_rule(g_fast, g_ref, g_same, "dqkv")
 
 
+@pytest.mark.parametrize("t,nh,hd", [(1, 3, 32), (7, 2, 96), (33, 12, 64)])
+def test_rope_in_place(fused, t, nh, hd):
+    """``inplace``: q, k rotated inside qkv (views of it, row stride 3 * nh * hd), equal to the out-of-place
+    rotation; v's third untouched."""
+    from packed_encoders.ops.triton import rope as R
+
+    cos, sin = rope_tables(10000.0, hd, 64, "cpu")
+    qkv = _rand((t, 3 * nh * hd), torch.bfloat16, 30)
+    pos = torch.randint(0, 64, (t,), generator=_gen(31))
+    q_new, k_new = R.forward(qkv, cos, sin, pos, nh, hd)
+    buf = qkv.clone()
+    q, k = R.forward(buf, cos, sin, pos, nh, hd, inplace=True)
+    for got, new, part in ((q, q_new, 0), (k, k_new, 1)):
+        assert got.data_ptr() == buf.data_ptr() + part * nh * hd * buf.element_size()
+        assert got.stride() == (3 * nh * hd, hd, 1) and got.shape == (t, nh, hd)
+        assert torch.equal(got, new)
+    assert torch.equal(buf[:, 2 * nh * hd:], qkv[:, 2 * nh * hd:])
+    with pytest.raises(ValueError, match="contiguous"):
+        R.forward(torch.cat([qkv, qkv], 1)[:, ::2], cos, sin, pos, nh, hd, inplace=True)
+
+
 def test_rope_backward_strided_and_missing_dv(fused):
     """dq/dk/dv with arbitrary (non-contiguous) strides, and no dv at all, through the backward op."""
     from packed_encoders.ops.fused import _rope_bwd
@@ -223,6 +244,13 @@ def test_glu(fused, t, inner, activation, dtype):
     (g_same,) = _grads([y_s], [dy], [same_leaf])
     assert_rule(y, y_r, y_s, "y")
     assert_rule(g_fast, g_ref, g_same, "dx")
+
+    # the backward that also recomputes the forward's output: the same dx, and y bit for bit
+    from packed_encoders.ops.triton import glu as G
+
+    dx, y_again = G.backward(dy, x, activation, forward_out=True)
+    assert torch.equal(dx, G.backward(dy, x, activation))
+    assert torch.equal(y_again, G.forward(x, activation))
 
 
 # ------------------------------------------------------------------------------------------------ plumbing

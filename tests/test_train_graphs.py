@@ -342,3 +342,41 @@ def test_a_node_does_not_keep_its_runner_after_its_backward():
     assert loss.grad_fn is not None  # the step's graph itself is still alive
     with pytest.raises(PackedEncodersError, match="second backward"):
         loss.backward()
+
+
+def test_allocating_to_routes_the_stream_to_the_pool_and_gives_its_use_back(monkeypatch):
+    """The warm-ups' allocator hooks: begin on the current stream, then end and release the use begin took, also
+    when the block raises; without the hooks (a torch that lacks them) the block runs unrouted."""
+    from packed_encoders.graphs.training import allocating_to
+
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool",
+                        lambda d, p: calls.append(("begin", d, p)), raising=False)
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: calls.append(("end", d, p)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: calls.append(("release", d, p)), raising=False)
+    pool = (0, 7)
+    with allocating_to(pool, torch.device("cuda", 1)):
+        calls.append("body")
+    assert calls == [("begin", 1, pool), "body", ("end", 1, pool), ("release", 1, pool)]
+    calls.clear()
+    with pytest.raises(KeyError):
+        with allocating_to(pool, torch.device("cuda", 0)):
+            raise KeyError("x")
+    assert calls == [("begin", 0, pool), ("end", 0, pool), ("release", 0, pool)]
+    calls.clear()
+    monkeypatch.delattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool")
+    with allocating_to(pool, torch.device("cuda", 0)):
+        calls.append("body")
+    assert calls == ["body"]
+
+
+def test_weight_cast_off_caches_nothing():
+    from packed_encoders.ops import weight_cast
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    with weight_cast.off():
+        a, b = weight_cast.cast(w, torch.bfloat16), weight_cast.cast(w, torch.bfloat16)
+    assert a is not b and torch.equal(a, b) and a.dtype == torch.bfloat16
+    c, d = weight_cast.cast(w, torch.bfloat16), weight_cast.cast(w, torch.bfloat16)
+    assert c is d  # cached again outside the block

@@ -60,8 +60,7 @@ class GraphManager:
         self.fallbacks: Counter[str] = Counter()
         self.sync_free_fallbacks: Counter[str] = Counter()  # padded calls that took the synced path, and why
         # training graphs (GraphConfig.training): a pool per slot, the gradient buffers, the pending slots
-        self.train_pools: dict[int, Any] = {}
-        self.train_pool_tokens: dict[int, int] = {}   # per slot, the largest bucket its pool has held
+        self.train_pools: dict[int, Any] = {}        # per slot, its .training.SlotPool
         self.train_grads: dict[int, Any] = {}       # parameter index -> gradient buffer
         self.train_slots: Any = None
         self.train_hits = 0
@@ -102,7 +101,7 @@ class GraphManager:
         self.last_stream = None
         self.precaptured_for = None
         # a pending backward keeps its runner (and its pool, gradient buffers and slot bookkeeping) alive
-        self.train_pools, self.train_pool_tokens, self.train_grads, self.train_slots = {}, {}, {}, None
+        self.train_pools, self.train_grads, self.train_slots = {}, {}, None
         self.outputs = {}
 
     def note_fallback(self, reason: str) -> None:

@@ -312,7 +312,6 @@ def train_forward(model, state, batch, *, bucket: Bucket | None = None, autocast
             if isinstance(runner, str):
                 if not failed and mgr.is_failed(key):  # a capture failed just now: later ones get a fresh pool
                     mgr.train_pools.pop(slot, None)    # and stream (torch may leave both mid-capture)
-                    mgr.train_pool_tokens.pop(slot, None)
                     mgr.stream = None
                 mgr.note_fallback(runner)
                 lease.release()
@@ -336,7 +335,7 @@ def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str
                  slot: int, trainable: tuple):
     """A :class:`.training.TrainRunner` for ``slot``: the slot's pool, the encoder's gradient buffers (caller holds
     the lock)."""
-    from .training import TrainRunner
+    from .training import SlotPool, TrainRunner
 
     params = mgr.weights[3]
     buffers = mgr.train_grads  # one per parameter, shared by every slot: the node returns copies of them
@@ -346,27 +345,25 @@ def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str
     device = model.embeddings.tok_embeddings.weight.device
     if device.type == "cuda":
         kw = _capture_kw(model, mgr)
-        if slot in mgr.train_pools and bucket.tokens > mgr.train_pool_tokens.get(slot, 0):
+        pool = mgr.train_pools.get(slot)
+        if pool is not None and bucket.tokens > pool.tokens:
             # A bucket larger than any this slot's pool has held: the slot's graphs are dropped and its pool
             # starts afresh with this one, so the smaller buckets captured after it reuse its blocks (a pool grows
             # by a whole activation set at each new largest bucket otherwise; they are recaptured on their
             # next call). No graph of the slot is pending: the slot was free to take.
             mgr.drop(lambda k: k[0] == "train" and k[5] == slot)
             del mgr.train_pools[slot]
-            mgr.train_pool_tokens.pop(slot, None)
+            pool = None
             torch.cuda.empty_cache()  # the dropped pool's blocks, before the capture allocates a new one
-        if slot not in mgr.train_pools:
-            mgr.train_pools[slot] = torch.cuda.graph_pool_handle()
-        mgr.train_pool_tokens[slot] = max(mgr.train_pool_tokens.get(slot, 0), bucket.tokens)
-        kw["pool"] = mgr.train_pools[slot]
+        if pool is None:
+            pool = mgr.train_pools[slot] = SlotPool(kw["stream"])
+        pool.tokens = max(pool.tokens, bucket.tokens)
+        kw["pool"] = pool.handle
         _order_streams(mgr, device)
     else:  # the same slots, staging and gradient buffers, run eagerly (CPU tests)
         kw = dict(capture=False)
-    runner = TrainRunner(model, state, bucket, requested, tuple(p for p, t in zip(params, trainable) if t), grads,
+    return TrainRunner(model, state, bucket, requested, tuple(p for p, t in zip(params, trainable) if t), grads,
                        query_only=query_only, autocast=autocast, **kw)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the eager warm-up's activations (a training step's worth) stay cached otherwise
-    return runner
 
 
 def note_eager(model, state, reason: str | None, sync_free_refusal: str | None = None) -> None:
@@ -506,7 +503,7 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
         out["training"] = {"hits": mgr.train_hits,
                            "pending_slots": 0 if mgr.train_slots is None else len(mgr.train_slots.pending),
                            "gradient_buffer_bytes": sum(t.numel() * t.element_size() for t in mgr.train_grads.values()),
-                           "pool_reserved_bytes": sum(pool_reserved_bytes(p) or 0 for p in mgr.train_pools.values())}
+                           "pool_reserved_bytes": sum(pool_reserved_bytes(p.handle) or 0 for p in mgr.train_pools.values())}
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                memory={"budget_bytes": mgr.budget_bytes, "graph_bytes": mgr.graph_bytes,
                        "shared_output_bytes": mgr.output_bytes(),

@@ -25,6 +25,10 @@ the encoder's trainable parameters, so everything around it is ordinary PyTorch:
   next replay; replaced parameters (new storage) drop every graph (the weights fingerprint, :mod:`.route`).
 - **Checked once per capture**: the warm-up runs the same forward and backward eagerly; the captured pair is
   replayed on the warm-up's inputs and must reproduce its output and gradients, or the bucket runs eagerly.
+- **Warm-ups allocate in the slot's pool** (:func:`allocating_to`): their activations (a whole training step's)
+  are freed into the pool, where the capture that follows reuses them. Warmed up in the general pool instead,
+  they would stay reserved there beside the pool (a second activation set at the device's peak) or need an
+  ``empty_cache`` the caller did not ask for.
 
 Calls that a graph would run differently take the eager training path, the reason counted in ``describe()``:
 dropout in force (a graph would replay the same masks), gradient checkpointing, inputs that require gradients
@@ -36,6 +40,7 @@ with an eager forward per replay (CPU tests).
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import torch
@@ -46,7 +51,7 @@ from ..batch import PackedBatch
 from ..errors import PackedEncodersError
 from ..model.forward import encoder_forward
 from ..model.plan import rules_for
-from ..ops import quack_gemm
+from ..ops import quack_gemm, weight_cast
 from .buckets import Bucket
 from .runner import StaticInputs, autocast_state, no_gc, resolve_plan, verify_replay
 
@@ -91,6 +96,44 @@ class Lease:
     def _free(slots: Slots, k: int, generation: int) -> None:
         if slots.generation.get(k) == generation:
             slots.pending.discard(k)
+
+
+class SlotPool:
+    """A slot's graph memory pool: ``handle`` (the allocator's pool id), ``keeper`` (an empty graph captured into
+    it: the allocator frees a pool when no graph uses it, and warm-ups must be able to allocate into it before
+    the slot's first real capture) and ``tokens``, the largest bucket the pool has held."""
+
+    __slots__ = ("handle", "keeper", "tokens")
+
+    def __init__(self, stream):
+        self.handle = torch.cuda.graph_pool_handle()
+        self.keeper = torch.cuda.CUDAGraph()
+        self.tokens = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the graph is empty: that is the point
+            with torch.cuda.graph(self.keeper, pool=self.handle, stream=stream):
+                pass
+
+
+@contextlib.contextmanager
+def allocating_to(pool, device: torch.device):
+    """Within the block, every allocation on the current stream, from any thread (the autograd engine runs a CUDA
+    backward on its own), comes from graph pool ``pool`` (which must exist: :class:`SlotPool`). Without the
+    allocator hooks this torch lacks, allocations stay in the general pool."""
+    begin = getattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool", None)
+    if begin is None or pool is None:
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    begin(index, pool)
+    try:
+        yield
+    finally:
+        if hasattr(torch._C, "_cuda_endAllocateCurrentStreamToPool"):  # older torch
+            torch._C._cuda_endAllocateCurrentStreamToPool(index)
+        else:
+            torch._C._cuda_endAllocateToPool(index, pool)
+        torch._C._cuda_releasePool(index, pool)  # begin took a use of the pool
 
 
 class _Handle:
@@ -214,7 +257,7 @@ class TrainRunner(StaticInputs):
         # stream, and a backward reaching them from the capture stream would wait on that stream, which
         # invalidates the capture.
         with _aliased(self.model, self.params_list) as leaves:
-            with quack_gemm.graph_rules(), torch.cuda.stream(stream):
+            with quack_gemm.graph_rules(), torch.cuda.stream(stream), allocating_to(pool, device), weight_cast.off():
                 for _ in range(max(1, warmup)):
                     ref = self._forward()
                     ref_grads = [None if g is None else g.detach().clone() for g in self._grads_of(ref, leaves)]

@@ -22,8 +22,11 @@ class Kernels:
 
     - ``ln_fwd(x, delta, weight, bias, eps, out_dtype, res_dtype) -> (s, y, mean, rstd)``
     - ``ln_bwd(dy, s, weight, mean, rstd, dres, has_bias, dx_dtype, dx2_dtype) -> (dx, dx2, dw, db)``
-    - ``rope_fwd(qkv, cos, sin, rows, nh, hd) -> (q, k)``; ``rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, dtype) -> dqkv``
-    - ``glu_fwd(x, activation) -> y``; ``glu_bwd(dy, x, activation) -> dx``
+    - ``rope_fwd(qkv, cos, sin, rows, nh, hd) -> (q, k)``: rotated inside ``qkv`` (contiguous, overwritten), q and
+      k its views, so q, k and the caller's v view share one buffer; ``rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd,
+      dtype) -> dqkv``
+    - ``glu_fwd(x, activation) -> y``; ``glu_bwd(dy, x, activation, forward_out=False) -> dx``, or ``(dx, y)`` with
+      ``forward_out`` (``y`` equal to ``glu_fwd``'s, for a backward that did not keep it)
     """
 
     name: str
@@ -37,7 +40,10 @@ class Kernels:
 
 def _rope_fwd_torch(qkv, cos, sin, position_ids, num_heads, head_dim):
     q, k, _ = rope_qkv_torch(qkv, cos, sin, position_ids, num_heads, head_dim)
-    return q, k
+    parts = qkv.view(qkv.shape[0], 3, num_heads, head_dim)
+    parts[:, 0].copy_(q)
+    parts[:, 1].copy_(k)
+    return parts[:, 0], parts[:, 1]
 
 
 TORCH_KERNELS = Kernels("torch", layer_norm_fwd_torch, layer_norm_bwd_torch, _rope_fwd_torch, rope_qkv_bwd_torch,
@@ -50,7 +56,8 @@ class OpSet:
 
     - ``layer_norm(x [T, H], weight [H] | None, bias [H] | None, eps) -> [T, H]``
     - ``residual_layer_norm(x, delta, weight, bias, eps) -> (x + delta, LN(x + delta))``
-    - ``rope_qkv(qkv [T, 3*nh*hd], cos, sin, position_ids [T], nh, hd) -> (q, k, v)``, each ``[T, nh, hd]``
+    - ``rope_qkv(qkv [T, 3*nh*hd], cos, sin, position_ids [T], nh, hd) -> (q, k, v)``, each ``[T, nh, hd]`` (a
+      forward-only op set may rotate q and k inside ``qkv``: the caller does not read ``qkv`` afterwards)
     - ``glu(x [T, 2I], activation) -> [T, I]``
     - ``glu_linear(x [T, K], weight [2I, K], bias [2I] | None, activation) -> [T, I]``, or ``None``: the ``Wi``
       projection and the GLU in one op, for forwards without gradient only (no backward)

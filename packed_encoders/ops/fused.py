@@ -479,8 +479,13 @@ def _residual_layer_norm_direct(x: Tensor, delta: Tensor, weight: Tensor | None,
 
 
 def _rope_qkv_direct(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_heads: int, head_dim: int):
-    q, k = _rope.forward(qkv, cos, sin, position_ids, num_heads, head_dim)
+    # forward only: the projection's output is the caller's temporary, so q and k rotate inside it (no allocation)
+    q, k = _rope.forward(qkv, cos, sin, position_ids, num_heads, head_dim, inplace=qkv.is_contiguous())
     return q, k, _v_view(qkv, num_heads, head_dim)
+
+
+def _rope_fwd_in_place(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_heads: int, head_dim: int):
+    return _rope.forward(qkv, cos, sin, position_ids, num_heads, head_dim, inplace=True)
 
 
 def _glu_linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "gelu") -> Tensor:
@@ -492,7 +497,7 @@ def _glu_linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None, activatio
 DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _rope_qkv_direct, _glu.forward,
                    _glu_linear_direct, norm_out=True)
 
-TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope.forward, _rope.backward, _glu.forward,
+TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope_fwd_in_place, _rope.backward, _glu.forward,
                          _glu.backward)
 
 TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,

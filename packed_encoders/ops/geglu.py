@@ -34,9 +34,11 @@ def geglu_torch(x: torch.Tensor, activation: str = "gelu") -> torch.Tensor:
     return _act(a, activation) * g
 
 
-def glu_bwd_torch(dy: torch.Tensor, x: torch.Tensor, activation: str = "gelu") -> torch.Tensor:
+def glu_bwd_torch(dy: torch.Tensor, x: torch.Tensor, activation: str = "gelu", forward_out: bool = False):
     """Gradient of :func:`geglu_torch` with respect to ``x = [a | g]`` ``[T, 2I]`` given ``dy`` ``[T, I]``, in fp32
-    maths (as the Triton backward), returned in ``x.dtype``."""
+    maths (as the Triton backward), returned in ``x.dtype``; ``forward_out``: ``(dx, geglu_torch(x))``."""
+    if forward_out:
+        return glu_bwd_torch(dy, x, activation), geglu_torch(x, activation)
     a, g = x.float().chunk(2, dim=-1)
     with torch.enable_grad():
         a = a.detach().requires_grad_()

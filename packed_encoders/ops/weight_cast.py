@@ -15,12 +15,14 @@ outside an optimizer step, since ``.data`` has a version counter of its own. Cal
 
 The copy is made without gradient tracking: callers that need the gradient to reach the fp32 parameter (the
 block autograd functions of :mod:`packed_encoders.model.blocks`) compute the weight gradient themselves and return
-it in the parameter's dtype. Inference tensors (no version counter) and calls under CUDA-graph capture are cast
-each time, not cached. Entries go with their parameter (weak references).
+it in the parameter's dtype. Inference tensors (no version counter), calls under CUDA-graph capture and calls
+within :func:`off` (a training graph's warm-ups, whose allocations go to the graph's pool) are cast each time,
+not cached. Entries go with their parameter (weak references).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -29,6 +31,7 @@ import torch
 _CACHE: dict = {}
 _LOCK = threading.Lock()
 _STATE = {"generation": 0, "hooked": False}
+_LOCAL = threading.local()
 
 
 def _bump(*_args, **_kwargs) -> None:
@@ -51,12 +54,24 @@ def clear() -> None:
     _bump()
 
 
+@contextlib.contextmanager
+def off():
+    """Within the block, on this thread, :func:`cast` makes fresh copies and caches nothing (a cached copy made
+    there would live in whatever memory pool the block allocates from)."""
+    before = getattr(_LOCAL, "off", False)
+    _LOCAL.off = True
+    try:
+        yield
+    finally:
+        _LOCAL.off = before
+
+
 def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     """``t`` in ``dtype`` (``t`` itself when it already is, or when either is ``None``), from the cache while ``t``
     is unchanged. The result carries no autograd history."""
     if t is None or dtype is None or t.dtype is dtype:
         return t
-    if t.is_inference() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if t.is_inference() or getattr(_LOCAL, "off", False) or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         with torch.no_grad():
             return t.to(dtype)
     if not _STATE["hooked"]:

@@ -114,3 +114,30 @@ def test_dropout_takes_the_eager_path_visibly():
     _step(model, q, d)
     g = _graphs(model)
     assert g["fallbacks"].get(B.DROPOUT, 0) >= 2 and not any(b.get("training") for b in g["buckets"])
+
+
+def test_a_smaller_bucket_warms_up_inside_the_slot_pool():
+    """A slot whose pool holds a large bucket's graphs captures a smaller bucket: its eager warm-ups (a whole
+    training forward + backward) allocate from the pool's free blocks, not beside them in the general pool."""
+    model = _model()
+    pe.pack(model, cuda_graph=TRAIN)
+    big = _inputs(_lengths(16, 1000, 1500, 3), 3)    # ~20k tokens
+    small = _inputs(_lengths(16, 300, 500, 4), 4)    # ~6.4k tokens: another bucket of the same slot
+
+    def step(b):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = _encode(model, b, "stock")
+        out.float().pow(2).mean().backward()
+        torch.cuda.synchronize()
+
+    step(big)
+    pools = _graphs(model)["training"]["pool_reserved_bytes"]
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_reserved()
+    step(small)
+    grew = torch.cuda.max_memory_reserved() - before
+    g = _graphs(model)
+    assert sum(1 for b in g["buckets"] if b.get("training")) == 2, g["buckets"]
+    assert not g["capture_failures"], g["capture_failures"]
+    # the gradients' copies (fp32, ~0.6 GB) are the general pool's; a warm-up there would add ~3 GB
+    assert grew < 0.2 * pools, (grew, pools)

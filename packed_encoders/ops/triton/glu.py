@@ -59,8 +59,8 @@ def _fwd_kernel(X, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: t
 
 
 @kernel(do_not_specialize=("n_rows",))
-def _bwd_kernel(DY, X, DX, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
-                ACT: tl.constexpr):
+def _bwd_kernel(DY, X, DX, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+                ACT: tl.constexpr, HAS_Y: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < I)[None, :]
@@ -86,6 +86,8 @@ def _bwd_kernel(DY, X, DX, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK
         dact = tl.where(a > 0.0, 1.0, 0.0)
     tl.store(DX + r64 * (2 * I) + cols[None, :], (dy * g * dact).to(DX.dtype.element_ty), mask=mask)
     tl.store(DX + r64 * (2 * I) + I + cols[None, :], (dy * act).to(DX.dtype.element_ty), mask=mask)
+    if HAS_Y:  # the forward's output again: act is computed as the forward computes it, so the bits are the same
+        tl.store(Y + r64 * I + cols[None, :], (act * g).to(Y.dtype.element_ty), mask=mask)
 
 
 def forward(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -103,16 +105,20 @@ def forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     return y
 
 
-def backward(dy: torch.Tensor, x: torch.Tensor, activation: str) -> torch.Tensor:
-    """``dx`` ``[T, 2I]`` in ``x.dtype`` given ``dy`` ``[T, I]`` and the forward input ``x``."""
+def backward(dy: torch.Tensor, x: torch.Tensor, activation: str, forward_out: bool = False):
+    """``dx`` ``[T, 2I]`` in ``x.dtype`` given ``dy`` ``[T, I]`` and the forward input ``x``.
+
+    ``forward_out``: return ``(dx, y)``, ``y`` ``[T, I]`` the forward's output recomputed in the same pass (equal
+    to :func:`forward`'s bit for bit), for a backward that needs it but did not keep it."""
     t, two_i = x.shape
     inner = two_i // 2
     x, dy = x.contiguous(), dy.contiguous()
     dx = torch.empty_like(x)
-    if t == 0 or inner == 0:
-        return dx
-    bt, bi, warps = config(inner)
-    with device_guard(x):
-        _bwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
-            dy, x, dx, t, I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=ACTIVATIONS[activation], num_warps=warps)
-    return dx
+    y = torch.empty((t, inner), dtype=x.dtype, device=x.device) if forward_out else None
+    if t and inner:
+        bt, bi, warps = config(inner)
+        with device_guard(x):
+            _bwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
+                dy, x, dx, dx if y is None else y, t, I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=ACTIVATIONS[activation],
+                HAS_Y=forward_out, num_warps=warps)
+    return (dx, y) if forward_out else dx

@@ -1,8 +1,11 @@
 """Triton RoPE straight from the fused ``Wqkv`` output, forward and backward.
 
 Forward reads q and k from ``qkv`` ``[T, 3 * nh * hd]`` (q | k | v, head-major), rotates them
-split-half in fp32 with the token's position, and writes contiguous ``q, k`` ``[T, nh, hd]`` rounded
-once; v is never touched (the caller hands out a strided view). Backward applies the inverse rotation
+split-half in fp32 with the token's position, and writes ``q, k`` ``[T, nh, hd]`` rounded once: contiguous,
+or back into ``qkv`` (``inplace``: each program loads a pair before it stores it, so the rotation reads no
+value it already wrote); v is never touched (the caller hands out a strided view). In place, q, k and v are
+three views of one buffer: nothing is allocated, and a training forward whose attention saves q, k, v for
+its backward keeps one ``[T, 3 * nh * hd]`` tensor instead of that tensor (held by v) plus a rotated q and k. Backward applies the inverse rotation
 to ``dq, dk`` and writes the whole ``dqkv`` ``[T, 3 * nh * hd]``, copying ``dv`` into its third (zeros
 when v received no gradient), so no separate scatter or accumulation pass is needed.
 
@@ -32,7 +35,8 @@ def config(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 @kernel(do_not_specialize=("n_rows",))
 def _fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
-                NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                OUT_STRIDE: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK)
@@ -47,7 +51,7 @@ def _fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
     r64 = rows.to(tl.int64)[:, None]
     col = (head * HD + lane)[None, :]
     src = QKV + r64 * (3 * NH * HD) + col
-    dst = r64 * (NH * HD) + col
+    dst = r64 * OUT_STRIDE + col
     # q
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -105,22 +109,34 @@ def _bwd_kernel(DQ, DK, DV, COS, SIN, POS, DQKV, n_rows,
 
 
 def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor,
-            num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated ``q, k`` ``[T, nh, hd]`` (contiguous, ``qkv.dtype``) from ``qkv`` ``[T, 3 * nh * hd]``.
+            num_heads: int, head_dim: int, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated ``q, k`` ``[T, nh, hd]`` (``qkv.dtype``) from ``qkv`` ``[T, 3 * nh * hd]``.
 
     ``cos, sin``: ``[P, hd // 2]`` (fp32 tables, read in fp32); ``position_ids``: ``[T]`` integers < P.
+    ``inplace``: rotate q and k inside ``qkv`` (which must be contiguous) and return views of it (row stride
+    ``3 * nh * hd``); otherwise new contiguous tensors.
     """
     t = qkv.shape[0]
-    qkv = qkv.contiguous()
-    q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty_like(q)
+    width = num_heads * head_dim
+    if inplace:
+        if not qkv.is_contiguous():
+            raise ValueError("in-place RoPE needs a contiguous qkv")
+        parts = qkv.view(t, 3, num_heads, head_dim)
+        q, k = parts[:, 0], parts[:, 1]
+        out_q, out_k, stride = qkv, qkv[:, width:], 3 * width
+    else:
+        qkv = qkv.contiguous()
+        q = torch.empty((t, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+        k = torch.empty_like(q)
+        out_q, out_k, stride = q, k, width
     if t == 0:
         return q, k
     block, rows, warps = config(num_heads, head_dim)
     with device_guard(qkv):
         _fwd_kernel.on(qkv)[(cdiv(t, rows),)](
-            qkv, cos.contiguous(), sin.contiguous(), position_ids.contiguous(), q, k, t,
-            NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, num_warps=warps)
+            qkv, cos.contiguous(), sin.contiguous(), position_ids.contiguous(), out_q, out_k, t,
+            NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, OUT_STRIDE=stride,
+            num_warps=warps)
     return q, k
 
 
