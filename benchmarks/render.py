@@ -391,7 +391,7 @@ def training_plots(rows: list[dict], out_dir: Path) -> list[Path]:
         names = [r["variant"] for r in ok]
         med = [r["step_ms_median"] for r in ok]
         err = [[m - r["step_ms_min"] for m, r in zip(med, ok)], [r["step_ms_max"] - m for m, r in zip(med, ok)]]
-        colors = ["#9e9e9e" if n in ("hf_sdpa", "compile", "st_sdpa") else "#1f77b4" for n in names]
+        colors = ["#9e9e9e" if n in ("hf_sdpa", "hf_eager", "compile", "st_sdpa") else "#1f77b4" for n in names]
         bars = ax2.bar(names, med, yerr=err, capsize=3, color=colors)
         for bar, m in zip(bars, med):
             ax2.annotate(f"{m:,.0f}", (bar.get_x() + bar.get_width() / 2, m), ha="center", va="bottom", fontsize=8,

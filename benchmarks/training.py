@@ -19,6 +19,8 @@ Variants (each in a fresh process per workload, cold inductor cache):
 
 =================  ================================================================================================
 hf_sdpa            stock ``ModernBertModel`` (sdpa), padded batches (dynamic padding, as collators pad)
+hf_eager           the same with HF's eager attention: a second stock implementation, whose loss curve against
+                   ``hf_sdpa`` is the bf16 noise the packed variants' curves are judged by
 compile            the same model after ``model.compile(dynamic=True)`` (default mode: max-autotune's training
                    compile does not fit a 10-minute run); compile time is in ``warmup_s`` / ``wall_s``
 pack               ``pe.pack(model)``, the same padded calls
@@ -76,8 +78,8 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.common import ROOT
 
-VARIANTS = ("hf_sdpa", "compile", "pack", "pack_train_graphs", "packed", "st_sdpa", "st_pack", "pylate_sdpa",
-            "pylate_pack")
+VARIANTS = ("hf_sdpa", "hf_eager", "compile", "pack", "pack_train_graphs", "packed", "st_sdpa", "st_pack",
+            "pylate_sdpa", "pylate_pack")
 TRAINER_VARIANTS = ("st_sdpa", "st_pack")
 PYLATE_VARIANTS = ("pylate_sdpa", "pylate_pack")
 QUICK_CPU_VARIANTS = ("hf_sdpa", "pack", "packed")
@@ -225,7 +227,8 @@ class Trainee:
         self.variant, self.wl, self.device = variant, wl, device
         self.notes: list[str] = []
         torch.manual_seed(0)
-        model = AutoModel.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32,
+        attention = "eager" if variant == "hf_eager" else "sdpa"
+        model = AutoModel.from_pretrained(model_dir, attn_implementation=attention, dtype=torch.float32,
                                           local_files_only=True)
         self.model = model.to(device).train()
         params = list(self.model.parameters())
@@ -465,7 +468,7 @@ def run_child(args) -> int:
 
     prof = profile_steps(next_step, args.profile_steps, device) if args.profile_steps else {}
     describe = None
-    if args.variant not in ("hf_sdpa", "compile", "pylate_sdpa"):
+    if args.variant not in ("hf_sdpa", "hf_eager", "compile", "pylate_sdpa"):
         import packed_encoders as pe
 
         describe = pe.describe(trainee.model)["encoders"]
