@@ -257,11 +257,16 @@ class TrainRunner(StaticInputs):
         # stream, and a backward reaching them from the capture stream would wait on that stream, which
         # invalidates the capture.
         with _aliased(self.model, self.params_list) as leaves:
-            with quack_gemm.graph_rules(), torch.cuda.stream(stream), allocating_to(pool, device), weight_cast.off():
-                for _ in range(max(1, warmup)):
-                    ref = self._forward()
-                    ref_grads = [None if g is None else g.detach().clone() for g in self._grads_of(ref, leaves)]
-                ref = ref.detach()
+            with quack_gemm.graph_rules(), torch.cuda.stream(stream):
+                with allocating_to(pool, device), weight_cast.off():
+                    for _ in range(max(1, warmup)):
+                        ref = self._forward()
+                        grads = self._grads_of(ref, leaves)
+                # the check's references are copied out of the pool, so that the capture can reuse every block
+                # the warm-ups took there (copies kept in the pool would grow it by a set of gradients)
+                ref = ref.detach().clone()
+                ref_grads = [None if g is None else g.clone() for g in grads]
+                del grads
             torch.cuda.current_stream(device).wait_stream(stream)
             fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             try:
