@@ -31,8 +31,8 @@ def test_pylate_colbert_parity():
 @pytest.mark.skipif(not os.environ.get("PE_PYLATE_PYTHON"),
                     reason="needs PE_PYLATE_PYTHON (bash tests/envs/pylate.sh DIR builds PyLate's environment)")
 def test_pylate_training_matches_stock():
-    """Contrastive and CachedContrastive, gradient checkpointing off and on: 3 trainer steps packed vs stock;
-    Contrastive also on training graphs (``GraphConfig(training=True)``, the route forced as on CUDA)."""
+    """Contrastive and CachedContrastive, gradient checkpointing off and on, and on training graphs
+    (``GraphConfig(training=True)``, the route forced as on CUDA): 3 trainer steps packed vs stock."""
     proc = subprocess.run([os.environ["PE_PYLATE_PYTHON"], str(ROOT / "tests" / "pylate_train_check.py"), str(ROOT)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"')]
@@ -40,7 +40,7 @@ def test_pylate_training_matches_stock():
     assert proc.returncode == 0 and "error" not in results[-1], (results[-1], proc.stderr[-4000:])
     assert [(r["loss"], r["checkpointing"], r["graphs"]) for r in results] == [
         ("contrastive", False, False), ("contrastive", True, False), ("contrastive", False, True),
-        ("cached_contrastive", False, False), ("cached_contrastive", True, False)]
+        ("cached_contrastive", False, False), ("cached_contrastive", True, False), ("cached_contrastive", False, True)]
     for r in results:
         assert r["max_loss_diff"] < 1e-5 and r["max_weight_update"] > 1e-4
         assert "16 wide" in r["padded_outputs"]  # masked query expansion: the expansion tokens are trained too
@@ -51,3 +51,7 @@ def test_pylate_training_matches_stock():
     training = graphs["training"]
     assert training["pending_slots"] == 0 and training["slots"] == [0, 1, 2], training
     assert training["fallbacks"] == {} and training["gradient_buffer_bytes"] > 0, training
+    # CachedContrastive: each chunk's forward with gradients (2 per text kind, 3 kinds, 3 steps) served by the node
+    cached = results[5]
+    assert cached["calls"] == {"served": 2 * 3 * 3, "refused": 0, "without_grad": 0}, cached
+    assert cached["training"]["pending_slots"] == 0, cached["training"]

@@ -13,7 +13,7 @@ import pytest
 
 import packed_encoders as pe
 from tests.tiny_tokenizer import save_tiny_model
-from tests.training_compare import Recorder, compare, texts
+from tests.training_compare import LR, OPTIM, Recorder, compare, texts
 
 st = pytest.importorskip("sentence_transformers")
 
@@ -52,8 +52,8 @@ def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: boo
     rec = Recorder(loss)
     args = SentenceTransformerTrainingArguments(
         output_dir=str(tmp_path / f"out-{loss_name}-{packed}-{checkpointing}"), per_device_train_batch_size=BATCH,
-        max_steps=STEPS, learning_rate=1e-3, warmup_steps=0, lr_scheduler_type="constant", seed=0, data_seed=0,
-        max_grad_norm=0.0, gradient_checkpointing=checkpointing,
+        max_steps=STEPS, learning_rate=LR, optim=OPTIM, warmup_steps=0, lr_scheduler_type="constant", seed=0,
+        data_seed=0, max_grad_norm=0.0, gradient_checkpointing=checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False}, report_to=[], save_strategy="no",
         logging_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(texts(STEPS * BATCH)),

@@ -22,9 +22,10 @@ class Kernels:
 
     - ``ln_fwd(x, delta, weight, bias, eps, out_dtype, res_dtype) -> (s, y, mean, rstd)``
     - ``ln_bwd(dy, s, weight, mean, rstd, dres, has_bias, dx_dtype, dx2_dtype) -> (dx, dx2, dw, db)``
-    - ``rope_fwd(qkv, cos, sin, rows, nh, hd) -> (q, k)``: rotated inside ``qkv`` (contiguous, overwritten), q and
-      k its views, so q, k and the caller's v view share one buffer; ``rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd,
-      dtype) -> dqkv``
+    - ``rope_fwd(qkv, cos, sin, rows, nh, hd) -> (q, k)``, the caller not reading ``qkv``'s q and k thirds afterwards:
+      the Triton family rotates inside ``qkv`` (q and k its views, so q, k and the caller's v view share one
+      buffer), the torch family returns new tensors (as stock HF, whose CPU attention then sums in the same order);
+      ``rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, dtype) -> dqkv``
     - ``glu_fwd(x, activation) -> y``; ``glu_bwd(dy, x, activation, forward_out=False) -> dx``, or ``(dx, y)`` with
       ``forward_out`` (``y`` equal to ``glu_fwd``'s, for a backward that did not keep it)
     """
@@ -40,10 +41,7 @@ class Kernels:
 
 def _rope_fwd_torch(qkv, cos, sin, position_ids, num_heads, head_dim):
     q, k, _ = rope_qkv_torch(qkv, cos, sin, position_ids, num_heads, head_dim)
-    parts = qkv.view(qkv.shape[0], 3, num_heads, head_dim)
-    parts[:, 0].copy_(q)
-    parts[:, 1].copy_(k)
-    return parts[:, 0], parts[:, 1]
+    return q, k
 
 
 TORCH_KERNELS = Kernels("torch", layer_norm_fwd_torch, layer_norm_bwd_torch, _rope_fwd_torch, rope_qkv_bwd_torch,
