@@ -18,6 +18,7 @@ run's copy of the tree (a device copy may carry another checkout's ``.git``).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -308,8 +309,11 @@ def _curve_vs(r: dict, base: dict | None) -> str:
         return "-"
     a, b = r["losses"], base["losses"]
     n = min(len(a), len(b))
-    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n])]
-    return f"{a[0] - b[0]:+.4f} / {max(diffs):.4f} / {sum(diffs) / n:.4f} ({n})"
+    diffs = [abs(x - y) for x, y in zip(a[:n], b[:n]) if math.isfinite(x) and math.isfinite(y)]
+    if not diffs:
+        return f"no finite pair of losses ({n} steps)"
+    skipped = f"; {n - len(diffs)} steps with a non-finite loss skipped" if len(diffs) < n else ""
+    return f"{a[0] - b[0]:+.4f} / {max(diffs):.4f} / {sum(diffs) / len(diffs):.4f} ({len(diffs)}{skipped})"
 
 
 def training_table(group: list[dict]) -> str:
@@ -396,6 +400,8 @@ def training_plots(rows: list[dict], out_dir: Path) -> list[Path]:
         for bar, m in zip(bars, med):
             ax2.annotate(f"{m:,.0f}", (bar.get_x() + bar.get_width() / 2, m), ha="center", va="bottom", fontsize=8,
                          xytext=(0, 3), textcoords="offset points")
+        if max(r["step_ms_max"] for r in ok) > 20 * min(med):  # a compile or capture step would flatten the rest
+            ax2.set_yscale("log")
         ax2.set_ylabel("ms / step (median, min-max)")
         ax2.tick_params(axis="x", labelrotation=30, labelsize=8)
         ax2.set_title("step time", fontsize=9)
