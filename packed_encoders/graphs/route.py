@@ -503,7 +503,8 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
         out["training"] = {"hits": mgr.train_hits,
                            "pending_slots": 0 if mgr.train_slots is None else len(mgr.train_slots.pending),
                            "gradient_buffer_bytes": sum(t.numel() * t.element_size() for t in mgr.train_grads.values()),
-                           "pool_reserved_bytes": sum(pool_reserved_bytes(p.handle) or 0 for p in mgr.train_pools.values())}
+                           "pool_reserved_bytes": sum(pool_reserved_bytes(p.handle) or 0
+                                                      for p in mgr.train_pools.values())}
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                memory={"budget_bytes": mgr.budget_bytes, "graph_bytes": mgr.graph_bytes,
                        "shared_output_bytes": mgr.output_bytes(),

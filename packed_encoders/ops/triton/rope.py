@@ -5,9 +5,10 @@ split-half in fp32 with the token's position, and writes ``q, k`` ``[T, nh, hd]`
 or back into ``qkv`` (``inplace``: each program loads a pair before it stores it, so the rotation reads no
 value it already wrote); v is never touched (the caller hands out a strided view). In place, q, k and v are
 three views of one buffer: nothing is allocated, and a training forward whose attention saves q, k, v for
-its backward keeps one ``[T, 3 * nh * hd]`` tensor instead of that tensor (held by v) plus a rotated q and k. Backward applies the inverse rotation
-to ``dq, dk`` and writes the whole ``dqkv`` ``[T, 3 * nh * hd]``, copying ``dv`` into its third (zeros
-when v received no gradient), so no separate scatter or accumulation pass is needed.
+its backward keeps one ``[T, 3 * nh * hd]`` tensor instead of that tensor (held by v) plus a rotated q and k.
+Backward applies the inverse rotation to ``dq, dk`` and writes the whole ``dqkv`` ``[T, 3 * nh * hd]``,
+copying ``dv`` into its third (zeros when v received no gradient), so no separate scatter or accumulation
+pass is needed.
 
 A program handles ``ROWS`` tokens and, per token, every (head, first-half lane) pair as one flat
 axis ``j = head * HALF + lane`` padded to a power of two. ``nh`` and ``hd`` are compile-time constants;
