@@ -61,13 +61,14 @@ def test_layer_norm_compiles(hidden, dt, residual, bias):
     es = 4 if dt == "fp32" else 2
     block_n, rows, warps = L.config(hidden, es)
     p = _ptr(dt)
-    fwd = _compile(L._fwd_kernel, dict(X=p, D=p, W=p, B=p, S=p, Y=p, MEAN="*fp32", RSTD="*fp32", n_rows="i32",
-                                       eps="fp32"),
+    fwd = _compile(L._layer_norm_fwd_kernel, dict(X=p, D=p, W=p, B=p, S=p, Y=p, MEAN="*fp32", RSTD="*fp32",
+                                                  n_rows="i32", eps="fp32"),
                    dict(N=hidden, BLOCK_N=block_n, ROWS=rows, HAS_RES=residual, HAS_W=True, HAS_B=bias, STATS=True),
                    warps)
     block_n, rows, warps = L.config(hidden, es, backward=True)
-    bwd = _compile(L._bwd_kernel, dict(DY=p, X=p, W=p, MEAN="*fp32", RSTD="*fp32", DRES=p, DX=p, DX2="*bf16",
-                                       DW="*fp32", DB="*fp32", n_rows="i32", n_tiles="i32", n_programs="i32"),
+    bwd = _compile(L._layer_norm_bwd_kernel, dict(DY=p, X=p, W=p, MEAN="*fp32", RSTD="*fp32", DRES=p, DX=p,
+                                                  DX2="*bf16", DW="*fp32", DB="*fp32", n_rows="i32", n_tiles="i32",
+                                                  n_programs="i32"),
                    dict(N=hidden, BLOCK_N=block_n, ROWS=rows, HAS_W=True, HAS_B=bias, HAS_DRES=residual,
                         HAS_DX2=dt == "fp32", STAGES=L.BWD_STAGES), warps)
     for k in (fwd, bwd):
@@ -82,9 +83,9 @@ def test_layer_norm_backward_pipelined_compiles(stages):
     """The software-pipelined tile loop (``BWD_STAGES`` > 1, swept by benchmarks/kernels.py) lowers for sm_90
     without spills."""
     block_n, rows, warps = L.config(768, 2, backward=True)
-    bwd = _compile(L._bwd_kernel, dict(DY="*bf16", X="*bf16", W="*bf16", MEAN="*fp32", RSTD="*fp32", DRES="*bf16",
-                                       DX="*bf16", DX2="*bf16", DW="*fp32", DB="*fp32", n_rows="i32", n_tiles="i32",
-                                       n_programs="i32"),
+    bwd = _compile(L._layer_norm_bwd_kernel, dict(DY="*bf16", X="*bf16", W="*bf16", MEAN="*fp32", RSTD="*fp32",
+                                                  DRES="*bf16", DX="*bf16", DX2="*bf16", DW="*fp32", DB="*fp32",
+                                                  n_rows="i32", n_tiles="i32", n_programs="i32"),
                    dict(N=768, BLOCK_N=block_n, ROWS=rows, HAS_W=True, HAS_B=False, HAS_DRES=True, HAS_DX2=False,
                         STAGES=stages), warps)
     assert _resources(bwd).get("STACK", 0) == 0, _resources(bwd)
@@ -97,12 +98,12 @@ def test_rope_compiles(nh, hd, dt):
     p = _ptr(dt)
     meta = dict(NH=nh, HD=hd, HALF=hd // 2, BLOCK=block, ROWS=rows)
     for out_stride in (nh * hd, 3 * nh * hd):  # new q, k / rotated inside qkv
-        fwd = _compile(R._fwd_kernel, dict(QKV=p, COS="*fp32", SIN="*fp32", POS="*i64", Q=p, K=p, n_rows="i32"),
+        fwd = _compile(R._rope_fwd_kernel, dict(QKV=p, COS="*fp32", SIN="*fp32", POS="*i64", Q=p, K=p, n_rows="i32"),
                        dict(meta, OUT_STRIDE=out_stride), warps)
         assert _resources(fwd).get("STACK", 0) == 0, _resources(fwd)
     strides = {n: "i32" for n in ("dq_st", "dq_sh", "dk_st", "dk_sh", "dv_st", "dv_sh")}
     for has_dv in (True, False):
-        bwd = _compile(R._bwd_kernel, dict(DQ=p, DK=p, DV=p, COS="*fp32", SIN="*fp32", POS="*i64", DQKV=p,
+        bwd = _compile(R._rope_bwd_kernel, dict(DQ=p, DK=p, DV=p, COS="*fp32", SIN="*fp32", POS="*i64", DQKV=p,
                                            n_rows="i32", **strides), dict(meta, HAS_DV=has_dv), warps)
         assert _resources(bwd).get("STACK", 0) == 0, _resources(bwd)
 
@@ -113,8 +114,8 @@ def test_glu_compiles(inner, dt):
     p = _ptr(dt)
     for act in G.ACTIVATIONS.values():
         meta = dict(I=inner, BLOCK_T=block_t, BLOCK_I=block_i, ACT=act)
-        fwd = _compile(G._fwd_kernel, dict(X=p, Y=p, n_rows="i32"), meta, warps)
+        fwd = _compile(G._glu_fwd_kernel, dict(X=p, Y=p, n_rows="i32"), meta, warps)
         for has_y in (False, True):
-            bwd = _compile(G._bwd_kernel, dict(DY=p, X=p, DX=p, Y=p, n_rows="i32"), dict(meta, HAS_Y=has_y), warps)
+            bwd = _compile(G._glu_bwd_kernel, dict(DY=p, X=p, DX=p, Y=p, n_rows="i32"), dict(meta, HAS_Y=has_y), warps)
             assert _resources(bwd).get("STACK", 0) == 0, _resources(bwd)
         assert _resources(fwd).get("STACK", 0) == 0, _resources(fwd)

@@ -38,7 +38,7 @@ def config(inner: int) -> tuple[int, int, int]:
 
 
 @kernel(do_not_specialize=("n_rows",))
-def _fwd_kernel(X, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, ACT: tl.constexpr):
+def _glu_fwd_kernel(X, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, ACT: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < I)[None, :]
@@ -59,7 +59,7 @@ def _fwd_kernel(X, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: t
 
 
 @kernel(do_not_specialize=("n_rows",))
-def _bwd_kernel(DY, X, DX, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
+def _glu_bwd_kernel(DY, X, DX, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
                 ACT: tl.constexpr, HAS_Y: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -100,7 +100,7 @@ def forward(x: torch.Tensor, activation: str) -> torch.Tensor:
         return y
     bt, bi, warps = config(inner)
     with device_guard(x):
-        _fwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
+        _glu_fwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
             x, y, t, I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=ACTIVATIONS[activation], num_warps=warps)
     return y
 
@@ -118,7 +118,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, activation: str, forward_out: bo
     if t and inner:
         bt, bi, warps = config(inner)
         with device_guard(x):
-            _bwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
+            _glu_bwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
                 dy, x, dx, dx if y is None else y, t, I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=ACTIVATIONS[activation],
                 HAS_Y=forward_out, num_warps=warps)
     return (dx, y) if forward_out else dx

@@ -53,7 +53,7 @@ def config(hidden: int, elem_bytes: int = 2, backward: bool = False) -> tuple[in
 
 
 @kernel(do_not_specialize=("n_rows",))
-def _fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
+def _layer_norm_fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
                 N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
                 HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr):
     pid = tl.program_id(0)
@@ -87,7 +87,7 @@ def _fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
 
 
 @kernel(do_not_specialize=("n_rows", "n_tiles", "n_programs"))
-def _bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, n_tiles, n_programs,
+def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, n_tiles, n_programs,
                 N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
                 HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr, HAS_DX2: tl.constexpr,
                 STAGES: tl.constexpr):
@@ -165,7 +165,7 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
         rows, warps = SMALL_BATCH_TILE
     grid = (cdiv(t, rows),)
     with device_guard(x):
-        _fwd_kernel.on(x)[grid](
+        _layer_norm_fwd_kernel.on(x)[grid](
             x, delta if delta is not None else x, weight if weight is not None else x,
             bias if bias is not None else x, s if s is not None else y, y, mean if stats else y,
             rstd if stats else y, t, float(eps), N=n, BLOCK_N=block_n, ROWS=rows, HAS_RES=delta is not None,
@@ -199,7 +199,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mea
     db_part = alloc((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
     if t > 0:
         with device_guard(x):
-            _bwd_kernel.on(x)[(programs,)](
+            _layer_norm_bwd_kernel.on(x)[(programs,)](
                 dy, x, weight if weight is not None else x, mean, rstd, dres if dres is not None else dy,
                 dx, dx2 if dx2 is not None else dx, dw_part if dw_part is not None else mean,
                 db_part if db_part is not None else mean, t, tiles, programs,

@@ -35,7 +35,7 @@ def config(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 
 @kernel(do_not_specialize=("n_rows",))
-def _fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
+def _rope_fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
                 NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                 OUT_STRIDE: tl.constexpr):
     pid = tl.program_id(0)
@@ -66,7 +66,7 @@ def _fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
 
 
 @kernel(do_not_specialize=("n_rows",))
-def _bwd_kernel(DQ, DK, DV, COS, SIN, POS, DQKV, n_rows,
+def _rope_bwd_kernel(DQ, DK, DV, COS, SIN, POS, DQKV, n_rows,
                 dq_st, dq_sh, dk_st, dk_sh, dv_st, dv_sh,
                 NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                 HAS_DV: tl.constexpr):
@@ -134,7 +134,7 @@ def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_id
         return q, k
     block, rows, warps = config(num_heads, head_dim)
     with device_guard(qkv):
-        _fwd_kernel.on(qkv)[(cdiv(t, rows),)](
+        _rope_fwd_kernel.on(qkv)[(cdiv(t, rows),)](
             qkv, cos.contiguous(), sin.contiguous(), position_ids.contiguous(), out_q, out_k, t,
             NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, OUT_STRIDE=stride,
             num_warps=warps)
@@ -157,7 +157,7 @@ def backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: t
     block, rows, warps = config(num_heads, head_dim)
     dvs = (dv.stride(0), dv.stride(1)) if dv is not None else (0, 0)
     with device_guard(dq):
-        _bwd_kernel.on(dq)[(cdiv(t, rows),)](
+        _rope_bwd_kernel.on(dq)[(cdiv(t, rows),)](
             dq, dk, dv if dv is not None else dq, cos.contiguous(), sin.contiguous(), position_ids.contiguous(),
             dqkv, t, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), *dvs,
             NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, HAS_DV=dv is not None,
