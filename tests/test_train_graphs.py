@@ -352,7 +352,6 @@ def test_allocating_to_routes_the_stream_to_the_pool_and_gives_its_use_back(monk
     calls = []
     monkeypatch.setattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool",
                         lambda d, p: calls.append(("begin", d, p)), raising=False)
-    monkeypatch.delattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", raising=False)
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: calls.append(("end", d, p)), raising=False)
     monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: calls.append(("release", d, p)), raising=False)
     pool = (0, 7)

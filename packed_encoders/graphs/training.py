@@ -124,16 +124,17 @@ def allocating_to(pool, device: torch.device):
     if begin is None or pool is None:
         yield
         return
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     begin(index, pool)
     try:
         yield
     finally:
-        if hasattr(torch._C, "_cuda_endAllocateCurrentStreamToPool"):  # older torch
-            torch._C._cuda_endAllocateCurrentStreamToPool(index)
-        else:
-            torch._C._cuda_endAllocateToPool(index, pool)
+        torch._C._cuda_endAllocateToPool(index, pool)
         torch._C._cuda_releasePool(index, pool)  # begin took a use of the pool
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class _Handle:
@@ -356,7 +357,7 @@ def _end_pool(device, pool) -> None:
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     if end is not None and pool is not None:
         try:
-            end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+            end(_index(device), pool)
         except Exception:  # noqa: BLE001 - best effort: the manager also gives the slot a fresh pool
             pass
 
