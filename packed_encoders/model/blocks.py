@@ -59,10 +59,14 @@ def _grad_w(ctx, index: int, g: torch.Tensor | None, like: torch.Tensor | None):
 
 def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, ctx, iw: int, ib: int, w, b):
     """``(dx, dw, db)`` of ``y = x @ w_c.T + b`` (all in the compute dtype), weight gradients in the parameters'."""
-    dx = dy @ w_c
+    return (dy @ w_c, *_linear_weight_grads(dy, x, ctx, iw, ib, w, b))
+
+
+def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, ctx, iw: int, ib: int, w, b):
+    """``(dw, db)`` of ``y = x @ w_c.T + b``, in the parameters' dtypes (``None`` where not wanted)."""
     dw = _grad_w(ctx, iw, dy.t() @ x if ctx.needs_input_grad[iw] else None, w)
     db = _grad_w(ctx, ib, dy.sum(0) if b is not None and ctx.needs_input_grad[ib] else None, b)
-    return dx, dw, db
+    return dw, db
 
 
 class AttentionIn(torch.autograd.Function):
@@ -159,8 +163,7 @@ class AttentionOutMlp(torch.autograd.Function):
         dp = dpending.to(h.dtype)
         dh, g = kern.glu_bwd(_undrop(dp @ w2_c, mask_g, p_mlp), h, activation, forward_out=True)
         g = _undrop(g, mask_g, p_mlp)  # the dropped output the forward multiplied by mlp.Wo
-        dw2 = _grad_w(ctx, 8, dp.t() @ g if ctx.needs_input_grad[8] else None, w2)
-        db2 = _grad_w(ctx, 9, dp.sum(0) if b2 is not None and ctx.needs_input_grad[9] else None, b2)
+        dw2, db2 = _linear_weight_grads(dp, g, ctx, 8, 9, w2, b2)
         g = None
         dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, ctx, 6, 7, wi, bi)
         two = s_dtype != o_dtype
