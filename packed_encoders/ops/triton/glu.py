@@ -60,7 +60,7 @@ def _glu_fwd_kernel(X, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_
 
 @kernel(do_not_specialize=("n_rows",))
 def _glu_bwd_kernel(DY, X, DX, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr,
-                ACT: tl.constexpr, HAS_Y: tl.constexpr):
+                    ACT: tl.constexpr, HAS_Y: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < n_rows)[:, None] & (cols < I)[None, :]

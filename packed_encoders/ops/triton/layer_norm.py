@@ -54,8 +54,8 @@ def config(hidden: int, elem_bytes: int = 2, backward: bool = False) -> tuple[in
 
 @kernel(do_not_specialize=("n_rows",))
 def _layer_norm_fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
-                N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr):
+                           N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                           HAS_RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -88,9 +88,9 @@ def _layer_norm_fwd_kernel(X, D, W, B, S, Y, MEAN, RSTD, n_rows, eps,
 
 @kernel(do_not_specialize=("n_rows", "n_tiles", "n_programs"))
 def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, n_tiles, n_programs,
-                N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-                HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr, HAS_DX2: tl.constexpr,
-                STAGES: tl.constexpr):
+                           N: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
+                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_DRES: tl.constexpr, HAS_DX2: tl.constexpr,
+                           STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N

@@ -36,8 +36,8 @@ def config(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 @kernel(do_not_specialize=("n_rows",))
 def _rope_fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
-                NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                OUT_STRIDE: tl.constexpr):
+                     NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     OUT_STRIDE: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK)
@@ -67,9 +67,9 @@ def _rope_fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
 
 @kernel(do_not_specialize=("n_rows",))
 def _rope_bwd_kernel(DQ, DK, DV, COS, SIN, POS, DQKV, n_rows,
-                dq_st, dq_sh, dk_st, dk_sh, dv_st, dv_sh,
-                NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                HAS_DV: tl.constexpr):
+                     dq_st, dq_sh, dk_st, dk_sh, dv_st, dv_sh,
+                     NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     HAS_DV: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK)
