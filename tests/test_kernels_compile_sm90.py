@@ -97,9 +97,9 @@ def test_rope_compiles(nh, hd, dt):
     block, rows, warps = R.config(nh, hd)
     p = _ptr(dt)
     meta = dict(NH=nh, HD=hd, HALF=hd // 2, BLOCK=block, ROWS=rows)
-    for out_stride in (nh * hd, 3 * nh * hd):  # new q, k / rotated inside qkv
+    for out_stride, clean_v in ((nh * hd, False), (3 * nh * hd, True)):  # new q, k / rotated inside qkv
         fwd = _compile(R._rope_fwd_kernel, dict(QKV=p, COS="*fp32", SIN="*fp32", POS="*i64", Q=p, K=p, n_rows="i32"),
-                       dict(meta, OUT_STRIDE=out_stride), warps)
+                       dict(meta, OUT_STRIDE=out_stride, CLEAN_V=clean_v), warps)
         assert _resources(fwd).get("STACK", 0) == 0, _resources(fwd)
     strides = {n: "i32" for n in ("dq_st", "dq_sh", "dk_st", "dk_sh", "dv_st", "dv_sh")}
     for has_dv in (True, False):

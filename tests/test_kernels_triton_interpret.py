@@ -178,7 +178,7 @@ def test_rope_qkv(fused, dtype, t, nh, hd):
 @pytest.mark.parametrize("t,nh,hd", [(1, 3, 32), (7, 2, 96), (33, 12, 64)])
 def test_rope_in_place(fused, t, nh, hd):
     """``inplace``: q, k rotated inside qkv (views of it, row stride 3 * nh * hd), equal to the out-of-place
-    rotation; v's third untouched."""
+    rotation; v's third untouched where finite, its NaN and +-inf entries zeroed."""
     from packed_encoders.ops.triton import rope as R
 
     cos, sin = rope_tables(10000.0, hd, 64, "cpu")
@@ -192,6 +192,16 @@ def test_rope_in_place(fused, t, nh, hd):
         assert got.stride() == (3 * nh * hd, hd, 1) and got.shape == (t, nh, hd)
         assert torch.equal(got, new)
     assert torch.equal(buf[:, 2 * nh * hd:], qkv[:, 2 * nh * hd:])
+    bad = qkv.clone()
+    v = bad[:, 2 * nh * hd:]
+    v[0, 0], v[t - 1, -1], v[t // 2, hd // 2] = float("nan"), float("inf"), -float("inf")
+    want_v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    q_bad, k_bad = R.forward(bad, cos, sin, pos, nh, hd, inplace=True)
+    assert torch.equal(v, want_v) and torch.equal(q_bad, q_new) and torch.equal(k_bad, k_new)
+    src = qkv.clone()
+    src[0, 2 * nh * hd] = float("nan")
+    R.forward(src, cos, sin, pos, nh, hd)  # out of place: qkv is the caller's, never written
+    assert torch.isnan(src[0, 2 * nh * hd])
     with pytest.raises(ValueError, match="contiguous"):
         R.forward(torch.cat([qkv, qkv], 1)[:, ::2], cos, sin, pos, nh, hd, inplace=True)
 

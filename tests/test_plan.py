@@ -159,3 +159,29 @@ def test_quack_glu_route_is_called_on_the_direct_path(fused):
         encoder_forward(model, params, batch, ops=ops, attention_backend="sdpa",
                         rules=plan_mod.Rules(quack_eager_min_tokens=1))
     assert calls == [batch.total_tokens] * params.num_hidden_layers
+
+
+def test_fa4_skips_its_v_cleaning_after_a_rope_that_cleaned_v(fused):
+    """FA4's tiles read past a sequence's end, so it zeroes v's non-finite entries first, unless the plan's RoPE
+    did: the in-place Triton RoPE of the unchecked launches and of the training blocks; not the checked ops, the
+    torch family, or a layer whose q, k, v may come from a rope_linear epilogue."""
+    from dataclasses import replace
+
+    from packed_encoders.attention import flash
+
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    fa4 = {None: Decision("fa4"), params.window: Decision("fa4")}
+
+    def fns(ops, grad, rules=None):
+        p = plan_mod.plan_for(params, ops, fa4, tokens=100, max_seqlen=40, dtype=torch.bfloat16,
+                              device=torch.device("cpu"), grad=grad, rules=rules)
+        return {lp.attention for lp in p.layers}
+
+    assert fns(fused.TRITON_OPS, False) == {flash.fa4_varlen_finite_v}  # direct launches
+    assert fns(fused.TRITON_OPS, True) == {flash.fa4_varlen_finite_v}  # training blocks
+    assert fns(fused.TRITON_OPS, False, plan_mod.Rules(lean=False)) == {flash.fa4_varlen}  # checked ops
+    assert fns(fused.TRITON_OPS, True, plan_mod.Rules(blocks=False)) == {flash.fa4_varlen}  # per-op autograd
+    assert fns(TORCH_OPS, False) == {flash.fa4_varlen}
+    routed = replace(fused.TRITON_OPS, rope_linear=lambda *args: None)
+    assert fns(routed, False, plan_mod.Rules(quack_eager_min_tokens=1)) == {flash.fa4_varlen}

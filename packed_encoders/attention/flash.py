@@ -55,16 +55,24 @@ def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sc
 def fa4_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
                dropout_p: float = 0.0) -> torch.Tensor:
     """FlashAttention-4 varlen; same contract as :func:`torch_varlen`."""
-    from flash_attn.cute import flash_attn_varlen_func
-
-    if dropout_p:
-        raise ValueError("FlashAttention-4 has no attention dropout")
-    ws = (None, None) if window is None else (int(window), int(window))
     # FA4's key / value tiles run past a sequence's end into the next sequence's rows; those keys get probability 0,
     # but 0 * NaN is NaN, so one non-finite value would reach every sequence sharing its tile. A token with a
     # non-finite v has non-finite q and k too (everything after a LayerNorm of it is NaN), so its own sequence
     # still gets NaN through its scores, as stock does; only the cross-sequence products are cleaned.
     v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    return fa4_varlen_finite_v(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale, dropout_p=dropout_p)
+
+
+def fa4_varlen_finite_v(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
+                        dropout_p: float = 0.0) -> torch.Tensor:
+    """:func:`fa4_varlen` for a ``v`` whose non-finite entries the caller has zeroed already (the in-place Triton
+    RoPE does, :func:`packed_encoders.ops.triton.rope.forward`): no cleaning pass, and no cleaned copy of ``v``
+    for a backward to keep."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    if dropout_p:
+        raise ValueError("FlashAttention-4 has no attention dropout")
+    ws = (None, None) if window is None else (int(window), int(window))
     out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                  max_seqlen_q=int(max_seqlen), max_seqlen_k=int(max_seqlen),
                                  softmax_scale=scale, causal=False, window_size=ws)

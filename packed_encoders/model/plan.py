@@ -196,6 +196,8 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
     # An op set's own routes (linear, rope_linear, glu_linear) serve forwards without gradient; quack's are
     # consulted only where its host cost per launch is paid back (``quack``: see _quack_active)
     routed = not grad and (quack or ops.gemm != "quack")
+    # the RoPE that runs here zeroes v's non-finite entries: an attention that would clean v skips its own pass
+    finite_v = kernels.rope_finite_v if grad and kernels is not None else (not grad and run_ops.rope_finite_v)
     layers = []
     for index in range(params.num_hidden_layers):
         window = _layer_window(params, index, max_seqlen)
@@ -206,7 +208,10 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         in_attention = backend.fuse_rope(grad, None if window is None else tokens, enabled=rules.fused_rope,
                                          max_tokens=rules.fused_rope_max_tokens)
         fn = backend.direct if direct and backend.direct is not None else backend.fn
-        layers.append(LayerPlan(window, name, fn, routed and ops.rope_linear is not None, in_attention))
+        rope_linear = routed and ops.rope_linear is not None
+        if finite_v and backend.finite_v is not None and not (rope_linear or in_attention):
+            fn = backend.finite_v  # (a rope_linear epilogue or the attention itself would rotate: v not cleaned)
+        layers.append(LayerPlan(window, name, fn, rope_linear, in_attention))
     if grad:
         glu = "split"
     elif routed and ops.gemm == "quack" and ops.glu_linear is not None:

@@ -28,6 +28,8 @@ class Kernels:
       ``rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, dtype) -> dqkv``
     - ``glu_fwd(x, activation) -> y``; ``glu_bwd(dy, x, activation, forward_out=False) -> dx``, or ``(dx, y)`` with
       ``forward_out`` (``y`` equal to ``glu_fwd``'s, for a backward that did not keep it)
+    - ``rope_finite_v``: ``rope_fwd`` also zeroes the non-finite entries of ``qkv``'s v third (the attention then
+      needs no cleaning pass, :attr:`packed_encoders.attention.backends.Backend.finite_v`)
     """
 
     name: str
@@ -37,6 +39,7 @@ class Kernels:
     rope_bwd: Callable
     glu_fwd: Callable
     glu_bwd: Callable
+    rope_finite_v: bool = False
 
 
 def _rope_fwd_torch(qkv, cos, sin, position_ids, num_heads, head_dim):
@@ -71,6 +74,8 @@ class OpSet:
       is written into when its dtype is the one they produce, e.g. a CUDA graph's shared static output)
     - ``gemm``: which GEMMs the op set runs, for ``describe()``: ``"torch"`` (``F.linear``: cuBLAS on CUDA) or
       ``"quack"`` (quack where :mod:`.quack_gemm` routes a call, ``F.linear`` for the rest)
+    - ``rope_finite_v``: the ``v`` that ``rope_qkv`` returns has its non-finite entries zeroed (as
+      :attr:`Kernels.rope_finite_v`)
     """
 
     name: str
@@ -84,6 +89,7 @@ class OpSet:
     gemm: str = field(default="torch", compare=False)
     kernels: Kernels | None = field(default=None, compare=False)
     norm_out: bool = field(default=False, compare=False)
+    rope_finite_v: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -479,8 +479,10 @@ def _residual_layer_norm_direct(x: Tensor, delta: Tensor, weight: Tensor | None,
 
 
 def _rope_qkv_direct(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_heads: int, head_dim: int):
-    # forward only: the projection's output is the caller's temporary, so q and k rotate inside it (no allocation)
-    q, k = _rope.forward(qkv, cos, sin, position_ids, num_heads, head_dim, inplace=qkv.is_contiguous())
+    # forward only: the projection's output is the caller's temporary, so q and k rotate inside it (no allocation),
+    # and its v's non-finite entries are zeroed there (DIRECT_OPS.rope_finite_v)
+    qkv = qkv.contiguous()
+    q, k = _rope.forward(qkv, cos, sin, position_ids, num_heads, head_dim, inplace=True)
     return q, k, _v_view(qkv, num_heads, head_dim)
 
 
@@ -495,10 +497,10 @@ def _glu_linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None, activatio
 
 
 DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _rope_qkv_direct, _glu.forward,
-                   _glu_linear_direct, norm_out=True)
+                   _glu_linear_direct, norm_out=True, rope_finite_v=True)
 
 TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope_fwd_in_place, _rope.backward, _glu.forward,
-                         _glu.backward)
+                         _glu.backward, rope_finite_v=True)
 
 TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,
                         fallbacks=fallbacks, direct=DIRECT_OPS, covers=covers, kernels=TRITON_KERNELS)

@@ -3,9 +3,13 @@
 Forward reads q and k from ``qkv`` ``[T, 3 * nh * hd]`` (q | k | v, head-major), rotates them
 split-half in fp32 with the token's position, and writes ``q, k`` ``[T, nh, hd]`` rounded once: contiguous,
 or back into ``qkv`` (``inplace``: each program loads a pair before it stores it, so the rotation reads no
-value it already wrote); v is never touched (the caller hands out a strided view). In place, q, k and v are
-three views of one buffer: nothing is allocated, and a training forward whose attention saves q, k, v for
-its backward keeps one ``[T, 3 * nh * hd]`` tensor instead of that tensor (held by v) plus a rotated q and k.
+value it already wrote); the caller hands out v as a strided view. In place, q, k and v are three views of one
+buffer: nothing is allocated, and a training forward whose attention saves q, k, v for its backward keeps one
+``[T, 3 * nh * hd]`` tensor instead of that tensor (held by v) plus a rotated q and k. In place, the kernel also
+zeroes v's non-finite entries (NaN, +-inf; it reads v, and writes only those): FlashAttention-4's tiles run past a
+sequence's end into the next one's rows, whose probability 0 times a NaN is NaN, so an attention fed this v needs
+no cleaning pass of its own (:func:`packed_encoders.attention.flash.fa4_varlen_finite_v`). Out of place, v is
+never touched.
 Backward applies the inverse rotation to ``dq, dk`` and writes the whole ``dqkv`` ``[T, 3 * nh * hd]``,
 copying ``dv`` into its third (zeros when v received no gradient), so no separate scatter or accumulation
 pass is needed.
@@ -34,10 +38,13 @@ def config(num_heads: int, head_dim: int) -> tuple[int, int, int]:
     return block, rows, warps
 
 
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
 @kernel(do_not_specialize=("n_rows",))
 def _rope_fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
                      NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                     OUT_STRIDE: tl.constexpr):
+                     OUT_STRIDE: tl.constexpr, CLEAN_V: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     j = tl.arange(0, BLOCK)
@@ -63,6 +70,13 @@ def _rope_fwd_kernel(QKV, COS, SIN, POS, Q, K, n_rows,
     x2 = tl.load(src + NH * HD + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(K + dst, (x1 * c - x2 * s).to(K.dtype.element_ty), mask=mask)
     tl.store(K + dst + HALF, (x2 * c + x1 * s).to(K.dtype.element_ty), mask=mask)
+    if CLEAN_V:  # v: non-finite entries (|x| <= max is false for NaN and inf) become 0; finite ones are not written
+        zero = tl.zeros([ROWS, BLOCK], dtype=QKV.dtype.element_ty)
+        v = src + 2 * NH * HD
+        x1 = tl.load(v, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(v + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(v, zero, mask=mask & ~(tl.abs(x1) <= _FLT_MAX))
+        tl.store(v + HALF, zero, mask=mask & ~(tl.abs(x2) <= _FLT_MAX))
 
 
 @kernel(do_not_specialize=("n_rows",))
@@ -115,7 +129,7 @@ def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_id
 
     ``cos, sin``: ``[P, hd // 2]`` (fp32 tables, read in fp32); ``position_ids``: ``[T]`` integers < P.
     ``inplace``: rotate q and k inside ``qkv`` (which must be contiguous) and return views of it (row stride
-    ``3 * nh * hd``); otherwise new contiguous tensors.
+    ``3 * nh * hd``), and zero the non-finite entries of its v third; otherwise new contiguous tensors.
     """
     t = qkv.shape[0]
     width = num_heads * head_dim
@@ -137,7 +151,7 @@ def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_id
         _rope_fwd_kernel.on(qkv)[(cdiv(t, rows),)](
             qkv, cos.contiguous(), sin.contiguous(), position_ids.contiguous(), out_q, out_k, t,
             NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, OUT_STRIDE=stride,
-            num_warps=warps)
+            CLEAN_V=inplace, num_warps=warps)
     return q, k
 
 
