@@ -190,7 +190,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             rope.update(rope_inputs(model, params, batch))
         return rope[is_global]
 
-    def rope_linear(normed: torch.Tensor, wqkv: nn.Linear, is_global: bool):
+    def rope_linear(normed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, is_global: bool):
         nonlocal positions
         if is_global not in pair_freq:
             pair_freq[is_global] = rope_pair_inputs(model, params, device, is_global)
@@ -199,7 +199,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             return None
         if positions is None:
             positions = batch.position_ids.float()
-        return ops.rope_linear(normed, wqkv.weight, wqkv.bias, positions, freq, nh, hd)
+        return ops.rope_linear(normed, weight, bias, positions, freq, nh, hd)
 
     emb = model.embeddings
     if batch.inputs_embeds is not None:
@@ -226,8 +226,13 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     # documents of ~940 tokens, ModernBERT-base: 2.7 GiB peak allocated with them all held).
     else:
         # autocast without gradient: each fp32 weight's low-precision copy is made once and reused while the
-        # weight is unchanged (ops.weight_cast), rather than cast again by every call
+        # weight is unchanged (ops.weight_cast), rather than cast again by every call; a norm's output (fp32 under
+        # CUDA autocast, as F.layer_norm's) is cast once for the projection, which autocast would do inside
+        # F.linear: the GEMM routes (quack, the Triton Wi + GLU) then see the operands a bf16 model gives them
         wdt = compute_dtype(device.type) if not grad else None
+
+        def to_wdt(t: torch.Tensor) -> torch.Tensor:
+            return t if wdt is None or t.dtype is wdt else t.to(wdt)
 
         def run_layer(index: int, carry: list):
             x, pending = carry
@@ -247,8 +252,10 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             else:
                 normed = run.layer_norm(x, *_norm_args(attn_norm))
             pending = None
-            rotated = rope_linear(normed, wqkv, is_global) if step.rope_linear else None
-            qkv = linear(normed, cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)) if rotated is None else None
+            normed = to_wdt(normed)
+            w, b = cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)
+            rotated = rope_linear(normed, w, b, is_global) if step.rope_linear else None
+            qkv = linear(normed, w, b) if rotated is None else None
             normed = None
             extra = dict(extra_kw)
             if rotated is not None:
@@ -270,12 +277,14 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             a = None
             x, normed = run.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
             o = None
+            normed = to_wdt(normed)
             mlp = layer.mlp
             wi = mlp.Wi
+            w, b = cast(wi.weight, wdt), cast(wi.bias, wdt)
             if glu_path == "split":
-                h = run.glu(F.linear(normed, cast(wi.weight, wdt), cast(wi.bias, wdt)), params.activation)
+                h = run.glu(F.linear(normed, w, b), params.activation)
             else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
-                h = glu_linear(normed, wi.weight, wi.bias, params.activation)
+                h = glu_linear(normed, w, b, params.activation)
             normed = None
             g = _dropout(h, mlp.drop)
             h = None
