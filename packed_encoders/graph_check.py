@@ -5,7 +5,8 @@ instead, when it happens; see :class:`~packed_encoders.graphs.runner.GraphRunner
 ``validate()`` checks the eager packed path against stock HF; this adds the graph replay against that eager
 path, so ``pack(validate=True, cuda_graph=...)`` never installs graphs that were not run once. With
 ``GraphConfig(sync_free=True)`` the same batch also runs through a rectangular graph (unpadded on the device),
-compared per real token, with zeros required at padded positions.
+compared per real token, with zeros required at padded positions. The graphs captured for the check batches are
+dropped afterwards, their memory given back (precaptured buckets stay): the workload captures its own buckets.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from .batch import unpad
 from .call import run_packed
 from .errors import PackedEncodersError
 from .graphs.buckets import CallFacts, admit, admit_rect, round_seqs
-from .graphs.route import deferred_checks, graph_forward, note_eager, prepare, sync_free_forward
+from .graphs.route import (deferred_checks, graph_forward, graph_keys, note_eager, prepare, release_check_graphs,
+                           sync_free_forward)
 from .router import Facts
 from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, rel_err
 
@@ -70,6 +72,14 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     params = state.params
     lengths = check_lengths(config, params.window, backend_top(config, state, weight.dtype))
     ids, mask = check_batch(lengths, params.vocab_size, weight.device, seed)
+    before = graph_keys(state)
+    try:
+        _check(model, state, config, params, weight, lengths, ids, mask, report, seed)
+    finally:
+        release_check_graphs(state, before)
+
+
+def _check(model, state, config, params, weight, lengths, ids, mask, report, seed: int) -> None:
     was_training = model.training
     model.eval()
     try:

@@ -175,6 +175,28 @@ def test_weight_cast_is_reused_and_never_stale():
     assert not e.is_inference() and weight_cast.cast(w, torch.bfloat16) is e
 
 
+def test_static_copies_are_served_in_place_and_refreshed_only_after_a_change():
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    b = torch.nn.Parameter(torch.randn(8))
+    copies = weight_cast.StaticCopies([w, b], torch.bfloat16)
+    addresses = [c.data_ptr() for c in copies.copies]
+    assert copies.refresh() == 1 and copies.refresh() == 1  # nothing changed: no second cast
+    assert torch.equal(copies.copies[0], w.detach().to(torch.bfloat16))
+    with copies.serving():
+        assert weight_cast.cast(w, torch.bfloat16) is copies.copies[0]
+        assert weight_cast.cast(w.detach(), torch.bfloat16) is copies.copies[0]  # an alias: same address
+        assert weight_cast.cast(w, torch.float16) is not copies.copies[0]  # another dtype: a cast
+    assert weight_cast.cast(w, torch.bfloat16) is not copies.copies[0]  # outside the block: the cache
+    with torch.no_grad():
+        w.mul_(2.0)  # version bump
+    assert copies.refresh() == 2 and torch.equal(copies.copies[0], w.detach().to(torch.bfloat16))
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    torch.optim.AdamW([w, b], lr=0.1, fused=True).step()  # no version bump: the optimizer-step hook
+    assert copies.refresh() == 3 and torch.equal(copies.copies[1], b.detach().to(torch.bfloat16))
+    assert [c.data_ptr() for c in copies.copies] == addresses  # refreshed in place (a graph reads them)
+    assert copies.nbytes() == (32 + 8) * 2
+
+
 @pytest.mark.parametrize("grad", [False, True])
 def test_autocast_forward_sees_in_place_weight_changes(grad):
     """Two forwards under autocast with a weight changed in place between them: the second sees the change

@@ -572,7 +572,12 @@ def test_pack_validates_the_graph_path(cpu_graphs, monkeypatch):
     model = pe.pack(tiny_model(), cuda_graph=GraphConfig(max_seqlen=64), validation_lengths=(1, 9, 40))
     report = get_state(model).report
     assert report.passed and any(c.startswith("cuda_graph: replay vs eager") for c in report.checks)
-    assert _graph_info(model)["graphs"] == 1, "the check batch's bucket stays captured"
+    info = _graph_info(model)
+    assert info["misses"] == 1 and info["graphs"] == 0, "the check batch's bucket was captured, then dropped"
+    model = pe.pack(tiny_model(), cuda_graph=GraphConfig(max_seqlen=64, precapture=((2, 64),)),
+                    validation_lengths=(1, 9, 40))
+    info = _graph_info(model)
+    assert info["misses"] == 2 and info["graphs"] == 1, "a precaptured bucket stays"
     assert check.check_lengths(GraphConfig(max_seqlen=64), 8) == [1, 9, 18, 21, 64]
     assert check.check_lengths(GraphConfig(max_seqlen=128, max_seqs=2), 64) == [1, 42]
 

@@ -224,6 +224,51 @@ def test_optimizer_steps_are_seen_by_the_next_forward():
     assert not torch.allclose(out0.detach(), out1.detach())
 
 
+def test_autocast_graphs_read_weight_copies_that_follow_the_optimizer(monkeypatch):
+    """Under autocast the training graphs read the encoder's static low-precision weight copies: a fused optimizer
+    step (no version bump) is seen by the next forward, and a backward whose forward read copies that a later
+    forward recast raises instead of computing gradients for other weights."""
+    from torch import nn
+
+    from packed_encoders.graphs import training
+    from packed_encoders.model.plan import Rules
+
+    # the per-block training path (the one CUDA takes), which casts through ops.weight_cast, on CPU
+    monkeypatch.setattr(training, "rules_for", lambda tuning: Rules(lean=True, blocks=True))
+    model, state = packed_model()
+    batch = batch_of([20, 11])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)  # CPU autocast: the blocks cast to bf16 as on CUDA
+
+    def forward():
+        with bf16:
+            return route.train_forward(model, state, batch, autocast=torch.bfloat16)
+
+    def eager():
+        with bf16, torch.no_grad():
+            return run_packed(model, state, batch).float()
+
+    out0 = forward()
+    copies = state.runtime["graphs"].casts[torch.bfloat16]
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert len(copies.copies) == sum(1 + (m.bias is not None) for m in linears)
+    torch.testing.assert_close(out0.detach().float(), eager(), atol=2e-2, rtol=2e-2)
+    loss_of(out0.float(), 0).backward()
+    opt.step()
+    out1 = forward()
+    assert not torch.allclose(out0.detach(), out1.detach())
+    torch.testing.assert_close(out1.detach().float(), eager(), atol=2e-2, rtol=2e-2)
+    loss_of(out1.float(), 1).backward()
+    with torch.no_grad():
+        torch._foreach_zero_(list(copies.copies))  # the forward reads the copies (the weights unchanged: no recast)
+    assert not torch.allclose(forward().detach().float(), eager(), atol=2e-2, rtol=2e-2)
+    pending = forward()  # slot 0
+    opt.step()
+    forward()  # slot 1: recasts the copies slot 0's backward would read
+    with pytest.raises(PackedEncodersError, match="modified in place"):
+        loss_of(pending.float(), 2).backward()
+
+
 def test_a_second_backward_through_a_forward_raises():
     model, state = packed_model()
     batch = batch_of([20, 11])

@@ -32,8 +32,9 @@ class GraphManager:
     graphs until it fits (evicted graphs' pool blocks are reused by later captures, so the pool stops growing);
     a graph over the budget by itself is dropped and its bucket runs eagerly (:data:`.buckets.OVER_BUDGET`).
     ``max_graphs`` bounds the count either way. The static outputs the packed graphs of one octave share
-    (``outputs``) are the manager's, held until :meth:`clear` whichever graphs are evicted: they count against the
-    budget too (:meth:`output_bytes`), outside ``graph_bytes``.
+    (``outputs``) and the weight copies graphs under autocast read (``casts``) are the manager's, held until
+    :meth:`clear` whichever graphs are evicted: they count against the budget too (:meth:`output_bytes`,
+    :meth:`cast_bytes`), outside ``graph_bytes``.
     """
 
     def __init__(self, config: GraphConfig, budget_bytes: int | None = None):
@@ -66,10 +67,16 @@ class GraphManager:
         self.train_hits = 0
         # (device, dtype, hidden, rows) -> the static output the packed graphs of buckets of <= rows tokens share
         self.outputs: dict[tuple, Any] = {}
+        # autocast dtype -> ops.weight_cast.StaticCopies of the projection weights, read by the graphs of that dtype
+        self.casts: dict[Any, Any] = {}
 
     def output_bytes(self) -> int:
         """Bytes of the shared static outputs (``outputs``)."""
         return sum(t.numel() * t.element_size() for t in list(self.outputs.values()))
+
+    def cast_bytes(self) -> int:
+        """Bytes of the weight copies (``casts``)."""
+        return sum(c.nbytes() for c in list(self.casts.values()) if c is not None)
 
     def __len__(self) -> int:
         return len(self._runners)
@@ -103,6 +110,7 @@ class GraphManager:
         # a pending backward keeps its runner (and its pool, gradient buffers and slot bookkeeping) alive
         self.train_pools, self.train_grads, self.train_slots = {}, {}, None
         self.outputs = {}
+        self.casts = {}
 
     def note_fallback(self, reason: str) -> None:
         self.fallbacks[reason] += 1
@@ -148,7 +156,7 @@ class GraphManager:
             self._failed[key] = f"{OVER_BUDGET} ({cost} > {self.budget_bytes} bytes)"
             return OVER_BUDGET
         while (self._runners and self.budget_bytes is not None
-               and self.graph_bytes + self.output_bytes() + cost > self.budget_bytes):
+               and self.graph_bytes + self.output_bytes() + self.cast_bytes() + cost > self.budget_bytes):
             self._evict()
         self._runners[key] = runner
         self.graph_bytes += cost

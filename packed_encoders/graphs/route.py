@@ -107,7 +107,25 @@ def _build(model, state, mgr: GraphManager, bucket: Bucket, requested: str, quer
     _order_streams(mgr, device)  # the capture empties the shared inbox, which a replay on another stream may read
     return GraphRunner(model, state, bucket, requested, query_only=query_only, fused_stage=fused,
                        inbox=_inbox(mgr, device) if fused else None, autocast=autocast,
-                       outputs=functools.partial(shared_output, mgr, device), **_capture_kw(model, mgr))
+                       outputs=functools.partial(shared_output, mgr, device), casts=static_casts(model, mgr, autocast),
+                       **_capture_kw(model, mgr))
+
+
+def static_casts(model, mgr: GraphManager, autocast):
+    """The encoder's ``autocast`` copies of its projection weights and biases (``nn.Linear`` parameters in
+    another floating dtype), which its graphs under that autocast read instead of casting the weights at every
+    replay; ``None`` without autocast or such parameters (caller holds ``mgr.lock``)."""
+    if autocast is None:
+        return None
+    if autocast not in mgr.casts:
+        from torch import nn
+
+        from ..ops.weight_cast import StaticCopies
+
+        params = [p for m in model.modules() if isinstance(m, nn.Linear) for p in (m.weight, m.bias)
+                  if p is not None and p.is_floating_point() and p.dtype != autocast]
+        mgr.casts[autocast] = StaticCopies(params, autocast) if params else None
+    return mgr.casts[autocast]
 
 
 def shared_output(mgr: GraphManager, device: torch.device, dtype: torch.dtype, tokens: int,
@@ -145,6 +163,33 @@ def _precapture(model, state, mgr: GraphManager) -> None:
     _budget(model, state, mgr)
     for bucket in precapture_buckets(mgr.config):
         mgr.get((requested, bucket, False, None), lambda b=bucket: _build(model, state, mgr, b, requested))
+
+
+def graph_keys(state) -> frozenset:
+    """The keys of the encoder's cached graphs (empty before its first capture)."""
+    mgr = state.runtime.get("graphs")
+    return frozenset() if mgr is None else frozenset(mgr.keys())
+
+
+def release_check_graphs(state, before: frozenset) -> int:
+    """Drop the graphs a pack-time check captured for its own batches (all but ``before``, :func:`graph_keys`
+    taken ahead of it, and the precaptured buckets) and give their memory back; returns how many. A check
+    batch's buckets are the check's: a workload may never call them, and a kept graph holds a pool's worth of
+    activations (0.9 GB for ModernBERT-base's fp32 check batch)."""
+    mgr = state.runtime.get("graphs")
+    if mgr is None:
+        return 0
+    with mgr.lock:
+        requested = state.options.attention_backend
+        keep = before | {(requested, b, False, None) for b in precapture_buckets(mgr.config)}
+        if mgr.last_stream is not None and any(k not in keep for k in mgr.keys()):
+            mgr.last_stream.synchronize()  # a check's replay may still run (one that raised before its result)
+        dropped = mgr.drop(lambda k: k not in keep)
+        if dropped and not len(mgr):
+            mgr.pool = None  # no graph uses it now: the allocator can release it; the next capture starts another
+    if dropped and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # at pack(): the dropped graphs' blocks would otherwise stay reserved
+    return dropped
 
 
 def _order_streams(mgr: GraphManager, device: torch.device) -> None:
@@ -363,7 +408,7 @@ def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str
     else:  # the same slots, staging and gradient buffers, run eagerly (CPU tests)
         kw = dict(capture=False)
     return TrainRunner(model, state, bucket, requested, tuple(p for p, t in zip(params, trainable) if t), grads,
-                       query_only=query_only, autocast=autocast, **kw)
+                       query_only=query_only, autocast=autocast, casts=static_casts(model, mgr, autocast), **kw)
 
 
 def note_eager(model, state, reason: str | None, sync_free_refusal: str | None = None) -> None:
@@ -507,15 +552,15 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
                                                       for p in mgr.train_pools.values())}
     out.update(graphs=len(mgr), buckets=buckets, hits=mgr.hits, misses=mgr.misses, evictions=mgr.evictions,
                memory={"budget_bytes": mgr.budget_bytes, "graph_bytes": mgr.graph_bytes,
-                       "shared_output_bytes": mgr.output_bytes(),
-                       "rule": "LRU evicts graphs until their bytes (static buffers + pool growth at capture) and "
-                               "the shared outputs fit the budget: GraphConfig.max_memory_bytes, else "
-                               "PACKED_ENCODERS_GRAPH_MEMORY (default 0.1) of the free GPU memory at pack() (or at the "
-                               "first capture)"},
+                       "shared_output_bytes": mgr.output_bytes(), "weight_copy_bytes": mgr.cast_bytes(),
+                       "rule": "LRU evicts graphs until their bytes (static buffers + pool growth at capture), "
+                               "the shared outputs and the weight copies fit the budget: "
+                               "GraphConfig.max_memory_bytes, else PACKED_ENCODERS_GRAPH_MEMORY (default 0.1) of the "
+                               "free GPU memory at pack() (or at the first capture)"},
                invalidations=mgr.invalidations, capture_seconds=round(mgr.capture_seconds, 4),
                fallbacks=dict(mgr.fallbacks), capture_failures=mgr.failures(),
                staged={"before_sync": mgr.staged_before_sync, "after_sync": mgr.staged_after_sync},
                static_bytes=sum(getattr(r, "static_bytes", 0) for r in mgr.runners()) + mgr.output_bytes()
-               + (0 if mgr.inbox is None else mgr.inbox.nbytes),
+               + mgr.cast_bytes() + (0 if mgr.inbox is None else mgr.inbox.nbytes),
                pool_reserved_bytes=pool_reserved_bytes(mgr.pool) if mgr.pool is not None else 0)
     return out

@@ -85,6 +85,9 @@ class GraphRunner(StaticInputs):
         autocast: the CUDA autocast dtype the graph is captured under (``None``: autocast off), so that a call
             under that autocast state replays the casts its eager forward would run (caching off: a captured
             cast must read the live weights, not a cast cached outside the graph).
+        casts: the encoder's :class:`~packed_encoders.ops.weight_cast.StaticCopies` for ``autocast`` (``None``:
+            none): the graph reads those copies of the projection weights instead of casting them, and each
+            replay first refreshes them (a cast only when a weight changed).
         outputs: ``outputs(dtype, tokens, hidden) -> tensor``: the ``[tokens, hidden]`` static output, a view of
             a buffer the encoder's graphs share (one replay's output is copied out before the next replay, which the
             manager's lock and stream order ensure) and the manager holds and counts; ``None``: the output is the
@@ -102,8 +105,9 @@ class GraphRunner(StaticInputs):
 
     def __init__(self, model, state, bucket: Bucket, requested: str, *, pool=None, stream=None, warmup: int = 1,
                  capture: bool = True, query_only: bool = False, fused_stage: bool | None = None,
-                 inbox=None, autocast=None, outputs=None):
+                 inbox=None, autocast=None, outputs=None, casts=None):
         params = state.params
+        self.casts = casts
         rules = rules_for(state.tuning)  # the switches read at pack(), as the eager route runs them
         weight = model.embeddings.tok_embeddings.weight
         device = weight.device
@@ -138,7 +142,11 @@ class GraphRunner(StaticInputs):
             def forward():
                 if self.inbox is not None:  # captured: the replay reads whatever batch the inbox holds then
                     unbox(self.inbox, self.ids, self.pos, self.cu, self.kl, s)
-                return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules, out=shared)
+                with serving(casts):
+                    return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules, out=shared)
+
+            if casts is not None:
+                casts.refresh()
 
             self.graph, self._forward, self.out, pool_bytes = capture_or_run(forward, device, capture, pool, stream,
                                                                              warmup)
@@ -158,6 +166,8 @@ class GraphRunner(StaticInputs):
                 fill_from(self.inbox, batch)
         else:
             self._copy_in(batch)
+        if self.casts is not None:
+            self.casts.refresh()
         if self.graph is not None:
             self.graph.replay()
             out = self.out
@@ -165,6 +175,11 @@ class GraphRunner(StaticInputs):
             with torch.no_grad():
                 out = self._forward()
         return finish(out[:batch.total_tokens])
+
+
+def serving(casts):
+    """``casts.serving()`` (:class:`~packed_encoders.ops.weight_cast.StaticCopies`), or nothing for ``None``."""
+    return contextlib.nullcontext() if casts is None else casts.serving()
 
 
 def output_dtype(device: torch.device, autocast, weight_dtype: torch.dtype) -> torch.dtype:

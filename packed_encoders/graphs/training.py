@@ -5,8 +5,9 @@ Python. :class:`TrainRunner` captures both passes for one bucket (``tokens``, ``
 inference graphs, :mod:`.buckets`) and :class:`_Replay` puts the pair into autograd as one node whose inputs are
 the encoder's trainable parameters, so everything around it is ordinary PyTorch:
 
-- **Gradients go through autograd.** The backward graph computes the parameters' gradients into buffers shared by
-  the encoder's training graphs (one copy of the trainable parameters); the node returns copies of them, and
+- **Gradients go through autograd.** The backward graph adds each parameter's gradient into a buffer shared by the
+  encoder's training graphs (one copy of the trainable parameters; zeroed first) as soon as it is computed, so the
+  pass never holds every gradient at once; the node returns copies of the buffers, and
   autograd's ``AccumulateGrad`` adds those into ``.grad`` as it does for any op's gradients, so accumulation across
   chunks and steps, ``zero_grad(set_to_none=...)``, gradient hooks, ``torch.autograd.grad`` and DDP's reducer
   behave as in eager training (the copy costs one read and write of the gradients per backward; returning the
@@ -20,9 +21,11 @@ the encoder's trainable parameters, so everything around it is ordinary PyTorch:
   reuses the saved activations' memory as it goes, so a second backward through the same node, after
   ``retain_graph=True``, raises instead of reading them), and a parameter changed in place between a forward and
   its backward raises, as autograd does for a saved tensor.
-- **Weights are read live**: casts of fp32 master weights under autocast are inside the graphs (autocast's cast
-  cache off, the encoder's weight-cast cache bypassed under capture), so an in-place optimizer step is seen by the
-  next replay; replaced parameters (new storage) drop every graph (the weights fingerprint, :mod:`.route`).
+- **Weights are read live**: under autocast the graphs read the encoder's low-precision copies of its projection
+  weights (:class:`~packed_encoders.ops.weight_cast.StaticCopies`, shared with its inference graphs), which each
+  forward replay first casts again if a weight changed (an in-place or fused optimizer step), so the next replay
+  sees the step; the other casts are inside the graphs. A backward whose forward read copies cast since raises.
+  Replaced parameters (new storage) drop every graph (the weights fingerprint, :mod:`.route`).
 - **Checked once per capture**: the warm-up runs the same forward and backward eagerly; the captured pair is
   replayed on the warm-up's inputs and must reproduce its output and gradients, or the bucket runs eagerly.
 - **Warm-ups allocate in the slot's pool** (:func:`allocating_to`): their activations (a whole training step's)
@@ -53,7 +56,7 @@ from ..model.forward import encoder_forward
 from ..model.plan import rules_for
 from ..ops import quack_gemm, weight_cast
 from .buckets import Bucket
-from .runner import StaticInputs, autocast_state, no_gc, resolve_plan, verify_replay
+from .runner import StaticInputs, autocast_state, no_gc, resolve_plan, serving, verify_replay
 
 TOO_MANY_PENDING = "more training forwards awaiting their backward than GraphConfig.training_slots"
 TWICE = ("a second backward through a training-graph forward (retain_graph=True): its captured backward reuses the "
@@ -140,11 +143,12 @@ def _index(device: torch.device) -> int:
 class _Handle:
     """What the autograd node keeps of its forward (the finalizer releases the slot when the node is freed)."""
 
-    __slots__ = ("runner", "lease", "total", "versions", "done", "__weakref__")
+    __slots__ = ("runner", "lease", "total", "versions", "epoch", "done", "__weakref__")
 
     def __init__(self, runner, lease, total):
         self.runner, self.lease, self.total = runner, lease, total
         self.versions = versions(runner.params_list)
+        self.epoch = None  # the weight copies' epoch the forward read
         self.done = False
 
 
@@ -155,6 +159,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, handle, *params):
         out = handle.runner.forward_replay()[:handle.total].clone()
+        handle.epoch = handle.runner.epoch
         ctx.handle = handle
         handle.lease.attach(handle)
         return out
@@ -166,10 +171,11 @@ class _Replay(torch.autograd.Function):
         if handle.done:  # (the slot is released only here or when the node is freed: never reused under it)
             raise PackedEncodersError(TWICE)
         changed = [i for i, (a, b) in enumerate(zip(handle.versions, versions(handle.runner.params_list))) if a != b]
-        if changed:
-            raise PackedEncodersError(f"{len(changed)} trainable parameter(s) of the encoder were modified in place "
-                                      "between the forward and its backward (a training graph's backward would read "
-                                      "the new values); run the optimizer step after the backward")
+        casts = handle.runner.casts
+        if changed or (casts is not None and casts.epoch != handle.epoch):
+            raise PackedEncodersError(f"{len(changed) or 'some'} trainable parameter(s) of the encoder were modified "
+                                      "in place between the forward and its backward (a training graph's backward "
+                                      "would read the new values); run the optimizer step after the backward")
         handle.done = True
         grads = handle.runner.backward_replay(grad_out, handle.total)
         # The node outlives its backward while the caller holds any tensor of the step (a loop's `loss` until
@@ -187,7 +193,7 @@ class TrainRunner(StaticInputs):
         params_list: the trainable parameters, in the order :class:`_Replay` takes them.
         grads: one buffer per parameter of ``params_list`` (shared by the encoder's training graphs), written by
             each backward replay.
-        pool, stream, warmup, autocast, query_only: as :class:`~packed_encoders.graphs.runner.GraphRunner`.
+        pool, stream, warmup, autocast, casts, query_only: as :class:`~packed_encoders.graphs.runner.GraphRunner`.
         capture: ``False`` runs the forward eagerly at each replay (keeping its autograd graph until the
             backward), on any device, differentiating the same parameter aliases as a capture.
 
@@ -199,9 +205,10 @@ class TrainRunner(StaticInputs):
 
     def __init__(self, model, state, bucket: Bucket, requested: str, params_list: tuple, grads: tuple, *,
                  pool=None, stream=None, warmup: int = 2, capture: bool = True, query_only: bool = False,
-                 autocast=None):
+                 autocast=None, casts=None):
         self.requested, self.capture, self.model = requested, capture, model
         self.params_list, self.grads = params_list, grads
+        self.casts, self.epoch = casts, 0
         weight = model.embeddings.tok_embeddings.weight
         device = self.device = weight.device
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -218,7 +225,7 @@ class TrainRunner(StaticInputs):
             ops, plan = state.ops, self.plan
 
             def forward():
-                with autocast_state(device, autocast):
+                with autocast_state(device, autocast), serving(casts):
                     return encoder_forward(model, params, batch, attention=plan, ops=ops, rules=rules)
 
             self._forward = forward
@@ -233,25 +240,35 @@ class TrainRunner(StaticInputs):
 
     # ------------------------------------------------------------------------------------------ capture
 
-    def _grads_of(self, out, leaves=None):
-        if self.grad_out is None:
+    def _accumulate(self, out, leaves) -> None:
+        """Backpropagate ``grad_out`` from ``out`` into the gradient buffers (zeroed first) through ``leaves``
+        (aliases of the parameters, in order), recording the parameters it does not reach in ``unused``."""
+        if self.grad_out is None:  # the warm-up's: random, so that the check compares real gradients
             with torch.no_grad():
                 gen = torch.Generator(device=out.device).manual_seed(0)
                 self.grad_out = torch.randn(out.shape, generator=gen, device=out.device, dtype=out.dtype) * 1e-2
-        grads = torch.autograd.grad(out, leaves or self.params_list, self.grad_out, allow_unused=True)
-        self.unused = tuple(g is None for g in grads)
-        return grads
-
-    def _store(self, grads) -> None:
-        for buf, g in zip(self.grads, grads):
-            if g is not None:
-                buf.copy_(g)
+        reached = set()
+        hooks = []
+        for i, (leaf, buf) in enumerate(zip(leaves, self.grads)):
+            leaf.grad = buf  # AccumulateGrad adds into a defined .grad in place, then the parameter's gradient is freed
+            hooks.append(leaf.register_post_accumulate_grad_hook(lambda _, i=i: reached.add(i)))
+        try:
+            torch._foreach_zero_(list(self.grads))
+            torch.autograd.backward(out, self.grad_out, inputs=list(leaves))
+        finally:
+            for h in hooks:
+                h.remove()
+            for leaf in leaves:
+                leaf.grad = None
+        self.unused = tuple(i not in reached for i in range(len(self.grads)))
 
     def _capture(self, pool, stream, warmup: int) -> None:
         from .runner import _pool_bytes
 
         device = self.device
         before = _pool_bytes(pool, device)
+        if self.casts is not None:
+            self.casts.refresh()
         stream.wait_stream(torch.cuda.current_stream(device))
         # The passes differentiate fresh leaves aliasing the parameters (same storage): the parameters' own
         # AccumulateGrad nodes may live on (a pending forward's autograd graph holds them) with the caller's
@@ -262,12 +279,11 @@ class TrainRunner(StaticInputs):
                 with allocating_to(pool, device), weight_cast.off():
                     for _ in range(max(1, warmup)):
                         ref = self._forward()
-                        grads = self._grads_of(ref, leaves)
-                # the check's references are copied out of the pool, so that the capture can reuse every block
-                # the warm-ups took there (copies kept in the pool would grow it by a set of gradients)
+                        self._accumulate(ref, leaves)
+                # the check's reference output is copied out of the pool, so that the capture can reuse every
+                # block the warm-ups took there
                 ref = ref.detach().clone()
-                ref_grads = [None if g is None else g.clone() for g in grads]
-                del grads
+                ref_grads = [None if u else g.clone() for g, u in zip(self.grads, self.unused)]
             torch.cuda.current_stream(device).wait_stream(stream)
             fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             try:
@@ -275,7 +291,7 @@ class TrainRunner(StaticInputs):
                     with torch.cuda.graph(fwd, pool=pool, stream=stream):
                         out = self._forward()
                     with torch.cuda.graph(bwd, pool=pool, stream=stream):
-                        self._store(self._grads_of(out, leaves))
+                        self._accumulate(out, leaves)
                     self.out = out.detach()
                     del out  # its autograd graph (the saved activations) goes back to the pool for later captures
             except BaseException:
@@ -306,6 +322,8 @@ class TrainRunner(StaticInputs):
             self._copy_in(batch)
 
     def forward_replay(self) -> torch.Tensor:
+        if self.casts is not None:
+            self.epoch = self.casts.refresh()
         if self.fwd_graph is not None:
             self.fwd_graph.replay()
             return self.out
@@ -327,9 +345,7 @@ class TrainRunner(StaticInputs):
         else:
             out, leaves, self._eager_out, self._eager_leaves = self._eager_out, self._eager_leaves, None, None
             with torch.enable_grad():
-                grads = self._grads_of(out, leaves)
-            with torch.no_grad():
-                self._store(grads)
+                self._accumulate(out, leaves)
         return tuple(None if unused else g for g, unused in zip(self.grads, self.unused))
 
 

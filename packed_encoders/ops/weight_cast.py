@@ -18,11 +18,17 @@ block autograd functions of :mod:`packed_encoders.model.blocks`) compute the wei
 it in the parameter's dtype. Inference tensors (no version counter), calls under CUDA-graph capture and calls
 within :func:`off` (a training graph's warm-ups, whose allocations go to the graph's pool) are cast each time,
 not cached. Entries go with their parameter (weak references).
+
+CUDA graphs read weights by address, so a graph captured under autocast would cast every weight again at each
+replay. :class:`StaticCopies` keeps copies at fixed addresses instead: within :meth:`StaticCopies.serving`
+:func:`cast` hands them out (a capture records reads of them), and :meth:`StaticCopies.refresh`, called before
+each replay, casts them again when a source parameter changed (by the same version and optimizer-step tests).
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import weakref
 
@@ -71,6 +77,11 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
     is unchanged. The result carries no autograd history."""
     if t is None or dtype is None or t.dtype is dtype:
         return t
+    static = getattr(_LOCAL, "static", None)
+    if static is not None:
+        hit = static.get((t.data_ptr(), dtype))
+        if hit is not None:
+            return hit
     if t.is_inference() or getattr(_LOCAL, "off", False) or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         with torch.no_grad():
             return t.to(dtype)
@@ -88,6 +99,58 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
     with _LOCK:
         _CACHE[key] = (ref, stamp, out)
     return out
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+class StaticCopies:
+    """``dtype`` copies of ``params`` (fp32 weights), at addresses fixed for the object's life, for CUDA graphs.
+
+    Args:
+        params: the parameters to copy (their storage must not move: a graph manager drops its graphs, and these
+            copies, when a parameter's address changes).
+        dtype: the copies' dtype (the autocast dtype the graphs are captured under).
+
+    ``epoch`` counts the casts :meth:`refresh` has made: a training graph's backward reads the copies its forward
+    read, so it compares the epoch of its forward with the current one.
+    """
+
+    def __init__(self, params, dtype: torch.dtype):
+        if not _STATE["hooked"]:
+            _install_hook()
+        self.params = tuple(params)
+        self.dtype = dtype
+        with torch.no_grad(), torch.inference_mode(False):
+            self.copies = tuple(torch.empty_like(p, dtype=dtype) for p in self.params)
+        self._by_address = {(p.data_ptr(), dtype): c for p, c in zip(self.params, self.copies)}
+        self._stamp = None
+        self.epoch = 0
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.copies)
+
+    def refresh(self) -> int:
+        """Cast the parameters into the copies (on the current stream) unless none changed since the last cast;
+        returns :attr:`epoch`."""
+        stamp = (_STATE["generation"], *map(_VERSION, self.params))
+        if stamp != self._stamp:
+            with torch.no_grad(), torch.inference_mode(False):
+                torch._foreach_copy_(self.copies, self.params)
+            self._stamp = stamp
+            self.epoch += 1
+        return self.epoch
+
+    @contextlib.contextmanager
+    def serving(self):
+        """Within the block, on this thread, :func:`cast` of one of the parameters (or of a tensor at its
+        address, e.g. an alias) to ``dtype`` returns its copy, as it is (call :meth:`refresh` first)."""
+        before = getattr(_LOCAL, "static", None)
+        _LOCAL.static = self._by_address if before is None else {**before, **self._by_address}
+        try:
+            yield
+        finally:
+            _LOCAL.static = before
 
 
 def cached_count() -> int:

@@ -141,3 +141,38 @@ def test_a_smaller_bucket_warms_up_inside_the_slot_pool():
     assert not g["capture_failures"], g["capture_failures"]
     # the gradients' copies (fp32, ~0.6 GB) are the general pool's; a warm-up there would add ~3 GB
     assert grew < 0.2 * pools, (grew, pools)
+
+
+def test_graphs_under_autocast_read_weight_copies_that_follow_the_weights():
+    """The inference and training graphs of fp32 weights under bf16 autocast read the encoder's bf16 copies of its
+    projection weights, recast before a replay when a weight changed: an in-place edit and a fused optimizer step
+    (which bumps no version counter) are both seen by the next replay."""
+    model = _model()
+    pe.pack(model, cuda_graph=TRAIN)
+    q, d = _inputs(_lengths(8, 8, 30, 1), 1), _inputs(_lengths(8, 200, 600, 2), 2)
+
+    def infer():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return _encode(model, q, "stock").float()
+
+    def eager():
+        with pe.no_cuda_graph(model):
+            return infer()
+
+    def close(a, b):
+        return float(F.cosine_similarity(a, b, dim=-1).min()) > 0.999
+
+    first = infer()
+    assert close(first, eager())
+    with torch.no_grad():
+        model.layers[3].mlp.Wo.weight.mul_(3.0)
+    second = infer()
+    assert not close(first, second) and close(second, eager())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    _step(model, q, d, opt=opt)  # training graphs, then a step that changes every weight without a version bump
+    third = infer()
+    assert not close(second, third) and close(third, eager())
+    g = _graphs(model)
+    assert g["hits"] >= 2 and any(b.get("training") for b in g["buckets"]), g
+    linears = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.") and "norm" not in n)
+    assert g["memory"]["weight_copy_bytes"] == 2 * linears
