@@ -369,6 +369,27 @@ def test_manager_drop_removes_matching_runners_and_their_bytes():
     assert mgr.graph_bytes == 25 and len(mgr) == 2 and mgr.evictions == 1
 
 
+def test_training_graphs_are_outside_the_byte_budget():
+    """A training graph's memory is its slot's pool (a step's activations, which the eager path holds too): a bucket
+    larger than the inference graphs' budget is kept, and counts for neither the budget nor its evictions."""
+    from packed_encoders.graphs.manager import GraphManager
+
+    class R:
+        def __init__(self, n, budgeted=True):
+            self.graph_bytes, self.budgeted = n, budgeted
+
+    mgr = GraphManager(GraphConfig(), budget_bytes=100)
+    mgr.get(("auto", 3, False, None), lambda: R(60))
+    train = mgr.get(("train", "auto", 1, False, None, 0, ()), lambda: R(10**9, budgeted=False))
+    assert isinstance(train, R) and len(mgr) == 2 and mgr.graph_bytes == 60 and mgr.evictions == 0
+    assert isinstance(mgr.get(("auto", 4, False, None), lambda: R(500)), str)  # an inference graph: over budget
+    assert mgr.drop(lambda k: k[0] == "train") == 1 and mgr.graph_bytes == 60
+    model, state = packed_model()
+    route.train_forward(model, state, batch_of([20, 11]))
+    (runner,) = state.runtime["graphs"].runners()
+    assert runner.budgeted is False
+
+
 def test_a_node_does_not_keep_its_runner_after_its_backward():
     """A loop holds the last step's `loss` (hence its autograd nodes) until the next step reassigns it; a runner
     dropped meanwhile (a pool restart, an eviction) must be freed then, not kept by the spent node."""

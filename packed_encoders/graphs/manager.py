@@ -31,7 +31,9 @@ class GraphManager:
     captured). With ``budget_bytes`` set, a capture that takes the total past it evicts least recently used
     graphs until it fits (evicted graphs' pool blocks are reused by later captures, so the pool stops growing);
     a graph over the budget by itself is dropped and its bucket runs eagerly (:data:`.buckets.OVER_BUDGET`).
-    ``max_graphs`` bounds the count either way. The static outputs the packed graphs of one octave share
+    ``max_graphs`` bounds the count either way. A runner with ``budgeted = False`` (a training graph, whose
+    memory is its slot's pool: shared by the slot's buckets and as large as the largest one's activations, which
+    the eager training path holds at its peak too) counts toward ``max_graphs`` only. The static outputs the packed graphs of one octave share
     (``outputs``) and the weight copies graphs under autocast read (``casts``) are the manager's, held until
     :meth:`clear` whichever graphs are evicted: they count against the budget too (:meth:`output_bytes`,
     :meth:`cast_bytes`), outside ``graph_bytes``.
@@ -151,7 +153,7 @@ class GraphManager:
         finally:
             self.capture_seconds += time.perf_counter() - t0
         self.misses += 1
-        cost = getattr(runner, "graph_bytes", 0) or 0
+        cost = _cost(runner)
         if self.budget_bytes is not None and cost > self.budget_bytes:
             self._failed[key] = f"{OVER_BUDGET} ({cost} > {self.budget_bytes} bytes)"
             return OVER_BUDGET
@@ -166,13 +168,13 @@ class GraphManager:
         """Remove the cached runners whose key satisfies ``predicate`` (counted as evictions); returns how many."""
         keys = [k for k in self._runners if predicate(k)]
         for k in keys:
-            self.graph_bytes -= getattr(self._runners.pop(k), "graph_bytes", 0) or 0
+            self.graph_bytes -= _cost(self._runners.pop(k))
         self.evictions += len(keys)
         return len(keys)
 
     def _evict(self) -> None:
         _, runner = self._runners.popitem(last=False)
-        self.graph_bytes -= getattr(runner, "graph_bytes", 0) or 0
+        self.graph_bytes -= _cost(runner)
         self.evictions += 1
 
     def is_failed(self, key: Hashable) -> bool:
@@ -183,3 +185,8 @@ class GraphManager:
 
     def runners(self) -> list:
         return list(self._runners.values())
+
+
+def _cost(runner) -> int:
+    """The bytes ``runner`` counts against the budget (none when it is not ``budgeted``)."""
+    return (getattr(runner, "graph_bytes", 0) or 0) if getattr(runner, "budgeted", True) else 0

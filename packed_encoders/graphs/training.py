@@ -189,6 +189,11 @@ class _Replay(torch.autograd.Function):
 class TrainRunner(StaticInputs):
     """Forward + backward of ``model`` for ``bucket``, captured into ``pool`` (its slot's).
 
+    Outside the manager's byte budget (``budgeted``): the graph's memory is its slot's pool, which every bucket of
+    the slot shares and which is as large as the largest one's activations (a step's, which the eager path holds
+    at its peak too); ``GraphConfig.training_slots`` bounds it. Under the inference graphs' budget (10 % of the free
+    memory by default) a large bucket's training graph would be captured, then dropped for its size.
+
     Args:
         params_list: the trainable parameters, in the order :class:`_Replay` takes them.
         grads: one buffer per parameter of ``params_list`` (shared by the encoder's training graphs), written by
@@ -206,6 +211,7 @@ class TrainRunner(StaticInputs):
     def __init__(self, model, state, bucket: Bucket, requested: str, params_list: tuple, grads: tuple, *,
                  pool=None, stream=None, warmup: int = 2, capture: bool = True, query_only: bool = False,
                  autocast=None, casts=None):
+        self.budgeted = False
         self.requested, self.capture, self.model = requested, capture, model
         self.params_list, self.grads = params_list, grads
         self.casts, self.epoch = casts, 0
