@@ -33,10 +33,10 @@ class GraphManager:
     a graph over the budget by itself is dropped and its bucket runs eagerly (:data:`.buckets.OVER_BUDGET`).
     ``max_graphs`` bounds the count either way. A runner with ``budgeted = False`` (a training graph, whose
     memory is its slot's pool: shared by the slot's buckets and as large as the largest one's activations, which
-    the eager training path holds at its peak too) counts toward ``max_graphs`` only. The static outputs the packed graphs of one octave share
-    (``outputs``) and the weight copies graphs under autocast read (``casts``) are the manager's, held until
-    :meth:`clear` whichever graphs are evicted: they count against the budget too (:meth:`output_bytes`,
-    :meth:`cast_bytes`), outside ``graph_bytes``.
+    the eager training path holds at its peak too) counts toward ``max_graphs`` only. The static outputs the
+    packed graphs of one octave share (``outputs``) and the weight copies graphs under autocast read (``casts``)
+    are the manager's, held until :meth:`clear` whichever graphs are evicted: they count against the budget too
+    (:meth:`output_bytes`, :meth:`cast_bytes`), outside ``graph_bytes``.
     """
 
     def __init__(self, config: GraphConfig, budget_bytes: int | None = None):
