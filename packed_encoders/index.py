@@ -10,7 +10,8 @@ balanced **by tokens** (not by item count). Inside a chunk, items are sorted by 
 most ``batch_tokens`` real tokens, with no padding (``pe.packed_forward``) for a bare ModernBERT encoder.
 
 Output in ``DIR``:
-    plan.json                      the corpus (path, size, mtime), chunk boundaries and their owners
+    plan.json                      the corpus (path, size, mtime), the settings that shape the vectors (output,
+                                   pooling, dtype, pad id, a fingerprint of the model), chunk boundaries
     chunks/chunk-000012.pt         per chunk: ``{"ids": [...], "embeddings": [n, D]}`` (pooled) or
                                    ``{"ids": [...], "embeddings": [T, D], "cu_seqlens": int64 [n + 1]}`` (tokens)
     chunks/chunk-000012.done       completion marker (written after the chunk file is in place)
@@ -18,7 +19,9 @@ Output in ``DIR``:
 Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
 A run killed at any point resumes by running the same command again (any number of ranks): chunks with a marker
-are kept, the rest are encoded; a chunk written halfway is written again. :func:`load_index` reads the result
+are kept, the rest are encoded; a chunk written halfway is written again. A run with another corpus, chunking,
+output, pooling, output dtype, pad id or model (other weights, dtype or class) is refused rather than mixing two
+indexes in one directory. :func:`load_index` reads the result
 back and checks every corpus id appears exactly once.
 """
 
@@ -207,12 +210,23 @@ def _encode_chunk(encoder: Encoder, items: list[list[int]], batch_tokens: int, o
     return {"embeddings": torch.cat(rows), "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
 
 
-def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int) -> dict:
+def model_fingerprint(model) -> dict:
+    """The model's class, parameter count and dtype, and the sum of its parameters (fp64, 9 significant digits):
+    equal for the same weights loaded again, different for other weights or another dtype."""
+    params = list(model.parameters())
+    with torch.no_grad():
+        total = sum(float(p.detach().double().sum()) for p in params)
+    return {"class": type(model).__name__, "parameters": sum(p.numel() for p in params),
+            "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sum": f"{total:.9g}"}
+
+
+def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int, settings: dict) -> dict:
     offsets, lengths, ids = scan_corpus(corpus)
     chunks = plan_chunks(lengths, chunk_tokens, world)
     st = os.stat(corpus)
     plan = {"corpus": os.path.abspath(corpus), "corpus_bytes": st.st_size, "corpus_mtime_ns": st.st_mtime_ns,
-            "chunk_tokens": chunk_tokens, "output": output, "items": len(ids), "tokens": sum(lengths),
+            "chunk_tokens": chunk_tokens, "output": output, "settings": settings,
+            "items": len(ids), "tokens": sum(lengths),
             "offsets": offsets, "lengths": lengths, "ids": ids,
             "chunks": [[c.index, c.start, c.stop, c.tokens] for c in chunks]}
     tmp = os.path.join(out_dir, PLAN + ".tmp")
@@ -222,7 +236,9 @@ def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world
     return plan
 
 
-def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str) -> dict | None:
+def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settings: dict | None) -> dict | None:
+    """The plan in ``out_dir``, or ``None``; raises when it is another corpus's or settings' (``settings``:
+    compared when given; rank 0 checks them for every rank)."""
     path = os.path.join(out_dir, PLAN)
     if not os.path.exists(path):
         return None
@@ -235,6 +251,13 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str) -> dic
         raise PackedEncodersError(f"{out_dir} holds an index of another corpus or settings ({plan['corpus']}, "
                                   f"chunk_tokens={plan['chunk_tokens']}, output={plan['output']}); use a new --out "
                                   "directory or delete it")
+    if settings is not None and plan.get("settings") != settings:
+        theirs = plan.get("settings") or {}
+        changed = sorted(k for k in settings if theirs.get(k) != settings[k])
+        there = {k: theirs.get(k) for k in changed}
+        now = {k: settings[k] for k in changed}
+        raise PackedEncodersError(f"{out_dir} holds an index made with other settings ({there} there, {now} now): "
+                                  "resuming would mix two indexes; use a new --out directory or delete it")
     return plan
 
 
@@ -261,15 +284,18 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         The manifest (a dict) on rank 0, ``None`` on the others.
 
     Raises:
-        PackedEncodersError: a malformed corpus, or ``out_dir`` holding an index of another corpus or settings.
+        PackedEncodersError: a malformed corpus, or ``out_dir`` holding an index of another corpus or settings
+            (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`).
     """
     dist, rank, world = _dist()
     os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)
     problem = [None]
     if rank == 0:
+        settings = {"pooling": pooling, "out_dtype": str(out_dtype).replace("torch.", ""), "pad_id": int(pad_id),
+                    "model": model_fingerprint(model)}
         try:
-            plan = _load_plan(out_dir, corpus, chunk_tokens, output) or _write_plan(out_dir, corpus, chunk_tokens,
-                                                                                      output, world)
+            plan = (_load_plan(out_dir, corpus, chunk_tokens, output, settings)
+                    or _write_plan(out_dir, corpus, chunk_tokens, output, world, settings))
         except PackedEncodersError as exc:
             problem = [str(exc)]
     if dist is not None:
@@ -277,7 +303,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     if problem[0] is not None:
         raise PackedEncodersError(problem[0])
     if rank != 0:
-        plan = _load_plan(out_dir, corpus, chunk_tokens, output)
+        plan = _load_plan(out_dir, corpus, chunk_tokens, output, None)
     lengths = plan["lengths"]
     # owners are dealt for this run's world size: a resumed run may use another number of ranks
     chunks = plan_chunks(lengths, chunk_tokens, world)

@@ -156,6 +156,30 @@ def test_resume_refuses_another_corpus(setup, tmp_path):
         _single(model_dir, str(other), out, "pooled")
 
 
+def test_resume_refuses_other_settings_or_another_model(setup, tmp_path):
+    """A resumed run must encode the missing chunks as the first run did: another model, pooling, output dtype or
+    pad id is refused (naming what changed), never mixed into the index; the same settings resume."""
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    out = str(tmp_path / "out")
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    kw = dict(output="pooled", chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    index_corpus(model, corpus, out, **kw)
+    first = sorted(os.listdir(os.path.join(out, "chunks")))
+    os.remove(os.path.join(out, "chunks", next(f for f in first if f.endswith(".done"))))  # a chunk left to redo
+    other = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    with torch.no_grad():
+        other.layers[0].mlp.Wo.weight.mul_(1.01)
+    for changed, m, extra in (("model", other, {}), ("pooling", model, dict(pooling="cls")),
+                              ("out_dtype", model, dict(out_dtype=torch.bfloat16)), ("pad_id", model, dict(pad_id=3))):
+        with pytest.raises(pe.PackedEncodersError, match=f"other settings.*'{changed}'"):
+            index_corpus(m, corpus, out, **kw, **extra)
+    index_corpus(pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32)), corpus, out, **kw)  # resumes
+    assert sorted(os.listdir(os.path.join(out, "chunks"))) == first
+    assert load_index(out)["embeddings"].shape[0] == json.load(open(os.path.join(out, "plan.json")))["items"]
+
+
 def test_sentence_transformers_multi_process_pool(setup):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
