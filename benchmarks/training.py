@@ -718,7 +718,9 @@ def _ms(x) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "h200"), help="directory for JSON rows")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                    help="directory for JSON rows (default: the untracked benchmarks/results; committed H200 rows go "
+                         "in benchmarks/results/h200)")
     ap.add_argument("--quick", action="store_true", help="12 steps per variant (CPU: tiny workloads, 3 steps)")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     ap.add_argument("--config", default="modernbert-base", help="random-init geometry (benchmarks/models.py), "

@@ -13,7 +13,7 @@ from .adapters.patch import install
 from .adapters.state import PackOptions, get_state, restore
 from .adapters.structure import check_at_pack, structure_check
 from .batch import from_packed
-from .call import packed_route, raise_earlier_errors, serve_batch
+from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
 from .configure import make_state
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .graph_check import check_graph_path
@@ -233,8 +233,8 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
                         max_seqlen=max_seqlen, position_ids=position_ids,
                         vocab_size=encoder.embeddings.tok_embeddings.num_embeddings)
     if batch.total_tokens == 0:
-        return torch.zeros(0, state.params.hidden_size, device=batch.device,
-                           dtype=encoder.embeddings.tok_embeddings.weight.dtype)
+        return empty_output(encoder, state, packed_ids if packed_ids is not None else inputs_embeds,
+                            encoder.embeddings.tok_embeddings.weight.dtype)
     # checked before any route: a graph replay reads no module and would skip a hook or a swap
     problem = structure_check(encoder, state)
     if problem is not None:

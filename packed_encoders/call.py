@@ -145,6 +145,20 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
     return out
 
 
+def empty_output(model: nn.Module, state, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[0, hidden]`` in ``dtype`` (default :func:`activation_dtype`) for a call without a real token. With
+    gradients enabled it is tied by a zero term to every trainable parameter (and to ``src`` when it requires
+    gradients, ``inputs_embeds``): stock's forward runs its layers over the padding, so a backward through a loss
+    over such a batch gives those zeros as gradients; without the tie it would raise (no tensor requiring
+    gradients), and DDP would find parameters without a gradient."""
+    out = torch.zeros(0, state.params.hidden_size, device=src.device, dtype=dtype or activation_dtype(model))
+    if torch.is_grad_enabled():
+        leaves = [p for p in model.parameters() if p.requires_grad] + ([src] if src.requires_grad else [])
+        if leaves:
+            out = out + torch.stack([t.reshape(-1)[:0].sum() for t in leaves]).sum().to(out.dtype)
+    return out
+
+
 def serve_batch(model: nn.Module, state, route: Route, batch: PackedBatch, *, hidden_states: list | None = None,
                 hidden_pre_norm_last: bool = False, backend: str | None = None) -> torch.Tensor:
     """Run ``route`` (not :class:`Stock`) on an already packed ``batch``; returns ``[T, hidden]`` owned by the
@@ -190,8 +204,7 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
                   before_sync=before_sync, fused=state.tuning.fused_unpad)
     hidden = [] if hidden_states else None
     if batch.total_tokens == 0:
-        src = input_ids if input_ids is not None else inputs_embeds
-        out = torch.zeros(0, state.params.hidden_size, device=src.device, dtype=activation_dtype(model))
+        out = empty_output(model, state, input_ids if input_ids is not None else inputs_embeds)
         if hidden is not None:
             hidden.extend([out] * (state.params.num_hidden_layers + 1))
     else:
@@ -207,5 +220,6 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
     return batch.pad(out), None if hidden is None else tuple(batch.pad(h) for h in hidden)
 
 
-__all__ = ["Eager", "PackedGraph", "RectangularGraph", "Stock", "mode_facts", "packed_route", "padded_route",
+__all__ = ["Eager", "PackedGraph", "RectangularGraph", "Stock", "empty_output", "mode_facts", "packed_route",
+           "padded_route",
            "raise_earlier_errors", "run_packed", "serve_batch", "serve_padded"]

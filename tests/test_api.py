@@ -158,6 +158,41 @@ def test_ignored_kwargs_are_the_documented_ones():
     torch.testing.assert_close(a, _out(model, ids, mask), atol=0, rtol=0)
 
 
+def test_keywords_given_as_none_are_not_given():
+    """HF reads a keyword passed as ``None`` as not passed: so does the packed forward (a value is refused)."""
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([4, 4])
+    with torch.no_grad():
+        a = model(input_ids=ids, attention_mask=mask, labels=None, head_mask=None).last_hidden_state
+    torch.testing.assert_close(a, _out(model, ids, mask), atol=0, rtol=0)
+    with pytest.raises(pe.PackedEncodersError, match="head_mask"):
+        model(input_ids=ids, attention_mask=mask, head_mask=torch.ones(2))
+
+
+@pytest.mark.parametrize("embeds", [False, True])
+def test_a_batch_without_real_tokens_backpropagates_zeros(embeds):
+    """Stock runs its layers over padding, so a loss over an all-padding batch backpropagates zero gradients to
+    every parameter; the packed output (zeros, no token to run) is tied to them the same way, not detached."""
+    model = pe.pack(make_model("base_like").train())
+    ids, _ = padded_batch([4, 4])
+    mask = torch.zeros_like(ids)
+    if embeds:
+        x = model.embeddings.tok_embeddings(ids).detach().requires_grad_()
+        out = model(inputs_embeds=x, attention_mask=mask).last_hidden_state
+    else:
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert out.requires_grad and not out.any()
+    (out * 2).sum().backward()
+    params = list(model.parameters())
+    assert all(p.grad is not None and not p.grad.any() for p in params)
+    if embeds:
+        assert x.grad is not None and not x.grad.any()
+    flat = pe.packed_forward(model, None, ids.new_zeros(0), torch.zeros(2, dtype=torch.int32), 0)
+    assert flat.shape == (0, model.config.hidden_size) and flat.requires_grad
+    with torch.no_grad():
+        assert not model(input_ids=ids, attention_mask=mask).last_hidden_state.requires_grad
+
+
 def test_input_errors_through_the_model():
     model = pe.pack(make_model("base_like"))
     ids, mask = padded_batch([4, 6])

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 from ..batch import from_packed, is_int_like
-from ..call import packed_route, padded_route, raise_earlier_errors, serve_batch, serve_padded
+from ..call import empty_output, packed_route, padded_route, raise_earlier_errors, serve_batch, serve_padded
 from ..errors import PackedEncodersError, StockOnlyInput
-from ..model.forward import activation_dtype
 from .stock_calls import mask_holes_reason, stock_call_reason
 from .structure import structure_check
 
@@ -139,8 +138,9 @@ def hf_forward(model: nn.Module, *args, **kwargs):
             "itself): pass a padded batch with its attention_mask, HF v5's cu_seq_lens_q / max_length_q, or call "
             "pe.packed_forward(model, None, input_ids, cu_seqlens, max_seqlen); a v4 head passing them under "
             "flash_attention_2 should be loaded with attn_implementation='sdpa'")
-    if kwargs:
-        raise PackedEncodersError(f"unsupported keyword argument(s) {sorted(kwargs)} for the packed ModernBERT forward")
+    unsupported = sorted(k for k, v in kwargs.items() if v is not None)  # None: not given, as HF reads it
+    if unsupported:
+        raise PackedEncodersError(f"unsupported keyword argument(s) {unsupported} for the packed ModernBERT forward")
     if (input_ids is None) == (inputs_embeds is None):
         raise PackedEncodersError("pass exactly one of input_ids or inputs_embeds")
     if inputs_embeds is not None and not inputs_embeds.is_floating_point():
@@ -162,7 +162,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
                                        token_type_ids, packed_kw)
         hidden = [] if output_hidden_states else None
         if batch.total_tokens == 0:
-            out = torch.zeros(0, state.params.hidden_size, device=src.device, dtype=activation_dtype(model))
+            out = empty_output(model, state, src)
             if hidden is not None:
                 hidden.extend([out] * (state.params.num_hidden_layers + 1))
         else:
