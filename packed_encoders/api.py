@@ -144,6 +144,8 @@ def describe(target) -> dict:
             entry["gpu"] = torch.cuda.get_device_name(weight.device)
             entry["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(weight.device)
         if state is not None:
+            watch = state.runtime.get("expansion")  # query expansion as the target has it now
+            trailing = state.trailing_max_len if watch is None else watch.length()
             entry.update({
                 "attention_backend": state.options.attention_backend,
                 "last_attention": dict(state.last_plan),
@@ -158,10 +160,9 @@ def describe(target) -> dict:
                 "eager_plan": _plan_facts(state.runtime.get("eager_plan")),
                 "cuda_graph": describe_graphs(state, weight.device),
                 "tuning": state.tuning.describe(),
-                "padded_outputs": ("zeros" if state.trailing_max_len is None else
+                "padded_outputs": ("zeros" if trailing is None else
                                    "trailing masked positions computed" + (
-                                       "" if state.trailing_max_len >= ALWAYS else
-                                       f" for calls <= {state.trailing_max_len} wide")),
+                                       "" if trailing >= ALWAYS else f" for calls <= {trailing} wide")),
                 "validated": None if state.report is None else state.report.passed,
             })
         out.append(entry)

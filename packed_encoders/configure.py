@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .adapters.late_interaction import ALWAYS, query_expansion_length
+from .adapters.late_interaction import ALWAYS, ExpansionWatch, query_expansion_length
 from .adapters.locate import find_encoders
 from .adapters.state import PackOptions, PackState, get_state
 from .attention.dispatch import CHOICES, load_policy
@@ -59,8 +59,13 @@ def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuni
     ops, reason = select_ops(options.kernels, device, tuning)
     set_fast_launch(tuning.triton_fast_launch)
     policy = load_policy(device, policy_file=tuning.policy_file, cache=tuning.cache_dir)
-    return PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=policy,
-                     trailing_max_len=trailing_max_len(options.padded_outputs, target), tuning=tuning)
+    state = PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=policy,
+                      trailing_max_len=trailing_max_len(options.padded_outputs, target), tuning=tuning)
+    if options.padded_outputs == "auto" and target is not None and state.trailing_max_len != ALWAYS:
+        watch = ExpansionWatch(target)  # query expansion set, changed or cleared after pack() is seen per call
+        if watch:
+            state.runtime["expansion"] = watch
+    return state
 
 
 def encoder_states(target, *, attention_backend=None, kernels=None):

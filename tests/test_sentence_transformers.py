@@ -75,3 +75,41 @@ def test_multi_vector_query_expansion_parity(model_dir):
     for a, b in zip(out, ref):
         assert a.shape == b.shape and a.shape[0] == 12
         torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
+
+
+def test_query_expansion_changed_after_pack_is_honoured(model_dir):
+    """padded_outputs="auto" follows the target's query expansion as it is at each call: switched on after pack(),
+    widened, switched off, and on a deep copy of the packed target."""
+    import copy
+
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    transformer = Transformer(model_dir)
+    dense = Dense(transformer.get_embedding_dimension(), 16, bias=False, activation_function=torch.nn.Identity(),
+                  module_input_name="token_embeddings", module_output_name="token_embeddings")
+    ref = MultiVectorEncoder(modules=[transformer, dense, MultiVectorMask()], device="cpu")
+    model = copy.deepcopy(ref)
+    pe.pack(model)  # packed with expansion off
+    assert pe.describe(model)["encoders"][0]["padded_outputs"] == "zeros"
+    queries = TEXTS[:5]
+
+    def same(a_model, b_model, width):
+        for a, b in zip(a_model.encode_query(queries, batch_size=5), b_model.encode_query(queries, batch_size=5)):
+            assert a.shape == b.shape and (width is None or a.shape[0] == width)
+            torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
+
+    for setting, width in (({"strategy": "fixed", "length": 12, "attend": False}, 12),
+                           ({"strategy": "fixed", "length": 32, "attend": False}, 32), (None, None)):
+        for m in (ref, model):
+            m[0].query_expansion = setting
+        same(ref, model, width)
+    twin = copy.deepcopy(model)
+    for m in (ref, twin):
+        m[0].query_expansion = {"strategy": "fixed", "length": 12, "attend": False}
+    assert "12 wide" in pe.describe(twin)["encoders"][0]["padded_outputs"]
+    assert pe.describe(model)["encoders"][0]["padded_outputs"] == "zeros"  # the original keeps its own setting
+    same(ref, twin, 12)
+

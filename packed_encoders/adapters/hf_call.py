@@ -171,6 +171,9 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         hidden_t = None if hidden is None else tuple(squeeze(h) for h in hidden)
         return _output(model, squeeze(out), hidden_t, return_dict)
     width = src.shape[1]
+    watch = state.runtime.get("expansion")
+    if watch is not None:
+        state.trailing_max_len = watch.length()
     trailing = state.trailing_max_len is not None and attention_mask is not None and width <= state.trailing_max_len
     padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)

@@ -10,6 +10,8 @@ of short calls as query-only tokens instead of returning zeros there.
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 ALWAYS = 1 << 30
@@ -21,16 +23,74 @@ def query_expansion_length(target: nn.Module) -> int | None:
     Calls at most this wide get trailing masked positions computed; wider calls (documents) keep the
     zeros convention, which their callers ignore anyway.
     """
-    if getattr(target, "do_query_expansion", False) and not getattr(target, "attend_to_expansion_tokens", False):
-        length = getattr(target, "query_length", None)
-        return int(length) if length else ALWAYS
+    return expansion_length(expansion_sources(target))
+
+
+def expansion_sources(target: nn.Module | None) -> list:
+    """The objects whose attributes set masked query expansion: a PyLate ``ColBERT`` target
+    (``do_query_expansion``), then every module with a ``query_expansion`` attribute (sentence-transformers v6)."""
+    if target is None:
+        return []
+    found = [target] if hasattr(target, "do_query_expansion") else []
+    return found + [m for m in target.modules() if hasattr(m, "query_expansion")]
+
+
+def expansion_length(sources) -> int | None:
+    """:func:`query_expansion_length` read from ``sources`` (:func:`expansion_sources`)."""
     found = None
-    for module in target.modules():
-        expansion = getattr(module, "query_expansion", None)
+    for src in sources:
+        if getattr(src, "do_query_expansion", False) and not getattr(src, "attend_to_expansion_tokens", False):
+            length = getattr(src, "query_length", None)
+            return int(length) if length else ALWAYS
+        expansion = getattr(src, "query_expansion", None)
         if isinstance(expansion, dict) and not expansion.get("attend", False):
             length = expansion.get("length") or 0
             if expansion.get("strategy") == "min":
-                ceiling = getattr(module, "query_length", None)
+                ceiling = getattr(src, "query_length", None)
                 length = max(length, int(ceiling)) if ceiling else ALWAYS
             found = max(found or 0, int(length) or ALWAYS)
     return found
+
+
+def _settings(sources) -> tuple:
+    return tuple((getattr(s, "do_query_expansion", None), getattr(s, "attend_to_expansion_tokens", None),
+                  getattr(s, "query_length", None), _copy(getattr(s, "query_expansion", None))) for s in sources)
+
+
+def _copy(value):
+    return dict(value) if isinstance(value, dict) else value
+
+
+class ExpansionWatch:
+    """The query-expansion settings of a packed target as they are now: a call reads :meth:`length`, which reads
+    the sources' attributes (a few ``getattr``) and recomputes only when they changed since the last call, so
+    expansion switched on, off or resized after ``pack()`` is honoured. Sources are held weakly (the target owns
+    the encoder)."""
+
+    def __init__(self, target: nn.Module):
+        sources = expansion_sources(target)
+        self._refs = tuple(weakref.ref(s) for s in sources)
+        self._seen = _settings(sources)
+        self._length = expansion_length(sources)
+
+    def __bool__(self) -> bool:
+        return bool(self._refs)
+
+    def copied(self, memo: dict) -> "ExpansionWatch | None":
+        """This watch on the copies of its sources made by the ``copy.deepcopy`` that ``memo`` belongs to (a whole
+        target copied: its modules are in the memo before the encoder's state), or ``None`` when one was not copied
+        (the copy keeps the length read at ``pack()``)."""
+        sources = [r() for r in self._refs]
+        if any(s is None or id(s) not in memo for s in sources):
+            return None
+        new = object.__new__(ExpansionWatch)
+        new._refs = tuple(weakref.ref(memo[id(s)]) for s in sources)
+        new._seen, new._length = self._seen, self._length
+        return new
+
+    def length(self) -> int | None:
+        sources = [s for s in (r() for r in self._refs) if s is not None]
+        now = _settings(sources)
+        if now != self._seen:
+            self._seen, self._length = now, expansion_length(sources)
+        return self._length

@@ -59,10 +59,14 @@ class PackState:
             if k != "runtime":
                 setattr(new, k, copy.deepcopy(v, memo))
         new.runtime = {}
+        watch = self.runtime.get("expansion")  # the query-expansion watch follows a copied target
+        watch = None if watch is None else watch.copied(memo)
+        if watch is not None:
+            new.runtime["expansion"] = watch
         return new
 
     def with_options(self, options: PackOptions) -> "PackState":
-        return replace(self, options=options, runtime={})
+        return replace(self, options=options, runtime={k: v for k, v in self.runtime.items() if k == "expansion"})
 
 
 def get_state(model: nn.Module) -> PackState | None:
