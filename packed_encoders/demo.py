@@ -129,12 +129,22 @@ def main(argv=None) -> int:
                         "32 on CPU)")
     parser.add_argument("--repeats", type=int, default=None, help="timed passes (default: 5 on GPU, 1 on CPU)")
     args = parser.parse_args(argv)
+    for name in ("batch", "documents", "queries", "repeats"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be at least 1 (got {value})")
     if args.model is not None and not os.path.isdir(args.model):
         print(f"--model {args.model}: no such directory (the demo loads a local checkpoint, a folder holding "
               "config.json and the weights; nothing is downloaded)", file=sys.stderr)
         return 2
 
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    try:
+        device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto"
+                              else args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device {args.device}: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this torch has no CUDA device (build {torch.__version__})")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     repeats = args.repeats or (5 if device.type == "cuda" else 1)
@@ -187,8 +197,9 @@ def main(argv=None) -> int:
     if not on_gpu:
         print(f"CPU timing ({repeats} pass(es); each batch stock then packed, back to back): per-batch speed-ups "
               f"{min(spread):.2f}x-{max(spread):.2f}x.\nOn a CPU this is the padding not computed, less the packed "
-              "path's own overhead, in fp32; it moves with whatever else the CPU runs and says nothing about the GPU "
-              "kernels, attention backends or CUDA graphs (time those on a GPU: benchmarks/).")
+              f"path's own overhead, in {str(dtype).replace('torch.', '')}; it moves with whatever else the CPU runs "
+              "and says nothing about the GPU kernels, attention backends or CUDA graphs (time those on a GPU: "
+              "benchmarks/).")
     print(f"attention used (last call): {info['last_attention'] or pe.describe(model)['encoders'][0]['last_attention']}")
     print("parity: ok" if ok else "parity: FAILED")
     return 0 if ok else 1

@@ -1,5 +1,7 @@
 """The built-in real-text sample ships with the package and is well formed."""
 
+import pytest
+
 import packed_encoders.data as pe_data
 
 
@@ -42,3 +44,14 @@ def test_calibrate_without_a_gpu_exits_with_a_message(capsys):
         pytest.skip("measures on a GPU here")
     assert calibrate.main(["--quick"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [(["--batch", "0"], "--batch must be at least 1"),
+                                        (["--queries", "0"], "--queries must be at least 1"),
+                                        (["--device", "nodevice"], "--device nodevice")])
+def test_demo_refuses_bad_options_by_name(argv, match, capsys):
+    from packed_encoders import demo
+
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(argv)
+    assert exit_.value.code == 2 and match in capsys.readouterr().err
