@@ -84,6 +84,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         problem = check_at_pack(model, state.params)
         if problem is not None:
             raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
+        if validate and model.embeddings.tok_embeddings.weight.is_meta:
+            raise PackedEncodersError(f"cannot validate {path or type(model).__name__}: its weights are on the meta "
+                                      "device (no values to compare); load them first, or pack with validate=False")
         if validate:
             report = check_encoder(model, state, path, validation_lengths)
             if report.passed and options.graph_auto and options.cuda_graph is not None:

@@ -158,6 +158,15 @@ def test_ignored_kwargs_are_the_documented_ones():
     torch.testing.assert_close(a, _out(model, ids, mask), atol=0, rtol=0)
 
 
+def test_validating_a_meta_model_is_refused_by_name():
+    with torch.device("meta"):
+        model = make_model("base_like")
+    with pytest.raises(pe.PackedEncodersError, match="meta device"):
+        pe.pack(model)
+    assert "forward" not in model.__dict__
+    pe.pack(model, validate=False)
+
+
 def test_keywords_given_as_none_are_not_given():
     """HF reads a keyword passed as ``None`` as not passed: so does the packed forward (a value is refused)."""
     model = pe.pack(make_model("base_like"))
