@@ -215,7 +215,7 @@ def model_fingerprint(model) -> dict:
     equal for the same weights loaded again, different for other weights or another dtype."""
     params = list(model.parameters())
     with torch.no_grad():
-        total = sum(float(p.detach().double().sum()) for p in params)
+        total = sum(float(p.detach().sum(dtype=torch.float64)) for p in params)
     return {"class": type(model).__name__, "parameters": sum(p.numel() for p in params),
             "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sum": f"{total:.9g}"}
 
