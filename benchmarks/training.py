@@ -25,7 +25,8 @@ compile            the same model after ``model.compile(dynamic=True)`` (default
                    compile does not fit a 10-minute run); compile time is in ``warmup_s`` / ``wall_s``
 pack               ``pe.pack(model)``, the same padded calls
 pack_train_graphs  ``pe.pack(model, cuda_graph=pe.GraphConfig(training=True))``: training CUDA graphs, the same
-                   padded calls
+                   padded calls (``long``: ``max_seqlen`` / ``max_tokens`` raised to its documents,
+                   :func:`train_graph_config`)
 packed             ``pe.pack(model)``, then ``pe.packed_forward`` on padding-free batches
 st_sdpa / st_pack  sentence-transformers' ``SentenceTransformerTrainer`` + ``MultipleNegativesRankingLoss``
                    (workloads single / long), stock or packed; bf16 via the trainer (``bf16=True``)
@@ -103,6 +104,19 @@ class Workload:
     @property
     def docs(self) -> int:
         return self.queries * self.docs_per_query
+
+
+def train_graph_config(wl: Workload):
+    """The training-graph config for ``wl``: the defaults, with ``max_seqlen`` and ``max_tokens`` raised to cover a
+    call of the workload's longest documents where they pass the defaults (2,048 tokens; ``long``), as a user
+    training on such documents sets them."""
+    import packed_encoders as pe
+
+    config = pe.GraphConfig(training=True)
+    if wl.max_doc_tokens <= config.max_seqlen:
+        return config
+    per_call = wl.docs if wl.chunk is None else min(wl.chunk, wl.docs)
+    return pe.GraphConfig(training=True, max_seqlen=wl.max_doc_tokens, max_tokens=per_call * wl.max_doc_tokens)
 
 
 def workloads(names: str, quick_cpu: bool) -> list[Workload]:
@@ -244,7 +258,9 @@ class Trainee:
             self.model.compile(dynamic=True)
             self.info["compile"] = {"mode": "default", "dynamic": True, "target": type(model).__name__}
         elif variant == "pack_train_graphs":
-            pe.pack(self.model, cuda_graph=pe.GraphConfig(training=True))
+            config = train_graph_config(wl)
+            pe.pack(self.model, cuda_graph=config)
+            self.info["graph_config"] = {"max_seqlen": config.max_seqlen, "max_tokens": config.max_tokens}
         elif variant in ("pack", "packed"):
             pe.pack(self.model)
         self.setup_s = time.perf_counter() - t0
