@@ -20,12 +20,19 @@ from dataclasses import asdict
 from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 
 from . import buckets as B
 from .buckets import Bucket, RectBucket, precapture_buckets
 from .manager import GraphManager
 
 RUNTIME_LOCK = threading.Lock()  # guards PackState.runtime entries created on demand
+
+
+def graph_key(requested: str, bucket, query_only: bool = False, autocast=None) -> tuple:
+    """The manager key of an inference graph (packed or rectangular ``bucket``); training graphs' keys start with
+    ``"train"`` (:func:`train_forward`)."""
+    return (requested, bucket, query_only, autocast)
 
 
 def _manager(state) -> GraphManager | None:
@@ -118,8 +125,6 @@ def static_casts(model, mgr: GraphManager, autocast):
     if autocast is None:
         return None
     if autocast not in mgr.casts:
-        from torch import nn
-
         from ..ops.weight_cast import StaticCopies
 
         params = [p for m in model.modules() if isinstance(m, nn.Linear) for p in (m.weight, m.bias)
@@ -162,7 +167,7 @@ def _precapture(model, state, mgr: GraphManager) -> None:
     requested = state.options.attention_backend
     _budget(model, state, mgr)
     for bucket in precapture_buckets(mgr.config):
-        mgr.get((requested, bucket, False, None), lambda b=bucket: _build(model, state, mgr, b, requested))
+        mgr.get(graph_key(requested, bucket), lambda b=bucket: _build(model, state, mgr, b, requested))
 
 
 def graph_keys(state) -> frozenset:
@@ -181,7 +186,7 @@ def release_check_graphs(state, before: frozenset) -> int:
         return 0
     with mgr.lock:
         requested = state.options.attention_backend
-        keep = before | {(requested, b, False, None) for b in precapture_buckets(mgr.config)}
+        keep = before | {graph_key(requested, b) for b in precapture_buckets(mgr.config)}
         if mgr.last_stream is not None and any(k not in keep for k in mgr.keys()):
             mgr.last_stream.synchronize()  # a check's replay may still run (one that raised before its result)
         dropped = mgr.drop(lambda k: k not in keep)
@@ -284,7 +289,7 @@ def graph_forward(model, state, batch, finish, *, bucket: Bucket | None = None, 
             return None
     requested = backend or state.options.attention_backend
     query_only = batch.key_lens is not None  # ColBERT query expansion: its own graphs, key_lens staged
-    key = (requested, bucket, query_only, autocast)
+    key = graph_key(requested, bucket, query_only, autocast)
     device = batch.device
     with mgr.lock:
         if prepared is None or prepared.fingerprint is None:  # not checked before the sync (a thread that
@@ -467,7 +472,7 @@ def sync_free_forward(model, state, bucket: RectBucket, *, input_ids, attention_
     """
     mgr = _manager(state)
     requested = state.options.attention_backend
-    key = (requested, bucket, False, autocast)
+    key = graph_key(requested, bucket, autocast=autocast)
     checks = deferred_checks(state)
     with mgr.lock:
         mgr.check_fingerprint(fingerprint(model, mgr))
