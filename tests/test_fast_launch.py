@@ -18,6 +18,8 @@ def _param(name, dns=False, constexpr=False):
 
 
 class FakeCompiled:
+    """Stands for a ``CompiledKernel`` whose ``run`` is a plain callable (launches through ``compiled.run``)."""
+
     function, packed_metadata = "fn", "meta"
 
     def __init__(self):
@@ -25,6 +27,29 @@ class FakeCompiled:
 
     def run(self, *args):
         self.runs.append(args)
+
+
+class FakeCudaLauncher:
+    """Stands for Triton's ``CudaLauncher``: ``launch`` is its C launcher; ``scratch`` bytes force its own path."""
+
+    launch_cooperative_grid, launch_pdl = 0, 1
+
+    def __init__(self, scratch=0):
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.calls, self.launches = [], []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+    def launch(self, *args):
+        self.launches.append(args)
+
+
+class FakeCompiledC:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, scratch=0):
+        self.run = FakeCudaLauncher(scratch)
 
 
 class FakeJit:
@@ -46,7 +71,7 @@ class FakeJit:
 
 @pytest.fixture
 def launcher(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     jit = FakeJit()
     fast = R.FastLauncher(jit)
@@ -81,9 +106,26 @@ def test_first_call_goes_through_triton_then_direct(launcher):
     assert jit.slow_calls == 1
     (args,) = jit.compiled.runs
     # grid padded to 3-D, the current raw stream, the compiled function, then every argument incl. constexprs
-    assert args[:6] == (5, 2, 1, 1234, "fn", "meta") and args[9:] == (x, 11, 32, 1e-5, 64)
+    # tensors go as their data pointers (the C launcher takes an int as the pointer, with no driver query)
+    assert args[:6] == (5, 2, 1, 1234, "fn", "meta") and args[9:] == (x.data_ptr(), 11, 32, 1e-5, 64)
     fast[(5,)](x[1:], 11, 32, 1e-5, BLOCK=64)                             # misaligned: a new specialisation
     assert jit.slow_calls == 2
+
+
+@pytest.mark.parametrize("scratch", [0, 64])
+def test_cached_launch_calls_the_c_launcher_unless_scratch_is_needed(launcher, scratch):
+    jit, fast = launcher
+    jit.compiled = FakeCompiledC(scratch)
+    x = torch.zeros(64, dtype=torch.float32)
+    fast[(3,)](x, 10, 16, 1e-5, BLOCK=64)
+    fast[(4,)](x, 10, 16, 1e-5, BLOCK=64)
+    runner = jit.compiled.run
+    if scratch:  # CudaLauncher.__call__ allocates the scratch buffers: its own path
+        assert runner.launches == [] and runner.calls == [(4, 1, 1, 1234, "fn", "meta", None, None, None,
+                                                           x.data_ptr(), 10, 16, 1e-5, 64)]
+    else:  # grid, stream, function, cooperative / PDL flags, no scratch, metadata, no hooks, arguments
+        assert runner.calls == [] and runner.launches == [(4, 1, 1, 1234, "fn", 0, 1, None, None, "meta", None,
+                                                           None, None, x.data_ptr(), 10, 16, 1e-5, 64)]
 
 
 def test_hooks_kill_switch_and_other_releases_take_triton_path(launcher, monkeypatch):

@@ -120,8 +120,17 @@ class FastLauncher:
     specialises on: the device, each tensor's dtype and 16-byte alignment, each specialised integer's
     ``== 1`` / ``% 16 == 0`` / 32-bit range (range only for ``do_not_specialize`` ones), floats as floats, and
     the keyword arguments (constexprs, ``num_warps``, ``num_stages``) by value. Kernels here read no mutable
-    globals. Launch hooks (profilers such as proton) and pre-run hooks take Triton's path; so does everything
-    when ``FastLauncher.enabled`` is False (read per call; decided on first use from the switch ``pack()`` sets,
+    globals.
+
+    A cached launch calls the kernel's C launcher itself (``CudaLauncher.launch``, skipping the Python
+    ``CudaLauncher.__call__`` frame, for kernels that need no scratch memory) with each tensor passed as its
+    ``data_ptr()``: the C launcher takes an integer as the device pointer as it is, where for a tensor it calls
+    ``data_ptr`` and asks the driver about the pointer (``cuPointerGetAttribute``), one driver call per tensor
+    argument on every launch. Tensors reach here from this package's kernel wrappers, which choose the compiled
+    form only for CUDA tensors (:meth:`Kernel.on`).
+
+    Launch hooks (profilers such as proton) and pre-run hooks take Triton's path; so does everything when
+    ``FastLauncher.enabled`` is False (read per call; decided on first use from the switch ``pack()`` sets,
     ``PACKED_ENCODERS_TRITON_FAST_LAUNCH`` in its ``Tuning`` (``set_fast_launch``), and False on Triton releases
     other than :data:`FAST_LAUNCH_TRITON`).
     """
@@ -139,7 +148,14 @@ class FastLauncher:
         return functools.partial(self.launch, grid)
 
     def key(self, device: int, args: tuple, kwargs: dict) -> tuple:
+        return self._key_and_args(device, args, kwargs)[0]
+
+    def _key_and_args(self, device: int, args: tuple, kwargs: dict) -> tuple[tuple, list]:
+        """``(key, call_args)``: the specialisation key and the arguments with each tensor as its data pointer.
+        Raises ``AttributeError`` / ``TypeError`` for an argument that is none of int, float, bool, None or a
+        tensor (the caller then takes Triton's path)."""
         parts = []
+        call = []
         for a, spec, align in zip(args, self.specialize, self.align):
             t = type(a)
             if t is int:
@@ -149,9 +165,13 @@ class FastLauncher:
                 parts.append(0.5)
             elif a is None or t is bool:
                 parts.append(a)
-            else:  # a tensor (AttributeError for anything else: the caller takes Triton's path)
-                parts.append((a.dtype, align and a.data_ptr() % 16 == 0))
-        return device, len(args), tuple(parts), tuple(kwargs.items())
+            else:  # a tensor
+                ptr = a.data_ptr()
+                parts.append((a.dtype, align and ptr % 16 == 0))
+                call.append(ptr)
+                continue
+            call.append(a)
+        return (device, len(args), tuple(parts), tuple(kwargs.items())), call
 
     def launch(self, grid, *args, **kwargs):
         enabled = FastLauncher.enabled
@@ -159,9 +179,9 @@ class FastLauncher:
             enabled = FastLauncher.enabled = _fast_launch_enabled()
         if not enabled or self.jit.pre_run_hooks or _hooks_active():
             return self.jit[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()
         try:
-            key = self.key(device, args, kwargs)
+            key, call = self._key_and_args(device, args, kwargs)
             entry = self.cache.get(key)
         except (TypeError, AttributeError):  # an unhashable or unexpected argument: Triton's path
             return self.jit[grid](*args, **kwargs)
@@ -169,15 +189,32 @@ class FastLauncher:
             compiled = self.jit[grid](*args, **kwargs)
             tail = self.names[len(args):]
             if compiled is not None and all(n in kwargs for n in tail):
-                self.cache[key] = (compiled, tail)
+                self.cache[key] = (compiled, tail, _c_launch(compiled))
             return compiled
-        compiled, tail = entry
-        full = args + tuple(kwargs[n] for n in tail) if tail else args
+        compiled, tail, direct = entry
+        if tail:
+            call.extend(kwargs[n] for n in tail)
         n = len(grid)
-        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                     torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
-                     None, None, None, *full)
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        if direct is not None:
+            c_launch, coop, pdl = direct
+            c_launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function, coop, pdl,
+                     None, None, compiled.packed_metadata, None, None, None, *call)
+        else:
+            compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                         compiled.packed_metadata, None, None, None, *call)
         return compiled
+
+
+def _c_launch(compiled):
+    """``(launch, launch_cooperative_grid, launch_pdl)`` of a compiled kernel's C launcher when it needs no
+    scratch memory (``CudaLauncher.__call__`` then passes ``None`` for both scratch buffers), else ``None``
+    (launch through ``compiled.run``)."""
+    runner = getattr(compiled, "run", None)
+    c_launch = getattr(runner, "launch", None)
+    if c_launch is None or getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
+        return None
+    return c_launch, runner.launch_cooperative_grid, runner.launch_pdl
 
 
 class _Interpreted:
@@ -297,8 +334,11 @@ def persistent_programs(t: torch.Tensor, work_items: int, per_sm: int = 4) -> in
 def device_guard(t: torch.Tensor):
     """Triton launches on the current device's current stream: make ``t``'s device current (nothing to do, and
     no context switch paid, when it already is)."""
-    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
+    device = t.device
+    # torch._C._cuda_getDevice: torch.cuda.current_device() without its Python-side lazy-init checks (a CUDA
+    # tensor exists, so CUDA is initialised)
+    if device.type == "cuda" and device.index != torch._C._cuda_getDevice():
+        return torch.cuda.device(device)
     return _NULL
 
 
