@@ -112,7 +112,8 @@ def _fa4_envelope(w: Workload) -> str | None:
 
 BACKENDS: dict[str, Backend] = {
     "sdpa": Backend("sdpa", sdpa.sdpa_varlen, True, True, lambda: None, lambda w: None, supports_key_lens=True),
-    "varlen": Backend("varlen", flash.torch_varlen, True, False, flash.torch_varlen_status, _flash_envelope),
+    "varlen": Backend("varlen", flash.torch_varlen, True, False, flash.torch_varlen_status, _flash_envelope,
+                      direct=flash.torch_varlen_direct),
     "fa4": Backend("fa4", flash.fa4_varlen, True, False, flash.fa4_status, _fa4_envelope,
                    finite_v=flash.fa4_varlen_finite_v),
 }
