@@ -28,7 +28,7 @@ QUACK_GEMM_ENV = "PACKED_ENCODERS_QUACK_GEMM"        # =0: projections stay on c
 QUACK_ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"        # =0: no RoPE in the q, k projection's epilogue
 FAST_LAUNCH_ENV = "PACKED_ENCODERS_TRITON_FAST_LAUNCH"  # =0: Triton's own launcher
 FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"        # =0: RoPE never fused into the attention kernel
-FUSED_GLU_ENV = "PACKED_ENCODERS_FUSED_GLU_GEMM"     # =0: no GLU in the small-batch Wi GEMM
+FUSED_GLU_ENV = "PACKED_ENCODERS_FUSED_GLU_GEMM"     # =0: no small-batch Triton GEMMs (Wi + GLU, eager linears)
 LEAN_ENV = "PACKED_ENCODERS_LEAN"                  # =0: the per-op checked path everywhere (A/B runs)
 POLICY_ENV = "PACKED_ENCODERS_POLICY"                # an attention policy file, instead of the matched one
 CACHE_ENV = "PACKED_ENCODERS_CACHE"                  # where calibrated policies live
@@ -48,8 +48,8 @@ class Tuning:
         quack_gemm, quack_rope: quack's GEMMs (and the RoPE epilogue of the q, k projection) in the op set
             built at ``pack()``.
         triton_fast_launch: the Triton fast launcher (process-wide; the last ``pack()`` sets it).
-        fused_rope, fused_glu_gemm: RoPE fused into the attention kernel; GLU in the small-batch ``Wi`` GEMM
-            (the plan's ``Rules``).
+        fused_rope, fused_glu_gemm: RoPE fused into the attention kernel; the small-batch Triton GEMMs (``Wi``
+            with its GLU, and the other projections of eager calls) (the plan's ``Rules``).
         lean: unchecked launches and per-block autograd where they apply (``PACKED_ENCODERS_LEAN``; off: the
             per-op checked path everywhere).
         policy_file: ``PACKED_ENCODERS_POLICY`` (``None``: the policy matched to the card).

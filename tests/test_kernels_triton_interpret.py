@@ -486,3 +486,22 @@ def test_direct_norm_writes_into_out(fused, residual):
     for wrong in (torch.zeros(37, 96, dtype=torch.float64), torch.zeros(36, 96)):
         got = run(out=wrong)
         assert got.data_ptr() != wrong.data_ptr() and torch.equal(got, want) and not wrong.any()
+
+
+def test_residual_norm_in_place_writes_the_sum_over_x(fused):
+    """The forward's residual norm writes ``x + delta`` over ``x`` (which the forward owns), with the outputs of the
+    allocating launch; a non-contiguous ``x`` or a wider ``delta`` gets the allocating launch instead."""
+    g = _gen(6)
+    x, d = torch.randn(37, 96, generator=g), torch.randn(37, 96, generator=g)
+    w, b = torch.randn(96, generator=g), torch.randn(96, generator=g)
+    s_want, y_want = fused.DIRECT_OPS.residual_layer_norm(x, d, w, b, 1e-5)
+    own = x.clone()
+    s, y = fused.DIRECT_OPS.residual_in_place(own, d, w, b, 1e-5)
+    assert s.data_ptr() == own.data_ptr() and torch.equal(own, s_want) and torch.equal(y, y_want)
+    strided = torch.randn(96, 37, generator=g).t()
+    before = strided.clone()
+    s, _ = fused.DIRECT_OPS.residual_in_place(strided, d, w, b, 1e-5)
+    assert s.data_ptr() != strided.data_ptr() and torch.equal(strided, before)
+    half = x.to(torch.bfloat16)
+    s, _ = fused.DIRECT_OPS.residual_in_place(half, d, w, b, 1e-5)  # the sum is fp32: not in the bf16 x
+    assert s.dtype == torch.float32 and s.data_ptr() != half.data_ptr()

@@ -44,17 +44,21 @@ def test_direct_launches_match_checked_ops(fused):
     batch = _batch(model, [9, 30, 4])
     fused.reset_fallbacks()
     with torch.no_grad():
+        # the projections on F.linear, as the checked path has them: the same launches, bit for bit
+        lean_cublas = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa",
+                                      rules=plan_mod.Rules(lean=True, small_linear_max_tokens=0))
         lean = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa",
                                rules=plan_mod.Rules(lean=True))
         checked = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa",
                                   rules=plan_mod.Rules(lean=False))
         plain = encoder_forward(model, params, batch, ops=TORCH_OPS, attention_backend="sdpa")
     assert fused.fallbacks() == {}
-    torch.testing.assert_close(lean, checked, atol=0, rtol=0)
-    torch.testing.assert_close(lean, plain, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lean_cublas, checked, atol=0, rtol=0)
+    torch.testing.assert_close(lean, plain, atol=2e-5, rtol=2e-5)  # the Triton projections: same maths
+    assert (lean - lean_cublas).abs().max() > 0  # ... which ran (another summation order)
     p = plan_mod.plan_for(params, fused.TRITON_OPS, _sdpa(params), tokens=batch.total_tokens,
                           max_seqlen=batch.max_seqlen, dtype=torch.float32, device=batch.device, grad=False)
-    assert p.direct and p.ops is fused.DIRECT_OPS and p.glu == "small_gemm"
+    assert p.direct and p.ops is fused.DIRECT_OPS and p.glu == "small_gemm" and p.linear is fused.DIRECT_OPS.linear
     assert plan_mod.plan_for(params, fused.TRITON_OPS, _sdpa(params), tokens=batch.total_tokens,
                              max_seqlen=batch.max_seqlen, dtype=torch.float32, device=batch.device,
                              grad=False) is p  # cached per call class
@@ -70,6 +74,12 @@ def test_plan_choices_follow_the_rules(fused):
                                  dtype=torch.float32, device=cpu, grad=grad, rules=rules)
 
     assert plan(300).glu == "split"  # past the small GEMM's size rule
+    # projections: the Triton GEMM for small eager calls (host-bound), F.linear past the size rule, with gradient
+    # or with the switch off (PACKED_ENCODERS_FUSED_GLU_GEMM=0 at pack())
+    assert plan(100).linear is fused.DIRECT_OPS.linear and plan(300).linear is torch.nn.functional.linear
+    assert plan(100, rules=plan_mod.Rules(small_linear_max_tokens=0)).linear is torch.nn.functional.linear
+    assert plan(100, grad=True).linear is torch.nn.functional.linear
+    assert plan(100, rules=plan_mod.Rules(lean=False)).linear is torch.nn.functional.linear
     assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0)).glu == "split"
     # the checked path routes through the checked op, unless PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at pack())
     assert plan(300, rules=plan_mod.Rules(lean=False)).glu == "route"

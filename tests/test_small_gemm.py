@@ -72,6 +72,14 @@ def test_linear(dtype, bias, m):
     check_linear(x, w, b, what=f"{dtype} m={m} bias={bias}")
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_unchecked_launches_equal_the_checked_ones(bias):
+    """The no-grad plan's entries (no argument checks, default config) launch the same kernels."""
+    x, w, b = _inputs(33, 64, 96, BF16, bias, seed=5)
+    assert torch.equal(small_gemm.linear_unchecked(x, w, b), small_gemm.linear(x, w, b))
+    assert torch.equal(small_gemm.glu_linear_unchecked(x, w, b, "gelu"), small_gemm.glu_linear(x, w, b, "gelu"))
+
+
 @pytest.mark.parametrize("m", [1, 7, 33, 130])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32])
@@ -221,8 +229,10 @@ def counted(monkeypatch):
     from packed_encoders.ops import fused
 
     calls = []
-    real = small_gemm.glu_linear
-    monkeypatch.setattr(fused._small_gemm, "glu_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    for name in ("glu_linear", "glu_linear_unchecked"):  # the checked op's launch and the no-grad plan's
+        real = getattr(small_gemm, name)
+        monkeypatch.setattr(fused._small_gemm, name,
+                            lambda *a, _real=real, **k: calls.append(a[0].shape) or _real(*a, **k))
     fused.reset_fallbacks()
     return fused, calls
 

@@ -234,6 +234,10 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         def to_wdt(t: torch.Tensor) -> torch.Tensor:
             return t if wdt is None or t.dtype is wdt else t.to(wdt)
 
+        # the layers own x (``carry`` is emptied) and read it no more after its residual norm, so the sum may be
+        # written over it; not while hidden_states holds the layers' outputs
+        res_ln = (run.residual_in_place if hidden_states is None else None) or run.residual_layer_norm
+
         def run_layer(index: int, carry: list):
             x, pending = carry
             carry.clear()
@@ -248,7 +252,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                     x = x + pending
                 normed = x
             elif pending is not None:
-                x, normed = run.residual_layer_norm(x, pending, *_norm_args(attn_norm))
+                x, normed = res_ln(x, pending, *_norm_args(attn_norm))
             else:
                 normed = run.layer_norm(x, *_norm_args(attn_norm))
             pending = None
@@ -275,7 +279,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             wo = attn.Wo
             o = _dropout(linear(a.reshape(total, nh * hd), cast(wo.weight, wdt), cast(wo.bias, wdt)), attn.out_drop)
             a = None
-            x, normed = run.residual_layer_norm(x, o, *_norm_args(layer.mlp_norm))
+            x, normed = res_ln(x, o, *_norm_args(layer.mlp_norm))
             o = None
             normed = to_wdt(normed)
             mlp = layer.mlp

@@ -13,7 +13,9 @@ forward then calls the chosen implementations directly:
   kernel (``rope_in_attention``), else as its own op.
 - the ``Wi`` + GLU path (``"small_gemm"``: one Triton launch for short calls; ``"route"``: the op set's
   ``glu_linear`` route, e.g. quack's epilogue; ``"split"``: ``F.linear`` then the GLU op) and the projections
-  (``F.linear``, or the op set's ``linear`` route where it may take the call).
+  (``F.linear``; the op set's ``linear`` route where it may take the call; the unchecked Triton GEMM for eager
+  calls of at most :attr:`Rules.small_linear_max_tokens` tokens, which are host-bound: its launch costs less host
+  time than ``F.linear``'s dispatch, while a CUDA graph being captured keeps cuBLAS, faster on the GPU).
 - ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op.
 
 Route choices count host time: quack's CuteDSL GEMMs cost ~10-20 us more host time per launch than cuBLAS, so an
@@ -50,6 +52,8 @@ class Rules:
         fused_rope: hand RoPE to attention backends that fuse it (inference).
         fused_rope_max_tokens: local layers of calls with at least this many tokens rotate in a separate pass.
         glu_gemm_max_tokens: the Triton ``Wi`` + GLU GEMM serves calls of at most this many tokens (0: never).
+        small_linear_max_tokens: eager no-grad calls of at most this many tokens run the other projections as
+            Triton GEMMs (0: never).
         quack_eager_min_tokens: eager calls below this many tokens never consult quack's routes.
         blocks: training forwards as per-block autograd functions: ``None`` where the op family's kernels are
             fused (Triton; plain-torch ops keep autograd's own C++ backwards, cheaper than Python twins), ``True``
@@ -60,6 +64,7 @@ class Rules:
     fused_rope: bool = True
     fused_rope_max_tokens: int = FUSED_ROPE_MAX_TOKENS
     glu_gemm_max_tokens: int = 256
+    small_linear_max_tokens: int = 256
     quack_eager_min_tokens: int = QUACK_EAGER_MIN_TOKENS
     blocks: bool | None = None
 
@@ -74,8 +79,10 @@ def rules_for(tuning) -> Rules:
     hit = _TUNED_RULES.get(id(tuning))
     if hit is not None and hit[0] is tuning:
         return hit[1]
+    small = bool(tuning.fused_glu_gemm)
     rules = Rules(lean=bool(tuning.lean), fused_rope=bool(tuning.fused_rope),
-                  glu_gemm_max_tokens=_DEFAULT_RULES.glu_gemm_max_tokens if tuning.fused_glu_gemm else 0)
+                  glu_gemm_max_tokens=_DEFAULT_RULES.glu_gemm_max_tokens if small else 0,
+                  small_linear_max_tokens=_DEFAULT_RULES.small_linear_max_tokens if small else 0)
     if len(_TUNED_RULES) > 64:
         _TUNED_RULES.clear()
     _TUNED_RULES[id(tuning)] = (tuning, rules)
@@ -143,18 +150,21 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     quack = not grad and not compiling and (_quack_active(ops, device, tokens, rules) if rules.lean
                                             else ops.gemm == "quack" and ops.linear is not None)
     glu_small = 0 < tokens <= rules.glu_gemm_max_tokens
+    # a CUDA graph being captured replays without host cost: its projections stay on cuBLAS
+    small_linear = (not grad and 0 < tokens <= rules.small_linear_max_tokens and not compiling and not quack
+                    and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
-    key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, rope_local_fused, decisions,
-           params.window >= max_seqlen - 1, autocast)
+    key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, small_linear, rope_local_fused,
+           decisions, params.window >= max_seqlen - 1, autocast)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
         return hit[1]
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
-                               compiling=compiling)
+                               small_linear=small_linear, compiling=compiling)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -170,7 +180,7 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 
 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
-           compiling) -> Plan:
+           small_linear, compiling) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
@@ -223,7 +233,10 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
     else:
         glu = "split"
     glu_linear = {"small_gemm": run_ops.glu_linear, "route": ops.glu_linear}.get(glu)
-    linear = ops.linear if (routed and ops.linear is not None) else F.linear
+    if direct and small_linear and run_ops.linear is not None:
+        linear = run_ops.linear
+    else:
+        linear = ops.linear if (routed and ops.linear is not None) else F.linear
     return Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why)
 
 

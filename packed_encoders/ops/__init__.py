@@ -76,6 +76,8 @@ class OpSet:
       ``"quack"`` (quack where :mod:`.quack_gemm` routes a call, ``F.linear`` for the rest)
     - ``rope_finite_v``: the ``v`` that ``rope_qkv`` returns has its non-finite entries zeroed (as
       :attr:`Kernels.rope_finite_v`)
+    - ``residual_in_place``: ``residual_layer_norm`` that writes the sum over ``x`` and returns it, for a caller
+      that owns ``x`` and does not read it again (the packed forward's layers), or ``None``
     """
 
     name: str
@@ -90,6 +92,7 @@ class OpSet:
     kernels: Kernels | None = field(default=None, compare=False)
     norm_out: bool = field(default=False, compare=False)
     rope_finite_v: bool = field(default=False, compare=False)
+    residual_in_place: Callable | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

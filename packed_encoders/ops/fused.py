@@ -478,6 +478,18 @@ def _residual_layer_norm_direct(x: Tensor, delta: Tensor, weight: Tensor | None,
     return s, y
 
 
+def _residual_layer_norm_in_place(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None,
+                                  eps: float) -> tuple[Tensor, Tensor]:
+    # the residual sum written over x (each program reads its rows before writing them): one allocation fewer per
+    # norm, for the packed forward, which owns x (see OpSet.residual_in_place)
+    if (x.dtype is not delta.dtype and torch.promote_types(x.dtype, delta.dtype) is not x.dtype
+            or not x.is_contiguous()):
+        return _residual_layer_norm_direct(x, delta, weight, bias, eps)
+    dtype = _norm_out_dtype(x.dtype, x.device)
+    _, y, _, _ = _ln.forward(x, delta, weight, bias, eps, dtype, x.dtype, stats=False, residual_out=x)
+    return x, y
+
+
 def _rope_qkv_direct(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor, num_heads: int, head_dim: int):
     # forward only: the projection's output is the caller's temporary, so q and k rotate inside it (no allocation),
     # and its v's non-finite entries are zeroed there (DIRECT_OPS.rope_finite_v)
@@ -492,12 +504,21 @@ def _rope_fwd_in_place(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tens
 
 def _glu_linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "gelu") -> Tensor:
     if x.shape[0] <= GLU_LINEAR_MAX_TOKENS and weight.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
-        return _small_gemm.glu_linear(x, weight, bias, activation)
+        return _small_gemm.glu_linear_unchecked(x, weight, bias, activation)
     return _glu.forward(torch.nn.functional.linear(x, weight, bias), activation)
 
 
+def _linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    # the plan routes here only eager calls of at most GLU_LINEAR_MAX_TOKENS tokens (host-bound: a Triton launch
+    # costs less host time than F.linear's dispatch); mixed dtypes (an fp32 weight outside autocast) go to F.linear
+    if x.shape[0] <= GLU_LINEAR_MAX_TOKENS and weight.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
+        return _small_gemm.linear_unchecked(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _rope_qkv_direct, _glu.forward,
-                   _glu_linear_direct, norm_out=True, rope_finite_v=True)
+                   _glu_linear_direct, linear=_linear_direct, norm_out=True, rope_finite_v=True,
+                   residual_in_place=_residual_layer_norm_in_place)
 
 TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope_fwd_in_place, _rope.backward, _glu.forward,
                          _glu.backward, rope_finite_v=True)

@@ -62,7 +62,7 @@ def _cos_rows(a, b):
 
 
 @pytest.mark.parametrize("lengths", [[12, 30, 7, 128, 64, 3, 90, 40], [925, 300, 1500, 2048, 640, 800, 1100, 77],
-                                     [100] * 32])
+                                     [100] * 32, [12, 30, 7, 64, 3, 90, 40]])
 def test_lean_inference_matches_per_op_and_stock(lengths):
     model = _model()
     params = ModernBertParams.from_hf_config(model.config)
@@ -81,6 +81,8 @@ def test_lean_inference_matches_per_op_and_stock(lengths):
     plan = plan_mod.plan_for(params, ops, attention, tokens=batch.total_tokens, max_seqlen=batch.max_seqlen,
                              dtype=torch.bfloat16, device=batch.device, grad=False)
     assert plan.direct, plan.why_checked
+    # at most 256 tokens the projections are Triton GEMMs (eager: host-bound), else cuBLAS
+    assert (plan.linear is fused.DIRECT_OPS.linear) == (batch.total_tokens <= 256)
     assert fused.fallbacks() == {}
     cos = _cos_rows(lean, per_op)  # the per-op path may take quack's GLU epilogue eagerly (other rounding)
     assert cos.min() >= 0.995 and cos.mean() >= 0.9995, (float(cos.min()), float(cos.mean()))
@@ -178,3 +180,22 @@ def test_autocast_inference_sees_weight_updates():
     d = fwd()
     assert (d - c).abs().max() > 1e-2
     pe.unpack(model)
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_varlen_direct_is_varlen_attn(window):
+    """The no-grad plan's torch varlen entry calls the FlashAttention forward op itself: the same output as
+    ``varlen_attn``, bit for bit."""
+    from packed_encoders.attention import flash
+
+    if flash.torch_varlen_status() is not None:
+        pytest.skip(flash.torch_varlen_status())
+    lengths = [925, 300, 1500, 77]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    qkv = torch.randn(sum(lengths), 3, 12, 64, generator=g, device=DEV, dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(1)
+    with torch.no_grad():
+        direct = flash.torch_varlen_direct(q, k, v, cu, max(lengths), window=window, scale=0.125)
+        ref = flash.torch_varlen(q, k, v, cu, max(lengths), window=window, scale=0.125)
+    assert torch.equal(direct, ref)

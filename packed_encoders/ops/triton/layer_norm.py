@@ -132,7 +132,7 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, 
 
 def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
             eps: float, out_dtype: torch.dtype, res_dtype: torch.dtype | None = None, stats: bool = True,
-            out: torch.Tensor | None = None):
+            out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
     """LayerNorm (``delta is None``) or residual + LayerNorm of ``x`` ``[T, H]``.
 
     Args:
@@ -142,13 +142,16 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
 
         stats: compute ``mean`` and ``rstd`` (for a backward); ``False`` returns ``None`` for both.
         out: a contiguous ``[T, H]`` tensor of ``out_dtype`` that ``y`` is written into (not checked), or ``None``.
+        residual_out: a contiguous ``[T, H]`` tensor of ``res_dtype`` that ``s`` is written into (not checked; ``x``
+            itself works: each program reads its rows before writing them), or ``None``.
 
     Returns:
         ``(s, y, mean, rstd)``: ``s`` ``[T, H]`` (``None`` without ``delta``), ``y`` ``[T, H]``,
         ``mean`` and ``rstd`` fp32 ``[T]``.
     """
     t, n = x.shape
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     y = torch.empty((t, n), dtype=out_dtype, device=x.device) if out is None else out
     mean = rstd = None
     if stats:
@@ -156,8 +159,9 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
         rstd = torch.empty(t, dtype=torch.float32, device=x.device)
     s = None
     if delta is not None:
-        delta = delta.contiguous()
-        s = torch.empty((t, n), dtype=res_dtype, device=x.device)
+        if not delta.is_contiguous():
+            delta = delta.contiguous()
+        s = torch.empty((t, n), dtype=res_dtype, device=x.device) if residual_out is None else residual_out
     if t == 0:
         return s, y, mean, rstd
     block_n, rows, warps = config(n, max(x.element_size(), y.element_size()))

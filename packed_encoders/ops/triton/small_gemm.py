@@ -29,6 +29,7 @@ bf16 bit patterns as integers.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -133,12 +134,13 @@ _HEURISTIC = (
 _HEURISTIC_GLU = (Config(64, 128, 64, 8, 3),) + _HEURISTIC[1:]
 
 
+@functools.lru_cache(maxsize=4096)
 def default_config(M: int, N: int, K: int, *, glu: bool = False) -> Config:
     """The config for ``x [M, K] @ W[N, K].T`` (``glu``: ``W`` is ``[N = 2I, K]``, output ``[M, N // 2]``).
 
     From :data:`TUNED` when it holds ``(op, N, K)``: the entry of the smallest measured M >= ``M`` (the largest
     measured M beyond them). Otherwise the widest 64-row tile giving >= :data:`TARGET_PROGRAMS` programs, or the
-    narrowest when none does.
+    narrowest when none does. Memoised: an eager call of a few hundred tokens asks on every layer.
     """
     op = "glu" if glu else "linear"
     measured = sorted((m, cfg) for (o, n, k, m), cfg in TUNED.items() if (o, n, k) == (op, N, K))
@@ -235,7 +237,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
 
 
 def _launch(x, weight, bias, out_cols: int, glu: bool, act: int, config: Config) -> torch.Tensor:
-    config.check()
     m, k = x.shape
     y = torch.empty((m, out_cols), dtype=x.dtype, device=x.device)
     if m == 0 or out_cols == 0:
@@ -262,8 +263,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     devices, or an invalid config.
     """
     _check(x, weight, bias, weight.shape[0] if weight.dim() == 2 else -1)
+    if config is not None:
+        config.check()
     n = weight.shape[0]
     return _launch(x, weight, bias, n, False, 0, config or default_config(x.shape[0], n, x.shape[1]))
+
+
+def linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` without its argument checks and with the default config, for callers whose operands meet its
+    contract by construction (the packed forward's no-grad path: one dtype and device, checked once per call)."""
+    n = weight.shape[0]
+    return _launch(x, weight, bias, n, False, 0, default_config(x.shape[0], n, x.shape[1]))
 
 
 def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
@@ -281,5 +291,15 @@ def glu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rows = weight.shape[0]
     if rows % 2:
         raise ValueError(f"weight must have an even number of rows [2I, K], got {rows}")
+    if config is not None:
+        config.check()
     cfg = config or default_config(x.shape[0], rows, x.shape[1], glu=True)
     return _launch(x, weight, bias, rows // 2, True, ACTIVATIONS[activation], cfg)
+
+
+def glu_linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         activation: str) -> torch.Tensor:
+    """:func:`glu_linear` without its argument checks and with the default config (see :func:`linear_unchecked`)."""
+    rows = weight.shape[0]
+    return _launch(x, weight, bias, rows // 2, True, ACTIVATIONS[activation],
+                   default_config(x.shape[0], rows, x.shape[1], glu=True))
