@@ -17,6 +17,19 @@ def _param(name, dns=False, constexpr=False):
                            do_not_specialize_on_alignment=False)
 
 
+class Cuda:
+    """A CPU tensor standing for a CUDA one (what the key and the launch read of a tensor: dtype, data pointer,
+    device type)."""
+
+    is_cuda = True
+
+    def __init__(self, t):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self):
+        return self.t.data_ptr()
+
+
 class FakeCompiled:
     """Stands for a ``CompiledKernel`` whose ``run`` is a plain callable (launches through ``compiled.run``)."""
 
@@ -81,14 +94,15 @@ def launcher(monkeypatch):
 
 def test_key_separates_what_triton_specialises_on(launcher):
     _, fast = launcher
-    x = torch.zeros(64, dtype=torch.bfloat16)
+    t = torch.zeros(64, dtype=torch.bfloat16)
+    x = Cuda(t)
     kw = {"BLOCK": 64}
     base = fast.key(0, (x, 100, 32, 1e-5), kw)
     assert fast.key(0, (x, 7, 32, 1e-5), kw) == base                     # n_rows is not specialised on
     assert fast.key(0, (x, 100, 32, 1e-6), kw) == base                   # floats are not specialised on
     assert fast.key(0, (x, 1 << 40, 32, 1e-5), kw) != base               # ... but its 32/64-bit type is
-    assert fast.key(0, (x[1:], 100, 32, 1e-5), kw) != base               # 16-byte alignment
-    assert fast.key(0, (x.half(), 100, 32, 1e-5), kw) != base            # dtype
+    assert fast.key(0, (Cuda(t[1:]), 100, 32, 1e-5), kw) != base         # 16-byte alignment
+    assert fast.key(0, (Cuda(t.half()), 100, 32, 1e-5), kw) != base      # dtype
     assert fast.key(0, (x, 100, 48, 1e-5), kw) == base                   # both divisible by 16
     assert fast.key(0, (x, 100, 33, 1e-5), kw) != base                   # divisibility by 16
     assert fast.key(0, (x, 100, 1, 1e-5), kw) != fast.key(0, (x, 100, 33, 1e-5), kw)   # == 1
@@ -99,7 +113,8 @@ def test_key_separates_what_triton_specialises_on(launcher):
 
 def test_first_call_goes_through_triton_then_direct(launcher):
     jit, fast = launcher
-    x = torch.zeros(64, dtype=torch.float32)
+    t = torch.zeros(64, dtype=torch.float32)
+    x = Cuda(t)
     fast[(3,)](x, 10, 16, 1e-5, BLOCK=64)
     assert jit.slow_calls == 1 and jit.compiled.runs == []
     fast[(5, 2)](x, 11, 32, 1e-5, BLOCK=64)
@@ -108,15 +123,17 @@ def test_first_call_goes_through_triton_then_direct(launcher):
     # grid padded to 3-D, the current raw stream, the compiled function, then every argument incl. constexprs
     # tensors go as their data pointers (the C launcher takes an int as the pointer, with no driver query)
     assert args[:6] == (5, 2, 1, 1234, "fn", "meta") and args[9:] == (x.data_ptr(), 11, 32, 1e-5, 64)
-    fast[(5,)](x[1:], 11, 32, 1e-5, BLOCK=64)                             # misaligned: a new specialisation
+    fast[(5,)](Cuda(t[1:]), 11, 32, 1e-5, BLOCK=64)                       # misaligned: a new specialisation
     assert jit.slow_calls == 2
+    fast[(5,)](t, 11, 32, 1e-5, BLOCK=64)  # a tensor not on CUDA: Triton's path (its pointer check names it)
+    assert jit.slow_calls == 3 and len(jit.compiled.runs) == 1
 
 
 @pytest.mark.parametrize("scratch", [0, 64])
 def test_cached_launch_calls_the_c_launcher_unless_scratch_is_needed(launcher, scratch):
     jit, fast = launcher
     jit.compiled = FakeCompiledC(scratch)
-    x = torch.zeros(64, dtype=torch.float32)
+    x = Cuda(torch.zeros(64, dtype=torch.float32))
     fast[(3,)](x, 10, 16, 1e-5, BLOCK=64)
     fast[(4,)](x, 10, 16, 1e-5, BLOCK=64)
     runner = jit.compiled.run
@@ -130,7 +147,7 @@ def test_cached_launch_calls_the_c_launcher_unless_scratch_is_needed(launcher, s
 
 def test_hooks_kill_switch_and_other_releases_take_triton_path(launcher, monkeypatch):
     jit, fast = launcher
-    x = torch.zeros(64)
+    x = Cuda(torch.zeros(64))
     jit.pre_run_hooks.append(lambda *a, **k: None)
     for _ in range(2):
         fast[(1,)](x, 1, 16, 1.0, BLOCK=64)

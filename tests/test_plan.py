@@ -80,6 +80,13 @@ def test_plan_choices_follow_the_rules(fused):
     assert plan(100, rules=plan_mod.Rules(small_linear_max_tokens=0)).linear is torch.nn.functional.linear
     assert plan(100, grad=True).linear is torch.nn.functional.linear
     assert plan(100, rules=plan_mod.Rules(lean=False)).linear is torch.nn.functional.linear
+    # a CUDA graph's warm-up runs what its capture will bake in: cuBLAS (plans are built without touching CUDA)
+    from packed_encoders.ops import quack_gemm
+
+    with quack_gemm.graph_rules():
+        warm = plan_mod.plan_for(params, fused.TRITON_OPS, _sdpa(params), tokens=100, max_seqlen=40,
+                                 dtype=torch.bfloat16, device=torch.device("cuda"), grad=False)
+    assert warm.direct and warm.glu == "small_gemm" and warm.linear is torch.nn.functional.linear
     assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0)).glu == "split"
     # the checked path routes through the checked op, unless PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at pack())
     assert plan(300, rules=plan_mod.Rules(lean=False)).glu == "route"

@@ -235,8 +235,10 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             return t if wdt is None or t.dtype is wdt else t.to(wdt)
 
         # the layers own x (``carry`` is emptied) and read it no more after its residual norm, so the sum may be
-        # written over it; not while hidden_states holds the layers' outputs
-        res_ln = (run.residual_in_place if hidden_states is None else None) or run.residual_layer_norm
+        # written over it: only without gradient (autograd may have saved x; a kernel's write bumps no version
+        # counter) and while hidden_states does not hold the layers' outputs
+        in_place = plan.direct and hidden_states is None
+        res_ln = (run.residual_in_place if in_place else None) or run.residual_layer_norm
 
         def run_layer(index: int, carry: list):
             x, pending = carry

@@ -15,7 +15,7 @@ forward then calls the chosen implementations directly:
   ``glu_linear`` route, e.g. quack's epilogue; ``"split"``: ``F.linear`` then the GLU op) and the projections
   (``F.linear``; the op set's ``linear`` route where it may take the call; the unchecked Triton GEMM for eager
   calls of at most :attr:`Rules.small_linear_max_tokens` tokens, which are host-bound: its launch costs less host
-  time than ``F.linear``'s dispatch, while a CUDA graph being captured keeps cuBLAS, faster on the GPU).
+  time than ``F.linear``'s dispatch, while a CUDA graph and its warm-up keep cuBLAS, faster on the GPU).
 - ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op.
 
 Route choices count host time: quack's CuteDSL GEMMs cost ~10-20 us more host time per launch than cuBLAS, so an
@@ -127,6 +127,16 @@ def last_plan() -> Plan | None:
     return getattr(_LAST, "plan", None)
 
 
+def _for_graph(device: torch.device) -> bool:
+    """Whether this call belongs to a CUDA graph: captured now, or the warm-up before a capture, which must run (and
+    compile) the kernels the capture will bake in (``quack_gemm.graph_rules``)."""
+    if device.type != "cuda":
+        return False
+    from ..ops import quack_gemm
+
+    return quack_gemm._GRAPH_RULES.depth > 0 or torch.cuda.is_current_stream_capturing()
+
+
 def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -> bool:
     """Whether quack's routes may take a call of ``tokens`` now (its wrappers then decide per op)."""
     if ops.gemm != "quack" or ops.linear is None:
@@ -135,8 +145,7 @@ def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -
         return True
     from ..ops import quack_gemm
 
-    return quack_gemm._forced() or (device.type == "cuda" and (quack_gemm._GRAPH_RULES.depth > 0
-                                                               or torch.cuda.is_current_stream_capturing()))
+    return quack_gemm._forced() or _for_graph(device)
 
 
 def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens: int, max_seqlen: int,
@@ -150,9 +159,9 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     quack = not grad and not compiling and (_quack_active(ops, device, tokens, rules) if rules.lean
                                             else ops.gemm == "quack" and ops.linear is not None)
     glu_small = 0 < tokens <= rules.glu_gemm_max_tokens
-    # a CUDA graph being captured replays without host cost: its projections stay on cuBLAS
+    # a CUDA graph replays without host cost: its projections (and its warm-up's) stay on cuBLAS
     small_linear = (not grad and 0 < tokens <= rules.small_linear_max_tokens and not compiling and not quack
-                    and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
+                    and not _for_graph(device))
     rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")

@@ -126,8 +126,8 @@ class FastLauncher:
     ``CudaLauncher.__call__`` frame, for kernels that need no scratch memory) with each tensor passed as its
     ``data_ptr()``: the C launcher takes an integer as the device pointer as it is, where for a tensor it calls
     ``data_ptr`` and asks the driver about the pointer (``cuPointerGetAttribute``), one driver call per tensor
-    argument on every launch. Tensors reach here from this package's kernel wrappers, which choose the compiled
-    form only for CUDA tensors (:meth:`Kernel.on`).
+    argument on every launch. A tensor that is not on a CUDA device (a CPU weight beside CUDA activations) sends
+    the launch down Triton's path, whose pointer check raises an error naming the argument.
 
     Launch hooks (profilers such as proton) and pre-run hooks take Triton's path; so does everything when
     ``FastLauncher.enabled`` is False (read per call; decided on first use from the switch ``pack()`` sets,
@@ -153,7 +153,7 @@ class FastLauncher:
     def _key_and_args(self, device: int, args: tuple, kwargs: dict) -> tuple[tuple, list]:
         """``(key, call_args)``: the specialisation key and the arguments with each tensor as its data pointer.
         Raises ``AttributeError`` / ``TypeError`` for an argument that is none of int, float, bool, None or a
-        tensor (the caller then takes Triton's path)."""
+        CUDA tensor (the caller then takes Triton's path)."""
         parts = []
         call = []
         for a, spec, align in zip(args, self.specialize, self.align):
@@ -166,6 +166,8 @@ class FastLauncher:
             elif a is None or t is bool:
                 parts.append(a)
             else:  # a tensor
+                if not a.is_cuda:  # Triton's path names it (the C launcher would take a host pointer as it is)
+                    raise TypeError("a tensor that is not on a CUDA device")
                 ptr = a.data_ptr()
                 parts.append((a.dtype, align and ptr % 16 == 0))
                 call.append(ptr)
