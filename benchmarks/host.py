@@ -18,6 +18,13 @@ Variants (environment of the child process):
 - ``new_noquack``: ``new`` with ``PACKED_ENCODERS_QUACK_GEMM=0`` (installing the ``cute`` extra must not slow a call).
 - ``new_eager``: ``new`` with ``PACKED_ENCODERS_GRAPH=0``: the eager path a call takes when no graph serves it.
 
+A variant may name another source tree of the package: ``new_eager@/path/to/tree`` runs ``new_eager``'s environment
+with ``packed_encoders`` imported from that tree (e.g. ``git worktree add /tmp/before <commit>``), so code before
+and after a change are timed by the same harness in one run; its rows carry ``code_dir`` and ``code_sha``.
+``--rounds R`` runs every variant R times, round-robin, each run a fresh process: the host's speed drifts between
+runs (up to 3x on the H200 machine), so before / after pairs compare within a round, and the table shows each
+variant's median over rounds with its range.
+
 Per (workload, variant): ``host_ms`` (median time for the call to return, GPU idle at the start: the host's share),
 ``gpu_ms`` (kernel time per call from ``torch.profiler``), ``wall_ms`` (median per call back to back, CUDA events),
 ``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), and for packed
@@ -35,6 +42,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+# A child timing another tree's package (``NAME@DIR``, its hidden ``--code DIR``) puts that tree first before
+# anything imports packed_encoders (benchmarks.common does): the package cannot be swapped once imported.
+if __name__ == "__main__" and "--code" in sys.argv[:-1]:
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
 
 import numpy as np
 import torch
@@ -116,8 +128,18 @@ def _measure(step, args, device: str, reps: int, counts: dict) -> dict:
             "python_calls": pstats.Stats(pr).total_calls, "aten_ops": aten}
 
 
-def child(args) -> dict:
+def _import_package(code: str | None):
+    """``packed_encoders``, checked to come from the tree ``code`` when given (put first on ``sys.path`` at the
+    child's start)."""
     import packed_encoders as pe
+
+    if code and not Path(pe.__file__).resolve().is_relative_to(Path(code).resolve()):
+        raise SystemExit(f"packed_encoders came from {pe.__file__}, not from {code}")
+    return pe
+
+
+def child(args) -> dict:
+    pe = _import_package(args.code)
     from benchmarks.data import load_corpus
     from benchmarks.models import make_config
 
@@ -184,6 +206,8 @@ def child(args) -> dict:
                    layers=config.num_hidden_layers,
                    host_us_per_layer=row["host_ms"] * 1e3 / config.num_hidden_layers,
                    describe=pe.describe(model)["encoders"][0].get("kernels") if packed else None)
+        if args.code:
+            row["code_dir"] = str(Path(args.code).resolve())
         rows.append(row)
         del model
         if device.startswith("cuda"):
@@ -196,31 +220,41 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--config", default="modernbert-base")
     ap.add_argument("--tokens", default=None, help="token cache (default: benchmarks.data's)")
-    ap.add_argument("--variants", default="stock,old,new,new_noquack")
+    ap.add_argument("--variants", default="stock,old,new,new_noquack",
+                    help=f"comma list of {', '.join(VARIANTS)}; NAME@DIR: NAME with the package of the tree DIR")
+    ap.add_argument("--rounds", type=int, default=1, help="run the variants this many times, round-robin")
     ap.add_argument("--workloads", default="queries,documents,passages,train")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host"))
     ap.add_argument("--quick", action="store_true", help="few repetitions (CPU smoke test)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant (its fresh process)")
     ap.add_argument("--child", dest="variant", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--code", default=None, help=argparse.SUPPRESS)  # the child's package tree (NAME@DIR)
     args = ap.parse_args(argv)
     if args.variant is not None:
         print("HOSTJSON " + json.dumps(child(args)))
         return 0
+    specs = [parse_variant(v) for v in args.variants.split(",") if v.strip()]
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
     rows = []
-    for variant in args.variants.split(","):
-        argv_child = ["benchmarks.host", "--child", variant, "--device", args.device, "--config", args.config,
-                      "--workloads", args.workloads] + (["--tokens", args.tokens] if args.tokens else []) \
-            + (["--quick"] if args.quick else [])
-        rc, out, secs = run_child(argv_child, timeout=args.timeout, env=VARIANTS[variant])
-        line = next((ln for ln in out.splitlines() if ln.startswith("HOSTJSON ")), None)
-        if rc != 0 or line is None:
-            print(f"[{variant}] failed (rc {rc}, {secs:.0f} s):\n{out[-2500:]}", file=sys.stderr)
-            rows.append({"runner": "host", "variant": variant, "status": "failed", "tail": out[-2000:]})
-            continue
-        for r in json.loads(line[len("HOSTJSON "):])["rows"]:
-            r["status"] = "ok"
-            rows.append(r)
-        print(f"[{variant}] {secs:.0f} s", file=sys.stderr)
+    for round_ in range(args.rounds):
+        for spec, variant, code in specs:
+            argv_child = ["benchmarks.host", "--child", variant, "--device", args.device, "--config", args.config,
+                          "--workloads", args.workloads] + (["--tokens", args.tokens] if args.tokens else []) \
+                + (["--quick"] if args.quick else []) + (["--code", code] if code else [])
+            rc, out, secs = run_child(argv_child, timeout=args.timeout, env=VARIANTS[variant])
+            line = next((ln for ln in out.splitlines() if ln.startswith("HOSTJSON ")), None)
+            if rc != 0 or line is None:
+                print(f"[{spec}] failed (rc {rc}, {secs:.0f} s):\n{out[-2500:]}", file=sys.stderr)
+                rows.append({"runner": "host", "variant": spec, "round": round_, "status": "failed",
+                             "tail": out[-2000:]})
+                continue
+            for r in json.loads(line[len("HOSTJSON "):])["rows"]:
+                r.update(status="ok", variant=spec, round=round_)
+                if code:
+                    r["code_sha"] = git_sha(code)
+                rows.append(r)
+            print(f"[{spec}] round {round_ + 1}/{args.rounds}: {secs:.0f} s", file=sys.stderr)
     env = environment(args.device)
     for r in rows:
         r["env"] = env
@@ -228,17 +262,53 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"host_{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     write_rows(path, rows)
-    print(f"| workload | variant | host ms | us/layer | GPU ms | wall ms | python calls | aten ops | cos min |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        if r.get("status") != "ok":
-            print(f"| - | {r['variant']} | failed | | | | | | |")
-            continue
-        cos = "" if r.get("token_cos_min") is None else f"{r['token_cos_min']:.5f}"
-        print(f"| {r['workload']} | {r['variant']} | {r['host_ms']:.2f} | {r['host_us_per_layer']:.0f} | "
-              f"{r['gpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['python_calls']} | {r['aten_ops']} | {cos} |")
+    print(table(rows))
     print(f"rows: {path}")
     return 0
+
+
+def parse_variant(spec: str) -> tuple[str, str, str | None]:
+    """``(spec, variant, code tree or None)`` of ``NAME`` or ``NAME@DIR``; ``SystemExit`` naming what is wrong."""
+    spec = spec.strip()
+    variant, at, code = spec.partition("@")
+    if variant not in VARIANTS:
+        raise SystemExit(f"unknown variant {variant!r} in {spec!r}; choose from {', '.join(VARIANTS)}")
+    if at and not (Path(code) / "packed_encoders" / "__init__.py").is_file():
+        raise SystemExit(f"{spec!r}: {code} holds no packed_encoders package")
+    return spec, variant, (code if at else None)
+
+
+def git_sha(tree: str) -> str | None:
+    """The commit checked out in ``tree`` (a clone or worktree), or ``None``."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: per (workload, variant) the median over rounds of host / GPU / wall ms (host range when there
+    are several rounds), Python calls and aten ops of the first round, the parity cosine."""
+    lines = ["| workload | variant | rounds | host ms median (range) | us/layer | GPU ms | wall ms | python calls "
+             "| aten ops | cos min |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    groups: dict = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| - | {r['variant']} | failed (round {r.get('round', 0) + 1}) | | | | | | | |")
+            continue
+        groups.setdefault((r["workload"], r["variant"]), []).append(r)
+    for (workload, variant), rs in groups.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in ("host_ms", "gpu_ms", "wall_ms")}
+        hosts = [x["host_ms"] for x in rs]
+        spread = f" ({min(hosts):.2f}-{max(hosts):.2f})" if len(rs) > 1 else ""
+        cos = "" if rs[0].get("token_cos_min") is None else f"{rs[0]['token_cos_min']:.5f}"
+        lines.append(f"| {workload} | {variant} | {len(rs)} | {med['host_ms']:.2f}{spread} "
+                     f"| {med['host_ms'] * 1e3 / rs[0]['layers']:.0f} | {med['gpu_ms']:.2f} | {med['wall_ms']:.2f} "
+                     f"| {rs[0]['python_calls']} | {rs[0]['aten_ops']} | {cos} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,34 @@ def test_host_ops_cpu_smoke(tmp_path):
     for op in ("linear_cublaslt", "ln_direct", "attn_triton", "attn_fa4"):
         assert rows[op]["status"] == "skipped" and rows[op]["reason"] == "CUDA only"
     assert all(r["runner"] == "host_ops" and "env" in r for r in rows.values())
+
+
+def test_host_rounds_and_a_second_code_tree(tmp_path):
+    """``benchmarks.host`` on CPU: variants run round-robin for ``--rounds``, each in a fresh process, and a
+    ``NAME@DIR`` variant imports the package of another tree (here a copy of this one, proved by the path)."""
+    import shutil
+
+    from benchmarks import host
+    from benchmarks.data import cache_from_sample
+
+    tokens = cache_from_sample(tmp_path / "tokens.npz")
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "packed_encoders", tree / "packed_encoders",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "results"
+    assert host.main(["--device", "cpu", "--config", "tiny", "--quick", "--tokens", str(tokens), "--rounds", "2",
+                      "--workloads", "queries", "--variants", f"new_eager,new_eager@{tree}", "--out", str(out)]) == 0
+    (path,) = out.glob("host_*.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["variant"], r["round"], r["status"]) for r in rows] == [
+        ("new_eager", 0, "ok"), (f"new_eager@{tree}", 0, "ok"), ("new_eager", 1, "ok"), (f"new_eager@{tree}", 1, "ok")]
+    assert "code_dir" not in rows[0] and rows[1]["code_dir"] == str(tree.resolve())
+    assert all(r["host_ms"] > 0 and r["token_cos_min"] > 0.9999 for r in rows)
+    text = host.table(rows)
+    assert f"| queries | new_eager@{tree} | 2 |" in text and "| queries | new_eager | 2 |" in text
+    import pytest
+
+    with pytest.raises(SystemExit, match="holds no packed_encoders"):
+        host.parse_variant(f"new_eager@{tmp_path}")
+    with pytest.raises(SystemExit, match="unknown variant"):
+        host.parse_variant("newer")
