@@ -77,6 +77,7 @@ def test_plan_choices_follow_the_rules(fused):
     # projections: the Triton GEMM for small eager calls (host-bound), F.linear past the size rule, with gradient
     # or with the switch off (PACKED_ENCODERS_FUSED_GLU_GEMM=0 at pack())
     assert plan(100).linear is fused.DIRECT_OPS.linear and plan(300).linear is torch.nn.functional.linear
+    assert (plan(100).linear_route, plan(300).linear_route) == ("small_gemm", "F.linear")  # what describe() shows
     assert plan(100, rules=plan_mod.Rules(small_linear_max_tokens=0)).linear is torch.nn.functional.linear
     assert plan(100, grad=True).linear is torch.nn.functional.linear
     assert plan(100, rules=plan_mod.Rules(lean=False)).linear is torch.nn.functional.linear

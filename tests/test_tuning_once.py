@@ -44,7 +44,8 @@ def test_every_kernel_switch_lands_in_the_tuning_and_the_rules(monkeypatch):
     assert not (t.lean or t.fused_rope or t.fused_glu_gemm or t.quack_gemm or t.quack_rope or t.triton_fast_launch
                 or t.fused_unpad)
     rules = rules_for(t)
-    assert (rules.lean, rules.fused_rope, rules.glu_gemm_max_tokens) == (False, False, 0)
+    assert (rules.lean, rules.fused_rope, rules.glu_gemm_max_tokens, rules.small_linear_max_tokens) == (False, False,
+                                                                                                      0, 0)
     assert "ops_reads" not in t.describe() and t.describe()["lean"] is False
 
 
@@ -56,6 +57,7 @@ def test_a_switch_set_after_pack_waits_for_the_next_pack(monkeypatch):
         model(input_ids=ids, attention_mask=mask)
     facts = _plan_facts(model)
     assert facts["direct"] is False and facts["why_checked"] == "the 'torch' op set has no unchecked launches"
+    assert facts["linear"] == "F.linear"
     monkeypatch.setenv("PACKED_ENCODERS_LEAN", "0")
     monkeypatch.setenv("PACKED_ENCODERS_FUSED_ROPE", "0")
     with torch.no_grad():

@@ -114,6 +114,7 @@ class Plan:
     linear: Callable
     layers: tuple[LayerPlan, ...]
     why_checked: str | None  # why the checked ops run (None when direct)
+    linear_route: str = "F.linear"  # what ``linear`` is, for describe(): "F.linear" | "small_gemm" | the route's gemm
 
 
 _CACHE: dict = {}
@@ -243,10 +244,12 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         glu = "split"
     glu_linear = {"small_gemm": run_ops.glu_linear, "route": ops.glu_linear}.get(glu)
     if direct and small_linear and run_ops.linear is not None:
-        linear = run_ops.linear
+        linear, linear_route = run_ops.linear, "small_gemm"
+    elif routed and ops.linear is not None:
+        linear, linear_route = ops.linear, ops.gemm
     else:
-        linear = ops.linear if (routed and ops.linear is not None) else F.linear
-    return Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why)
+        linear, linear_route = F.linear, "F.linear"
+    return Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
 
 
 __all__ = ["LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "last_plan", "plan_for",
