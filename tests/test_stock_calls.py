@@ -1,6 +1,6 @@
 """Calls stock HF serves and the packed path does not reproduce run the stock forward (warned once, the reason in
 describe()) instead of raising: masks with holes, output_attentions=True, layer-selecting output_hidden_states,
-HF's dict of per-layer-type masks, torch.export. The patched forward keeps the stock forward's signature."""
+HF's dict of per-layer-type masks, a 4-D mask, torch.export. The patched forward keeps the stock forward's signature."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ CALLS = {
     "output_attentions": lambda model, ids, mask: dict(attention_mask=mask, output_attentions=True),
     "hidden_states_list": lambda model, ids, mask: dict(attention_mask=mask, output_hidden_states=[1, 2]),
     "dict_mask": lambda model, ids, mask: dict(attention_mask=_mask_mapping(model, ids, mask)),
+    "mask_4d": lambda model, ids, mask: dict(attention_mask=mask[:, None, None, :].expand(
+        mask.shape[0], 1, mask.shape[1], mask.shape[1]).bool()),
 }
 REASONS = {"holes": "holes inside", "holes_positional": "holes inside", "output_attentions": "output_attentions",
-           "hidden_states_list": "output_hidden_states=", "dict_mask": "dict of per-layer-type masks"}
+           "hidden_states_list": "output_hidden_states=", "dict_mask": "dict of per-layer-type masks", "mask_4d": "4-D tensor"}
 
 
 @pytest.mark.parametrize("case", list(CALLS))

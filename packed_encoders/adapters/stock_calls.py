@@ -2,7 +2,7 @@
 them (a one-time ``RuntimeWarning``, the reason in ``describe()``), so code written for stock HF keeps working.
 
 Named before the call: attention probabilities (``output_attentions=True``), HF's precomputed per-layer-type mask
-mapping (a dict ``attention_mask``), layer-selecting ``output_hidden_states`` (a list or tuple), and tracing by
+mapping (a dict ``attention_mask``), a full attention mask (a 3-D / 4-D tensor ``attention_mask``), layer-selecting ``output_hidden_states`` (a list or tuple), and tracing by
 ``torch.export`` (the exported program is the stock graph: the packed forward syncs the host on the lengths).
 Found while unpacking: a mask with holes inside a row (:class:`~packed_encoders.errors.StockOnlyInput`).
 """
@@ -30,6 +30,9 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
     if isinstance(mask, dict):
         return ("attention_mask is a dict of per-layer-type masks (HF's precomputed mask mapping); the packed path "
                 "reads a [batch, seq_len] padding mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() > 2:
+        return (f"attention_mask is a {mask.dim()}-D tensor of shape {tuple(mask.shape)} (a mask per query and key); "
+                "the packed path reads a [batch, seq_len] padding mask")
     attentions = kwargs.get("output_attentions")
     if attentions is None:
         attentions = getattr(model.config, "output_attentions", False)
