@@ -270,7 +270,9 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
         report.checks.append("numerics also with the quack GEMMs forced on every projection they serve")
     report.seconds = time.perf_counter() - t0
     if not finite:
-        report.failures.append("non-finite values in the packed output")
+        report.failures.append("non-finite values in the packed output" if bool(torch.isfinite(r).all()) else
+                               "non-finite values in the packed output, and in stock HF's too: the model's weights "
+                               "or buffers hold NaN / inf (or overflow in this dtype), not the packed path")
     if dtype == torch.float32:
         if fp64_err is not None:
             ours, theirs = fp64_err

@@ -279,6 +279,17 @@ def test_a_backend_that_cannot_run_is_named_first():
     assert "nan" not in str(info.value) and "packed path raised" in str(info.value)
 
 
+def test_a_model_whose_stock_output_is_not_finite_is_named_as_the_cause():
+    """A NaN weight makes stock HF's output NaN too: validation says the model, not the packed path, is the cause,
+    and the model stays unpacked."""
+    model = make_model("base_like")
+    with torch.no_grad():
+        model.layers[0].mlp.Wi.weight[0, 0] = float("nan")
+    with pytest.raises(pe.ValidationError, match="and in stock HF's too") as info:
+        pe.pack(model)
+    assert not info.value.report.passed and "forward" not in model.__dict__
+
+
 def test_structure_mismatch_is_refused_before_validation():
     model = make_model("base_like")
     model.layers[1].attention_type = "full_attention"  # disagrees with config.layer_types
