@@ -12,7 +12,7 @@ from torch import nn
 from .adapters.late_interaction import ALWAYS, ExpansionWatch, query_expansion_length
 from .adapters.locate import find_encoders
 from .adapters.state import PackOptions, PackState, get_state
-from .attention.dispatch import CHOICES, load_policy
+from .attention.dispatch import CHOICES, cannot_serve, load_policy
 from .errors import PackedEncodersError, UnsupportedTargetError
 from .graphs.config import normalize
 from .model.params import ModernBertParams
@@ -55,6 +55,11 @@ def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuni
         raise PackedEncodersError(f"attention_backend={options.attention_backend!r} is not one of {CHOICES}")
     params = params_of(model)
     device = device_of(model)
+    why = cannot_serve(options.attention_backend, device_type=device.type, heads=params.num_attention_heads,
+                       head_dim=params.head_dim)
+    if why is not None:
+        raise PackedEncodersError(f"attention_backend={options.attention_backend!r} cannot run this model (on "
+                                  f"{device}): {why}")
     tuning = tuning if tuning is not None else read_tuning(device)
     ops, reason = select_ops(options.kernels, device, tuning)
     set_fast_launch(tuning.triton_fast_launch)

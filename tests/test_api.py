@@ -271,12 +271,18 @@ def test_validation_failure_leaves_model_unchanged(monkeypatch):
     assert model.__dict__[STATE_ATTR].ops.name == "torch"  # the earlier, valid packing is kept
 
 
-def test_a_backend_that_cannot_run_is_named_first():
-    """No output to compare: the summary gives the reason, not NaN statistics."""
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_backend_that_cannot_run_here_is_refused_at_pack(validate):
+    """An explicitly named backend that no call of this model could run (here: a CUDA backend for a CPU model) is
+    refused by pack(), validated or not, naming the reason; the model stays unpacked."""
     model = make_model("base_like")
-    with pytest.raises(pe.ValidationError, match="varlen_attn needs CUDA") as info:
-        pe.pack(model, attention_backend="varlen")
-    assert "nan" not in str(info.value) and "packed path raised" in str(info.value)
+    for backend, why in (("varlen", "varlen_attn needs CUDA"), ("fa4", "FlashAttention-4 needs CUDA"),
+                         ("triton", "Triton attention kernel needs CUDA")):
+        with pytest.raises(pe.PackedEncodersError, match=f"attention_backend='{backend}' cannot run this model "
+                                                         f"\\(on cpu\\): .*{why}"):
+            pe.pack(model, attention_backend=backend, validate=validate)
+        assert "forward" not in model.__dict__
+    pe.pack(model, attention_backend="sdpa", validate=validate)  # runs anywhere
 
 
 def test_a_model_whose_stock_output_is_not_finite_is_named_as_the_cause():
