@@ -110,7 +110,7 @@ def test_linear_rule_per_shape_and_capture(fake, monkeypatch):
     x, w = _glu_inputs(12)
     torch.testing.assert_close(ops.linear(x, w, None), F.linear(x, w))
     assert fake["linear"] == 0  # eager: 16 tokens needed
-    monkeypatch.setattr(quack_gemm, "_capturing", lambda x: True)
+    monkeypatch.setattr(quack_gemm, "for_graph", lambda on_cuda: True)
     ops.linear(x, w, None)
     assert fake["linear"] == 1  # capturing a graph: only GPU time counts, 8 tokens suffice
     x2, w2 = _glu_inputs(4096, n=128)
@@ -285,7 +285,7 @@ def test_rope_linear_size_rule_capture_and_result(fake, monkeypatch):
     graph_min, eager_min = quack_gemm.ROPE_MIN_TOKENS
     x, w, pos, freq = _rope_inputs(graph_min)
     assert ops.rope_linear(x, w, None, pos, freq, 2, 64) is None  # eager: below the eager rule
-    monkeypatch.setattr(quack_gemm, "_capturing", lambda x: True)
+    monkeypatch.setattr(quack_gemm, "for_graph", lambda on_cuda: True)
     q, k, v = ops.rope_linear(x, w, None, pos, freq, 2, 64)
     assert fake["rope_linear"] == 1
     want = rope_linear_torch(x, w, None, pos, freq, 2, 64)
@@ -304,7 +304,7 @@ def test_rope_linear_size_rule_capture_and_result(fake, monkeypatch):
                                           ("rows", "Wqkv rows")])
 def test_rope_linear_refusals_are_recorded(fake, monkeypatch, case, reason):
     ops = quack_gemm.with_quack_gemms(TORCH_OPS)
-    monkeypatch.setattr(quack_gemm, "_capturing", lambda x: True)
+    monkeypatch.setattr(quack_gemm, "for_graph", lambda on_cuda: True)
     m = quack_gemm.ROPE_MIN_TOKENS[0]
     heads, hd = (4, 32) if case == "head_dim" else (2, 64)
     x, w, pos, freq = _rope_inputs(m, heads=heads, head_dim=hd, dtype=torch.float32 if case == "fp32" else

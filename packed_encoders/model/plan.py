@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.backends import BACKENDS, FUSED_ROPE_MAX_TOKENS
-from ..ops import TORCH_KERNELS, Kernels, OpSet
+from ..ops import TORCH_KERNELS, Kernels, OpSet, quack_gemm
 from .params import ModernBertParams
 
 # Below this many tokens an eager call never consults quack's routes (each would cost host time the GPU does not
@@ -128,25 +128,13 @@ def last_plan() -> Plan | None:
     return getattr(_LAST, "plan", None)
 
 
-def _for_graph(device: torch.device) -> bool:
-    """Whether this call belongs to a CUDA graph: captured now, or the warm-up before a capture, which must run (and
-    compile) the kernels the capture will bake in (``quack_gemm.graph_rules``)."""
-    if device.type != "cuda":
-        return False
-    from ..ops import quack_gemm
-
-    return quack_gemm._GRAPH_RULES.depth > 0 or torch.cuda.is_current_stream_capturing()
-
-
 def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -> bool:
     """Whether quack's routes may take a call of ``tokens`` now (its wrappers then decide per op)."""
     if ops.gemm != "quack" or ops.linear is None:
         return False
     if tokens >= rules.quack_eager_min_tokens:
         return True
-    from ..ops import quack_gemm
-
-    return quack_gemm._forced() or _for_graph(device)
+    return quack_gemm._forced() or quack_gemm.for_graph(device.type == "cuda")
 
 
 def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens: int, max_seqlen: int,
@@ -162,7 +150,7 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     glu_small = 0 < tokens <= rules.glu_gemm_max_tokens
     # a CUDA graph replays without host cost: its projections (and its warm-up's) stay on cuBLAS
     small_linear = (not grad and 0 < tokens <= rules.small_linear_max_tokens and not compiling and not quack
-                    and not _for_graph(device))
+                    and not quack_gemm.for_graph(device.type == "cuda"))
     rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")

@@ -165,8 +165,11 @@ def _modes_ok(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     return True
 
 
-def _capturing(x: Tensor) -> bool:
-    return x.is_cuda and (_GRAPH_RULES.depth > 0 or torch.cuda.is_current_stream_capturing())
+def for_graph(on_cuda: bool) -> bool:
+    """Whether a call on this thread belongs to a CUDA graph (``on_cuda``: its tensors are CUDA tensors): captured
+    now, or the warm-up before a capture (:func:`graph_rules`), which must run (and compile) the kernels the
+    capture will bake in."""
+    return on_cuda and (_GRAPH_RULES.depth > 0 or torch.cuda.is_current_stream_capturing())
 
 
 def _forced() -> bool:
@@ -177,7 +180,7 @@ def _linear_min_tokens(x: Tensor, weight: Tensor) -> int | None:
     rule = LINEAR_MIN_TOKENS.get((int(weight.shape[0]), int(weight.shape[1])))
     if rule is None:
         return None
-    return rule[0] if _capturing(x) else rule[1]
+    return rule[0] if for_graph(x.is_cuda) else rule[1]
 
 
 # The op set's entries are module-level classes, not closures, so that a packed model (whose state holds the
@@ -208,7 +211,7 @@ class _RopeLinear:
                  num_heads: int, head_dim: int):
         if torch.compiler.is_compiling() or x.dim() != 2:
             return None
-        by_size = x.shape[0] >= (ROPE_MIN_TOKENS[0] if _capturing(x) else ROPE_MIN_TOKENS[1])
+        by_size = x.shape[0] >= (ROPE_MIN_TOKENS[0] if for_graph(x.is_cuda) else ROPE_MIN_TOKENS[1])
         if not ((by_size or _forced()) and _modes_ok(x, weight, bias)):
             return None
         n = num_heads * head_dim
