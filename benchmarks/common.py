@@ -29,15 +29,16 @@ from packed_encoders.calibrate import dist_version  # noqa: E402
 
 # ------------------------------------------------------------------------------------ environment
 
-def _git_sha() -> str | None:
-    """``git rev-parse`` of the checkout (``-dirty`` if tracked files changed); ``$PE_GIT_SHA`` overrides it
-    where the tree was copied without ``.git``."""
-    if os.environ.get("PE_GIT_SHA"):
+def git_sha(tree=None) -> str | None:
+    """``git rev-parse`` of the checkout ``tree`` (default: this one; ``-dirty`` if tracked files changed), or
+    ``None``; for this checkout ``$PE_GIT_SHA`` overrides it where the tree was copied without ``.git``."""
+    if tree is None and os.environ.get("PE_GIT_SHA"):
         return os.environ["PE_GIT_SHA"]
+    cwd = ROOT if tree is None else tree
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=cwd, capture_output=True,
                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return (sha + ("-dirty" if dirty else "")) if sha else None
     except (OSError, subprocess.SubprocessError):
@@ -67,7 +68,7 @@ def environment(device: str) -> dict:
         "fa4": dist_version("flash-attn-4", "flash-attn-cute", "flash_attn_cute", "flash-attn", "flash_attn"),
         "quack": dist_version("quack-kernels", "quack"),
         "packed_encoders": dist_version("packed-encoders") or _module_version("packed_encoders"),
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "device": device,
         "cpu": platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),

@@ -51,7 +51,7 @@ if __name__ == "__main__" and "--code" in sys.argv[:-1]:
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT, environment, run_child, synchronize, write_rows
+from benchmarks.common import ROOT, environment, git_sha, run_child, synchronize, write_rows
 
 VARIANTS = {
     "stock": {},
@@ -276,17 +276,6 @@ def parse_variant(spec: str) -> tuple[str, str, str | None]:
     if at and not (Path(code) / "packed_encoders" / "__init__.py").is_file():
         raise SystemExit(f"{spec!r}: {code} holds no packed_encoders package")
     return spec, variant, (code if at else None)
-
-
-def git_sha(tree: str) -> str | None:
-    """The commit checked out in ``tree`` (a clone or worktree), or ``None``."""
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def table(rows: list[dict]) -> str:
