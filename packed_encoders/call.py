@@ -221,5 +221,4 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
 
 
 __all__ = ["Eager", "PackedGraph", "RectangularGraph", "Stock", "empty_output", "mode_facts", "packed_route",
-           "padded_route",
-           "raise_earlier_errors", "run_packed", "serve_batch", "serve_padded"]
+           "padded_route", "raise_earlier_errors", "run_packed", "serve_batch", "serve_padded"]

@@ -2,8 +2,9 @@
 them (a one-time ``RuntimeWarning``, the reason in ``describe()``), so code written for stock HF keeps working.
 
 Named before the call: attention probabilities (``output_attentions=True``), HF's precomputed per-layer-type mask
-mapping (a dict ``attention_mask``), a full attention mask (a 3-D / 4-D tensor ``attention_mask``), layer-selecting ``output_hidden_states`` (a list or tuple), and tracing by
-``torch.export`` (the exported program is the stock graph: the packed forward syncs the host on the lengths).
+mapping (a dict ``attention_mask``), a mask per query and key (a 3-D / 4-D tensor ``attention_mask``),
+layer-selecting ``output_hidden_states`` (a list or tuple), and tracing by ``torch.export`` (the exported program
+is the stock graph: the packed forward syncs the host on the lengths).
 Found while unpacking: a mask with holes inside a row (:class:`~packed_encoders.errors.StockOnlyInput`).
 """
 
