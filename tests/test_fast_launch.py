@@ -22,12 +22,16 @@ class Cuda:
     device type)."""
 
     is_cuda = True
+    device = torch.device("cuda", 0)
 
     def __init__(self, t):
         self.t, self.dtype = t, t.dtype
 
     def data_ptr(self):
         return self.t.data_ptr()
+
+    def get_device(self):
+        return 0
 
 
 class FakeCompiled:
@@ -170,3 +174,47 @@ def test_hooks_kill_switch_and_other_releases_take_triton_path(launcher, monkeyp
     assert R._fast_launch_enabled() is False
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     assert R._fast_launch_enabled() is True
+
+
+def test_bound_launches_skip_the_key_per_signature(launcher, monkeypatch):
+    jit, fast = launcher
+    jit.compiled = FakeCompiledC()
+    runner = jit.compiled.run
+    t = torch.zeros(64, dtype=torch.float32)
+    cache = {}
+
+    def call(x, n):
+        p = x.data_ptr()
+        R.launch_cached(cache, (torch.float32, 16, 64, not p & 15), fast, x, (3, 2), (x, n, 16, 1e-5),
+                        {"BLOCK": 64}, (p, n, 16, 1e-5))
+
+    x = Cuda(t)
+    call(x, 10)  # the first launch of a signature: Triton's path, then bound
+    assert jit.slow_calls == 1 and runner.launches == [] and len(cache) == 1
+    call(x, 11)  # the C launcher with the caller's pointers and ints, the bound constexprs appended
+    assert jit.slow_calls == 1 and runner.launches == [(3, 2, 1, 1234, "fn", 0, 1, None, None, "meta", None, None,
+                                                        None, x.data_ptr(), 11, 16, 1e-5, 64)]
+    misaligned = Cuda(t[1:])
+    call(misaligned, 11)
+    call(misaligned, 11)  # never bound (its signature says unaligned): the launcher's own cached path
+    assert len(cache) == 1 and jit.slow_calls == 2 and runner.launches[-1][13] == misaligned.data_ptr()
+    monkeypatch.setattr(R.FastLauncher, "enabled", False)  # the kill switch: Triton's path again
+    call(x, 12)
+    assert jit.slow_calls == 3 and len(runner.launches) == 2
+    monkeypatch.setattr(R.FastLauncher, "enabled", True)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1, raising=False)  # another device is current
+    monkeypatch.setattr(R, "device_guard", lambda ref: R._NULL)  # (no CUDA here to switch devices on)
+    call(x, 13)
+    assert len(runner.launches) == 2  # not the bound launch (it would run on the current device's stream)
+
+
+def test_bind_refuses_what_a_signature_cannot_stand_for(launcher):
+    jit, fast = launcher
+    t = torch.zeros(64, dtype=torch.float32)
+    jit.compiled = FakeCompiledC(scratch=64)  # scratch memory: CudaLauncher.__call__ allocates it
+    assert fast.bind((1,), Cuda(t), 10, 16, 1e-5, BLOCK=64) is None
+    jit.compiled = FakeCompiledC()
+    fast.cache.clear()
+    assert fast.bind((1,), Cuda(t[1:]), 10, 16, 1e-5, BLOCK=64) is None  # a pointer not 16-byte aligned
+    bound = fast.bind((1,), Cuda(t), 10, 16, 1e-5, BLOCK=64)
+    assert bound is not None and bound.tail == (64,)

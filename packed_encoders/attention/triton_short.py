@@ -38,6 +38,10 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 _ROW_DTYPES = (torch.int32, torch.int64)
 _LOG2E = 1.4426950408889634
+_I32_END = 1 << 31
+# launch signature -> the runtime's Bound (launches that skip Triton's per-argument key; see
+# packed_encoders.ops.triton._runtime.launch_cached)
+_BOUND: dict = {}
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,14 @@ def _fast_kernel(rope: bool = False):
 
     fn = _kernel(rope)
     return FastLauncher(fn) if isinstance(fn, JITFunction) else fn
+
+
+@functools.lru_cache(maxsize=None)
+def _runtime():
+    """``packed_encoders.ops.triton._runtime``, imported on first launch (importing this module loads no Triton)."""
+    from ..ops.triton import _runtime
+
+    return _runtime
 
 
 @functools.lru_cache(maxsize=None)
@@ -265,17 +277,28 @@ def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: flo
     grid_rows = n * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
     grid = (grid_rows, triton_cdiv(heads, cfg.heads_per_program))
     rope = cos is not None
-    tables, table_stride = ((cos, sin, rows), (cos.stride(0),)) if rope else ((), ())
-    (_fast_kernel(rope) if q.is_cuda else _interpreted_kernel(rope))[grid](
-        q, k, v, out, cu_seqlens, cu_seqlens if key_lens is None else key_lens, *tables, scale * _LOG2E,
-        total, n, max(0, math.ceil(math.log2(n))), int(window) if local else 0, tiles_per_seq, heads,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        *table_stride,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_PER_PROGRAM=cfg.heads_per_program,
-        LOCAL=local, PER_SEQ=cfg.grid == "seq", DOT_F32=not q.is_cuda and q.dtype == torch.bfloat16,
-        HAS_KL=key_lens is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    tensors = (q, k, v, out, cu_seqlens, cu_seqlens if key_lens is None else key_lens) + ((cos, sin, rows) if rope
+                                                                                          else ())
+    ints = (scale * _LOG2E, total, n, max(0, math.ceil(math.log2(n))), int(window) if local else 0, tiles_per_seq,
+            heads)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+               out.stride(1)) + ((cos.stride(0),) if rope else ())
+    fast = sig = None
+    if q.is_cuda:
+        fast = tuple(t.data_ptr() for t in tensors)
+        aligned = 0
+        for p in fast:
+            aligned |= p
+        fast += ints + strides
+        # the strides are specialised ints (their values belong to the signature); the other ints are not
+        sig = (q.dtype, tensors[4].dtype, tensors[5].dtype, rows.dtype if rope else None, strides, head_dim, cfg,
+               local, key_lens is not None, max(total, n * tiles_per_seq) < _I32_END, not aligned & 15)
+    _runtime().launch_cached(_BOUND, sig, _fast_kernel(rope) if q.is_cuda else _interpreted_kernel(rope), q, grid,
+                  tensors + ints + strides,
+                  dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                       HEADS_PER_PROGRAM=cfg.heads_per_program, LOCAL=local, PER_SEQ=cfg.grid == "seq",
+                       DOT_F32=not q.is_cuda and q.dtype == torch.bfloat16, HAS_KL=key_lens is not None,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages), fast)
     return out
 
 

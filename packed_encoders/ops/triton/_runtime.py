@@ -79,7 +79,7 @@ class Kernel:
         raise RuntimeError(f"Triton kernels run on CUDA tensors, or on CPU tensors when interpreted; here: {why}")
 
 
-_I32 = (-(1 << 31), 1 << 31)
+I32_END = 1 << 31  # a launch signature holds ``n < I32_END`` for an unspecialised int (Triton keys its 32-bit range)
 
 
 # CompiledKernel.run's calling convention (grid, stream, function, packed metadata, launch metadata, hooks,
@@ -206,6 +206,98 @@ class FastLauncher:
             compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
                          compiled.packed_metadata, None, None, None, *call)
         return compiled
+
+
+    def bind(self, grid, *args, **kwargs) -> "Bound | None":
+        """Launch as ``self[grid](*args, **kwargs)`` and return that specialisation as a :class:`Bound`, or
+        ``None`` where it cannot be bound: the fast launcher off, launch hooks on, a kernel needing scratch
+        memory, an argument of another kind than int, float, bool, None or CUDA tensor, or a tensor whose
+        pointer is not 16-byte aligned (a bound launch is valid only for calls whose pointers all are)."""
+        self.launch(grid, *args, **kwargs)
+        if not bound_ok() or self.jit.pre_run_hooks:
+            return None
+        try:
+            key, call = self._key_and_args(torch._C._cuda_getDevice(), args, kwargs)
+        except (TypeError, AttributeError):
+            return None
+        entry = self.cache.get(key)
+        if entry is None or entry[2] is None:
+            return None
+        for a in args:
+            if a is not None and type(a) not in (int, float, bool) and a.data_ptr() % 16:
+                return None
+        compiled, tail, direct = entry
+        return Bound(direct, compiled, tuple(kwargs[n] for n in tail))
+
+
+class Bound:
+    """One compiled specialisation of a kernel, launched with raw device pointers: ``bound(g0, g1, g2, stream,
+    *args)``, ``args`` in the kernel's positional order with each tensor as its ``data_ptr()`` (the keyword
+    arguments, constexprs included, are the bound ones).
+
+    From :meth:`FastLauncher.bind`. The caller keeps it under its own signature, a tuple of every fact the
+    specialisation depends on (dtypes, constexprs, launch options, the values of specialised integers or their
+    ``== 1`` / ``% 16`` classes, and that every pointer is 16-byte aligned), and launches through it only while
+    :func:`bound_ok` and on the current device. That skips the per-argument key of :meth:`FastLauncher.launch`
+    (about half of a launch's host time for a kernel of twenty arguments)."""
+
+    __slots__ = ("c_launch", "function", "coop", "pdl", "metadata", "tail")
+
+    def __init__(self, direct, compiled, tail: tuple):
+        self.c_launch, self.coop, self.pdl = direct
+        self.function = compiled.function
+        self.metadata = compiled.packed_metadata
+        self.tail = tail
+
+    def __call__(self, g0: int, g1: int, g2: int, stream: int, *args) -> None:
+        self.c_launch(g0, g1, g2, stream, self.function, self.coop, self.pdl, None, None, self.metadata, None, None,
+                      None, *args, *self.tail)
+
+
+def bound_ok() -> bool:
+    """Whether :class:`Bound` launches may run now: the fast launcher on and no launch hooks (a profiler's)."""
+    return bool(FastLauncher.enabled) and not _hooks_active()
+
+
+def current_stream(device: int) -> int:
+    """The raw current stream of CUDA device ``device`` (an index)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def cuda_device() -> int:
+    """The current CUDA device's index, without ``torch.cuda.current_device()``'s Python-side checks (for callers
+    that hold CUDA tensors: CUDA is initialised)."""
+    return torch._C._cuda_getDevice()
+
+
+def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: tuple, kwargs: dict,
+                  fast_args: tuple | None) -> None:
+    """Launch ``kern[grid](*args, **kwargs)`` (``kern``: a :class:`Kernel`, or the launcher of ``ref``'s device),
+    through the :class:`Bound` that ``cache`` holds under ``sig`` when there is one.
+
+    ``sig`` must hold every fact the kernel's specialisation depends on (see :class:`Bound`), the last of them
+    whether every pointer in ``args`` is 16-byte aligned; ``fast_args``: ``args`` with each tensor as its
+    ``data_ptr()`` (``None`` for tensors not on CUDA: the ordinary launch). The first launch of a signature goes
+    through Triton (compiling if needed) and binds it; later ones call the compiled kernel's C launcher directly."""
+    if fast_args is not None:
+        bound = cache.get(sig)
+        if bound is not None:
+            device = ref.get_device()
+            if device == torch._C._cuda_getDevice() and FastLauncher.enabled and not _hooks_active():
+                n = len(grid)
+                bound(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                      torch._C._cuda_getCurrentRawStream(device), *fast_args)
+                return
+    with device_guard(ref):
+        launcher = kern.on(ref) if isinstance(kern, Kernel) else kern
+        if fast_args is not None and sig[-1] and isinstance(launcher, FastLauncher):
+            bound = launcher.bind(grid, *args, **kwargs)
+            if bound is not None:
+                if len(cache) > 256:  # signatures are few per model; a bound on memory, not a working limit
+                    cache.clear()
+                cache[sig] = bound
+        else:
+            launcher[grid](*args, **kwargs)
 
 
 def _c_launch(compiled):

@@ -12,9 +12,12 @@ import functools
 import torch
 import triton.language as tl
 
-from ._runtime import cdiv, device_guard, kernel, next_pow2
+from ._runtime import I32_END, cdiv, kernel, launch_cached, next_pow2
 
 ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3}
+# launch signature -> _runtime.Bound (launches that skip Triton's per-argument key; see _runtime.launch_cached)
+_FWD_BOUND: dict = {}
+_BWD_BOUND: dict = {}
 
 # kernels may only read globals declared as Triton constexprs
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
@@ -99,9 +102,13 @@ def forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     if t == 0 or inner == 0:
         return y
     bt, bi, warps = config(inner)
-    with device_guard(x):
-        _glu_fwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
-            x, y, t, I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=ACTIVATIONS[activation], num_warps=warps)
+    act = ACTIVATIONS[activation]
+    fast = sig = None
+    if x.is_cuda:
+        fast = (x.data_ptr(), y.data_ptr(), t)
+        sig = (x.dtype, inner, bt, bi, warps, act, t < I32_END, not (fast[0] | fast[1]) & 15)
+    launch_cached(_FWD_BOUND, sig, _glu_fwd_kernel, x, (cdiv(t, bt), cdiv(inner, bi)), (x, y, t),
+                  dict(I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=act, num_warps=warps), fast)
     return y
 
 
@@ -117,8 +124,13 @@ def backward(dy: torch.Tensor, x: torch.Tensor, activation: str, forward_out: bo
     y = torch.empty((t, inner), dtype=x.dtype, device=x.device) if forward_out else None
     if t and inner:
         bt, bi, warps = config(inner)
-        with device_guard(x):
-            _glu_bwd_kernel.on(x)[(cdiv(t, bt), cdiv(inner, bi))](
-                dy, x, dx, dx if y is None else y, t, I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=ACTIVATIONS[activation],
-                HAS_Y=forward_out, num_warps=warps)
+        act = ACTIVATIONS[activation]
+        yy = dx if y is None else y
+        fast = sig = None
+        if x.is_cuda:
+            fast = (dy.data_ptr(), x.data_ptr(), dx.data_ptr(), yy.data_ptr(), t)
+            sig = (dy.dtype, x.dtype, yy.dtype, inner, bt, bi, warps, act, forward_out, t < I32_END,
+                   not (fast[0] | fast[1] | fast[2] | fast[3]) & 15)
+        launch_cached(_BWD_BOUND, sig, _glu_bwd_kernel, x, (cdiv(t, bt), cdiv(inner, bi)), (dy, x, dx, yy, t),
+                      dict(I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=act, HAS_Y=forward_out, num_warps=warps), fast)
     return (dx, y) if forward_out else dx

@@ -26,7 +26,7 @@ import functools
 import torch
 import triton.language as tl
 
-from ._runtime import cdiv, device_guard, kernel, next_pow2
+from ._runtime import I32_END, cdiv, kernel, launch_cached, next_pow2
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,6 +39,9 @@ def config(num_heads: int, head_dim: int) -> tuple[int, int, int]:
 
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
+# launch signature -> _runtime.Bound (launches that skip Triton's per-argument key; see _runtime.launch_cached)
+_FWD_BOUND: dict = {}
+_BWD_BOUND: dict = {}
 
 
 @kernel(do_not_specialize=("n_rows",))
@@ -147,11 +150,15 @@ def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_id
     if t == 0:
         return q, k
     block, rows, warps = config(num_heads, head_dim)
-    with device_guard(qkv):
-        _rope_fwd_kernel.on(qkv)[(cdiv(t, rows),)](
-            qkv, cos.contiguous(), sin.contiguous(), position_ids.contiguous(), out_q, out_k, t,
-            NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, OUT_STRIDE=stride,
-            CLEAN_V=inplace, num_warps=warps)
+    args = (qkv, cos.contiguous(), sin.contiguous(), position_ids.contiguous(), out_q, out_k, t)
+    fast = sig = None
+    if qkv.is_cuda:
+        fast = tuple(a.data_ptr() for a in args[:6]) + (t,)
+        sig = (qkv.dtype, args[1].dtype, args[2].dtype, args[3].dtype, num_heads, head_dim, block, rows, warps,
+               stride, inplace, t < I32_END, not (fast[0] | fast[1] | fast[2] | fast[3] | fast[4] | fast[5]) & 15)
+    launch_cached(_FWD_BOUND, sig, _rope_fwd_kernel, qkv, (cdiv(t, rows),), args,
+                  dict(NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, OUT_STRIDE=stride,
+                       CLEAN_V=inplace, num_warps=warps), fast)
     return q, k
 
 
@@ -170,10 +177,19 @@ def backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: t
     dq, dk, dv = _last_dim_unit(dq), _last_dim_unit(dk), _last_dim_unit(dv)
     block, rows, warps = config(num_heads, head_dim)
     dvs = (dv.stride(0), dv.stride(1)) if dv is not None else (0, 0)
-    with device_guard(dq):
-        _rope_bwd_kernel.on(dq)[(cdiv(t, rows),)](
-            dq, dk, dv if dv is not None else dq, cos.contiguous(), sin.contiguous(), position_ids.contiguous(),
-            dqkv, t, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), *dvs,
-            NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, HAS_DV=dv is not None,
-            num_warps=warps)
+    tensors = (dq, dk, dv if dv is not None else dq, cos.contiguous(), sin.contiguous(), position_ids.contiguous(),
+               dqkv)
+    ints = (t, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), *dvs)
+    fast = sig = None
+    if dq.is_cuda:
+        fast = tuple(a.data_ptr() for a in tensors) + ints
+        aligned = 0
+        for p in fast[:7]:
+            aligned |= p
+        # the strides are specialised ints: their values belong to the signature (t is not specialised)
+        sig = (tuple(a.dtype for a in tensors), ints[1:], num_heads, head_dim, block, rows, warps, dv is not None,
+               t < I32_END, not aligned & 15)
+    launch_cached(_BWD_BOUND, sig, _rope_bwd_kernel, dq, (cdiv(t, rows),), tensors + ints,
+                  dict(NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, HAS_DV=dv is not None,
+                       num_warps=warps), fast)
     return dqkv

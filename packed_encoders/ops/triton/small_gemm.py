@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import triton.language as tl
 
-from ._runtime import cdiv, device_guard, kernel
+from ._runtime import I32_END, cdiv, kernel, launch_cached
 from .glu import ACTIVATIONS
 
 # kernels may only read globals declared as Triton constexprs (glu.py's values)
@@ -44,6 +44,8 @@ _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _TANH_C = tl.constexpr(0.044715)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# launch signature -> _runtime.Bound (launches that skip Triton's per-argument key; see _runtime.launch_cached)
+_BOUND: dict = {}
 
 
 class Config(NamedTuple):
@@ -241,15 +243,19 @@ def _launch(x, weight, bias, out_cols: int, glu: bool, act: int, config: Config)
     y = torch.empty((m, out_cols), dtype=x.dtype, device=x.device)
     if m == 0 or out_cols == 0:
         return y
-    grid = (cdiv(m, config.block_m), cdiv(out_cols, config.block_n))
-    with device_guard(x):
-        _gemm_kernel.on(x)[grid](
-            x, weight, bias if bias is not None else weight, y, m,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
-            N=out_cols, K=k, GLU=glu, ACT=act, HAS_BIAS=bias is not None,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_F32=not x.is_cuda,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+    b = bias if bias is not None else weight
+    strides = (*x.stride(), *weight.stride(), bias.stride(0) if bias is not None else 0)
+    fast = sig = None
+    if x.is_cuda:
+        fast = (x.data_ptr(), weight.data_ptr(), b.data_ptr(), y.data_ptr(), m, *strides)
+        # the strides are specialised ints: their values belong to the signature (M is not specialised)
+        sig = (x.dtype, weight.dtype, b.dtype, strides, out_cols, k, glu, act, bias is not None, config,
+               m < I32_END, not (fast[0] | fast[1] | fast[2] | fast[3]) & 15)
+    launch_cached(_BOUND, sig, _gemm_kernel, x, (cdiv(m, config.block_m), cdiv(out_cols, config.block_n)),
+                  (x, weight, b, y, m, *strides),
+                  dict(N=out_cols, K=k, GLU=glu, ACT=act, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
+                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, DOT_F32=not x.is_cuda,
+                       num_warps=config.num_warps, num_stages=config.num_stages), fast)
     return y
 
 
