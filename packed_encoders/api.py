@@ -175,11 +175,13 @@ def describe(target) -> dict:
 def _plan_facts(plan) -> dict | None:
     """What the last eager call's plan decided (``None`` before one): ``direct``: its kernels launched unchecked
     (``why_checked``: why not), ``glu``: the ``Wi`` + GLU path, ``linear``: the other projections (``"F.linear"``,
-    ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``blocks``:
-    per-block training autograd."""
+    ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
+    the call may run as raw-pointer launches over a reused workspace (``model.pointers``), ``blocks``: per-block
+    training autograd."""
     if plan is None:
         return None
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,
+            "pointers": plan.pointers,
             "blocks": None if plan.kernels is None else plan.kernels.name}
 
 

@@ -203,3 +203,45 @@ def test_fa4_skips_its_v_cleaning_after_a_rope_that_cleaned_v(fused):
     assert fns(TORCH_OPS, False) == {flash.fa4_varlen}
     routed = replace(fused.TRITON_OPS, rope_linear=lambda *args: None)
     assert fns(routed, False, plan_mod.Rules(quack_eager_min_tokens=1)) == {flash.fa4_varlen}
+
+
+def test_pointer_runs_need_every_op_on_a_pointer_kernel(fused):
+    """A short no-grad call runs as raw-pointer launches (model/pointers.py) only when every op is one of the
+    Triton kernels that take pointers: the Triton GEMMs, the RoPE-fused Triton attention on every layer."""
+    from packed_encoders.model import pointers
+
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    triton = {None: Decision("triton"), params.window: Decision("triton")}
+
+    def plan(tokens, attention=triton, grad=False, rules=None, ops=fused.TRITON_OPS):
+        return plan_mod.plan_for(params, ops, attention, tokens=tokens, max_seqlen=40, dtype=torch.float32,
+                                 device=torch.device("cpu"), grad=grad, rules=rules)
+
+    assert plan(100).pointers and pointers.plan_runs_pointers(plan(100))
+    assert not plan(300).pointers  # the projections on F.linear: cuBLAS needs tensors
+    assert not plan(100, attention=_sdpa(params)).pointers
+    assert not plan(100, attention={None: Decision("triton"), params.window: Decision("sdpa")}).pointers
+    assert not plan(100, grad=True).pointers and not plan(100, ops=TORCH_OPS).pointers
+    assert not plan(100, rules=plan_mod.Rules(fused_rope=False)).pointers  # RoPE as its own op
+    assert not plan(100, rules=plan_mod.Rules(small_linear_max_tokens=0)).pointers
+    # on CPU the run declines (CUDA pointers only) and the tensor path gives the result
+    batch = _batch(model, [9, 30, 4])
+    with torch.no_grad():
+        got = encoder_forward(model, params, batch, attention=triton, ops=fused.TRITON_OPS)
+        ref = encoder_forward(model, params, batch, attention=triton, ops=fused.TRITON_OPS,
+                              rules=plan_mod.Rules(small_linear_max_tokens=0))
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_pointer_workspace_buffers_are_aligned_and_disjoint():
+    from packed_encoders.model.pointers import _ALIGN, _offsets
+
+    hidden, inner, size = 96, 160, 2
+    for base in (0, 16, 4096 + 48):
+        offs = _offsets(base, 64, hidden, inner, size)
+        widths = (hidden, hidden, 3 * hidden, hidden, hidden, inner)
+        assert all(o % _ALIGN == 0 and o >= base for o in offs)
+        ends = [o + 64 * w * size for o, w in zip(offs, widths)]
+        assert all(e <= o for e, o in zip(ends, offs[1:]))
+        assert ends[-1] <= base + 64 * (7 * hidden + inner) * size + 6 * _ALIGN  # what _workspace allocates

@@ -263,6 +263,42 @@ def _rope_args(rope, total: int, head_dim: int, device: torch.device):
     return cos, sin, rows.contiguous()
 
 
+def _signature(q_dtype, cu_dtype, kl_dtype, rows_dtype, strides: tuple, head_dim: int, cfg: TileConfig, local: bool,
+               has_kl: bool, largest_int: int, pointers: int) -> tuple:
+    # what the compiled specialisation depends on: the strides are specialised ints (their values belong here),
+    # the other ints are not (only their 32-bit range); ``pointers``: every pointer or-ed together
+    return (q_dtype, cu_dtype, kl_dtype, rows_dtype, strides, head_dim, cfg, local, has_kl, largest_int < _I32_END,
+            not pointers & 15)
+
+
+def launch_pointers(qkv: int, out: int, cu_seqlens: int, num_seqs: int, total: int, max_seqlen: int, heads: int,
+                    head_dim: int, window: int | None, scale: float, rope: tuple[int, int, int, torch.dtype],
+                    dtype: torch.dtype, stream: int) -> bool:
+    """The RoPE-fused kernel on raw device pointers: ``q, k, v`` the three thirds of a contiguous fused projection
+    ``qkv`` ``[total, 3 * heads * head_dim]`` of ``dtype`` (unrotated), ``out`` contiguous ``[total, heads,
+    head_dim]``, int32 ``cu_seqlens`` ``[num_seqs + 1]``, ``rope`` ``(cos, sin, rows, rows dtype)``: contiguous fp32
+    ``[R, head_dim // 2]`` tables and ``rows`` ``[total]``; on ``stream``. Launches only through a signature a
+    tensor launch bound before (see ``_runtime.launch_cached``): returns ``False``, launching nothing, when there
+    is none."""
+    local = window is not None and window < max_seqlen - 1
+    cfg = tile_config(max_seqlen, head_dim, local)
+    tiles_per_seq = triton_cdiv(max_seqlen, cfg.block_m)
+    width = heads * head_dim
+    elem = dtype.itemsize
+    k, v = qkv + width * elem, qkv + 2 * width * elem
+    cos, sin, rows, rows_dtype = rope
+    strides = (3 * width, head_dim, 3 * width, head_dim, 3 * width, head_dim, width, head_dim, head_dim // 2)
+    bound = _BOUND.get(_signature(dtype, torch.int32, torch.int32, rows_dtype, strides, head_dim, cfg, local, False,
+                                  max(total, num_seqs * tiles_per_seq), qkv | k | v | out | cu_seqlens | cos | sin | rows))
+    if bound is None:
+        return False
+    grid_rows = num_seqs * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
+    bound(grid_rows, triton_cdiv(heads, cfg.heads_per_program), 1, stream, qkv, k, v, out, cu_seqlens, cu_seqlens,
+          cos, sin, rows, scale * _LOG2E, total, num_seqs, max(0, math.ceil(math.log2(num_seqs))),
+          int(window) if local else 0, tiles_per_seq, heads, *strides)
+    return True
+
+
 def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: float, config: TileConfig | None,
             key_lens: torch.Tensor | None = None, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
             rows: torch.Tensor | None = None):
@@ -290,9 +326,8 @@ def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: flo
         for p in fast:
             aligned |= p
         fast += ints + strides
-        # the strides are specialised ints (their values belong to the signature); the other ints are not
-        sig = (q.dtype, tensors[4].dtype, tensors[5].dtype, rows.dtype if rope else None, strides, head_dim, cfg,
-               local, key_lens is not None, max(total, n * tiles_per_seq) < _I32_END, not aligned & 15)
+        sig = _signature(q.dtype, tensors[4].dtype, tensors[5].dtype, rows.dtype if rope else None, strides, head_dim,
+                         cfg, local, key_lens is not None, max(total, n * tiles_per_seq), aligned)
     _runtime().launch_cached(_BOUND, sig, _fast_kernel(rope) if q.is_cuda else _interpreted_kernel(rope), q, grid,
                   tensors + ints + strides,
                   dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -27,6 +27,7 @@ from .blocks import compute_dtype, run_layer_blocks
 from .dropout import applies_attention_dropout, dropout_modules
 from .params import ModernBertParams
 from .plan import Rules, plan_for
+from .pointers import run as run_pointers
 
 
 def _dropout(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -173,6 +174,10 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     device = batch.device
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
                     grad=grad, rules=rules)
+    if plan.pointers and hidden_states is None and out is None and not torch.is_autocast_enabled("cuda"):
+        y = run_pointers(model, params, batch, plan, rope_inputs)
+        if y is not None:
+            return y
     run = plan.ops
     scale = params.scaling
     nh, hd = params.num_attention_heads, params.head_dim

@@ -17,6 +17,8 @@ forward then calls the chosen implementations directly:
   calls of at most :attr:`Rules.small_linear_max_tokens` tokens, which are host-bound: its launch costs less host
   time than ``F.linear``'s dispatch, while a CUDA graph and its warm-up keep cuBLAS, faster on the GPU).
 - ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op.
+- ``pointers``: every op is a Triton kernel that takes raw pointers, so the forward may run the call as bound
+  launches over a reused workspace (:mod:`.pointers`: no per-op allocation, shape reads or launch keys).
 
 Route choices count host time: quack's CuteDSL GEMMs cost ~10-20 us more host time per launch than cuBLAS, so an
 eager call consults quack's routes only from :data:`QUACK_EAGER_MIN_TOKENS` tokens (where the forward is
@@ -27,7 +29,7 @@ forward reads them from the live modules on every call.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 import torch
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from ..attention.backends import BACKENDS, FUSED_ROPE_MAX_TOKENS
 from ..ops import TORCH_KERNELS, Kernels, OpSet, quack_gemm
 from .params import ModernBertParams
+from .pointers import plan_runs_pointers
 
 # Below this many tokens an eager call never consults quack's routes (each would cost host time the GPU does not
 # win back: the call is host-bound). The smallest eager size rule of ops.quack_gemm.
@@ -115,6 +118,7 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     why_checked: str | None  # why the checked ops run (None when direct)
     linear_route: str = "F.linear"  # what ``linear`` is, for describe(): "F.linear" | "small_gemm" | the route's gemm
+    pointers: bool = False  # short calls may run as raw-pointer launches (.pointers.plan_runs_pointers)
 
 
 _CACHE: dict = {}
@@ -237,7 +241,8 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         linear, linear_route = ops.linear, ops.gemm
     else:
         linear, linear_route = F.linear, "F.linear"
-    return Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
+    plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
+    return replace(plan, pointers=plan_runs_pointers(plan))
 
 
 __all__ = ["LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "last_plan", "plan_for",

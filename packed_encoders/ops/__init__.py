@@ -78,6 +78,8 @@ class OpSet:
       :attr:`Kernels.rope_finite_v`)
     - ``residual_in_place``: ``residual_layer_norm`` that writes the sum over ``x`` and returns it, for a caller
       that owns ``x`` and does not read it again (the packed forward's layers), or ``None``
+    - ``pointers``: the ops are the Triton kernels that :mod:`packed_encoders.model.pointers` launches on raw
+      pointers (a plan of these ops may run a short call there instead)
     """
 
     name: str
@@ -93,6 +95,7 @@ class OpSet:
     norm_out: bool = field(default=False, compare=False)
     rope_finite_v: bool = field(default=False, compare=False)
     residual_in_place: Callable | None = field(default=None, compare=False)
+    pointers: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

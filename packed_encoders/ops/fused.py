@@ -518,7 +518,7 @@ def _linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _rope_qkv_direct, _glu.forward,
                    _glu_linear_direct, linear=_linear_direct, norm_out=True, rope_finite_v=True,
-                   residual_in_place=_residual_layer_norm_in_place)
+                   residual_in_place=_residual_layer_norm_in_place, pointers=True)
 
 TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope_fwd_in_place, _rope.backward, _glu.forward,
                          _glu.backward, rope_finite_v=True)

@@ -199,3 +199,52 @@ def test_varlen_direct_is_varlen_attn(window):
         direct = flash.torch_varlen_direct(q, k, v, cu, max(lengths), window=window, scale=0.125)
         ref = flash.torch_varlen(q, k, v, cu, max(lengths), window=window, scale=0.125)
     assert torch.equal(direct, ref)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True, "norm_bias": True}])
+def test_pointer_runs_are_the_tensor_path_bit_for_bit(overrides, monkeypatch):
+    """Short calls whose plan is all Triton run as raw-pointer launches over a reused workspace (model/pointers.py):
+    the same kernels and launch shapes as the tensor path, so the same bits; the first call of a launch signature
+    takes the tensor path (which binds it); a grown workspace, another stream and a weight changed in place are
+    served correctly."""
+    from packed_encoders.model import forward as fwd
+    from packed_encoders.model import pointers
+
+    model = _model(**overrides)
+    params = ModernBertParams.from_hf_config(model.config)
+    ops, _ = select_ops("auto", DEV)
+    ran = []
+    real = pointers.run
+
+    def spy(*args):
+        y = real(*args)
+        ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(fwd, "run_pointers", spy)
+
+    def both(lengths, seed=0):
+        ids, mask = _batch(lengths, seed)
+        batch = _packed(model, ids, mask)
+        attention = plan_attention(params, batch, "triton", grad=False, dtype=torch.bfloat16, dropout=False)
+        with torch.no_grad():
+            got = encoder_forward(model, params, batch, attention=attention, ops=ops)
+            ref = encoder_forward(model, params, batch, attention=attention, ops=ops, hidden_states=[])
+        return got, ref
+
+    for lengths, seed in (([12, 30, 7, 64], 0), ([12, 30, 7, 64], 1), ([3, 5], 2), ([100, 90, 60], 3)):
+        got, ref = both(lengths, seed)
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    assert ran[0] is False and ran[1] is True and ran.count(True) >= 2, ran
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got, ref = both([12, 30, 7, 64], 4)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    before, _ = both([40, 20], 5)
+    with torch.no_grad():
+        model.layers[3].mlp.Wo.weight.mul_(1.5)
+    after, ref = both([40, 20], 5)
+    assert ran[-1] is True and not torch.equal(before, after)
+    torch.testing.assert_close(after, ref, atol=0, rtol=0)

@@ -134,6 +134,41 @@ def _layer_norm_bwd_kernel(DY, X, W, MEAN, RSTD, DRES, DX, DX2, DW, DB, n_rows, 
         tl.store(DB + pid * N + cols, db_acc, mask=cmask)
 
 
+def _forward_shape(t: int, n: int, elem_bytes: int) -> tuple[int, int, int]:
+    block_n, rows, warps = config(n, elem_bytes)
+    if t <= SMALL_BATCH_ROWS and block_n <= 1024:
+        rows, warps = SMALL_BATCH_TILE
+    return block_n, rows, warps
+
+
+def _forward_signature(*facts_then_t_and_pointers) -> tuple:
+    # what the compiled specialisation depends on: dtypes, sizes, flags, then n_rows' 32-bit range (it is not
+    # specialised) and whether every pointer (or-ed together) is 16-byte aligned
+    *facts, t, pointers = facts_then_t_and_pointers
+    return (*facts, t < _I32_END, not pointers & 15)
+
+
+def forward_pointers(x: int, delta: int | None, weight: int | None, bias: int | None, s: int | None, y: int, t: int,
+                     n: int, eps: float, dtype: torch.dtype, stream: int) -> bool:
+    """:func:`forward` without statistics on raw device pointers of contiguous ``[t, n]`` tensors, all of one
+    ``dtype`` (weight and bias ``[n]``; ``s``: where the residual sum goes, ``x`` itself works), on ``stream``.
+    Launches only through a signature a tensor launch bound before (see ``_runtime.launch_cached``): returns
+    ``False``, launching nothing, when there is none."""
+    elem = dtype.itemsize
+    block_n, rows, warps = _forward_shape(t, n, elem)
+    d = x if delta is None else delta
+    w = x if weight is None else weight
+    b = x if bias is None else bias
+    ss = y if s is None else s
+    bound = _FWD_BOUND.get(_forward_signature(dtype, dtype, dtype, dtype, dtype, dtype, dtype, n, block_n, rows, warps,
+                                              delta is not None, weight is not None, bias is not None, False, t,
+                                              x | d | w | b | ss | y))
+    if bound is None:
+        return False
+    bound(cdiv(t, rows), 1, 1, stream, x, d, w, b, ss, y, y, y, t, float(eps))
+    return True
+
+
 def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
             eps: float, out_dtype: torch.dtype, res_dtype: torch.dtype | None = None, stats: bool = True,
             out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
@@ -168,9 +203,7 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
         s = torch.empty((t, n), dtype=res_dtype, device=x.device) if residual_out is None else residual_out
     if t == 0:
         return s, y, mean, rstd
-    block_n, rows, warps = config(n, max(x.element_size(), y.element_size()))
-    if t <= SMALL_BATCH_ROWS and block_n <= 1024:
-        rows, warps = SMALL_BATCH_TILE
+    block_n, rows, warps = _forward_shape(t, n, max(x.element_size(), y.element_size()))
     eps = float(eps)
     d, w, b, ss = (delta if delta is not None else x, weight if weight is not None else x,
                    bias if bias is not None else x, s if s is not None else y)
@@ -180,9 +213,9 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
     if x.is_cuda:
         fast = (x.data_ptr(), d.data_ptr(), w.data_ptr(), b.data_ptr(), ss.data_ptr(), y.data_ptr(), m.data_ptr(),
                 r.data_ptr(), t, eps)
-        sig = (x.dtype, d.dtype, w.dtype, b.dtype, ss.dtype, y.dtype, m.dtype, n, block_n, rows, warps,
-               delta is not None, weight is not None, bias is not None, stats, t < _I32_END,
-               not (fast[0] | fast[1] | fast[2] | fast[3] | fast[4] | fast[5] | fast[6] | fast[7]) & 15)
+        sig = _forward_signature(x.dtype, d.dtype, w.dtype, b.dtype, ss.dtype, y.dtype, m.dtype, n, block_n, rows,
+                                 warps, delta is not None, weight is not None, bias is not None, stats, t,
+                                 fast[0] | fast[1] | fast[2] | fast[3] | fast[4] | fast[5] | fast[6] | fast[7])
     launch_cached(_FWD_BOUND, sig, _layer_norm_fwd_kernel, x, (cdiv(t, rows),), args,
                   dict(N=n, BLOCK_N=block_n, ROWS=rows, HAS_RES=delta is not None, HAS_W=weight is not None,
                        HAS_B=bias is not None, STATS=stats, num_warps=warps), fast)

@@ -238,6 +238,34 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row
             raise ValueError(f"bias must be {x.dtype} on {x.device}, got {bias.dtype} on {bias.device}")
 
 
+def _signature(x_dtype, w_dtype, b_dtype, strides: tuple, out_cols: int, k: int, glu: bool, act: int, has_bias: bool,
+               config: Config, m: int, pointers: int) -> tuple:
+    # what the compiled specialisation depends on: the strides are specialised ints (their values belong here), M
+    # is not (only its 32-bit range); ``pointers``: every pointer or-ed together (16-byte aligned when its low bits
+    # are clear)
+    return (x_dtype, w_dtype, b_dtype, strides, out_cols, k, glu, act, has_bias, config, m < I32_END,
+            not pointers & 15)
+
+
+def launch_pointers(x: int, weight: int, bias: int | None, y: int, m: int, k: int, out_cols: int, act: int | None,
+                    dtype: torch.dtype, stream: int) -> bool:
+    """``y = x @ weight.T (+ bias)`` (``act`` ``None``) or the GLU form (``act``: an :data:`ACTIVATIONS` code) on
+    raw device pointers of contiguous ``x`` ``[m, k]``, ``weight`` ``[N, k]``, ``bias`` ``[N]``, ``y``
+    ``[m, out_cols]`` of one ``dtype``, with the default config, on ``stream``. Launches only through a
+    signature a tensor launch bound before (see ``_runtime.launch_cached``): returns ``False``, launching
+    nothing, when there is none."""
+    glu = act is not None
+    config = default_config(m, 2 * out_cols if glu else out_cols, k, glu=glu)
+    strides = (k, 1, k, 1, 0 if bias is None else 1)
+    b = weight if bias is None else bias
+    bound = _BOUND.get(_signature(dtype, dtype, dtype, strides, out_cols, k, glu, act or 0, bias is not None, config,
+                                  m, x | weight | b | y))
+    if bound is None:
+        return False
+    bound(cdiv(m, config.block_m), cdiv(out_cols, config.block_n), 1, stream, x, weight, b, y, m, *strides)
+    return True
+
+
 def _launch(x, weight, bias, out_cols: int, glu: bool, act: int, config: Config) -> torch.Tensor:
     m, k = x.shape
     y = torch.empty((m, out_cols), dtype=x.dtype, device=x.device)
@@ -248,9 +276,8 @@ def _launch(x, weight, bias, out_cols: int, glu: bool, act: int, config: Config)
     fast = sig = None
     if x.is_cuda:
         fast = (x.data_ptr(), weight.data_ptr(), b.data_ptr(), y.data_ptr(), m, *strides)
-        # the strides are specialised ints: their values belong to the signature (M is not specialised)
-        sig = (x.dtype, weight.dtype, b.dtype, strides, out_cols, k, glu, act, bias is not None, config,
-               m < I32_END, not (fast[0] | fast[1] | fast[2] | fast[3]) & 15)
+        sig = _signature(x.dtype, weight.dtype, b.dtype, strides, out_cols, k, glu, act, bias is not None, config, m,
+                         fast[0] | fast[1] | fast[2] | fast[3])
     launch_cached(_BOUND, sig, _gemm_kernel, x, (cdiv(m, config.block_m), cdiv(out_cols, config.block_n)),
                   (x, weight, b, y, m, *strides),
                   dict(N=out_cols, K=k, GLU=glu, ACT=act, HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
