@@ -73,11 +73,12 @@ def test_plan_choices_follow_the_rules(fused):
         return plan_mod.plan_for(params, ops, _sdpa(params), tokens=tokens, max_seqlen=max_seqlen,
                                  dtype=torch.float32, device=cpu, grad=grad, rules=rules)
 
-    assert plan(300).glu == "split"  # past the small GEMM's size rule
+    assert plan(5000).glu == "split"  # past the small GEMMs' size rule (eager: Rules.small_linear_max_tokens)
+    assert plan(300).glu == "small_gemm"  # past glu_gemm_max_tokens, but an eager call: host-bound
     # projections: the Triton GEMM for small eager calls (host-bound), F.linear past the size rule, with gradient
     # or with the switch off (PACKED_ENCODERS_FUSED_GLU_GEMM=0 at pack())
-    assert plan(100).linear is fused.DIRECT_OPS.linear and plan(300).linear is torch.nn.functional.linear
-    assert (plan(100).linear_route, plan(300).linear_route) == ("small_gemm", "F.linear")  # what describe() shows
+    assert plan(100).linear is fused.DIRECT_OPS.linear and plan(5000).linear is torch.nn.functional.linear
+    assert (plan(100).linear_route, plan(5000).linear_route) == ("small_gemm", "F.linear")  # what describe() shows
     assert plan(100, rules=plan_mod.Rules(small_linear_max_tokens=0)).linear is torch.nn.functional.linear
     assert plan(100, grad=True).linear is torch.nn.functional.linear
     assert plan(100, rules=plan_mod.Rules(lean=False)).linear is torch.nn.functional.linear
@@ -88,9 +89,10 @@ def test_plan_choices_follow_the_rules(fused):
         warm = plan_mod.plan_for(params, fused.TRITON_OPS, _sdpa(params), tokens=100, max_seqlen=40,
                                  dtype=torch.bfloat16, device=torch.device("cuda"), grad=False)
     assert warm.direct and warm.glu == "small_gemm" and warm.linear is torch.nn.functional.linear
-    assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0)).glu == "split"
+    assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0, small_linear_max_tokens=0)).glu == "split"
+    assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0)).glu == "small_gemm"  # eager: the other rule
     # the checked path routes through the checked op, unless PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at pack())
-    assert plan(300, rules=plan_mod.Rules(lean=False)).glu == "route"
+    assert plan(5000, rules=plan_mod.Rules(lean=False)).glu == "route"
     assert plan(100, rules=plan_mod.Rules(lean=False, glu_gemm_max_tokens=0)).glu == "split"
     assert plan(100, rules=plan_mod.Rules(lean=False)).why_checked.startswith("PACKED_ENCODERS_LEAN is off")
     assert plan(100).direct and plan(100).why_checked is None
@@ -219,7 +221,7 @@ def test_pointer_runs_need_every_op_on_a_pointer_kernel(fused):
                                  device=torch.device("cpu"), grad=grad, rules=rules)
 
     assert plan(100).pointers and pointers.plan_runs_pointers(plan(100))
-    assert not plan(300).pointers  # the projections on F.linear: cuBLAS needs tensors
+    assert plan(4096).pointers and not plan(4097).pointers  # past it, cuBLAS: it needs tensors
     assert not plan(100, attention=_sdpa(params)).pointers
     assert not plan(100, attention={None: Decision("triton"), params.window: Decision("sdpa")}).pointers
     assert not plan(100, grad=True).pointers and not plan(100, ops=TORCH_OPS).pointers

@@ -273,14 +273,16 @@ def test_forward_uses_glu_linear_without_grad_only(counted, monkeypatch):
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     batch = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=max(lengths),
                         position_ids=None, vocab_size=101)
+    from packed_encoders.model.plan import Rules
+
     with torch.no_grad():
         got = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa")
         assert len(calls) == len(model.layers)
-        monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 0)
-        ref = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa")
+        # the plan sizes the direct path's GEMMs (PACKED_ENCODERS_FUSED_GLU_GEMM=0 at pack(): both rules 0)
+        ref = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa",
+                              rules=Rules(glu_gemm_max_tokens=0, small_linear_max_tokens=0))
     assert len(calls) == len(model.layers)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
-    monkeypatch.setattr(fused, "GLU_LINEAR_MAX_TOKENS", 256)
     encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa").sum().backward()
     assert len(calls) == len(model.layers), "a forward with gradient never takes the fused GEMM"
     assert fused.fallbacks() == {}

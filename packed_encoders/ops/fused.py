@@ -503,15 +503,17 @@ def _rope_fwd_in_place(qkv: Tensor, cos: Tensor, sin: Tensor, position_ids: Tens
 
 
 def _glu_linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "gelu") -> Tensor:
-    if x.shape[0] <= GLU_LINEAR_MAX_TOKENS and weight.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
+    # the plan sizes the calls routed here (model/plan.py: Rules.glu_gemm_max_tokens, small_linear_max_tokens);
+    # mixed dtypes (an fp32 weight outside autocast) go to cuBLAS
+    if weight.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
         return _small_gemm.glu_linear_unchecked(x, weight, bias, activation)
     return _glu.forward(torch.nn.functional.linear(x, weight, bias), activation)
 
 
 def _linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    # the plan routes here only eager calls of at most GLU_LINEAR_MAX_TOKENS tokens (host-bound: a Triton launch
-    # costs less host time than F.linear's dispatch); mixed dtypes (an fp32 weight outside autocast) go to F.linear
-    if x.shape[0] <= GLU_LINEAR_MAX_TOKENS and weight.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
+    # the plan routes here only eager calls of at most Rules.small_linear_max_tokens tokens (host-bound: a Triton
+    # launch costs less host time than F.linear's dispatch); mixed dtypes go to F.linear
+    if weight.dtype is x.dtype and (bias is None or bias.dtype is x.dtype):
         return _small_gemm.linear_unchecked(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 

@@ -81,8 +81,9 @@ def test_lean_inference_matches_per_op_and_stock(lengths):
     plan = plan_mod.plan_for(params, ops, attention, tokens=batch.total_tokens, max_seqlen=batch.max_seqlen,
                              dtype=torch.bfloat16, device=batch.device, grad=False)
     assert plan.direct, plan.why_checked
-    # at most 256 tokens the projections are Triton GEMMs (eager: host-bound), else cuBLAS
-    assert (plan.linear is fused.DIRECT_OPS.linear) == (batch.total_tokens <= 256)
+    # eager calls of at most Rules.small_linear_max_tokens tokens run Triton GEMMs (host-bound), else cuBLAS
+    small = batch.total_tokens <= plan_mod.default_rules().small_linear_max_tokens
+    assert (plan.linear is fused.DIRECT_OPS.linear) == small and (plan.glu == "small_gemm") == small
     assert fused.fallbacks() == {}
     cos = _cos_rows(lean, per_op)  # the per-op path may take quack's GLU epilogue eagerly (other rounding)
     assert cos.min() >= 0.995 and cos.mean() >= 0.9995, (float(cos.min()), float(cos.mean()))
