@@ -20,6 +20,7 @@ from .graph_check import check_graph_path
 from .graphs.config import normalize as normalize_graph_option
 from .graphs.route import describe_graphs, precapture_encoders
 from .model.params import ModernBertParams
+from .model.pointers import off_reason as pointers_off
 from .tuning import read_tuning, same_switches
 from .validation import ValidationReport, check_encoder
 
@@ -176,12 +177,13 @@ def _plan_facts(plan) -> dict | None:
     """What the last eager call's plan decided (``None`` before one): ``direct``: its kernels launched unchecked
     (``why_checked``: why not), ``glu``: the ``Wi`` + GLU path, ``linear``: the other projections (``"F.linear"``,
     ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
-    the call may run as raw-pointer launches over a reused workspace (``model.pointers``), ``blocks``: per-block
-    training autograd."""
+    the call may run as raw-pointer launches over a reused workspace (``model.pointers``; ``pointers_off``: why
+    they are off for the process, after a run disagreed with the tensor path), ``blocks``: per-block training
+    autograd."""
     if plan is None:
         return None
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,
-            "pointers": plan.pointers,
+            "pointers": plan.pointers and pointers_off() is None, "pointers_off": pointers_off(),
             "blocks": None if plan.kernels is None else plan.kernels.name}
 
 

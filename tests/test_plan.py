@@ -247,3 +247,39 @@ def test_pointer_workspace_buffers_are_aligned_and_disjoint():
         ends = [o + 64 * w * size for o, w in zip(offs, widths)]
         assert all(e <= o for e, o in zip(ends, offs[1:]))
         assert ends[-1] <= base + 64 * (7 * hidden + inner) * size + 6 * _ALIGN  # what _workspace allocates
+
+
+def test_first_pointer_run_of_a_launch_class_is_checked(monkeypatch):
+    """Raw-pointer runs are checked as CUDA graphs are: the first run of a launch class against the tensor path,
+    bit for bit (the tensor path's result returned); a mismatch turns them off for the process, with a warning
+    and the reason in describe()."""
+    from packed_encoders.model import pointers
+
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    batch = _batch(model, [9, 30, 4])
+    y = torch.randn(batch.total_tokens, params.hidden_size)
+    monkeypatch.setattr(pointers, "_run", lambda *a: y.clone())
+    monkeypatch.setattr(pointers, "_VERIFIED", set())
+    monkeypatch.setattr(pointers, "_STATE", {"off": None})
+    calls = []
+
+    def tensor_path(result):
+        def run():
+            calls.append(1)
+            assert pointers._LOCAL.declined  # no raw-pointer run inside the check
+            return result
+        return run
+
+    got = pointers.run(model, params, batch, None, None, tensor_path(y.clone()))
+    assert torch.equal(got, y) and len(calls) == 1 and pointers.off_reason() is None
+    pointers.run(model, params, batch, None, None, tensor_path(y.clone()))
+    assert len(calls) == 1  # that launch class is checked: no second tensor run
+    longer = _batch(model, [9, 30, 4, 300])  # another size class: checked again, and it disagrees
+    y = torch.randn(longer.total_tokens, params.hidden_size)
+    ref = y + 1
+    with pytest.warns(RuntimeWarning, match="disagreed with the tensor path"):
+        got = pointers.run(model, params, longer, None, None, tensor_path(ref))
+    assert torch.equal(got, ref) and "disagreed" in pointers.off_reason()
+    assert pointers.run(model, params, batch, None, None, tensor_path(y)) is None  # off for the process
+    assert not pointers._LOCAL.declined

@@ -273,13 +273,13 @@ def _signature(q_dtype, cu_dtype, kl_dtype, rows_dtype, strides: tuple, head_dim
 
 def launch_pointers(qkv: int, out: int, cu_seqlens: int, num_seqs: int, total: int, max_seqlen: int, heads: int,
                     head_dim: int, window: int | None, scale: float, rope: tuple[int, int, int, torch.dtype],
-                    dtype: torch.dtype, stream: int) -> bool:
+                    dtype: torch.dtype, device: int, stream: int) -> bool:
     """The RoPE-fused kernel on raw device pointers: ``q, k, v`` the three thirds of a contiguous fused projection
     ``qkv`` ``[total, 3 * heads * head_dim]`` of ``dtype`` (unrotated), ``out`` contiguous ``[total, heads,
     head_dim]``, int32 ``cu_seqlens`` ``[num_seqs + 1]``, ``rope`` ``(cos, sin, rows, rows dtype)``: contiguous fp32
-    ``[R, head_dim // 2]`` tables and ``rows`` ``[total]``; on ``stream``. Launches only through a signature a
-    tensor launch bound before (see ``_runtime.launch_cached``): returns ``False``, launching nothing, when there
-    is none."""
+    ``[R, head_dim // 2]`` tables and ``rows`` ``[total]``; on ``stream`` of CUDA device ``device``. Launches only
+    through a signature a tensor launch bound before (see ``_runtime.launch_cached``): returns ``False``, launching
+    nothing, when there is none."""
     local = window is not None and window < max_seqlen - 1
     cfg = tile_config(max_seqlen, head_dim, local)
     tiles_per_seq = triton_cdiv(max_seqlen, cfg.block_m)
@@ -288,8 +288,9 @@ def launch_pointers(qkv: int, out: int, cu_seqlens: int, num_seqs: int, total: i
     k, v = qkv + width * elem, qkv + 2 * width * elem
     cos, sin, rows, rows_dtype = rope
     strides = (3 * width, head_dim, 3 * width, head_dim, 3 * width, head_dim, width, head_dim, head_dim // 2)
-    bound = _BOUND.get(_signature(dtype, torch.int32, torch.int32, rows_dtype, strides, head_dim, cfg, local, False,
-                                  max(total, num_seqs * tiles_per_seq), qkv | k | v | out | cu_seqlens | cos | sin | rows))
+    bound = _BOUND.get((device, _signature(dtype, torch.int32, torch.int32, rows_dtype, strides, head_dim, cfg, local,
+                                           False, max(total, num_seqs * tiles_per_seq),
+                                           qkv | k | v | out | cu_seqlens | cos | sin | rows)))
     if bound is None:
         return False
     grid_rows = num_seqs * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)

@@ -13,11 +13,17 @@ Weights are read from the live modules on every call, as the tensor path reads t
 run (a signature not bound yet, a weight of another dtype, non-contiguous or misaligned, dropout in train mode, a
 layer 0 with a norm, ...) returns ``None`` and the caller runs the tensor path, which binds what was missing;
 nothing it wrote is visible (only the workspace is written before the output).
+
+Checked as CUDA graphs are: the first run of each launch class (geometry, dtype, device, the GEMM and attention
+configs its sizes select) is compared with the tensor path, bit for bit, and the tensor path's result returned;
+a mismatch turns raw-pointer runs off for the process with a warning (:func:`off_reason` says why).
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +35,14 @@ from .params import ModernBertParams
 _WORKSPACES: dict = {}
 _MAX_WORKSPACES = 16
 _ALIGN = 256  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
+_VERIFIED: set = set()  # launch classes whose first run matched the tensor path
+_STATE: dict = {"off": None}  # why raw-pointer runs are off for this process (a failed check), or None
+_LOCAL = threading.local()  # .declined: the tensor path is running for a check (no raw-pointer run inside it)
+
+
+def off_reason() -> str | None:
+    """Why raw-pointer runs are off for this process (a run disagreed with the tensor path), or ``None``."""
+    return _STATE["off"]
 
 
 def plan_runs_pointers(plan) -> bool:
@@ -83,10 +97,54 @@ def _dropout_active(m: nn.Module) -> bool:
     return isinstance(m, nn.Dropout) and m.training and m.p > 0
 
 
-def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, rope_inputs) -> torch.Tensor | None:
+def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, rope_inputs,
+        tensor_path: Callable[[], torch.Tensor]) -> torch.Tensor | None:
     """The encoder's ``[T, hidden]`` output (after ``final_norm``) for ``batch``, or ``None`` when the call must take
     the tensor path (see the module docstring). ``plan``: a plan for which :func:`plan_runs_pointers` holds;
-    ``rope_inputs(model, params, batch)``: the forward's ``{is_global: (cos, sin, rows)}`` tables."""
+    ``rope_inputs(model, params, batch)``: the forward's ``{is_global: (cos, sin, rows)}`` tables;
+    ``tensor_path()``: the same call on the tensor path (run once per launch class, to check the first run)."""
+    if _STATE["off"] is not None or getattr(_LOCAL, "declined", False):
+        return None
+    out = _run(model, params, batch, plan, rope_inputs)
+    if out is None:
+        return None
+    key = _launch_class(params, batch, out.dtype, out.device)
+    if key in _VERIFIED:
+        return out
+    _LOCAL.declined = True
+    try:
+        ref = tensor_path()
+    finally:
+        _LOCAL.declined = False
+    if torch.equal(out, ref):
+        if len(_VERIFIED) > 4096:
+            _VERIFIED.clear()
+        _VERIFIED.add(key)
+    else:
+        diff = float((out.float() - ref.float()).abs().max())
+        _STATE["off"] = (f"a raw-pointer run disagreed with the tensor path (max abs difference {diff:.3g}, "
+                         f"{batch.total_tokens} tokens, {batch.num_seqs} sequences): off for this process")
+        warnings.warn(f"packed_encoders: {_STATE['off']}; please report it", RuntimeWarning, stacklevel=2)
+    return ref
+
+
+def _launch_class(params: ModernBertParams, batch: PackedBatch, dtype: torch.dtype, device: torch.device) -> tuple:
+    """What selects the kernels and launch shapes of a run: geometry, dtype, device and the size classes (the
+    LayerNorm tile, the four GEMMs' configs, the attention tiles of the windows in reach)."""
+    from ..attention import triton_short
+    from ..ops.triton import layer_norm, small_gemm
+
+    t, h, i = batch.total_tokens, params.hidden_size, params.intermediate_size
+    config = small_gemm.default_config
+    windows = tuple(params.layer_window(n) is not None and params.layer_window(n) < batch.max_seqlen - 1
+                    for n in range(params.num_hidden_layers))
+    return (params, dtype, device, layer_norm._forward_shape(t, h, dtype.itemsize), config(t, 3 * h, h),
+            config(t, h, h), config(t, 2 * i, h, glu=True), config(t, h, i), windows,
+            triton_short.tile_config(batch.max_seqlen, params.head_dim, False),
+            triton_short.tile_config(batch.max_seqlen, params.head_dim, True))
+
+
+def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, rope_inputs) -> torch.Tensor | None:
     from ..attention import triton_short
     from ..ops.triton import layer_norm, small_gemm
     from ..ops.triton.glu import ACTIVATIONS
@@ -123,7 +181,7 @@ def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, ro
 
     e = F.embedding(batch.input_ids, table, emb.tok_embeddings.padding_idx)
     w, b, eps = norm_args(emb.norm)
-    if w == -1 or b == -1 or not ln(e.data_ptr(), None, w, b, None, x, total, hidden, eps, dtype, stream):
+    if w == -1 or b == -1 or not ln(e.data_ptr(), None, w, b, None, x, total, hidden, eps, dtype, index, stream):
         return None
     rope = {}
     for is_global, (cos, sin, rows) in rope_inputs(model, params, batch).items():
@@ -158,26 +216,27 @@ def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, ro
         else:
             w, b, eps = norm_args(layer.attn_norm)
             if w == -1 or b == -1 or not ln(x, delta if pending else None, w, b, x if pending else None, normed, total,
-                                            hidden, eps, dtype, stream):
+                                            hidden, eps, dtype, index, stream):
                 return None
             src = normed
-        if not (gemm(src, pq, bq, qkv, total, hidden, 3 * hidden, None, dtype, stream)
+        if not (gemm(src, pq, bq, qkv, total, hidden, 3 * hidden, None, dtype, index, stream)
                 and attend(qkv, att, cu, num_seqs, total, max_seqlen, heads, head_dim, step.window, scale,
-                           rope[params.layer_is_global[i]], dtype, stream)
-                and gemm(att, po, bo, delta, total, hidden, hidden, None, dtype, stream)):
+                           rope[params.layer_is_global[i]], dtype, index, stream)
+                and gemm(att, po, bo, delta, total, hidden, hidden, None, dtype, index, stream)):
             return None
         w, b, eps = norm_args(layer.mlp_norm)
-        if w == -1 or b == -1 or not (ln(x, delta, w, b, x, normed, total, hidden, eps, dtype, stream)
-                                      and gemm(normed, pi, bi, gated, total, hidden, inner, act, dtype, stream)
-                                      and gemm(gated, po2, bo2, delta, total, inner, hidden, None, dtype, stream)):
+        if w == -1 or b == -1 or not (
+                ln(x, delta, w, b, x, normed, total, hidden, eps, dtype, index, stream)
+                and gemm(normed, pi, bi, gated, total, hidden, inner, act, dtype, index, stream)
+                and gemm(gated, po2, bo2, delta, total, inner, hidden, None, dtype, index, stream)):
             return None
         pending = True
     out = torch.empty((total, hidden), dtype=dtype, device=device)
     w, b, eps = norm_args(model.final_norm)
     if w == -1 or b == -1 or not ln(x, delta if pending else None, w, b, x if pending else None, out.data_ptr(), total,
-                                    hidden, eps, dtype, stream):
+                                    hidden, eps, dtype, index, stream):
         return None
     return out
 
 
-__all__ = ["plan_runs_pointers", "run"]
+__all__ = ["off_reason", "plan_runs_pointers", "run"]

@@ -278,11 +278,12 @@ def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: 
     ``sig`` must hold every fact the kernel's specialisation depends on (see :class:`Bound`), the last of them
     whether every pointer in ``args`` is 16-byte aligned; ``fast_args``: ``args`` with each tensor as its
     ``data_ptr()`` (``None`` for tensors not on CUDA: the ordinary launch). The first launch of a signature goes
-    through Triton (compiling if needed) and binds it; later ones call the compiled kernel's C launcher directly."""
+    through Triton (compiling if needed) and binds it, under ``(device index, sig)``; later ones call the compiled
+    kernel's C launcher directly."""
     if fast_args is not None:
-        bound = cache.get(sig)
+        device = ref.get_device()
+        bound = cache.get((device, sig))  # a compiled kernel belongs to its device's context
         if bound is not None:
-            device = ref.get_device()
             if device == torch._C._cuda_getDevice() and FastLauncher.enabled and not _hooks_active():
                 n = len(grid)
                 bound(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
@@ -295,7 +296,7 @@ def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: 
             if bound is not None:
                 if len(cache) > 256:  # signatures are few per model; a bound on memory, not a working limit
                     cache.clear()
-                cache[sig] = bound
+                cache[(ref.get_device(), sig)] = bound
         else:
             launcher[grid](*args, **kwargs)
 

@@ -149,9 +149,10 @@ def _forward_signature(*facts_then_t_and_pointers) -> tuple:
 
 
 def forward_pointers(x: int, delta: int | None, weight: int | None, bias: int | None, s: int | None, y: int, t: int,
-                     n: int, eps: float, dtype: torch.dtype, stream: int) -> bool:
+                     n: int, eps: float, dtype: torch.dtype, device: int, stream: int) -> bool:
     """:func:`forward` without statistics on raw device pointers of contiguous ``[t, n]`` tensors, all of one
-    ``dtype`` (weight and bias ``[n]``; ``s``: where the residual sum goes, ``x`` itself works), on ``stream``.
+    ``dtype`` (weight and bias ``[n]``; ``s``: where the residual sum goes, ``x`` itself works), on ``stream`` of
+    CUDA device ``device``.
     Launches only through a signature a tensor launch bound before (see ``_runtime.launch_cached``): returns
     ``False``, launching nothing, when there is none."""
     elem = dtype.itemsize
@@ -160,9 +161,9 @@ def forward_pointers(x: int, delta: int | None, weight: int | None, bias: int | 
     w = x if weight is None else weight
     b = x if bias is None else bias
     ss = y if s is None else s
-    bound = _FWD_BOUND.get(_forward_signature(dtype, dtype, dtype, dtype, dtype, dtype, dtype, n, block_n, rows, warps,
-                                              delta is not None, weight is not None, bias is not None, False, t,
-                                              x | d | w | b | ss | y))
+    sig = _forward_signature(dtype, dtype, dtype, dtype, dtype, dtype, dtype, n, block_n, rows, warps,
+                             delta is not None, weight is not None, bias is not None, False, t, x | d | w | b | ss | y)
+    bound = _FWD_BOUND.get((device, sig))
     if bound is None:
         return False
     bound(cdiv(t, rows), 1, 1, stream, x, d, w, b, ss, y, y, y, t, float(eps))

@@ -248,18 +248,18 @@ def _signature(x_dtype, w_dtype, b_dtype, strides: tuple, out_cols: int, k: int,
 
 
 def launch_pointers(x: int, weight: int, bias: int | None, y: int, m: int, k: int, out_cols: int, act: int | None,
-                    dtype: torch.dtype, stream: int) -> bool:
+                    dtype: torch.dtype, device: int, stream: int) -> bool:
     """``y = x @ weight.T (+ bias)`` (``act`` ``None``) or the GLU form (``act``: an :data:`ACTIVATIONS` code) on
     raw device pointers of contiguous ``x`` ``[m, k]``, ``weight`` ``[N, k]``, ``bias`` ``[N]``, ``y``
-    ``[m, out_cols]`` of one ``dtype``, with the default config, on ``stream``. Launches only through a
-    signature a tensor launch bound before (see ``_runtime.launch_cached``): returns ``False``, launching
-    nothing, when there is none."""
+    ``[m, out_cols]`` of one ``dtype``, with the default config, on ``stream`` of CUDA device ``device``.
+    Launches only through a signature a tensor launch bound before (see ``_runtime.launch_cached``): returns
+    ``False``, launching nothing, when there is none."""
     glu = act is not None
     config = default_config(m, 2 * out_cols if glu else out_cols, k, glu=glu)
     strides = (k, 1, k, 1, 0 if bias is None else 1)
     b = weight if bias is None else bias
-    bound = _BOUND.get(_signature(dtype, dtype, dtype, strides, out_cols, k, glu, act or 0, bias is not None, config,
-                                  m, x | weight | b | y))
+    bound = _BOUND.get((device, _signature(dtype, dtype, dtype, strides, out_cols, k, glu, act or 0, bias is not None,
+                                           config, m, x | weight | b | y)))
     if bound is None:
         return False
     bound(cdiv(m, config.block_m), cdiv(out_cols, config.block_n), 1, stream, x, weight, b, y, m, *strides)
