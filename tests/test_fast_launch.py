@@ -218,3 +218,16 @@ def test_bind_refuses_what_a_signature_cannot_stand_for(launcher):
     assert fast.bind((1,), Cuda(t[1:]), 10, 16, 1e-5, BLOCK=64) is None  # a pointer not 16-byte aligned
     bound = fast.bind((1,), Cuda(t), 10, 16, 1e-5, BLOCK=64)
     assert bound is not None and bound.tail == (64,)
+
+
+def test_an_unbindable_signature_is_not_tried_again(launcher):
+    jit, fast = launcher
+    jit.compiled = FakeCompiledC(scratch=64)  # needs scratch memory: CudaLauncher.__call__ allocates it
+    runner = jit.compiled.run
+    x = Cuda(torch.zeros(64, dtype=torch.float32))
+    cache = {}
+    for n in (10, 11, 12):
+        R.launch_cached(cache, (torch.float32, True), fast, x, (3,), (x, n, 16, 1e-5), {"BLOCK": 64},
+                        (x.data_ptr(), n, 16, 1e-5))
+    assert list(cache.values()) == [False] and jit.slow_calls == 1
+    assert len(runner.calls) == 2 and runner.launches == []  # the launcher's own cached path, no second bind

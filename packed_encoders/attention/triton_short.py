@@ -291,7 +291,7 @@ def launch_pointers(qkv: int, out: int, cu_seqlens: int, num_seqs: int, total: i
     bound = _BOUND.get((device, _signature(dtype, torch.int32, torch.int32, rows_dtype, strides, head_dim, cfg, local,
                                            False, max(total, num_seqs * tiles_per_seq),
                                            qkv | k | v | out | cu_seqlens | cos | sin | rows)))
-    if bound is None:
+    if not bound:  # not bound yet (or unbindable: False)
         return False
     grid_rows = num_seqs * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
     bound(grid_rows, triton_cdiv(heads, cfg.heads_per_program), 1, stream, qkv, k, v, out, cu_seqlens, cu_seqlens,

@@ -279,11 +279,12 @@ def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: 
     whether every pointer in ``args`` is 16-byte aligned; ``fast_args``: ``args`` with each tensor as its
     ``data_ptr()`` (``None`` for tensors not on CUDA: the ordinary launch). The first launch of a signature goes
     through Triton (compiling if needed) and binds it, under ``(device index, sig)``; later ones call the compiled
-    kernel's C launcher directly."""
+    kernel's C launcher directly (``False`` there: it cannot be bound, e.g. it needs scratch memory; the
+    launcher's own path serves it without trying again)."""
     if fast_args is not None:
         device = ref.get_device()
         bound = cache.get((device, sig))  # a compiled kernel belongs to its device's context
-        if bound is not None:
+        if bound:
             if device == torch._C._cuda_getDevice() and FastLauncher.enabled and not _hooks_active():
                 n = len(grid)
                 bound(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
@@ -291,12 +292,14 @@ def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: 
                 return
     with device_guard(ref):
         launcher = kern.on(ref) if isinstance(kern, Kernel) else kern
-        if fast_args is not None and sig[-1] and isinstance(launcher, FastLauncher):
+        if fast_args is not None and sig[-1] and bound is None and isinstance(launcher, FastLauncher):
             bound = launcher.bind(grid, *args, **kwargs)
+            if len(cache) > 256:  # signatures are few per model; a bound on memory, not a working limit
+                cache.clear()
             if bound is not None:
-                if len(cache) > 256:  # signatures are few per model; a bound on memory, not a working limit
-                    cache.clear()
                 cache[(ref.get_device(), sig)] = bound
+            elif bound_ok():  # it cannot be bound (a kernel needing scratch memory): the launcher's path from now on
+                cache[(ref.get_device(), sig)] = False
         else:
             launcher[grid](*args, **kwargs)
 

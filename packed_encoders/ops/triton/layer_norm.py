@@ -164,7 +164,7 @@ def forward_pointers(x: int, delta: int | None, weight: int | None, bias: int | 
     sig = _forward_signature(dtype, dtype, dtype, dtype, dtype, dtype, dtype, n, block_n, rows, warps,
                              delta is not None, weight is not None, bias is not None, False, t, x | d | w | b | ss | y)
     bound = _FWD_BOUND.get((device, sig))
-    if bound is None:
+    if not bound:  # not bound yet (or unbindable: False)
         return False
     bound(cdiv(t, rows), 1, 1, stream, x, d, w, b, ss, y, y, y, t, float(eps))
     return True

@@ -260,7 +260,7 @@ def launch_pointers(x: int, weight: int, bias: int | None, y: int, m: int, k: in
     b = weight if bias is None else bias
     bound = _BOUND.get((device, _signature(dtype, dtype, dtype, strides, out_cols, k, glu, act or 0, bias is not None,
                                            config, m, x | weight | b | y)))
-    if bound is None:
+    if not bound:  # not bound yet (or unbindable: False)
         return False
     bound(cdiv(m, config.block_m), cdiv(out_cols, config.block_n), 1, stream, x, weight, b, y, m, *strides)
     return True
