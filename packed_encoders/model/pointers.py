@@ -184,7 +184,8 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     if w == -1 or b == -1 or not ln(e.data_ptr(), None, w, b, None, x, total, hidden, eps, dtype, index, stream):
         return None
     rope = {}
-    for is_global, (cos, sin, rows) in rope_inputs(model, params, batch).items():
+    tables = rope_inputs(model, params, batch)  # held until the launches reading them are enqueued
+    for is_global, (cos, sin, rows) in tables.items():
         if (cos.dtype is not torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
                 or not rows.is_contiguous()):
             return None

@@ -207,7 +207,6 @@ class FastLauncher:
                          compiled.packed_metadata, None, None, None, *call)
         return compiled
 
-
     def bind(self, grid, *args, **kwargs) -> "Bound | None":
         """Launch as ``self[grid](*args, **kwargs)`` and return that specialisation as a :class:`Bound`, or
         ``None`` where it cannot be bound: the fast launcher off, launch hooks on, a kernel needing scratch
@@ -217,10 +216,9 @@ class FastLauncher:
         if not bound_ok() or self.jit.pre_run_hooks:
             return None
         try:
-            key, call = self._key_and_args(torch._C._cuda_getDevice(), args, kwargs)
+            entry = self.cache.get(self.key(torch._C._cuda_getDevice(), args, kwargs))
         except (TypeError, AttributeError):
             return None
-        entry = self.cache.get(key)
         if entry is None or entry[2] is None:
             return None
         for a in args:
@@ -257,17 +255,6 @@ class Bound:
 def bound_ok() -> bool:
     """Whether :class:`Bound` launches may run now: the fast launcher on and no launch hooks (a profiler's)."""
     return bool(FastLauncher.enabled) and not _hooks_active()
-
-
-def current_stream(device: int) -> int:
-    """The raw current stream of CUDA device ``device`` (an index)."""
-    return torch._C._cuda_getCurrentRawStream(device)
-
-
-def cuda_device() -> int:
-    """The current CUDA device's index, without ``torch.cuda.current_device()``'s Python-side checks (for callers
-    that hold CUDA tensors: CUDA is initialised)."""
-    return torch._C._cuda_getDevice()
 
 
 def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: tuple, kwargs: dict,
