@@ -288,7 +288,9 @@ def load_corpus(path: str | os.PathLike | None = None, build: bool = True) -> Co
     p = Path(path) if path else DEFAULT_CACHE
     if not p.is_file():
         if not build:
-            raise FileNotFoundError(f"token cache {p} is missing; build it with `python -m benchmarks.data`")
+            raise FileNotFoundError(f"token cache {p} is missing; build it with `python -m benchmarks.data` (or, "
+                                    "offline, a small one from the package's sample: `python -m benchmarks.data "
+                                    "--from-sample`)")
         build_cache(p)
     with np.load(p, allow_pickle=False) as z:
         meta = json.loads(str(z["meta"]))

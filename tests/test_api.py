@@ -277,7 +277,8 @@ def test_a_backend_that_cannot_run_here_is_refused_at_pack(validate):
     refused by pack(), validated or not, naming the reason; the model stays unpacked."""
     model = make_model("base_like")
     for backend, why in (("varlen", "varlen_attn needs CUDA"), ("fa4", "FlashAttention-4 needs CUDA"),
-                         ("triton", "Triton attention kernel needs CUDA")):
+                         ("triton", "Triton attention kernel needs CUDA"),
+                         ("flash", "no FlashAttention backend can .*varlen: .*needs CUDA")):
         with pytest.raises(pe.PackedEncodersError, match=f"attention_backend='{backend}' cannot run this model "
                                                          f"\\(on cpu\\): .*{why}"):
             pe.pack(model, attention_backend=backend, validate=validate)

@@ -334,14 +334,18 @@ class Decision:
 def cannot_serve(requested: str, *, device_type: str, heads: int, head_dim: int) -> str | None:
     """Why the explicitly named backend ``requested`` can serve no call of a model on ``device_type`` with this
     attention geometry (:meth:`Backend.why_not` of a one-token bf16 inference call: its availability on this
-    machine, device and head_dim, the facts no batch changes), or ``None``. ``"auto"`` and ``"flash"`` choose per call: ``None``.
-    ``pack()`` asks it so that such a name is refused there, not on every call."""
-    backend = BACKENDS.get(requested) if requested not in ("auto", "flash") else None
-    if backend is None:
-        return None
+    machine, device and head_dim, the facts no batch changes), or ``None``. ``"flash"``: why no member of
+    :data:`FLASH_FAMILY` can; ``"auto"`` always can (``sdpa`` runs anywhere). ``pack()`` asks it so that such a
+    name is refused there, not on every call."""
     probe = Workload(num_seqs=1, total_tokens=1, max_seqlen=1, heads=heads, head_dim=head_dim, window=None,
                      grad=False, dtype=torch.bfloat16, device_type=device_type)
-    return backend.why_not(probe)
+    if requested == "flash":
+        reasons = [(name, BACKENDS[name].why_not(probe)) for name in FLASH_FAMILY if name in BACKENDS]
+        if any(why is None for _, why in reasons):
+            return None
+        return "no FlashAttention backend can (" + "; ".join(f"{name}: {why}" for name, why in reasons) + ")"
+    backend = BACKENDS.get(requested) if requested != "auto" else None
+    return None if backend is None else backend.why_not(probe)
 
 
 def resolve(requested: str, w: Workload, policy: Policy | None = None) -> Decision:
