@@ -5,7 +5,8 @@ per launch, a ``torch.empty`` for the output, the wrapper's reads of shapes, str
 For a plan whose every op is one of the Triton kernels that take raw pointers (:attr:`..ops.OpSet.pointers`: the
 LayerNorms, the small GEMMs, the RoPE-fused Triton attention; see :func:`plan_runs_pointers`), this module runs
 the layers on integers instead: the activations live in one workspace, allocated once per (device, stream,
-thread, geometry) and reused by later calls on that stream (stream order serialises them), and each op launches
+geometry) and reused by later calls on that stream (stream order serialises them; threads sharing a stream take
+turns enqueueing), and each op launches
 its already-compiled kernel through the signature a tensor launch bound (``ops.triton._runtime.Bound``). The maths
 and the kernels are the tensor path's (:func:`..model.forward.encoder_forward`): results are bit-identical.
 
@@ -55,19 +56,21 @@ def plan_runs_pointers(plan) -> bool:
 
 
 def _workspace(device: torch.device, tokens: int, hidden: int, inner: int, dtype: torch.dtype,
-               stream: int) -> tuple[torch.Tensor, int]:
-    """``(buffer, capacity in tokens)`` of this (device, stream, thread, geometry)'s workspace, grown to hold
+               stream: int) -> tuple[torch.Tensor, int, threading.Lock]:
+    """``(buffer, capacity in tokens, lock)`` of this (device, stream, geometry)'s workspace, grown to hold
     ``tokens`` (a power of two, at least 64). Buffers per token: the residual stream, the normed input, ``qkv``,
     the attention output, the projection output and the GLU output (ModernBERT-base, bf16: 13 KB per token,
-    3.3 MB at 256 tokens, 53 MB at 4,096). The caller holds the buffer while it launches: a workspace dropped
-    from the table meanwhile (another thread's) is freed only after, in its stream's order."""
-    key = (device, stream, threading.get_ident(), hidden, inner, dtype)
+    3.3 MB at 256 tokens, 53 MB at 4,096). The caller holds the lock while it enqueues (two threads interleaving
+    launches on one stream would interleave their writes) and the buffer until it has: a workspace replaced or
+    dropped meanwhile is freed only after, in its stream's order."""
+    key = (device, stream, hidden, inner, dtype)
     hit = _WORKSPACES.get(key)
     if hit is not None and hit[1] >= tokens:
         return hit
     capacity = max(64, 1 << (tokens - 1).bit_length())
     per_token = (7 * hidden + inner) * dtype.itemsize
-    hit = (torch.empty(capacity * per_token + 6 * _ALIGN, dtype=torch.uint8, device=device), capacity)
+    hit = (torch.empty(capacity * per_token + 6 * _ALIGN, dtype=torch.uint8, device=device), capacity,
+           threading.Lock())
     if len(_WORKSPACES) >= _MAX_WORKSPACES:
         _WORKSPACES.pop(next(iter(_WORKSPACES), None), None)
     _WORKSPACES[key] = hit
@@ -145,10 +148,6 @@ def _launch_class(params: ModernBertParams, batch: PackedBatch, dtype: torch.dty
 
 
 def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, rope_inputs) -> torch.Tensor | None:
-    from ..attention import triton_short
-    from ..ops.triton import layer_norm, small_gemm
-    from ..ops.triton.glu import ACTIVATIONS
-
     if batch.inputs_embeds is not None or batch.key_lens is not None or batch.cu_seqlens.dtype is not torch.int32:
         return None
     emb = model.embeddings
@@ -159,25 +158,36 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     device = batch.device
     if device.type != "cuda" or table.device != device:
         return None
-    total = batch.total_tokens
-    hidden, heads, head_dim = params.hidden_size, params.num_attention_heads, params.head_dim
-    inner = params.intermediate_size
-    act = ACTIVATIONS[params.activation]
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch._C._cuda_getDevice():
         return None
     stream = torch._C._cuda_getCurrentRawStream(index)
-    buf, capacity = _workspace(device, total, hidden, inner, dtype, stream)
+    buf, capacity, lock = _workspace(device, batch.total_tokens, params.hidden_size, params.intermediate_size, dtype,
+                                     stream)
+    with lock:
+        return _enqueue(model, params, batch, plan, rope_inputs, buf, capacity, dtype, index, stream)
+
+
+def _enqueue(model, params, batch, plan, rope_inputs, buf, capacity, dtype, index, stream) -> torch.Tensor | None:
+    """:func:`_run`'s launches on the workspace ``buf`` (its lock held)."""
+    from ..attention import triton_short
+    from ..ops.triton import layer_norm, small_gemm
+    from ..ops.triton.glu import ACTIVATIONS
+
+    emb = model.embeddings
+    table = emb.tok_embeddings.weight
+    device = batch.device
+    total = batch.total_tokens
+    hidden, heads, head_dim = params.hidden_size, params.num_attention_heads, params.head_dim
+    inner = params.intermediate_size
+    act = ACTIVATIONS[params.activation]
     x, normed, qkv, att, delta, gated = _offsets(buf.data_ptr(), capacity, hidden, inner, dtype.itemsize)
     ln = layer_norm.forward_pointers
     gemm = small_gemm.launch_pointers
     attend = triton_short.launch_pointers
-    h_numel = hidden
 
     def norm_args(m: nn.Module):
-        w = _ptr(m.weight, dtype, h_numel)
-        b = _ptr(getattr(m, "bias", None), dtype, h_numel)
-        return w, b, m.eps
+        return _ptr(m.weight, dtype, hidden), _ptr(getattr(m, "bias", None), dtype, hidden), m.eps
 
     e = F.embedding(batch.input_ids, table, emb.tok_embeddings.padding_idx)
     w, b, eps = norm_args(emb.norm)
