@@ -29,13 +29,16 @@ Per (workload, variant): ``host_ms`` (median time for the call to return, GPU id
 ``gpu_ms`` (kernel time per call from ``torch.profiler``), ``wall_ms`` (median per call back to back, CUDA events),
 ``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), and for packed
 inference the per-token cosine against stock on the first batch. Rows go to ``--out`` as JSON lines; a table is
-printed. Host time per layer = ``host_ms / num_hidden_layers``.
+printed. Host time per layer = ``host_ms / num_hidden_layers``. ``--profile-dir DIR`` also writes where each
+call's host time goes (cProfile by function, one call; torch.profiler by operator) per round, variant and
+workload.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import io
 import json
 import pstats
 import statistics
@@ -79,8 +82,9 @@ def _batches(corpus, set_name: str, batch: int, n: int, seed: int, device: str, 
     return out
 
 
-def _profile(step, args, device: str, n: int = 3) -> tuple[float, int]:
-    """``(kernel ms per call, aten ops per call)``."""
+def _profile(step, args, device: str, n: int = 3, table_to: list | None = None) -> tuple[float, int]:
+    """``(kernel ms per call, aten ops per call)``; ``table_to``: a list that receives the profiler's table of
+    operators by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -89,6 +93,8 @@ def _profile(step, args, device: str, n: int = 3) -> tuple[float, int]:
         for i in range(n):
             step(args[i % len(args)])
         synchronize(device)
+    if table_to is not None:
+        table_to.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     gpu_us = 0.0
     aten = 0
     for e in prof.events():
@@ -99,7 +105,7 @@ def _profile(step, args, device: str, n: int = 3) -> tuple[float, int]:
     return gpu_us / 1e3 / n, aten // n
 
 
-def _measure(step, args, device: str, reps: int, counts: dict) -> dict:
+def _measure(step, args, device: str, reps: int, counts: dict, profile_to: Path | None = None) -> dict:
     for a in args[:3]:  # warm-up: compiles, captures nothing (eager)
         step(a)
     synchronize(device)
@@ -123,7 +129,16 @@ def _measure(step, args, device: str, reps: int, counts: dict) -> dict:
     step(args[0])
     pr.disable()
     synchronize(device)
-    gpu_ms, aten = _profile(step, args, device, counts["profiled"])
+    table = [] if profile_to is not None else None
+    gpu_ms, aten = _profile(step, args, device, counts["profiled"], table)
+    if profile_to is not None:  # where the host time goes: Python functions, then operators
+        text = io.StringIO()
+        stats = pstats.Stats(pr, stream=text)
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(30)
+        profile_to.parent.mkdir(parents=True, exist_ok=True)
+        profile_to.write_text(f"cProfile, one call\n{text.getvalue()}\ntorch.profiler, {counts['profiled']} calls\n"
+                              f"{table[0]}\n")
     return {"host_ms": statistics.median(host) * 1e3, "wall_ms": statistics.median(walls) * 1e3, "gpu_ms": gpu_ms,
             "python_calls": pstats.Stats(pr).total_calls, "aten_ops": aten}
 
@@ -136,6 +151,10 @@ def _import_package(code: str | None):
     if code and not Path(pe.__file__).resolve().is_relative_to(Path(code).resolve()):
         raise SystemExit(f"packed_encoders came from {pe.__file__}, not from {code}")
     return pe
+
+
+def _profile_path(args, workload: str) -> Path | None:
+    return Path(args.profile_dir) / f"{workload}.txt" if args.profile_dir else None
 
 
 def child(args) -> dict:
@@ -177,7 +196,7 @@ def child(args) -> dict:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            row = _measure(step, pairs, device, counts["train_host"], counts)
+            row = _measure(step, pairs, device, counts["train_host"], counts, _profile_path(args, workload))
         else:
             set_name, batch = WORKLOADS[workload]
             batches = _batches(corpus, set_name, batch, 3 if args.quick else N_BATCHES, 0, device, cap)
@@ -199,7 +218,7 @@ def child(args) -> dict:
                 with torch.no_grad():
                     model(input_ids=b.input_ids, attention_mask=b.attention_mask)
 
-            row = _measure(step, batches, device, counts["host"], counts)
+            row = _measure(step, batches, device, counts["host"], counts, _profile_path(args, workload))
             row["token_cos_min"] = cos
             row["tokens_per_call"] = float(np.mean([int(b.attention_mask.sum()) for b in batches]))
         row.update(runner="host", workload=workload, variant=args.variant, config=args.config,
@@ -227,6 +246,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host"))
     ap.add_argument("--quick", action="store_true", help="few repetitions (CPU smoke test)")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant (its fresh process)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="write where each call's host time goes (cProfile by function, torch.profiler by operator) "
+                         "to DIR/round<R>_<variant>/<workload>.txt")
     ap.add_argument("--child", dest="variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--code", default=None, help=argparse.SUPPRESS)  # the child's package tree (NAME@DIR)
     args = ap.parse_args(argv)
@@ -242,6 +264,9 @@ def main(argv=None) -> int:
             argv_child = ["benchmarks.host", "--child", variant, "--device", args.device, "--config", args.config,
                           "--workloads", args.workloads] + (["--tokens", args.tokens] if args.tokens else []) \
                 + (["--quick"] if args.quick else []) + (["--code", code] if code else [])
+            if args.profile_dir:
+                name = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
+                argv_child += ["--profile-dir", str(Path(args.profile_dir) / f"round{round_}_{name}")]
             rc, out, secs = run_child(argv_child, timeout=args.timeout, env=VARIANTS[variant])
             line = next((ln for ln in out.splitlines() if ln.startswith("HOSTJSON ")), None)
             if rc != 0 or line is None:

@@ -81,7 +81,12 @@ def test_host_rounds_and_a_second_code_tree(tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "results"
     assert host.main(["--device", "cpu", "--config", "tiny", "--quick", "--tokens", str(tokens), "--rounds", "2",
-                      "--workloads", "queries", "--variants", f"new_eager,new_eager@{tree}", "--out", str(out)]) == 0
+                      "--workloads", "queries", "--variants", f"new_eager,new_eager@{tree}", "--out", str(out),
+                      "--profile-dir", str(tmp_path / "prof")]) == 0
+    profiles = sorted(p.relative_to(tmp_path / "prof").as_posix() for p in (tmp_path / "prof").rglob("*.txt"))
+    assert len(profiles) == 4 and profiles[0] == "round0_new_eager/queries.txt", profiles
+    text = (tmp_path / "prof" / profiles[0]).read_text()
+    assert "cProfile" in text and "encoder_forward" in text and "torch.profiler" in text and "aten::" in text
     (path,) = out.glob("host_*.jsonl")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["variant"], r["round"], r["status"]) for r in rows] == [
