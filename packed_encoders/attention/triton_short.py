@@ -322,19 +322,15 @@ def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: flo
                out.stride(1)) + ((cos.stride(0),) if rope else ())
     fast = sig = None
     if q.is_cuda:
-        fast = tuple(t.data_ptr() for t in tensors)
-        aligned = 0
-        for p in fast:
-            aligned |= p
-        fast += ints + strides
+        pointers = tuple(t.data_ptr() for t in tensors)
+        fast = pointers + ints + strides
         sig = _signature(q.dtype, tensors[4].dtype, tensors[5].dtype, rows.dtype if rope else None, strides, head_dim,
-                         cfg, local, key_lens is not None, max(total, n * tiles_per_seq), aligned)
-    _runtime().launch_cached(_BOUND, sig, _fast_kernel(rope) if q.is_cuda else _interpreted_kernel(rope), q, grid,
-                  tensors + ints + strides,
-                  dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                       HEADS_PER_PROGRAM=cfg.heads_per_program, LOCAL=local, PER_SEQ=cfg.grid == "seq",
-                       DOT_F32=not q.is_cuda and q.dtype == torch.bfloat16, HAS_KL=key_lens is not None,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages), fast)
+                         cfg, local, key_lens is not None, max(total, n * tiles_per_seq), _runtime().or_all(pointers))
+    _runtime().launch_cached(
+        _BOUND, sig, _fast_kernel(rope) if q.is_cuda else _interpreted_kernel(rope), q, grid, tensors + ints + strides,
+        dict(HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEADS_PER_PROGRAM=cfg.heads_per_program,
+             LOCAL=local, PER_SEQ=cfg.grid == "seq", DOT_F32=not q.is_cuda and q.dtype == torch.bfloat16,
+             HAS_KL=key_lens is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages), fast)
     return out
 
 

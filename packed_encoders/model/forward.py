@@ -174,7 +174,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     device = batch.device
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
                     grad=grad, rules=rules)
-    if plan.pointers and hidden_states is None and out is None and not torch.is_autocast_enabled("cuda"):
+    if plan.pointers and hidden_states is None and out is None:
         y = run_pointers(model, params, batch, plan, rope_inputs,
                          lambda: encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules))
         if y is not None:

@@ -121,7 +121,7 @@ class Plan:
     layers: tuple[LayerPlan, ...]
     why_checked: str | None  # why the checked ops run (None when direct)
     linear_route: str = "F.linear"  # what ``linear`` is, for describe(): "F.linear" | "small_gemm" | the route's gemm
-    pointers: bool = False  # short calls may run as raw-pointer launches (.pointers.plan_runs_pointers)
+    pointers: bool = False  # short calls may run as raw-pointer launches (.pointers.plan_runs_pointers, no autocast)
 
 
 _CACHE: dict = {}
@@ -169,7 +169,7 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
         return hit[1]
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
-                               small_linear=small_linear, compiling=compiling)
+                               small_linear=small_linear, compiling=compiling, autocast=autocast)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -185,7 +185,7 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 
 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
-           small_linear, compiling) -> Plan:
+           small_linear, compiling, autocast) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
@@ -245,7 +245,8 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
     else:
         linear, linear_route = F.linear, "F.linear"
     plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
-    return replace(plan, pointers=plan_runs_pointers(plan))
+    # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
+    return replace(plan, pointers=not autocast and plan_runs_pointers(plan))
 
 
 __all__ = ["LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "last_plan", "plan_for",

@@ -11,9 +11,9 @@ its already-compiled kernel through the signature a tensor launch bound (``ops.t
 and the kernels are the tensor path's (:func:`..model.forward.encoder_forward`): results are bit-identical.
 
 Weights are read from the live modules on every call, as the tensor path reads them. A call this module cannot
-run (a signature not bound yet, a weight of another dtype, non-contiguous or misaligned, dropout in train mode, a
-layer 0 with a norm, ...) returns ``None`` and the caller runs the tensor path, which binds what was missing;
-nothing it wrote is visible (only the workspace is written before the output).
+run (a signature not bound yet, the fast launcher off or launch hooks on, a weight of another dtype, non-contiguous
+or misaligned, dropout in train mode, a layer 0 with a norm, ...) returns ``None`` and the caller runs the tensor
+path, which binds what was missing; nothing it wrote is visible (only the workspace is written before the output).
 
 Checked as CUDA graphs are: the first run of each launch class (geometry, dtype, device, the GEMM and attention
 configs its sizes select) is compared with the tensor path, bit for bit, and the tensor path's result returned;
@@ -157,6 +157,10 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     dtype = table.dtype
     device = batch.device
     if device.type != "cuda" or table.device != device:
+        return None
+    from ..ops.triton._runtime import bound_ok
+
+    if not bound_ok():  # the fast launcher off (PACKED_ENCODERS_TRITON_FAST_LAUNCH=0) or launch hooks on
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch._C._cuda_getDevice():

@@ -257,6 +257,15 @@ def bound_ok() -> bool:
     return bool(FastLauncher.enabled) and not _hooks_active()
 
 
+def or_all(pointers) -> int:
+    """Every pointer or-ed together: 16-byte aligned all when its low four bits are clear (``not or_all(p) & 15``),
+    the last entry of a launch signature."""
+    bits = 0
+    for p in pointers:
+        bits |= p
+    return bits
+
+
 def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: tuple, kwargs: dict,
                   fast_args: tuple | None) -> None:
     """Launch ``kern[grid](*args, **kwargs)`` (``kern``: a :class:`Kernel`, or the launcher of ``ref``'s device),
@@ -272,7 +281,7 @@ def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: 
         device = ref.get_device()
         bound = cache.get((device, sig))  # a compiled kernel belongs to its device's context
         if bound:
-            if device == torch._C._cuda_getDevice() and FastLauncher.enabled and not _hooks_active():
+            if device == torch._C._cuda_getDevice() and bound_ok():
                 n = len(grid)
                 bound(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
                       torch._C._cuda_getCurrentRawStream(device), *fast_args)

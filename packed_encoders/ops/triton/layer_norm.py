@@ -19,7 +19,7 @@ import torch
 import triton.language as tl
 
 from ._runtime import I32_END as _I32_END
-from ._runtime import cdiv, kernel, launch_cached, next_pow2, persistent_programs
+from ._runtime import cdiv, kernel, launch_cached, next_pow2, or_all, persistent_programs
 
 MAX_HIDDEN = 16384  # one row lives in registers; beyond this the torch op is used
 # Persistent backward: 16 warps per multiprocessor (4 programs of 4 warps, 2 of 8), all resident at once since
@@ -216,7 +216,7 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
                 r.data_ptr(), t, eps)
         sig = _forward_signature(x.dtype, d.dtype, w.dtype, b.dtype, ss.dtype, y.dtype, m.dtype, n, block_n, rows,
                                  warps, delta is not None, weight is not None, bias is not None, stats, t,
-                                 fast[0] | fast[1] | fast[2] | fast[3] | fast[4] | fast[5] | fast[6] | fast[7])
+                                 or_all(fast[:8]))
     launch_cached(_FWD_BOUND, sig, _layer_norm_fwd_kernel, x, (cdiv(t, rows),), args,
                   dict(N=n, BLOCK_N=block_n, ROWS=rows, HAS_RES=delta is not None, HAS_W=weight is not None,
                        HAS_B=bias is not None, STATS=stats, num_warps=warps), fast)
@@ -254,11 +254,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mea
         fast = sig = None
         if x.is_cuda:
             fast = tuple(a.data_ptr() for a in args[:10]) + (t, tiles, programs)
-            aligned = 0
-            for p in fast[:10]:
-                aligned |= p
             sig = (tuple(a.dtype for a in args[:10]), n, block_n, rows, warps, weight is not None, has_bias,
-                   dres is not None, dx2 is not None, BWD_STAGES, programs < _I32_END, not aligned & 15)
+                   dres is not None, dx2 is not None, BWD_STAGES, programs < _I32_END, not or_all(fast[:10]) & 15)
         launch_cached(_BWD_BOUND, sig, _layer_norm_bwd_kernel, x, (programs,), args,
                       dict(N=n, BLOCK_N=block_n, ROWS=rows, HAS_W=weight is not None, HAS_B=has_bias,
                            HAS_DRES=dres is not None, HAS_DX2=dx2 is not None, STAGES=BWD_STAGES, num_warps=warps),

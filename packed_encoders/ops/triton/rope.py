@@ -26,7 +26,7 @@ import functools
 import torch
 import triton.language as tl
 
-from ._runtime import I32_END, cdiv, kernel, launch_cached, next_pow2
+from ._runtime import I32_END, cdiv, kernel, launch_cached, next_pow2, or_all
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +155,7 @@ def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_id
     if qkv.is_cuda:
         fast = tuple(a.data_ptr() for a in args[:6]) + (t,)
         sig = (qkv.dtype, args[1].dtype, args[2].dtype, args[3].dtype, num_heads, head_dim, block, rows, warps,
-               stride, inplace, t < I32_END, not (fast[0] | fast[1] | fast[2] | fast[3] | fast[4] | fast[5]) & 15)
+               stride, inplace, t < I32_END, not or_all(fast[:6]) & 15)
     launch_cached(_FWD_BOUND, sig, _rope_fwd_kernel, qkv, (cdiv(t, rows),), args,
                   dict(NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, OUT_STRIDE=stride,
                        CLEAN_V=inplace, num_warps=warps), fast)
@@ -183,12 +183,9 @@ def backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: t
     fast = sig = None
     if dq.is_cuda:
         fast = tuple(a.data_ptr() for a in tensors) + ints
-        aligned = 0
-        for p in fast[:7]:
-            aligned |= p
         # the strides are specialised ints: their values belong to the signature (t is not specialised)
         sig = (tuple(a.dtype for a in tensors), ints[1:], num_heads, head_dim, block, rows, warps, dv is not None,
-               t < I32_END, not aligned & 15)
+               t < I32_END, not or_all(fast[:7]) & 15)
     launch_cached(_BWD_BOUND, sig, _rope_bwd_kernel, dq, (cdiv(t, rows),), tensors + ints,
                   dict(NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, HAS_DV=dv is not None,
                        num_warps=warps), fast)
