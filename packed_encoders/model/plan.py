@@ -58,7 +58,8 @@ class Rules:
         glu_gemm_max_tokens: the Triton ``Wi`` + GLU GEMM serves calls of at most this many tokens (0: never).
         small_linear_max_tokens: eager no-grad calls of at most this many tokens run every projection (``Wi`` +
             GLU included) as Triton GEMMs (0: never). H200, ModernBERT-base, bf16, GPU time of a layer's four
-            GEMMs, Triton / cuBLAS: 1.00x at 256 and 3,300 tokens, 1.14x at 7,400, 1.20x at 16,384; an eager call of
+            GEMMs, Triton / cuBLAS (``Wi`` + the GLU kernel there): 0.82x at 256 tokens, 0.80x at 1,024, 1.01x at
+            3,300, 1.14x at 7,400, 1.20x at 16,384 (``gemm_eager`` rows in benchmarks/results/h200); an eager call of
             a few thousand tokens spends more host time than GPU time on cuBLAS's dispatch alone.
         quack_eager_min_tokens: eager calls below this many tokens never consult quack's routes.
         blocks: training forwards as per-block autograd functions: ``None`` where the op family's kernels are
