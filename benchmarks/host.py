@@ -17,6 +17,8 @@ Variants (environment of the child process):
   autograd node per layer block, cached autocast weight casts).
 - ``new_noquack``: ``new`` with ``PACKED_ENCODERS_QUACK_GEMM=0`` (installing the ``cute`` extra must not slow a call).
 - ``new_eager``: ``new`` with ``PACKED_ENCODERS_GRAPH=0``: the eager path a call takes when no graph serves it.
+- ``new_eager_varlen``: ``new_eager`` packed with ``attention_backend="varlen"`` (FlashAttention-2 on every layer,
+  whatever the policy prefers).
 
 A variant may name another source tree of the package: ``new_eager@/path/to/tree`` runs ``new_eager``'s environment
 with ``packed_encoders`` imported from that tree (e.g. ``git worktree add /tmp/before <commit>``), so code before
@@ -62,7 +64,10 @@ VARIANTS = {
     "new": {"PACKED_ENCODERS_LEAN": "1"},
     "new_noquack": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_QUACK_GEMM": "0"},
     "new_eager": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_GRAPH": "0"},
+    "new_eager_varlen": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_GRAPH": "0"},
 }
+# pe.pack() arguments of a variant (beyond its environment)
+PACK_KWARGS = {"new_eager_varlen": {"attention_backend": "varlen"}}
 WORKLOADS = {"queries": ("queries", 8), "documents": ("long", 8), "passages": ("passages", 32)}
 N_BATCHES = 12
 REPS = {"host": 20, "train_host": 8, "wall_passes": 3, "profiled": 3}
@@ -177,7 +182,7 @@ def child(args) -> dict:
         if workload == "train":
             model = ModernBertModel(config).to(device).train()  # fp32 masters
             if packed:
-                pe.pack(model, validate=False)
+                pe.pack(model, validate=False, **PACK_KWARGS.get(args.variant, {}))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
             q = _batches(corpus, "queries", 16, 4, 1, device, cap)
             d = _batches(corpus, "long", 16, 4, 2, device, cap)
@@ -207,7 +212,7 @@ def child(args) -> dict:
                 b = batches[0]
                 with torch.no_grad():
                     ref = type(model).forward(model, input_ids=b.input_ids, attention_mask=b.attention_mask)
-                pe.pack(model, validate=False)
+                pe.pack(model, validate=False, **PACK_KWARGS.get(args.variant, {}))
                 with torch.no_grad():
                     got = model(input_ids=b.input_ids, attention_mask=b.attention_mask)
                 real = b.attention_mask.bool()

@@ -63,6 +63,9 @@ class Backend:
     # fn without its per-call argument checks, for forwards that produced q, k, v, cu_seqlens and the RoPE tables
     # themselves in the layouts fn checks for (model/plan.py's unchecked no-grad path); None: fn is cheap already
     direct: Callable | None = None
+    # ``direct`` also records autograd (the op's own C++ backward node), so the per-block training forward
+    # (model/blocks.py), which builds q, k, v itself, calls it too
+    direct_grad: bool = False
     # fn for a v whose non-finite entries the caller zeroed (an op set's rope_finite_v), skipping fn's own cleaning
     # pass; None: fn cleans nothing
     finite_v: Callable | None = None
@@ -113,7 +116,7 @@ def _fa4_envelope(w: Workload) -> str | None:
 BACKENDS: dict[str, Backend] = {
     "sdpa": Backend("sdpa", sdpa.sdpa_varlen, True, True, lambda: None, lambda w: None, supports_key_lens=True),
     "varlen": Backend("varlen", flash.torch_varlen, True, False, flash.torch_varlen_status, _flash_envelope,
-                      direct=flash.torch_varlen_direct),
+                      direct=flash.torch_varlen_direct, direct_grad=True),
     "fa4": Backend("fa4", flash.fa4_varlen, True, False, flash.fa4_status, _fa4_envelope,
                    finite_v=flash.fa4_varlen_finite_v),
 }

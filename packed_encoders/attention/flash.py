@@ -54,14 +54,16 @@ def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sc
 
 def torch_varlen_direct(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
                         dropout_p: float = 0.0) -> torch.Tensor:
-    """:func:`torch_varlen` for the packed forward's no-grad path: the FlashAttention-2 forward op that
-    ``varlen_attn`` runs (``aten::_flash_attention_forward``), called without ``varlen_attn``'s Python custom
-    op (its dispatch, autograd wrapper and per-call ``rng_state`` allocation cost ~40 us of host time per call on
-    the H200 machine, 22 calls per ModernBERT-base forward). Same kernel, same output. No gradient, no dropout."""
+    """:func:`torch_varlen` without ``varlen_attn``'s Python custom ops, for the packed forward's unchecked no-grad
+    path and its per-block training path: the FlashAttention-2 forward op that ``varlen_attn`` runs
+    (``aten::_flash_attention_forward``), called directly. With gradients it records aten's own C++ autograd node,
+    whose backward is the ``aten::_flash_attention_backward`` that ``varlen_attn``'s backward op calls. Same kernels,
+    same outputs and gradients; the custom ops' dispatch, Python autograd wrapper and per-call ``rng_state``
+    allocation cost ~40 us of host time per forward on the H200 machine, and a ModernBERT-base forward makes 22
+    calls. ``torch.compile`` traces ``varlen_attn`` (its fake kernels). No dropout."""
     if dropout_p:
         raise ValueError("torch varlen_attn has no attention dropout")
-    if torch.compiler.is_compiling() or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                                      or v.requires_grad):
+    if torch.compiler.is_compiling():
         return torch_varlen(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale)
     ws = -1 if window is None else int(window)
     return _FLASH_FORWARD(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale,

@@ -223,7 +223,8 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         # keep the fused rotation at any size
         in_attention = backend.fuse_rope(grad, None if window is None else tokens, enabled=rules.fused_rope,
                                          max_tokens=rules.fused_rope_max_tokens)
-        fn = backend.direct if direct and backend.direct is not None else backend.fn
+        unchecked = direct or (kernels is not None and backend.direct_grad)
+        fn = backend.direct if unchecked and backend.direct is not None else backend.fn
         rope_linear = routed and ops.rope_linear is not None
         if finite_v and backend.finite_v is not None and not (rope_linear or in_attention):
             fn = backend.finite_v  # (a rope_linear epilogue or the attention itself would rotate: v not cleaned)

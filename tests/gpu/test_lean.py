@@ -185,8 +185,8 @@ def test_autocast_inference_sees_weight_updates():
 
 @pytest.mark.parametrize("window", [None, 64])
 def test_varlen_direct_is_varlen_attn(window):
-    """The no-grad plan's torch varlen entry calls the FlashAttention forward op itself: the same output as
-    ``varlen_attn``, bit for bit."""
+    """The plan's torch varlen entry calls the FlashAttention forward op itself (and, with gradients, aten's own
+    autograd node): the same output and the same q, k, v gradients as ``varlen_attn``, bit for bit."""
     from packed_encoders.attention import flash
 
     if flash.torch_varlen_status() is not None:
@@ -200,6 +200,15 @@ def test_varlen_direct_is_varlen_attn(window):
         direct = flash.torch_varlen_direct(q, k, v, cu, max(lengths), window=window, scale=0.125)
         ref = flash.torch_varlen(q, k, v, cu, max(lengths), window=window, scale=0.125)
     assert torch.equal(direct, ref)
+    dout = torch.randn_like(direct)
+    grads = []
+    for fn in (flash.torch_varlen_direct, flash.torch_varlen):
+        leaf = qkv.clone().requires_grad_()
+        out = fn(*leaf.unbind(1), cu, max(lengths), window=window, scale=0.125)
+        out.backward(dout)
+        grads.append((out.detach(), leaf.grad))
+    assert torch.equal(grads[0][0], ref) and torch.equal(grads[0][1], grads[1][1])
+    assert grads[0][1].abs().sum() > 0
 
 
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True, "norm_bias": True}])
