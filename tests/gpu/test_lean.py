@@ -186,7 +186,8 @@ def test_autocast_inference_sees_weight_updates():
 @pytest.mark.parametrize("window", [None, 64])
 def test_varlen_direct_is_varlen_attn(window):
     """The plan's torch varlen entry calls the FlashAttention forward op itself (and, with gradients, aten's own
-    autograd node): the same output and the same q, k, v gradients as ``varlen_attn``, bit for bit."""
+    autograd node): the same output as ``varlen_attn``, bit for bit, and the same q, k, v gradients up to the
+    FlashAttention-2 backward's own run-to-run noise (it accumulates dq with atomic adds)."""
     from packed_encoders.attention import flash
 
     if flash.torch_varlen_status() is not None:
@@ -207,8 +208,12 @@ def test_varlen_direct_is_varlen_attn(window):
         out = fn(*leaf.unbind(1), cu, max(lengths), window=window, scale=0.125)
         out.backward(dout)
         grads.append((out.detach(), leaf.grad))
-    assert torch.equal(grads[0][0], ref) and torch.equal(grads[0][1], grads[1][1])
-    assert grads[0][1].abs().sum() > 0
+    (out_direct, g_direct), (_, g_ref) = grads
+    assert torch.equal(out_direct, ref) and g_direct.abs().sum() > 0
+    g_direct, g_ref = g_direct.float(), g_ref.float()
+    for i in range(3):  # dq, dk, dv
+        assert torch.nn.functional.cosine_similarity(g_direct[:, i].flatten(), g_ref[:, i].flatten(), dim=0) > 0.9999
+    assert (g_direct - g_ref).abs().max() <= 1e-2 * g_ref.abs().max()
 
 
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True, "norm_bias": True}])

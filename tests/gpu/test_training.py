@@ -107,7 +107,8 @@ def test_single_vector_step_matches_stock(mode):
         return loss.item(), _grads(model)
 
     ref_loss, ref = step("stock")
-    pe.pack(model, attention_backend="varlen" if mode == "pack_varlen" else "auto")
+    # a named flash backend cannot validate an fp32 model outside autocast: checked against stock below instead
+    pe.pack(model, **({"attention_backend": "varlen", "validate": False} if mode == "pack_varlen" else {}))
     loss, got = step("packed" if mode == "packed" else "stock")
     assert round(loss, 3) == round(ref_loss, 3) or abs(loss - ref_loss) < 5e-4, (loss, ref_loss)
     _compare(ref, got)
