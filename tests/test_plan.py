@@ -207,6 +207,27 @@ def test_fa4_skips_its_v_cleaning_after_a_rope_that_cleaned_v(fused):
     assert fns(routed, False, plan_mod.Rules(quack_eager_min_tokens=1)) == {flash.fa4_varlen}
 
 
+def test_training_blocks_call_torch_varlen_without_its_custom_ops(fused):
+    """torch varlen's direct entry records aten's own autograd node, so the training blocks call it as the
+    unchecked no-grad plan does; the per-op autograd path and the checked ops keep ``varlen_attn``; FA4 has no
+    such entry."""
+    from packed_encoders.attention import flash
+
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    varlen = {None: Decision("varlen"), params.window: Decision("varlen")}
+
+    def fns(grad, rules=None):
+        p = plan_mod.plan_for(params, fused.TRITON_OPS, varlen, tokens=100, max_seqlen=40, dtype=torch.bfloat16,
+                              device=torch.device("cpu"), grad=grad, rules=rules)
+        return {lp.attention for lp in p.layers}
+
+    assert fns(True) == {flash.torch_varlen_direct}  # training blocks
+    assert fns(False) == {flash.torch_varlen_direct}  # unchecked no-grad launches
+    assert fns(True, plan_mod.Rules(blocks=False)) == {flash.torch_varlen}  # per-op autograd
+    assert fns(True, plan_mod.Rules(lean=False)) == {flash.torch_varlen}
+
+
 def test_pointer_runs_need_every_op_on_a_pointer_kernel(fused):
     """A short no-grad call runs as raw-pointer launches (model/pointers.py) only when every op is one of the
     Triton kernels that take pointers: the Triton GEMMs, the RoPE-fused Triton attention on every layer."""

@@ -5,7 +5,7 @@ dropout), each paying dispatcher and autograd bookkeeping on the host, in forwar
 is three nodes:
 
 - :class:`AttentionIn`: residual add + ``attn_norm`` + ``Wqkv`` + RoPE -> ``(s, q, k, v)``;
-- the attention backend's own autograd (torch ``varlen_attn``, FA4 or sdpa);
+- the attention backend's own autograd (torch varlen: aten's ``_flash_attention_forward`` node; FA4; sdpa);
 - :class:`AttentionOutMlp`: ``Wo`` (+ dropout) + residual + ``mlp_norm`` + ``Wi`` + GLU (+ dropout) + ``mlp.Wo``
   -> ``(x, pending)``; ``pending`` is added into the next layer's norm.
 
@@ -13,10 +13,11 @@ Their forwards and backwards launch the op family's raw kernels (:class:`..ops.K
 save only what the backward reads. Numerics are autocast's: with autocast on, each projection runs in the autocast
 dtype (weights cast once and reused, :mod:`..ops.weight_cast`), norms and residual sums as the op set's kernels
 do; weight gradients of fp32 parameters are written in fp32 from the GEMM's accumulator on CUDA (autocast's cast
-node rounds them to the autocast dtype first), else computed in the autocast dtype and cast. Every projection gets its operands already in the compute dtype, so an ambient autocast has nothing
-left to cast (no autocast context is entered: that costs host time per block). Dropout masks are drawn in forward
-(``native_dropout``, so gradient checkpointing's RNG replay draws the same ones) and kept for the backward. The
-``torch.library`` custom ops stay for ``torch.compile`` (which takes the per-op path).
+node rounds them to the autocast dtype first), else computed in the autocast dtype and cast. Every projection
+gets its operands already in the compute dtype, so an ambient autocast has nothing left to cast (no autocast
+context is entered: that costs host time per block). Dropout masks are drawn in forward (``native_dropout``, so
+gradient checkpointing's RNG replay draws the same ones) and kept for the backward. The ``torch.library`` custom
+ops stay for ``torch.compile`` (which takes the per-op path).
 """
 
 from __future__ import annotations
