@@ -28,6 +28,10 @@ pack_train_graphs  ``pe.pack(model, cuda_graph=pe.GraphConfig(training=True))``:
                    padded calls (``long``: ``max_seqlen`` / ``max_tokens`` raised to its documents,
                    :func:`train_graph_config`)
 packed             ``pe.pack(model)``, then ``pe.packed_forward`` on padding-free batches
+pack_varlen        ``pe.pack(model, attention_backend="varlen", validate=False)``: torch's FlashAttention-2 on every
+                   layer whatever the policy prefers (the attention A/B against ``pack``; CUDA; runs only when
+                   ``--variants`` names it; validation cannot run a named flash backend on fp32 weights outside
+                   autocast)
 st_sdpa / st_pack  sentence-transformers' ``SentenceTransformerTrainer`` + ``MultipleNegativesRankingLoss``
                    (workloads single / long), stock or packed; bf16 via the trainer (``bf16=True``)
 pylate_sdpa /      PyLate's ``ColBERT`` (projection to 128) + ``losses.CachedContrastive(mini_batch_size=16)`` in the
@@ -81,6 +85,7 @@ from benchmarks.common import ROOT
 
 VARIANTS = ("hf_sdpa", "hf_eager", "compile", "pack", "pack_train_graphs", "packed", "st_sdpa", "st_pack",
             "pylate_sdpa", "pylate_pack")
+NAMED_VARIANTS = ("pack_varlen",)  # run only when --variants names them
 TRAINER_VARIANTS = ("st_sdpa", "st_pack")
 PYLATE_VARIANTS = ("pylate_sdpa", "pylate_pack")
 QUICK_CPU_VARIANTS = ("hf_sdpa", "pack", "packed")
@@ -263,6 +268,8 @@ class Trainee:
             self.info["graph_config"] = {"max_seqlen": config.max_seqlen, "max_tokens": config.max_tokens}
         elif variant in ("pack", "packed"):
             pe.pack(self.model)
+        elif variant == "pack_varlen":
+            pe.pack(self.model, attention_backend="varlen", validate=False)
         self.setup_s = time.perf_counter() - t0
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda")
                          else nullcontext())
@@ -632,6 +639,8 @@ def why_skip(variant: str, wl: Workload, device: str, quick_cpu: bool, explicit:
             return "the sentence-transformers trainer variants run the single-vector workloads (single, long)"
         if importlib.util.find_spec("sentence_transformers") is None:
             return "sentence-transformers is not installed"
+    if variant == "pack_varlen" and not device.startswith("cuda"):
+        return "torch varlen needs CUDA"
     if variant == "compile" and quick_cpu and not explicit:
         return "skipped under --quick on CPU: torch.compile builds C++ kernels for minutes"
     if quick_cpu and not explicit and variant not in QUICK_CPU_VARIANTS:
@@ -657,9 +666,9 @@ def run_parent(args) -> int:
         print(f"note: --steps {args.steps} < 20 (the protocol asks for >= 20 timed steps)", file=sys.stderr)
     wls = workloads(args.workloads, quick_cpu)
     variants = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS + NAMED_VARIANTS]
     if bad:
-        raise SystemExit(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
+        raise SystemExit(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS + NAMED_VARIANTS)}")
     try:
         from benchmarks.data import load_corpus
 
