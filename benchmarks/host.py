@@ -64,8 +64,8 @@ VARIANTS = {
     "new": {"PACKED_ENCODERS_LEAN": "1"},
     "new_noquack": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_QUACK_GEMM": "0"},
     "new_eager": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_GRAPH": "0"},
-    "new_eager_varlen": {"PACKED_ENCODERS_LEAN": "1", "PACKED_ENCODERS_GRAPH": "0"},
 }
+VARIANTS["new_eager_varlen"] = VARIANTS["new_eager"]  # the same environment, other pack() arguments
 # pe.pack() arguments of a variant (beyond its environment)
 PACK_KWARGS = {"new_eager_varlen": {"attention_backend": "varlen"}}
 WORKLOADS = {"queries": ("queries", 8), "documents": ("long", 8), "passages": ("passages", 32)}
