@@ -322,6 +322,12 @@ def test_shipped_policies_and_card_matching(tmp_path):
     docs = dict(max_seqlen=1884, total_tokens=7600)
     assert h200.order(_w(**docs))[0] == "varlen" and h200.order(_w(graph=True, **docs))[0] == "fa4"
     assert h200.order(_w(graph=True, window=64, **docs))[0] == "triton"
+    # training: eager steps up to 32k tokens take varlen (host-bound), training graphs and longer calls FA4
+    step = dict(grad=True, max_seqlen=1884, total_tokens=15000)
+    for window in (None, 64):
+        assert h200.order(_w(window=window, **step))[0] == "varlen"
+        assert h200.order(_w(window=window, graph=True, **step))[0] == "fa4"
+        assert h200.order(_w(window=window, grad=True, max_seqlen=8192, total_tokens=40000))[0] == "fa4"
     h100 = select_policy("NVIDIA H100 80GB HBM3", (9, 0), user_dir=tmp_path)
     assert h100.match == {"capability_major": 9}
     assert select_policy("NVIDIA A100-SXM4-40GB", (8, 0), user_dir=tmp_path).match == {"capability_major": 8}
