@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.weight_cast import cast
+from ..ops.weight_cast import cast_many
 from .params import ModernBertParams
 
 
@@ -60,11 +60,22 @@ def _grad_w(ctx, index: int, g: torch.Tensor | None, like: torch.Tensor | None):
 
 def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, ctx, iw: int, ib: int, w, b):
     """``(dx, dw, db)`` of ``y = x @ w_c.T + b`` (all in the compute dtype), weight gradients in the parameters'."""
-    return (dy @ w_c, *_linear_weight_grads(dy, x, ctx, iw, ib, w, b))
+    return (torch.mm(dy, w_c), *_linear_weight_grads(dy, x, ctx, iw, ib, w, b))
 
 
-# ``aten::mm.dtype``: a bf16 / fp16 GEMM that writes its fp32 accumulator as fp32 (CUDA only)
-_MM_OUT_DTYPE = getattr(torch.ops.aten.mm, "dtype", None)
+def _mm_out_dtype():
+    """``mm(a, b, dtype)``: a bf16 / fp16 GEMM that writes its fp32 accumulator as fp32 (``aten::mm.dtype``, CUDA
+    only), through ``torch.mm``'s own binding where it takes ``out_dtype`` (the operator overload's Python call
+    costs ~10 us more host time per GEMM); ``None`` where torch has neither."""
+    a = torch.empty(1, 1, device="meta", dtype=torch.bfloat16)
+    try:
+        torch.mm(a, a, out_dtype=torch.float32)
+        return lambda x, y, dtype: torch.mm(x, y, out_dtype=dtype)
+    except (TypeError, RuntimeError, NotImplementedError):
+        return getattr(torch.ops.aten.mm, "dtype", None)
+
+
+_MM_OUT_DTYPE = _mm_out_dtype()
 
 
 def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, ctx, iw: int, ib: int, w, b):
@@ -78,7 +89,7 @@ def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, ctx, iw: int, ib: in
              and dy.is_cuda and _MM_OUT_DTYPE is not None)
     dw = db = None
     if ctx.needs_input_grad[iw]:
-        dw = _MM_OUT_DTYPE(dy.t(), x, torch.float32) if widen else _grad_w(ctx, iw, dy.t() @ x, w)
+        dw = _MM_OUT_DTYPE(dy.t(), x, torch.float32) if widen else _grad_w(ctx, iw, torch.mm(dy.t(), x), w)
     if b is not None and ctx.needs_input_grad[ib]:
         db = dy.sum(0, dtype=torch.float32) if widen and b.dtype == torch.float32 else _grad_w(ctx, ib, dy.sum(0), b)
     return dw, db
@@ -102,7 +113,7 @@ class AttentionIn(torch.autograd.Function):
             s = x if pending is None else (x + pending)
             y = s
         y_c = y if cdt is None else y.to(cdt)
-        w_c, b_c = cast(w, cdt), cast(b, cdt)
+        w_c, b_c = cast_many((w, b), cdt)
         qkv = F.linear(y_c, w_c, b_c)
         q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
         v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
@@ -149,15 +160,13 @@ class AttentionOutMlp(torch.autograd.Function):
         t = a.shape[0]
         a2 = a.reshape(t, -1)
         a_c = a2 if cdt is None else a2.to(cdt)
-        wo_c, bo_c = cast(wo, cdt), cast(bo, cdt)
+        wo_c, bo_c, wi_c, bi_c, w2_c, b2_c = cast_many((wo, bo, wi, bi, w2, b2), cdt)
         o, mask_o = _dropout(F.linear(a_c, wo_c, bo_c), p_out)
         res_dtype = torch.promote_types(s.dtype, o.dtype)
         x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
         y_c = y if cdt is None else y.to(cdt)
-        wi_c, bi_c = cast(wi, cdt), cast(bi, cdt)
         h = F.linear(y_c, wi_c, bi_c)
         g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
-        w2_c, b2_c = cast(w2, cdt), cast(b2, cdt)
         pending = F.linear(g, w2_c, b2_c)
         # g (the GLU's output) is not kept: the GLU backward writes it again as it reads h (memory: a
         # [T, intermediate] tensor per layer, ~9 % of a layer's saved activations in ModernBERT-base)
