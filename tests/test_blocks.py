@@ -175,45 +175,6 @@ def test_weight_cast_is_reused_and_never_stale():
     assert not e.is_inference() and weight_cast.cast(w, torch.bfloat16) is e
 
 
-def test_cast_many_reuses_cast_copies_and_is_never_stale():
-    w, u = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4, 8))
-
-    def fresh(*ts):
-        return all(torch.equal(c, t.detach().to(torch.bfloat16)) for c, t in zip(weight_cast.cast_many(ts, bf16), ts))
-
-    bf16 = torch.bfloat16
-    weight_cast.clear()
-    a = weight_cast.cast_many((w, None, u), bf16)
-    assert a[1] is None and a[0] is weight_cast.cast(w, bf16) and a[2] is weight_cast.cast(u, bf16)  # cast's copies
-    assert weight_cast.cast_many((w, None, u), bf16) is a  # the group's entry
-    assert weight_cast.cast_many((w, u), None) == (w, u)
-    with torch.no_grad():
-        u.add_(1.0)  # one member changes in place
-    b = weight_cast.cast_many((w, None, u), bf16)
-    assert b[0] is a[0] and b[2] is not a[2] and fresh(w, u)
-    w.data = torch.randn(8, 4)  # a new storage
-    assert fresh(w, u)
-    w.grad = torch.ones_like(w)
-    torch.optim.AdamW([w], lr=0.1, fused=True).step()  # no version bump: the optimizer-step hook
-    assert fresh(w, u)
-    with torch.no_grad():
-        w.data.mul_(2.0)  # unseen until cleared, as cast()
-    weight_cast.clear()
-    assert fresh(w, u)
-    c = weight_cast.cast_many((w, u), bf16)
-    with weight_cast.off():  # fresh casts, nothing cached
-        d = weight_cast.cast_many((w, u), bf16)
-    assert d[0] is not c[0] and torch.equal(d[0], c[0])
-    half = torch.nn.Parameter(torch.randn(4, dtype=bf16))
-    e = weight_cast.cast_many((w, half), bf16)
-    assert e[1] is half and e[0] is c[0]  # a member already in the dtype: itself; no group entry keeps it alive
-    del w, u, half, a, b, c, d, e
-    import gc
-
-    gc.collect()
-    assert not weight_cast._GROUPS  # entries go with their tensors
-
-
 def test_static_copies_are_served_in_place_and_refreshed_only_after_a_change():
     w = torch.nn.Parameter(torch.randn(8, 4))
     b = torch.nn.Parameter(torch.randn(8))

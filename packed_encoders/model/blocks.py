@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.weight_cast import cast_many
+from ..ops.weight_cast import cast
 from .params import ModernBertParams
 
 
@@ -65,8 +65,8 @@ def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, ctx, iw: i
 
 def _mm_out_dtype():
     """``mm(a, b, dtype)``: a bf16 / fp16 GEMM that writes its fp32 accumulator as fp32 (``aten::mm.dtype``, CUDA
-    only), through ``torch.mm``'s own binding where it takes ``out_dtype`` (the operator overload's Python call
-    costs ~10 us more host time per GEMM); ``None`` where torch has neither."""
+    only), through ``torch.mm``'s own binding where it takes ``out_dtype`` (cheaper on the host than the operator
+    overload's Python call); ``None`` where torch has neither."""
     a = torch.empty(1, 1, device="meta", dtype=torch.bfloat16)
     try:
         torch.mm(a, a, out_dtype=torch.float32)
@@ -113,7 +113,7 @@ class AttentionIn(torch.autograd.Function):
             s = x if pending is None else (x + pending)
             y = s
         y_c = y if cdt is None else y.to(cdt)
-        w_c, b_c = cast_many((w, b), cdt)
+        w_c, b_c = cast(w, cdt), cast(b, cdt)
         qkv = F.linear(y_c, w_c, b_c)
         q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
         v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
@@ -160,13 +160,15 @@ class AttentionOutMlp(torch.autograd.Function):
         t = a.shape[0]
         a2 = a.reshape(t, -1)
         a_c = a2 if cdt is None else a2.to(cdt)
-        wo_c, bo_c, wi_c, bi_c, w2_c, b2_c = cast_many((wo, bo, wi, bi, w2, b2), cdt)
+        wo_c, bo_c = cast(wo, cdt), cast(bo, cdt)
         o, mask_o = _dropout(F.linear(a_c, wo_c, bo_c), p_out)
         res_dtype = torch.promote_types(s.dtype, o.dtype)
         x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
         y_c = y if cdt is None else y.to(cdt)
+        wi_c, bi_c = cast(wi, cdt), cast(bi, cdt)
         h = F.linear(y_c, wi_c, bi_c)
         g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
+        w2_c, b2_c = cast(w2, cdt), cast(b2, cdt)
         pending = F.linear(g, w2_c, b2_c)
         # g (the GLU's output) is not kept: the GLU backward writes it again as it reads h (memory: a
         # [T, intermediate] tensor per layer, ~9 % of a layer's saved activations in ModernBERT-base)

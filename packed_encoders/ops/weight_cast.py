@@ -35,7 +35,6 @@ import weakref
 import torch
 
 _CACHE: dict = {}
-_GROUPS: dict = {}  # cast_many's entries: one stamp per group of tensors (the copies are _CACHE's)
 _LOCK = threading.Lock()
 _STATE = {"generation": 0, "hooked": False}
 _LOCAL = threading.local()
@@ -58,7 +57,6 @@ def clear() -> None:
     """Drop every cached copy (after editing weights in a way :func:`cast` cannot see, e.g. ``p.data.copy_``)."""
     with _LOCK:
         _CACHE.clear()
-        _GROUPS.clear()
     _bump()
 
 
@@ -101,44 +99,6 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
     with _LOCK:
         _CACHE[key] = (ref, stamp, out)
     return out
-
-
-def cast_many(ts: tuple, dtype: torch.dtype | None) -> tuple:
-    """``tuple(cast(t, dtype) for t in ts)`` (``None`` entries pass through) with one cache lookup for the group:
-    a layer's weights, read together by every forward. The group's stamp is the optimizer-step generation and each
-    tensor's version counter and address; any change, or a tensor that is not cached the ordinary way (inference
-    tensors, CUDA-graph capture, :func:`off`, :class:`StaticCopies`), takes :func:`cast` per tensor. The copies are
-    :func:`cast`'s own (no second set). Saves ~10 us of host time per weight on the H200 machine's CPU, where a
-    training step reads ~180 weights."""
-    if dtype is None:
-        return ts
-    if getattr(_LOCAL, "static", None) is not None or getattr(_LOCAL, "off", False):
-        return tuple(cast(t, dtype) for t in ts)
-    key = (tuple(map(id, ts)), dtype)
-    hit = _GROUPS.get(key)
-    if hit is not None:
-        refs, stamp, outs, on_cuda = hit
-        try:
-            now = (_STATE["generation"], tuple([None if t is None else t._version for t in ts]),
-                   tuple([None if t is None else t.data_ptr() for t in ts]))
-        except RuntimeError:  # an inference tensor: no version counter
-            now = None
-        if (now == stamp and all(r is None or r() is t for r, t in zip(refs, ts))
-                and not (on_cuda and torch.cuda.is_current_stream_capturing())):
-            return outs
-    outs = tuple(cast(t, dtype) for t in ts)
-    live = [t for t in ts if t is not None]
-    if (not live or any(t.dtype is dtype or t.is_inference() for t in live)
-            or any(t.is_cuda for t in live) and torch.cuda.is_current_stream_capturing()):
-        return outs  # nothing cached (an entry would hold a tensor that is its own copy alive)
-    stamp = (_STATE["generation"], tuple([None if t is None else t._version for t in ts]),
-             tuple([None if t is None else t.data_ptr() for t in ts]))
-    refs = tuple(None if t is None else weakref.ref(t, lambda _, k=key: _GROUPS.pop(k, None)) for t in ts)
-    with _LOCK:
-        if len(_GROUPS) > 4096:
-            _GROUPS.clear()
-        _GROUPS[key] = (refs, stamp, outs, any(t.is_cuda for t in live))
-    return outs
 
 
 _VERSION = operator.attrgetter("_version")
