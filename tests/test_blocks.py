@@ -1,5 +1,6 @@
-"""Training forwards with one autograd node per layer block (model/blocks.py) and the cached autocast weight casts
-(ops/weight_cast.py): gradients against the per-op path and stock HF, dropout, checkpointing, autocast, staleness."""
+"""Training forwards with one autograd node per layer block (model/blocks.py) or for the whole encoder stack
+(model/stack.py) and the cached autocast weight casts (ops/weight_cast.py): gradients against the per-op path and
+stock HF, dropout, checkpointing, autocast, retained graphs, staleness."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from packed_encoders.ops import TORCH_OPS, weight_cast
 from tests.conftest import make_model, padded_batch, stock, stock_positions
 
 LEAN, PER_OP = plan_mod.Rules(lean=True, blocks=True), plan_mod.Rules(lean=False)
+BLOCKS = plan_mod.Rules(lean=True, blocks=True, stack=False)  # one node per block, never the stack
 
 
 def _setup(name="odd", lengths=(9, 30, 4), **overrides):
@@ -133,6 +135,87 @@ def test_blocks_dropout_and_checkpointing():
     torch.testing.assert_close(out_a, out_p, atol=1e-5, rtol=1e-5)
     for n in g_a:
         torch.testing.assert_close(g_a[n], g_p[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("name", ["odd", "base_like"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_stack_matches_the_per_block_path(name, autocast):
+    """The stack runs the blocks' functions: outputs equal, gradients equal to rounding (fp32, and bf16 autocast on
+    fp32 masters); one autograd node for every layer; describe()'s plan facts say which ran."""
+    model, params, batch, _, _ = _setup(name)
+    model.train()
+
+    def run(rules):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa",
+                                                         rules=rules))
+
+    out_s, g_s = run(LEAN)
+    assert plan_mod.last_plan().stack
+    out_b, g_b = run(BLOCKS)
+    assert not plan_mod.last_plan().stack and plan_mod.last_plan().kernels is not None
+    torch.testing.assert_close(out_s, out_b, atol=0, rtol=0)
+    assert set(g_s) == set(g_b) and len(g_s) == len(list(model.parameters()))
+    for n in g_b:
+        assert g_s[n].dtype == torch.float32
+        torch.testing.assert_close(g_s[n], g_b[n], atol=1e-6, rtol=1e-5, msg=n)
+    with torch.enable_grad():
+        stack_nodes = _nodes(encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
+        block_nodes = _nodes(encoder_forward(model, params, batch, attention_backend="sdpa", rules=BLOCKS))
+    # the blocks' nodes (two per layer plus the attention's) become one; embeddings and final norm stay
+    assert stack_nodes + 2 * params.num_hidden_layers <= block_nodes, (stack_nodes, block_nodes)
+    assert stack_nodes < 20 + len(list(model.parameters())), stack_nodes  # leaves, embedding, norms, the stack
+
+
+def test_stack_retained_graph_in_place_change_and_second_backward():
+    """``retain_graph=True`` keeps the stack's activations for another backward (gradients accumulate to twice);
+    without it a second backward raises, as does a weight changed in place between forward and backward."""
+    model, params, batch, _, _ = _setup("base_like")
+    model.train()
+
+    def fwd():
+        return encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN)
+
+    model.zero_grad(set_to_none=True)
+    loss = fwd().square().mean()
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n], atol=1e-6, rtol=1e-5, msg=n)
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        loss.backward()
+    loss = fwd().square().mean()
+    with torch.no_grad():
+        model.layers[1].mlp.Wi.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_stack_steps_aside_where_the_call_needs_layers():
+    """Gradient checkpointing, hidden states and query-only batches run one node per block (with the same
+    gradients), as does a training graph's capture; without gradients nothing changes."""
+    from packed_encoders.model.stack import stack_problem
+
+    model, params, batch, _, _ = _setup("base_like")
+    model.train()
+    assert stack_problem(batch, False, False) is None
+    assert "checkpointing" in stack_problem(batch, True, False)
+    assert "hidden_states" in stack_problem(batch, False, True)
+    out_s, g_s = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
+    out_c, g_c = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN,
+                                                       gradient_checkpointing=True))
+    assert not plan_mod.last_plan().stack
+    torch.testing.assert_close(out_s, out_c, atol=0, rtol=0)
+    for n in g_s:
+        torch.testing.assert_close(g_s[n], g_c[n], atol=1e-6, rtol=1e-5, msg=n)
+    hidden: list = []
+    with torch.enable_grad():
+        encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN, hidden_states=hidden)
+    assert not plan_mod.last_plan().stack and len(hidden) == params.num_hidden_layers + 1
+    with torch.no_grad():
+        encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN)
+    assert not plan_mod.last_plan().stack and plan_mod.last_plan().kernels is None
 
 
 def test_frozen_parameters_get_no_gradient():

@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -219,7 +220,8 @@ class TrainRunner(StaticInputs):
         device = self.device = weight.device
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         params = state.params
-        rules = rules_for(state.tuning)
+        # one node per layer block: a replay has no host cost for a stack node to save
+        rules = replace(rules_for(state.tuning), stack=False)
         with on_device, torch.inference_mode(False):
             with torch.no_grad():
                 batch = self._init_static(model, params, bucket, device, query_only)

@@ -1,43 +1,52 @@
-"""Training forwards with one autograd node per layer block instead of one per op.
+"""Training forwards with few autograd nodes: one per layer block, or one for the whole encoder stack.
 
 A ModernBERT layer under autograd as separate ops makes ~15 autograd nodes (casts, projections, norms, views,
 dropout), each paying dispatcher and autograd bookkeeping on the host, in forward and again in backward. Here a layer
-is three nodes:
+is two blocks around its attention:
 
-- :class:`AttentionIn`: residual add + ``attn_norm`` + ``Wqkv`` + RoPE -> ``(s, q, k, v)``;
-- the attention backend's own autograd (torch varlen: aten's ``_flash_attention_forward`` node; FA4; sdpa);
-- :class:`AttentionOutMlp`: ``Wo`` (+ dropout) + residual + ``mlp_norm`` + ``Wi`` + GLU (+ dropout) + ``mlp.Wo``
+- attention in: residual add + ``attn_norm`` + ``Wqkv`` + RoPE -> ``(s, q, k, v)``;
+- the attention backend;
+- attention out + MLP: ``Wo`` (+ dropout) + residual + ``mlp_norm`` + ``Wi`` + GLU (+ dropout) + ``mlp.Wo``
   -> ``(x, pending)``; ``pending`` is added into the next layer's norm.
 
-Their forwards and backwards launch the op family's raw kernels (:class:`..ops.Kernels`) and cuBLAS directly and
-save only what the backward reads. Numerics are autocast's: with autocast on, each projection runs in the autocast
-dtype (weights cast once and reused, :mod:`..ops.weight_cast`), norms and residual sums as the op set's kernels
-do; weight gradients of fp32 parameters are written in fp32 from the GEMM's accumulator on CUDA (autocast's cast
-node rounds them to the autocast dtype first), else computed in the autocast dtype and cast. Every projection
-gets its operands already in the compute dtype, so an ambient autocast has nothing left to cast (no autocast
-context is entered: that costs host time per block). Dropout masks are drawn in forward (``native_dropout``, so
-gradient checkpointing's RNG replay draws the same ones) and kept for the backward. The ``torch.library`` custom
-ops stay for ``torch.compile`` (which takes the per-op path).
+Each block is a forward function and a backward function (:func:`attn_in_fwd` / :func:`attn_in_bwd`,
+:func:`out_mlp_fwd` / :func:`out_mlp_bwd`) that launch the op family's raw kernels (:class:`..ops.Kernels`) and
+cuBLAS directly and keep only what the backward reads. Two granularities run them:
+
+- :class:`AttentionIn` and :class:`AttentionOutMlp`: one ``autograd.Function`` per block, with the attention
+  backend's own autograd between them (:func:`run_layer_blocks`); what gradient checkpointing, per-layer hooks and
+  DDP's per-bucket gradient overlap need;
+- :mod:`.stack`: one ``autograd.Function`` for every layer of the encoder, the attention's forward and backward
+  called inside it (each ``Function`` costs ~50 us of host time per forward and backward on the H200 machine).
+
+Numerics are autocast's: with autocast on, each projection runs in the autocast dtype (weights cast once and
+reused, :mod:`..ops.weight_cast`), norms and residual sums as the op set's kernels do; weight gradients of fp32
+parameters are written in fp32 from the GEMM's accumulator on CUDA (autocast's cast node rounds them to the autocast
+dtype first), else computed in the autocast dtype and cast. Every projection gets its operands already in the
+compute dtype, so an ambient autocast has nothing left to cast (no autocast context is entered: that costs host time
+per block). Dropout masks are drawn in forward (``native_dropout``, so gradient checkpointing's RNG replay draws the
+same ones) and kept for the backward. The ``torch.library`` custom ops stay for ``torch.compile`` (which takes the
+per-op path).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..ops.weight_cast import cast
 from .params import ModernBertParams
 
 
-def _norm_params(m: nn.Module):
+def norm_params(m: nn.Module):
     """``(weight, bias, eps, present)`` of a LayerNorm slot (``nn.Identity``: nothing to normalise)."""
     if isinstance(m, nn.Identity):
         return None, None, 0.0, False
     return m.weight, getattr(m, "bias", None), m.eps, True
 
 
-def _drop_p(m: nn.Module) -> float:
+def drop_p(m: nn.Module) -> float:
+    """The rate an HF dropout slot applies now (0 in eval mode or for ``nn.Identity``)."""
     return m.p if isinstance(m, nn.Dropout) and m.training and m.p > 0 else 0.0
 
 
@@ -51,16 +60,16 @@ def _undrop(g: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tenso
     return g if mask is None else torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1.0 - p))
 
 
-def _grad_w(ctx, index: int, g: torch.Tensor | None, like: torch.Tensor | None):
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for a 2-D ``x`` (the same cuBLAS call: ``mm`` / ``addmm``), without ``linear``'s dispatch layers."""
+    return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
+
+
+def _grad_w(need: bool, g: torch.Tensor | None, like: torch.Tensor | None):
     """A parameter's gradient in its own dtype, or ``None`` when it takes none."""
-    if g is None or like is None or not ctx.needs_input_grad[index]:
+    if g is None or like is None or not need:
         return None
     return g.to(like.dtype)
-
-
-def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, ctx, iw: int, ib: int, w, b):
-    """``(dx, dw, db)`` of ``y = x @ w_c.T + b`` (all in the compute dtype), weight gradients in the parameters'."""
-    return (torch.mm(dy, w_c), *_linear_weight_grads(dy, x, ctx, iw, ib, w, b))
 
 
 def _mm_out_dtype():
@@ -78,7 +87,7 @@ def _mm_out_dtype():
 _MM_OUT_DTYPE = _mm_out_dtype()
 
 
-def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, ctx, iw: int, ib: int, w, b):
+def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, need_w: bool, need_b: bool, w, b):
     """``(dw, db)`` of ``y = x @ w_c.T + b``, in the parameters' dtypes (``None`` where not wanted).
 
     fp32 master weights under autocast (``dy`` bf16 / fp16 on CUDA): the GEMM writes its fp32 accumulator
@@ -88,117 +97,162 @@ def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, ctx, iw: int, ib: in
     widen = (w is not None and w.dtype == torch.float32 and dy.dtype in (torch.bfloat16, torch.float16)
              and dy.is_cuda and _MM_OUT_DTYPE is not None)
     dw = db = None
-    if ctx.needs_input_grad[iw]:
-        dw = _MM_OUT_DTYPE(dy.t(), x, torch.float32) if widen else _grad_w(ctx, iw, torch.mm(dy.t(), x), w)
-    if b is not None and ctx.needs_input_grad[ib]:
-        db = dy.sum(0, dtype=torch.float32) if widen and b.dtype == torch.float32 else _grad_w(ctx, ib, dy.sum(0), b)
+    if need_w:
+        dw = _MM_OUT_DTYPE(dy.t(), x, torch.float32) if widen else _grad_w(True, torch.mm(dy.t(), x), w)
+    if b is not None and need_b:
+        db = dy.sum(0, dtype=torch.float32) if widen and b.dtype == torch.float32 else _grad_w(True, dy.sum(0), b)
     return dw, db
 
 
+def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, need_w: bool, need_b: bool, w, b):
+    """``(dx, dw, db)`` of ``y = x @ w_c.T + b`` (all in the compute dtype), weight gradients in the parameters'."""
+    return (torch.mm(dy, w_c), *_linear_weight_grads(dy, x, need_w, need_b, w, b))
+
+
+# ------------------------------------------------------------------------------------------------ attention in
+# meta: (kernels, eps, has_norm, compute dtype or None, heads, head_dim)
+# saved: (s or None, ln_w, mean, rstd, y_c, w_c, cos, sin, rows) — tensors, what save_for_backward may hold
+# facts: (has_pending, (x dtype, pending dtype, qkv dtype, y dtype), has_ln_b)
+
+
+def attn_in_fwd(x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta):
+    """``s = x + pending``; ``q, k, v = rope(Wqkv(norm(s)))``. Returns ``(s, q, k, v, saved, facts)``; ``s`` is
+    ``None`` when ``pending`` is ``None`` (the caller's ``x`` is the residual)."""
+    kern, eps, has_norm, cdt, nh, hd = meta
+    res_dtype = x.dtype if pending is None else torch.promote_types(x.dtype, pending.dtype)
+    mean = rstd = None
+    if has_norm:
+        # the normed output feeds only the projection: written once in its dtype (the same rounding as a cast)
+        s, y, mean, rstd = kern.ln_fwd(x, pending, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
+        if s is None:
+            s = x
+    else:
+        s = x if pending is None else (x + pending)
+        y = s
+    y_c = y if cdt is None else y.to(cdt)
+    w_c = cast(w, cdt)
+    qkv = _linear(y_c, w_c, cast(b, cdt))
+    q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
+    v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
+    saved = (s if has_norm else None, ln_w, mean, rstd, y_c, w_c, cos, sin, rows)
+    facts = (pending is not None, (x.dtype, None if pending is None else pending.dtype, qkv.dtype, y.dtype),
+             ln_b is not None)
+    return (s if pending is not None else None), q, k, v, saved, facts
+
+
+def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv):
+    """Gradients ``(dx, dpending, d ln_w, d ln_b, dw, db)`` of :func:`attn_in_fwd`; ``params``: its
+    ``(ln_w, ln_b, w, b)``, ``needs``: which of them want a gradient; ``ds``: the gradient of ``s`` (``None``
+    without ``pending``)."""
+    kern, eps, has_norm, cdt, nh, hd = meta
+    s, ln_w_saved, mean, rstd, y_c, w_c, cos, sin, rows = saved
+    has_pending, (x_dtype, p_dtype, qkv_dtype, y_dtype), has_ln_b = facts
+    ln_w, ln_b, w, b = params
+    dqkv = kern.rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, qkv_dtype)
+    dy, dw, db = _linear_bwd(dqkv, y_c, w_c, needs[2], needs[3], w, b)
+    dres = ds if has_pending else None
+    dlnw = dlnb = None
+    if has_norm:
+        two = has_pending and p_dtype != x_dtype
+        dx, dx2, dlnw, dlnb = kern.ln_bwd(dy, s, ln_w_saved, mean, rstd, dres, has_ln_b, x_dtype,
+                                          p_dtype if two else None)
+        dlnw, dlnb = _grad_w(needs[0], dlnw, ln_w), _grad_w(needs[1], dlnb, ln_b)
+        dp = (dx2 if two else dx) if has_pending else None
+    else:
+        g = dy.to(y_dtype) if dres is None else dy.float() + dres.float()
+        dx = g.to(x_dtype)
+        dp = g.to(p_dtype) if has_pending else None
+    return dx, dp, dlnw, dlnb, dw, db
+
+
+# ------------------------------------------------------------------------------------- attention out + MLP
+# meta: (kernels, eps, compute dtype or None, activation, attention-output dropout, MLP dropout)
+# saved: (a_c, x, ln_w, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c)
+# facts: (a dtype, a shape, s dtype, o dtype, pending dtype)
+
+
+def out_mlp_fwd(a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta):
+    """``x = s + drop(Wo(a))``; ``pending = Wo2(drop(glu(Wi(norm(x)))))``. Returns ``(x, pending, saved, facts)``."""
+    kern, eps, cdt, activation, p_out, p_mlp = meta
+    t = a.shape[0]
+    a2 = a.reshape(t, -1)
+    a_c = a2 if cdt is None else a2.to(cdt)
+    wo_c = cast(wo, cdt)
+    o, mask_o = _dropout(_linear(a_c, wo_c, cast(bo, cdt)), p_out)
+    res_dtype = torch.promote_types(s.dtype, o.dtype)
+    x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
+    y_c = y if cdt is None else y.to(cdt)
+    wi_c = cast(wi, cdt)
+    h = _linear(y_c, wi_c, cast(bi, cdt))
+    g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
+    w2_c = cast(w2, cdt)
+    pending = _linear(g, w2_c, cast(b2, cdt))
+    # g (the GLU's output) is not kept: the GLU backward writes it again as it reads h (memory: a
+    # [T, intermediate] tensor per layer, ~9 % of a layer's saved activations in ModernBERT-base)
+    saved = (a_c, x, ln_w, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c)
+    return x, pending, saved, (a.dtype, a.shape, s.dtype, o.dtype, pending.dtype)
+
+
+def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending):
+    """Gradients ``(da, ds, dwo, dbo, d ln_w, d ln_b, dwi, dbi, dw2, db2)`` of :func:`out_mlp_fwd`; ``params``:
+    its ``(wo, bo, ln_w, ln_b, wi, bi, w2, b2)``, ``needs``: which of them want a gradient."""
+    kern, eps, cdt, activation, p_out, p_mlp = meta
+    a_c, x, ln_w_saved, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c = saved
+    wo, bo, ln_w, ln_b, wi, bi, w2, b2 = params
+    a_dtype, a_shape, s_dtype, o_dtype, p_dtype = facts
+    if dpending is None:
+        dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
+    dp = dpending.to(h.dtype)
+    dh, g = kern.glu_bwd(_undrop(torch.mm(dp, w2_c), mask_g, p_mlp), h, activation, forward_out=True)
+    g = _undrop(g, mask_g, p_mlp)  # the dropped output the forward multiplied by mlp.Wo
+    dw2, db2 = _linear_weight_grads(dp, g, needs[6], needs[7], w2, b2)
+    g = None
+    dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, needs[4], needs[5], wi, bi)
+    two = s_dtype != o_dtype
+    ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
+                                     o_dtype if two else None)
+    do = _undrop(do if two else ds, mask_o, p_out).to(a_c.dtype)
+    da, dwo, dbo = _linear_bwd(do, a_c, wo_c, needs[0], needs[1], wo, bo)
+    return (da.view(a_shape).to(a_dtype), ds, dwo, dbo, _grad_w(needs[2], dlnw, ln_w), _grad_w(needs[3], dlnb, ln_b),
+            dwi, dbi, dw2, db2)
+
+
 class AttentionIn(torch.autograd.Function):
-    """``s = x + pending``; ``q, k, v = rope(Wqkv(norm(s)))``. Returns ``(s, q, k, v)``; ``s`` is an empty
-    placeholder when ``pending`` is ``None`` (the caller's ``x`` is the residual)."""
+    """:func:`attn_in_fwd` as one autograd node. Returns ``(s, q, k, v)``; ``s`` is an empty placeholder when
+    ``pending`` is ``None`` (the caller's ``x`` is the residual)."""
 
     @staticmethod
     def forward(ctx, x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta):
-        kern, eps, has_norm, cdt, nh, hd = meta
-        res_dtype = x.dtype if pending is None else torch.promote_types(x.dtype, pending.dtype)
-        mean = rstd = None
-        if has_norm:
-            # the normed output feeds only the projection: written once in its dtype (the same rounding as a cast)
-            s, y, mean, rstd = kern.ln_fwd(x, pending, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
-            if s is None:
-                s = x
-        else:
-            s = x if pending is None else (x + pending)
-            y = s
-        y_c = y if cdt is None else y.to(cdt)
-        w_c, b_c = cast(w, cdt), cast(b, cdt)
-        qkv = F.linear(y_c, w_c, b_c)
-        q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
-        v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
-        ctx.save_for_backward(s if has_norm else None, ln_w, mean, rstd, y_c, w_c, cos, sin, rows)
-        ctx.meta = meta
-        ctx.has_pending = pending is not None
-        ctx.dtypes = (x.dtype, None if pending is None else pending.dtype, qkv.dtype, y.dtype)
-        ctx.has_ln_b = ln_b is not None
-        ctx.params = (ln_w, ln_b, w, b)
-        out_s = s if pending is not None else x.new_empty(0)
-        if pending is None:
-            ctx.mark_non_differentiable(out_s)
-        return out_s, q, k, v
+        s, q, k, v, saved, facts = attn_in_fwd(x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta)
+        ctx.save_for_backward(*saved)
+        ctx.meta, ctx.facts, ctx.params = meta, facts, (ln_w, ln_b, w, b)
+        if s is None:
+            s = x.new_empty(0)
+            ctx.mark_non_differentiable(s)
+        return s, q, k, v
 
     @staticmethod
     def backward(ctx, ds, dq, dk, dv):
-        kern, eps, has_norm, cdt, nh, hd = ctx.meta
-        s, ln_w_saved, mean, rstd, y_c, w_c, cos, sin, rows = ctx.saved_tensors
-        ln_w, ln_b, w, b = ctx.params
-        x_dtype, p_dtype, qkv_dtype, y_dtype = ctx.dtypes
-        dqkv = kern.rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, qkv_dtype)
-        dy, dw, db = _linear_bwd(dqkv, y_c, w_c, ctx, 4, 5, w, b)
-        dres = ds if ctx.has_pending else None
-        dlnw = dlnb = None
-        if has_norm:
-            two = ctx.has_pending and p_dtype != x_dtype
-            dx, dx2, dlnw, dlnb = kern.ln_bwd(dy, s, ln_w_saved, mean, rstd, dres, ctx.has_ln_b, x_dtype,
-                                              p_dtype if two else None)
-            dlnw, dlnb = _grad_w(ctx, 2, dlnw, ln_w), _grad_w(ctx, 3, dlnb, ln_b)
-            dp = (dx2 if two else dx) if ctx.has_pending else None
-        else:
-            g = dy.to(y_dtype) if dres is None else dy.float() + dres.float()
-            dx = g.to(x_dtype)
-            dp = g.to(p_dtype) if ctx.has_pending else None
-        return dx, dp, dlnw, dlnb, dw, db, None, None, None, None
+        grads = attn_in_bwd(ctx.saved_tensors, ctx.facts, ctx.meta, ctx.params, ctx.needs_input_grad[2:6],
+                            ds, dq, dk, dv)
+        return (*grads, None, None, None, None)
 
 
 class AttentionOutMlp(torch.autograd.Function):
-    """``x = s + drop(Wo(a))``; ``pending = Wo2(drop(glu(Wi(norm(x)))))``. Returns ``(x, pending)``."""
+    """:func:`out_mlp_fwd` as one autograd node. Returns ``(x, pending)``."""
 
     @staticmethod
     def forward(ctx, a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta):
-        kern, eps, cdt, activation, p_out, p_mlp = meta
-        t = a.shape[0]
-        a2 = a.reshape(t, -1)
-        a_c = a2 if cdt is None else a2.to(cdt)
-        wo_c, bo_c = cast(wo, cdt), cast(bo, cdt)
-        o, mask_o = _dropout(F.linear(a_c, wo_c, bo_c), p_out)
-        res_dtype = torch.promote_types(s.dtype, o.dtype)
-        x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
-        y_c = y if cdt is None else y.to(cdt)
-        wi_c, bi_c = cast(wi, cdt), cast(bi, cdt)
-        h = F.linear(y_c, wi_c, bi_c)
-        g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
-        w2_c, b2_c = cast(w2, cdt), cast(b2, cdt)
-        pending = F.linear(g, w2_c, b2_c)
-        # g (the GLU's output) is not kept: the GLU backward writes it again as it reads h (memory: a
-        # [T, intermediate] tensor per layer, ~9 % of a layer's saved activations in ModernBERT-base)
-        ctx.save_for_backward(a_c, x, ln_w, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c)
-        ctx.meta = meta
-        ctx.params = (wo, bo, ln_w, ln_b, wi, bi, w2, b2)
-        ctx.dtypes = (a.dtype, a.shape, s.dtype, o.dtype, pending.dtype)
+        x, pending, saved, facts = out_mlp_fwd(a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta)
+        ctx.save_for_backward(*saved)
+        ctx.meta, ctx.facts, ctx.params = meta, facts, (wo, bo, ln_w, ln_b, wi, bi, w2, b2)
         return x, pending
 
     @staticmethod
     def backward(ctx, dx, dpending):
-        kern, eps, cdt, activation, p_out, p_mlp = ctx.meta
-        a_c, x, ln_w_saved, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c = ctx.saved_tensors
-        wo, bo, ln_w, ln_b, wi, bi, w2, b2 = ctx.params
-        a_dtype, a_shape, s_dtype, o_dtype, p_dtype = ctx.dtypes
-        if dpending is None:
-            dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
-        dp = dpending.to(h.dtype)
-        dh, g = kern.glu_bwd(_undrop(dp @ w2_c, mask_g, p_mlp), h, activation, forward_out=True)
-        g = _undrop(g, mask_g, p_mlp)  # the dropped output the forward multiplied by mlp.Wo
-        dw2, db2 = _linear_weight_grads(dp, g, ctx, 8, 9, w2, b2)
-        g = None
-        dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, ctx, 6, 7, wi, bi)
-        two = s_dtype != o_dtype
-        ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
-                                         o_dtype if two else None)
-        do = _undrop(do if two else ds, mask_o, p_out).to(a_c.dtype)
-        da, dwo, dbo = _linear_bwd(do, a_c, wo_c, ctx, 2, 3, wo, bo)
-        return (da.view(a_shape).to(a_dtype), ds, dwo, dbo, _grad_w(ctx, 4, dlnw, ln_w), _grad_w(ctx, 5, dlnb, ln_b),
-                dwi, dbi, dw2, db2, None)
+        grads = out_mlp_bwd(ctx.saved_tensors, ctx.facts, ctx.meta, ctx.params, ctx.needs_input_grad[2:10],
+                            dx, dpending)
+        return (*grads, None)
 
 
 def compute_dtype(device_type: str) -> torch.dtype | None:
@@ -208,29 +262,32 @@ def compute_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+def layer_args(layer: nn.Module, params: ModernBertParams, kernels, cdt: torch.dtype | None):
+    """``(in_params, in_meta, out_params, out_meta)`` of one encoder layer's two blocks (read from the live modules
+    on every call: weights, norms' eps, dropout modes)."""
+    attn, mlp = layer.attn, layer.mlp
+    ln_w, ln_b, eps, has_norm = norm_params(layer.attn_norm)
+    m_w, m_b, m_eps, _ = norm_params(layer.mlp_norm)
+    return ((ln_w, ln_b, attn.Wqkv.weight, attn.Wqkv.bias),
+            (kernels, eps, has_norm, cdt, params.num_attention_heads, params.head_dim),
+            (attn.Wo.weight, attn.Wo.bias, m_w, m_b, mlp.Wi.weight, mlp.Wi.bias, mlp.Wo.weight, mlp.Wo.bias),
+            (kernels, m_eps, cdt, params.activation, drop_p(attn.out_drop), drop_p(mlp.drop)))
+
+
 def run_layer_blocks(layer: nn.Module, step, params: ModernBertParams, batch, kernels, carry: list, rope_tables_for,
                      is_global: bool, cdt: torch.dtype | None):
     """One encoder layer as two block functions around the attention backend; ``carry`` is ``[x, pending]``
     (emptied). Returns ``(x, pending)``."""
     x, pending = carry
     carry.clear()
-    attn = layer.attn
-    ln_w, ln_b, eps, has_norm = _norm_params(layer.attn_norm)
-    wqkv = attn.Wqkv
-    nh, hd = params.num_attention_heads, params.head_dim
-    cos, sin, rows = rope_tables_for(is_global)
-    s, q, k, v = AttentionIn.apply(x, pending, ln_w, ln_b, wqkv.weight, wqkv.bias, cos, sin, rows,
-                                   (kernels, eps, has_norm, cdt, nh, hd))
+    in_params, in_meta, out_params, out_meta = layer_args(layer, params, kernels, cdt)
+    s, q, k, v = AttentionIn.apply(x, pending, *in_params, *rope_tables_for(is_global), in_meta)
     if pending is None:
         s = x
     x = pending = None
     extra = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
-    attn_p = params.attention_dropout_of(attn)  # read per call, as stock HF does
+    attn_p = params.attention_dropout_of(layer.attn)  # read per call, as stock HF does
     a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=params.scaling,
                        dropout_p=attn_p, **extra)
     q = k = v = None
-    mlp = layer.mlp
-    m_w, m_b, m_eps, _ = _norm_params(layer.mlp_norm)
-    meta = (kernels, m_eps, cdt, params.activation, _drop_p(attn.out_drop), _drop_p(mlp.drop))
-    return AttentionOutMlp.apply(a, s, attn.Wo.weight, attn.Wo.bias, m_w, m_b, mlp.Wi.weight, mlp.Wi.bias,
-                                 mlp.Wo.weight, mlp.Wo.bias, meta)
+    return AttentionOutMlp.apply(a, s, *out_params, out_meta)

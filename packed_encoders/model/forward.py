@@ -28,6 +28,7 @@ from .dropout import applies_attention_dropout, dropout_modules
 from .params import ModernBertParams
 from .plan import Rules, plan_for
 from .pointers import run as run_pointers
+from .stack import run_stack, stack_problem
 
 
 def _dropout(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -172,8 +173,14 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         attention = plan_attention(params, batch, attention_backend, grad=grad, dtype=dtype, dropout=any_attn_p)
     total = batch.total_tokens
     device = batch.device
+    ckpt = gradient_checkpointing
+    if isinstance(ckpt, bool):
+        ckpt = (ckpt,) * params.num_hidden_layers
+    # as HF: a layer is checkpointed in train mode with grad
+    ckpt = tuple(fn if grad and layer.training else None for fn, layer in zip(ckpt, model.layers))
+    stack = grad and stack_problem(batch, any(ckpt), hidden_states is not None) is None
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
-                    grad=grad, rules=rules)
+                    grad=grad, rules=rules, stack=stack)
     if plan.pointers and hidden_states is None and out is None:
         y = run_pointers(model, params, batch, plan, rope_inputs,
                          lambda: encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules))
@@ -303,13 +310,14 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             wo = mlp.Wo
             return x, linear(g, cast(wo.weight, wdt), cast(wo.bias, wdt))
 
-    ckpt = gradient_checkpointing
-    if isinstance(ckpt, bool):
-        ckpt = (ckpt,) * params.num_hidden_layers
     pending = None
     last = params.num_hidden_layers - 1
-    for index in range(params.num_hidden_layers):
-        fn = ckpt[index] if grad and model.layers[index].training else None  # as HF: in train mode with grad
+    layers = range(params.num_hidden_layers)
+    if plan.stack:  # with gradients, where the call allows it: every layer in one autograd node
+        x, pending = run_stack(model, params, batch, plan, x, rope_tables_for, cdt)
+        layers = ()
+    for index in layers:
+        fn = ckpt[index]
         if fn is True:
             fn = functools.partial(_checkpoint, use_reentrant=False)
         if fn:

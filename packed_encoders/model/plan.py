@@ -17,7 +17,8 @@ forward then calls the chosen implementations directly:
   included, for eager calls of at most :attr:`Rules.small_linear_max_tokens` tokens, which are host-bound: its
   launch costs less host time than ``F.linear``'s dispatch, and it takes raw pointers (``pointers`` below), while
   a CUDA graph and its warm-up keep cuBLAS, up to ~20 % faster on the GPU at large sizes).
-- ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op.
+- ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op;
+  ``stack``: one for every layer of the encoder (:mod:`.stack`), where the call allows it.
 - ``pointers``: every op is a Triton kernel that takes raw pointers, so the forward may run the call as bound
   launches over a reused workspace (:mod:`.pointers`: no per-op allocation, shape reads or launch keys).
 
@@ -65,6 +66,8 @@ class Rules:
         blocks: training forwards as per-block autograd functions: ``None`` where the op family's kernels are
             fused (Triton; plain-torch ops keep autograd's own C++ backwards, cheaper than Python twins), ``True``
             for any family with kernels (tests use it to check the block maths on CPU), ``False`` never.
+        stack: where the blocks run and the call allows it (:func:`.stack.stack_problem`), every layer as one
+            autograd node (:mod:`.stack`); ``False``: one node per block.
     """
 
     lean: bool = True
@@ -74,6 +77,7 @@ class Rules:
     small_linear_max_tokens: int = 4096
     quack_eager_min_tokens: int = QUACK_EAGER_MIN_TOKENS
     blocks: bool | None = None
+    stack: bool = True
 
 
 _DEFAULT_RULES = Rules()
@@ -123,6 +127,7 @@ class Plan:
     why_checked: str | None  # why the checked ops run (None when direct)
     linear_route: str = "F.linear"  # what ``linear`` is, for describe(): "F.linear" | "small_gemm" | the route's gemm
     pointers: bool = False  # short calls may run as raw-pointer launches (.pointers.plan_runs_pointers, no autocast)
+    stack: bool = False  # with gradients: every layer's blocks in one autograd node (.stack)
 
 
 _CACHE: dict = {}
@@ -146,10 +151,12 @@ def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -
 
 
 def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens: int, max_seqlen: int,
-             dtype: torch.dtype, device: torch.device, grad: bool, rules: Rules | None = None) -> Plan:
+             dtype: torch.dtype, device: torch.device, grad: bool, rules: Rules | None = None,
+             stack: bool = False) -> Plan:
     """The :class:`Plan` of one call (cached per call class; see the module docstring).
 
-    ``attention``: ``{window: Decision}`` from :func:`..model.forward.plan_attention` (global: ``None``).
+    ``attention``: ``{window: Decision}`` from :func:`..model.forward.plan_attention` (global: ``None``);
+    ``stack``: the call allows one autograd node for every layer (:func:`.stack.stack_problem`).
     """
     rules = rules or default_rules()
     compiling = torch.compiler.is_compiling()
@@ -163,14 +170,14 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
     key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, small_linear, rope_local_fused,
-           decisions, params.window >= max_seqlen - 1, autocast)
+           decisions, params.window >= max_seqlen - 1, autocast, stack)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
         return hit[1]
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
-                               small_linear=small_linear, compiling=compiling, autocast=autocast)
+                               small_linear=small_linear, compiling=compiling, autocast=autocast, stack=stack)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -186,7 +193,7 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 
 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
-           small_linear, compiling, autocast) -> Plan:
+           small_linear, compiling, autocast, stack) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
@@ -248,7 +255,8 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         linear, linear_route = F.linear, "F.linear"
     plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
     # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
-    return replace(plan, pointers=not autocast and plan_runs_pointers(plan))
+    return replace(plan, pointers=not autocast and plan_runs_pointers(plan),
+                   stack=stack and kernels is not None and rules.stack)
 
 
 __all__ = ["LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "last_plan", "plan_for",

@@ -278,3 +278,43 @@ def test_pointer_runs_are_the_tensor_path_bit_for_bit(overrides, monkeypatch):
     after, ref = both([40, 20], 5)
     assert ran[-1] is True and not torch.equal(before, after)
     torch.testing.assert_close(after, ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["varlen", "fa4"])
+def test_training_stack_matches_the_per_block_path(backend):
+    """One autograd node for every layer (model/stack.py: torch varlen's forward / backward ops called directly, FA4
+    under a local autograd graph) against one node per block: the same output, the same gradients, and no higher
+    peak memory (the stack frees each layer's activations as its backward passes)."""
+    from packed_encoders.attention import flash
+
+    if backend == "fa4" and flash.fa4_status() is not None:
+        pytest.skip(flash.fa4_status())
+    model = _model(torch.float32).train()
+    params = ModernBertParams.from_hf_config(model.config)
+    ids, mask = _batch([40, 300, 129, 7, 925, 1500, 64, 512])
+    batch = _packed(model, ids, mask)
+    ops, _ = select_ops("auto", DEV)
+    attention = plan_attention(params, batch, backend, grad=True, dtype=torch.bfloat16, dropout=False)
+
+    def run(rules):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules)
+        plan = plan_mod.last_plan()
+        out.float().square().mean().backward()
+        torch.cuda.synchronize()
+        return (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, plan,
+                torch.cuda.max_memory_allocated())
+
+    out_b, g_b, plan_b, peak_b = run(plan_mod.Rules(stack=False))
+    out_s, g_s, plan_s, peak_s = run(LEAN)
+    assert plan_s.stack and not plan_b.stack and plan_s.kernels.name == "triton"
+    assert torch.equal(out_s, out_b)
+    assert set(g_s) == set(g_b) and len(g_s) == len(list(model.parameters()))
+    worst = min((float(torch.nn.functional.cosine_similarity(g_s[n].flatten(), g_b[n].flatten(), dim=0)), n)
+                for n in g_b)
+    print(backend, "worst gradient cosine stack / blocks", worst, "peak MB", peak_s / 2**20, peak_b / 2**20)
+    assert worst[0] > 0.99999, worst
+    assert peak_s <= peak_b * 1.02 + 2**20, (peak_s, peak_b)

@@ -1,0 +1,163 @@
+"""Every layer of the encoder as one autograd node, for eager training forwards.
+
+The per-block path (:func:`.blocks.run_layer_blocks`) records three autograd nodes per layer: two block functions
+and the attention's. Each Python ``autograd.Function`` costs host time in forward (``apply``: argument scan, node,
+saved variables) and again in backward (the engine's call into Python); ModernBERT-base makes 66 nodes per forward.
+:class:`EncoderStack` runs the same block functions (:func:`.blocks.attn_in_fwd`, :func:`.blocks.out_mlp_fwd` and
+their backwards, so the maths and the kernels are the per-block path's) for every layer inside one node, the
+attention included: torch varlen's FlashAttention-2 forward and backward ops are called directly
+(``aten::_flash_attention_forward`` / ``_backward``, the pair aten's own autograd node runs), any other backend
+runs under a local autograd graph that the stack's backward differentiates.
+
+The backward walks the layers in reverse and drops each layer's activations once its gradients are made (the
+per-block path frees them node by node; a stack holding them all would add every weight gradient to the peak),
+unless the graph is retained (``backward(retain_graph=True)``), when it keeps them for the next backward.
+
+Where it does not run (:func:`stack_problem` names why): gradient checkpointing (it recomputes layer by layer),
+``output_hidden_states`` (every layer's output leaves the stack), query-only batches (``key_lens``), and a
+``torch.distributed`` world of more than one process: DDP's reducer overlaps each gradient bucket's all-reduce
+with the rest of the backward as the bucket's parameters receive their gradients, which a single node delivering
+every gradient at its end would serialise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..batch import PackedBatch
+from .blocks import attn_in_bwd, attn_in_fwd, layer_args, out_mlp_bwd, out_mlp_fwd
+from .params import ModernBertParams
+
+_FLASH_FORWARD = torch.ops.aten._flash_attention_forward.default
+_FLASH_BACKWARD = torch.ops.aten._flash_attention_backward.default
+_PER_LAYER = 12  # weight slots per layer: attention in (4), attention out + MLP (8)
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _distributed_world() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def stack_problem(batch: PackedBatch, checkpointed: bool, hidden_states: bool) -> str | None:
+    """Why a training forward of ``batch`` cannot run as one :class:`EncoderStack` node, or ``None``."""
+    if checkpointed:
+        return "gradient checkpointing (layers recomputed one by one)"
+    if hidden_states:
+        return "output_hidden_states (every layer's output is returned)"
+    if batch.key_lens is not None:
+        return "a query-only batch (key_lens)"
+    if _distributed_world():
+        return "a torch.distributed world of several processes (DDP overlaps all-reduces with the layers' backward)"
+    return None
+
+
+class _Call:
+    """What the stack's forward and backward share: the batch, the plan, each layer's block arguments, RoPE tables."""
+
+    __slots__ = ("params", "batch", "plan", "args", "tables", "model")
+
+    def __init__(self, model, params, batch, plan, args, tables):
+        self.model, self.params, self.batch, self.plan, self.args, self.tables = model, params, batch, plan, args, tables
+
+
+def _attend(call: _Call, index: int, q, k, v):
+    """``(a, saved)``: layer ``index``'s attention of ``q, k, v`` ``[T, heads, head_dim]`` and what
+    :func:`_attend_bwd` needs."""
+    step = call.plan.layers[index]
+    batch, params = call.batch, call.params
+    attn_p = params.attention_dropout_of(call.model.layers[index].attn)  # read per call, as stock HF does
+    if step.backend == "varlen" and not attn_p and not torch.compiler.is_compiling():
+        ws = -1 if step.window is None else int(step.window)
+        a, lse, seed, offset, _ = _FLASH_FORWARD(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen,
+                                                 batch.max_seqlen, 0.0, False, False, scale=params.scaling,
+                                                 window_size_left=ws, window_size_right=ws)
+        return a, (True, q, k, v, a, lse, seed, offset, ws)
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=params.scaling,
+                           dropout_p=attn_p)
+    return a.detach(), (False, q, k, v, a)
+
+
+def _attend_bwd(call: _Call, saved, da, keep: bool):
+    if saved[0]:
+        _, q, k, v, a, lse, seed, offset, ws = saved
+        b = call.batch
+        return _FLASH_BACKWARD(da, q, k, v, a, lse, b.cu_seqlens, b.cu_seqlens, b.max_seqlen, b.max_seqlen, 0.0,
+                               False, seed, offset, scale=call.params.scaling, window_size_left=ws,
+                               window_size_right=ws)
+    _, q, k, v, a = saved
+    return torch.autograd.grad(a, (q, k, v), da, retain_graph=keep)
+
+
+class EncoderStack(torch.autograd.Function):
+    """``(x, pending)`` after every layer, from the embedding output ``x`` ``[T, H]``; one autograd node.
+
+    ``weights``: each layer's :func:`.blocks.layer_args` parameters, flattened (``_PER_LAYER`` slots per layer,
+    ``None`` for absent biases and norms); they are inputs so that autograd delivers their gradients and checks
+    their versions (an in-place change between forward and backward raises, as for any saved tensor)."""
+
+    @staticmethod
+    def forward(ctx, x, call: _Call, *weights):
+        layers = []
+        pending = None
+        last = len(call.args) - 1
+        for index, (in_params, in_meta, out_params, out_meta) in enumerate(call.args):
+            cos, sin, rows = call.tables[call.params.layer_is_global[index]]
+            s, q, k, v, in_saved, in_facts = attn_in_fwd(x, pending, *in_params, cos, sin, rows, in_meta)
+            a, att_saved = _attend(call, index, q, k, v)
+            q = k = v = None
+            x, pending, out_saved, out_facts = out_mlp_fwd(a, x if s is None else s, *out_params, out_meta)
+            a = s = None
+            if index == last:  # an output of this node: a detached alias, or ctx -> tensor -> node would be a cycle
+                out_saved = (out_saved[0], x.detach(), *out_saved[2:])
+            layers.append((in_saved, in_facts, att_saved, out_saved, out_facts))
+        ctx.call, ctx.layers = call, layers
+        ctx.save_for_backward(*(w for w in weights if w is not None))
+        return x, pending
+
+    @staticmethod
+    def backward(ctx, dx, dpending):
+        ctx.saved_tensors  # noqa: B018 - raises for a second backward, or when a weight changed in place
+        call, layers = ctx.call, ctx.layers
+        keep = _keep_graph is None or _keep_graph()
+        needs = ctx.needs_input_grad
+        grads = [None] * (len(call.args) * _PER_LAYER)
+        for index in range(len(call.args) - 1, -1, -1):
+            in_params, in_meta, out_params, out_meta = call.args[index]
+            in_saved, in_facts, att_saved, out_saved, out_facts = layers[index]
+            if not keep:
+                layers[index] = None
+            at = index * _PER_LAYER
+            out_grads = out_mlp_bwd(out_saved, out_facts, out_meta, out_params, needs[2 + at + 4:2 + at + 12],
+                                    dx, dpending)
+            out_saved = None
+            da, ds = out_grads[0], out_grads[1]
+            grads[at + 4:at + 12] = out_grads[2:]
+            dq, dk, dv = _attend_bwd(call, att_saved, da, keep)
+            att_saved = da = None
+            has_pending = in_facts[0]
+            in_grads = attn_in_bwd(in_saved, in_facts, in_meta, in_params, needs[2 + at:2 + at + 4],
+                                   ds if has_pending else None, dq, dk, dv)
+            dx, dpending = in_grads[0], in_grads[1]
+            if not has_pending:  # s was x itself: its gradient joins x's
+                dx = dx + ds
+            grads[at:at + 4] = in_grads[2:]
+        return (dx, None, *grads)
+
+
+def run_stack(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, x: torch.Tensor,
+              rope_tables_for, cdt: torch.dtype | None):
+    """Every layer of ``model`` on ``x`` ``[T, H]`` (the embedding output) as one :class:`EncoderStack` node.
+    Returns ``(x, pending)``: the last layer's residual stream and its MLP output, to be summed into
+    ``final_norm``."""
+    args = tuple(layer_args(layer, params, plan.kernels, cdt) for layer in model.layers)
+    tables = {g: rope_tables_for(g) for g in set(params.layer_is_global)}
+    weights = [w for in_params, _, out_params, _ in args for w in (*in_params, *out_params)]
+    return EncoderStack.apply(x, _Call(model, params, batch, plan, args, tables), *weights)
+
+
+__all__ = ["EncoderStack", "run_stack", "stack_problem"]
