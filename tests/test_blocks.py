@@ -258,6 +258,28 @@ def test_weight_cast_is_reused_and_never_stale():
     assert not e.is_inference() and weight_cast.cast(w, torch.bfloat16) is e
 
 
+def test_cast_group_is_reused_never_stale_and_keeps_old_copies():
+    ws = tuple(torch.nn.Parameter(torch.randn(3 + i, 4)) for i in range(3))
+    a = weight_cast.cast_group(ws, torch.bfloat16)
+    assert weight_cast.cast_group(ws, torch.bfloat16) is a  # one lookup for the group
+    assert all(c.dtype == torch.bfloat16 and torch.equal(c, w.detach().to(torch.bfloat16)) for c, w in zip(a, ws))
+    assert weight_cast.cast_group(ws, None) is ws
+    kept = a[1].clone()
+    with torch.no_grad():
+        ws[1].mul_(2.0)  # one weight changed in place: the whole group is cast again, into new memory
+    b = weight_cast.cast_group(ws, torch.bfloat16)
+    assert b is not a and torch.equal(b[1], ws[1].detach().to(torch.bfloat16))
+    assert torch.equal(a[1], kept)  # a copy handed out before (a pending backward may read it) is untouched
+    for w in ws:
+        w.grad = torch.ones_like(w)
+    torch.optim.AdamW(ws, lr=0.1, fused=True).step()  # no version bump: the optimizer-step hook
+    c = weight_cast.cast_group(ws, torch.bfloat16)
+    assert c is not b and all(torch.equal(x, w.detach().to(torch.bfloat16)) for x, w in zip(c, ws))
+    mixed = (ws[0], torch.randn(2, 2, dtype=torch.bfloat16))  # one already in the dtype: cast one by one
+    got = weight_cast.cast_group(mixed, torch.bfloat16)
+    assert got[1] is mixed[1] and torch.equal(got[0], ws[0].detach().to(torch.bfloat16))
+
+
 def test_static_copies_are_served_in_place_and_refreshed_only_after_a_change():
     w = torch.nn.Parameter(torch.randn(8, 4))
     b = torch.nn.Parameter(torch.randn(8))

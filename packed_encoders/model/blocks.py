@@ -65,11 +65,17 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, skipping the call when ``t`` has that dtype (a no-op ``to`` still costs a dispatch: ~10 of
+    them per layer and step)."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 def _grad_w(need: bool, g: torch.Tensor | None, like: torch.Tensor | None):
     """A parameter's gradient in its own dtype, or ``None`` when it takes none."""
     if g is None or like is None or not need:
         return None
-    return g.to(like.dtype)
+    return _as(g, like.dtype)
 
 
 def _mm_out_dtype():
@@ -115,9 +121,10 @@ def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, need_w: bo
 # facts: (has_pending, (x dtype, pending dtype, qkv dtype, y dtype), has_ln_b)
 
 
-def attn_in_fwd(x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta):
-    """``s = x + pending``; ``q, k, v = rope(Wqkv(norm(s)))``. Returns ``(s, q, k, v, saved, facts)``; ``s`` is
-    ``None`` when ``pending`` is ``None`` (the caller's ``x`` is the residual)."""
+def attn_in_fwd(x, pending, ln_w, ln_b, w_c, b_c, cos, sin, rows, meta):
+    """``s = x + pending``; ``q, k, v = rope(Wqkv(norm(s)))`` with ``Wqkv``'s weight and bias in the compute dtype
+    (``w_c, b_c``). Returns ``(s, q, k, v, saved, facts)``; ``s`` is ``None`` when ``pending`` is ``None`` (the
+    caller's ``x`` is the residual)."""
     kern, eps, has_norm, cdt, nh, hd = meta
     res_dtype = x.dtype if pending is None else torch.promote_types(x.dtype, pending.dtype)
     mean = rstd = None
@@ -129,9 +136,8 @@ def attn_in_fwd(x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta):
     else:
         s = x if pending is None else (x + pending)
         y = s
-    y_c = y if cdt is None else y.to(cdt)
-    w_c = cast(w, cdt)
-    qkv = _linear(y_c, w_c, cast(b, cdt))
+    y_c = y if cdt is None else _as(y, cdt)
+    qkv = _linear(y_c, w_c, b_c)
     q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
     v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
     saved = (s if has_norm else None, ln_w, mean, rstd, y_c, w_c, cos, sin, rows)
@@ -159,9 +165,9 @@ def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv):
         dlnw, dlnb = _grad_w(needs[0], dlnw, ln_w), _grad_w(needs[1], dlnb, ln_b)
         dp = (dx2 if two else dx) if has_pending else None
     else:
-        g = dy.to(y_dtype) if dres is None else dy.float() + dres.float()
-        dx = g.to(x_dtype)
-        dp = g.to(p_dtype) if has_pending else None
+        g = _as(dy, y_dtype) if dres is None else dy.float() + dres.float()
+        dx = _as(g, x_dtype)
+        dp = _as(g, p_dtype) if has_pending else None
     return dx, dp, dlnw, dlnb, dw, db
 
 
@@ -171,22 +177,20 @@ def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv):
 # facts: (a dtype, a shape, s dtype, o dtype, pending dtype)
 
 
-def out_mlp_fwd(a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta):
-    """``x = s + drop(Wo(a))``; ``pending = Wo2(drop(glu(Wi(norm(x)))))``. Returns ``(x, pending, saved, facts)``."""
+def out_mlp_fwd(a, s, wo_c, bo_c, ln_w, ln_b, wi_c, bi_c, w2_c, b2_c, meta):
+    """``x = s + drop(Wo(a))``; ``pending = Wo2(drop(glu(Wi(norm(x)))))``, the projections' weights and biases in
+    the compute dtype (``*_c``). Returns ``(x, pending, saved, facts)``."""
     kern, eps, cdt, activation, p_out, p_mlp = meta
     t = a.shape[0]
     a2 = a.reshape(t, -1)
-    a_c = a2 if cdt is None else a2.to(cdt)
-    wo_c = cast(wo, cdt)
-    o, mask_o = _dropout(_linear(a_c, wo_c, cast(bo, cdt)), p_out)
+    a_c = a2 if cdt is None else _as(a2, cdt)
+    o, mask_o = _dropout(_linear(a_c, wo_c, bo_c), p_out)
     res_dtype = torch.promote_types(s.dtype, o.dtype)
     x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
-    y_c = y if cdt is None else y.to(cdt)
-    wi_c = cast(wi, cdt)
-    h = _linear(y_c, wi_c, cast(bi, cdt))
+    y_c = y if cdt is None else _as(y, cdt)
+    h = _linear(y_c, wi_c, bi_c)
     g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
-    w2_c = cast(w2, cdt)
-    pending = _linear(g, w2_c, cast(b2, cdt))
+    pending = _linear(g, w2_c, b2_c)
     # g (the GLU's output) is not kept: the GLU backward writes it again as it reads h (memory: a
     # [T, intermediate] tensor per layer, ~9 % of a layer's saved activations in ModernBERT-base)
     saved = (a_c, x, ln_w, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c)
@@ -202,7 +206,7 @@ def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending):
     a_dtype, a_shape, s_dtype, o_dtype, p_dtype = facts
     if dpending is None:
         dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
-    dp = dpending.to(h.dtype)
+    dp = _as(dpending, h.dtype)
     dh, g = kern.glu_bwd(_undrop(torch.mm(dp, w2_c), mask_g, p_mlp), h, activation, forward_out=True)
     g = _undrop(g, mask_g, p_mlp)  # the dropped output the forward multiplied by mlp.Wo
     dw2, db2 = _linear_weight_grads(dp, g, needs[6], needs[7], w2, b2)
@@ -211,9 +215,9 @@ def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending):
     two = s_dtype != o_dtype
     ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
                                      o_dtype if two else None)
-    do = _undrop(do if two else ds, mask_o, p_out).to(a_c.dtype)
+    do = _as(_undrop(do if two else ds, mask_o, p_out), a_c.dtype)
     da, dwo, dbo = _linear_bwd(do, a_c, wo_c, needs[0], needs[1], wo, bo)
-    return (da.view(a_shape).to(a_dtype), ds, dwo, dbo, _grad_w(needs[2], dlnw, ln_w), _grad_w(needs[3], dlnb, ln_b),
+    return (_as(da.view(a_shape), a_dtype), ds, dwo, dbo, _grad_w(needs[2], dlnw, ln_w), _grad_w(needs[3], dlnb, ln_b),
             dwi, dbi, dw2, db2)
 
 
@@ -223,7 +227,9 @@ class AttentionIn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta):
-        s, q, k, v, saved, facts = attn_in_fwd(x, pending, ln_w, ln_b, w, b, cos, sin, rows, meta)
+        cdt = meta[3]
+        s, q, k, v, saved, facts = attn_in_fwd(x, pending, ln_w, ln_b, cast(w, cdt), cast(b, cdt), cos, sin, rows,
+                                               meta)
         ctx.save_for_backward(*saved)
         ctx.meta, ctx.facts, ctx.params = meta, facts, (ln_w, ln_b, w, b)
         if s is None:
@@ -243,7 +249,9 @@ class AttentionOutMlp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta):
-        x, pending, saved, facts = out_mlp_fwd(a, s, wo, bo, ln_w, ln_b, wi, bi, w2, b2, meta)
+        cdt = meta[2]
+        x, pending, saved, facts = out_mlp_fwd(a, s, cast(wo, cdt), cast(bo, cdt), ln_w, ln_b, cast(wi, cdt),
+                                               cast(bi, cdt), cast(w2, cdt), cast(b2, cdt), meta)
         ctx.save_for_backward(*saved)
         ctx.meta, ctx.facts, ctx.params = meta, facts, (wo, bo, ln_w, ln_b, wi, bi, w2, b2)
         return x, pending

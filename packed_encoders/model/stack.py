@@ -26,12 +26,15 @@ import torch
 from torch import nn
 
 from ..batch import PackedBatch
+from ..ops.weight_cast import cast_group
 from .blocks import attn_in_bwd, attn_in_fwd, layer_args, out_mlp_bwd, out_mlp_fwd
 from .params import ModernBertParams
 
 _FLASH_FORWARD = torch.ops.aten._flash_attention_forward.default
 _FLASH_BACKWARD = torch.ops.aten._flash_attention_backward.default
 _PER_LAYER = 12  # weight slots per layer: attention in (4), attention out + MLP (8)
+_PROJECTIONS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # the slots of Wqkv, Wo, Wi, mlp.Wo (weight, bias); the rest:
+# the two norms (their kernels read the parameters as they are)
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
@@ -57,10 +60,11 @@ def stack_problem(batch: PackedBatch, checkpointed: bool, hidden_states: bool) -
 class _Call:
     """What the stack's forward and backward share: the batch, the plan, each layer's block arguments, RoPE tables."""
 
-    __slots__ = ("params", "batch", "plan", "args", "tables", "model")
+    __slots__ = ("params", "batch", "plan", "args", "tables", "model", "present")
 
-    def __init__(self, model, params, batch, plan, args, tables):
+    def __init__(self, model, params, batch, plan, args, tables, present):
         self.model, self.params, self.batch, self.plan, self.args, self.tables = model, params, batch, plan, args, tables
+        self.present = present  # the weight slots that hold a tensor (the node's inputs after x), in order
 
 
 def _attend(call: _Call, index: int, q, k, v):
@@ -93,60 +97,89 @@ def _attend_bwd(call: _Call, saved, da, keep: bool):
     return torch.autograd.grad(a, (q, k, v), da, retain_graph=keep)
 
 
+def _read_in_backward(in_saved, out_saved) -> tuple:
+    """The weights (or their cast copies) a layer's backward reads: its norms' weights and its projections'."""
+    return in_saved[1], in_saved[5], out_saved[2], out_saved[9], out_saved[10], out_saved[11]
+
+
 class EncoderStack(torch.autograd.Function):
     """``(x, pending)`` after every layer, from the embedding output ``x`` ``[T, H]``; one autograd node.
 
-    ``weights``: each layer's :func:`.blocks.layer_args` parameters, flattened (``_PER_LAYER`` slots per layer,
-    ``None`` for absent biases and norms); they are inputs so that autograd delivers their gradients and checks
-    their versions (an in-place change between forward and backward raises, as for any saved tensor)."""
+    ``weights``: each layer's :func:`.blocks.layer_args` parameters, flattened (``_PER_LAYER`` slots per layer),
+    the present ones only (``call.present``): inputs, so that autograd delivers their gradients. What the backward
+    reads of them is checked for in-place changes since the forward (as ``save_for_backward`` would; saving ~130
+    weights through it costs more host time than comparing their version counters)."""
 
     @staticmethod
     def forward(ctx, x, call: _Call, *weights):
         layers = []
         pending = None
         last = len(call.args) - 1
+        # the projections' weights in the compute dtype, one cache lookup for all (ops.weight_cast.cast_group)
+        cdt = call.args[0][1][3]
+        present = [weights[j] for j, slot in enumerate(call.present) if slot % _PER_LAYER in _PROJECTIONS]
+        copies = iter(cast_group(tuple(present), cdt))
+        compute = [None] * (len(call.args) * _PER_LAYER)
+        for slot in call.present:
+            if slot % _PER_LAYER in _PROJECTIONS:
+                compute[slot] = next(copies)
         for index, (in_params, in_meta, out_params, out_meta) in enumerate(call.args):
+            at = index * _PER_LAYER
             cos, sin, rows = call.tables[call.params.layer_is_global[index]]
-            s, q, k, v, in_saved, in_facts = attn_in_fwd(x, pending, *in_params, cos, sin, rows, in_meta)
+            s, q, k, v, in_saved, in_facts = attn_in_fwd(x, pending, in_params[0], in_params[1], compute[at + 2],
+                                                         compute[at + 3], cos, sin, rows, in_meta)
             a, att_saved = _attend(call, index, q, k, v)
             q = k = v = None
-            x, pending, out_saved, out_facts = out_mlp_fwd(a, x if s is None else s, *out_params, out_meta)
+            x, pending, out_saved, out_facts = out_mlp_fwd(a, x if s is None else s, *compute[at + 4:at + 6],
+                                                           out_params[2], out_params[3], *compute[at + 8:at + 12],
+                                                           out_meta)
             a = s = None
             if index == last:  # an output of this node: a detached alias, or ctx -> tensor -> node would be a cycle
                 out_saved = (out_saved[0], x.detach(), *out_saved[2:])
-            layers.append((in_saved, in_facts, att_saved, out_saved, out_facts))
+            read = tuple((t, t._version) for t in _read_in_backward(in_saved, out_saved) if t is not None)
+            layers.append((in_saved, in_facts, att_saved, out_saved, out_facts, read))
         ctx.call, ctx.layers = call, layers
-        ctx.save_for_backward(*(w for w in weights if w is not None))
         return x, pending
 
     @staticmethod
     def backward(ctx, dx, dpending):
-        ctx.saved_tensors  # noqa: B018 - raises for a second backward, or when a weight changed in place
         call, layers = ctx.call, ctx.layers
+        if layers is None:
+            raise RuntimeError("Trying to backward through the graph a second time (the packed encoder's stack node "
+                               "freed its activations); specify retain_graph=True on the first backward")
         keep = _keep_graph is None or _keep_graph()
-        needs = ctx.needs_input_grad
-        grads = [None] * (len(call.args) * _PER_LAYER)
+        if not keep:
+            ctx.layers = None
+        needs = [False] * (len(call.args) * _PER_LAYER)
+        for slot, need in zip(call.present, ctx.needs_input_grad[2:]):
+            needs[slot] = need
+        grads = [None] * len(needs)
         for index in range(len(call.args) - 1, -1, -1):
             in_params, in_meta, out_params, out_meta = call.args[index]
-            in_saved, in_facts, att_saved, out_saved, out_facts = layers[index]
+            in_saved, in_facts, att_saved, out_saved, out_facts, read = layers[index]
+            for t, version in read:
+                if t._version != version:
+                    raise RuntimeError(
+                        f"one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: a weight of the packed encoder's layer {index} (shape {tuple(t.shape)}) is at "
+                        f"version {t._version}; expected version {version}")
             if not keep:
                 layers[index] = None
             at = index * _PER_LAYER
-            out_grads = out_mlp_bwd(out_saved, out_facts, out_meta, out_params, needs[2 + at + 4:2 + at + 12],
-                                    dx, dpending)
+            out_grads = out_mlp_bwd(out_saved, out_facts, out_meta, out_params, needs[at + 4:at + 12], dx, dpending)
             out_saved = None
             da, ds = out_grads[0], out_grads[1]
             grads[at + 4:at + 12] = out_grads[2:]
             dq, dk, dv = _attend_bwd(call, att_saved, da, keep)
             att_saved = da = None
             has_pending = in_facts[0]
-            in_grads = attn_in_bwd(in_saved, in_facts, in_meta, in_params, needs[2 + at:2 + at + 4],
+            in_grads = attn_in_bwd(in_saved, in_facts, in_meta, in_params, needs[at:at + 4],
                                    ds if has_pending else None, dq, dk, dv)
             dx, dpending = in_grads[0], in_grads[1]
             if not has_pending:  # s was x itself: its gradient joins x's
                 dx = dx + ds
             grads[at:at + 4] = in_grads[2:]
-        return (dx, None, *grads)
+        return (dx, None, *(grads[slot] for slot in call.present))
 
 
 def run_stack(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, x: torch.Tensor,
@@ -156,8 +189,10 @@ def run_stack(model: nn.Module, params: ModernBertParams, batch: PackedBatch, pl
     ``final_norm``."""
     args = tuple(layer_args(layer, params, plan.kernels, cdt) for layer in model.layers)
     tables = {g: rope_tables_for(g) for g in set(params.layer_is_global)}
-    weights = [w for in_params, _, out_params, _ in args for w in (*in_params, *out_params)]
-    return EncoderStack.apply(x, _Call(model, params, batch, plan, args, tables), *weights)
+    slots = [w for in_params, _, out_params, _ in args for w in (*in_params, *out_params)]
+    present = tuple(i for i, w in enumerate(slots) if w is not None)
+    return EncoderStack.apply(x, _Call(model, params, batch, plan, args, tables, present),
+                              *(slots[i] for i in present))
 
 
 __all__ = ["EncoderStack", "run_stack", "stack_problem"]

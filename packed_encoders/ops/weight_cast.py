@@ -10,6 +10,9 @@ keeps one copy per (parameter, dtype) and hands it out while the parameter is un
 - a generation counter bumped after every ``torch.optim`` optimizer step (a global step hook, installed on first
   use): fused optimizers (``AdamW(fused=True)``) update parameters in place without bumping their version.
 
+:func:`cast_group` does the same for a group of tensors (an encoder's projection weights) with one entry: one
+lookup while none changed, one multi-tensor copy when any did.
+
 Not seen: an in-place edit through ``param.data`` (``param.data.copy_(...)``, e.g. a hand-written EMA update)
 outside an optimizer step, since ``.data`` has a version counter of its own. Call :func:`clear` after such edits.
 
@@ -57,6 +60,7 @@ def clear() -> None:
     """Drop every cached copy (after editing weights in a way :func:`cast` cannot see, e.g. ``p.data.copy_``)."""
     with _LOCK:
         _CACHE.clear()
+        _GROUPS.clear()
     _bump()
 
 
@@ -102,6 +106,50 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
 
 
 _VERSION = operator.attrgetter("_version")
+_GROUPS: dict = {}
+_MAX_GROUPS = 8
+
+
+def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
+    """:func:`cast` of every tensor of ``tensors`` (a tuple, e.g. all projection weights of an encoder), with one
+    cache entry for the group: while none of them changed (the same tests as :func:`cast`) the group's copies come
+    back from one lookup, and after a change all are cast again by one multi-tensor copy into a new buffer (a
+    training step changes every weight: one launch instead of one per weight). Copies handed out earlier stay as
+    they were (a backward still pending may read them). Tensors already in ``dtype``, inference tensors, calls
+    under capture or within :func:`off` take :func:`cast` one by one."""
+    if dtype is None or not tensors:
+        return tensors
+    if (getattr(_LOCAL, "off", False) or getattr(_LOCAL, "static", None) is not None
+            or any(t.dtype is dtype or t.is_inference() for t in tensors)
+            or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())):
+        return tuple(cast(t, dtype) for t in tensors)
+    if not _STATE["hooked"]:
+        _install_hook()
+    key = (tuple(map(id, tensors)), dtype)
+    stamp = (_STATE["generation"], tuple(map(_VERSION, tensors)), tuple(t.data_ptr() for t in tensors))
+    hit = _GROUPS.get(key)
+    if hit is not None and hit[1] == stamp and all(r() is t for r, t in zip(hit[0], tensors)):
+        return hit[2]
+    with torch.inference_mode(False), torch.no_grad():
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            return tuple(cast(t, dtype) for t in tensors)
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+        copies, at = [], 0
+        for t in tensors:
+            copies.append(flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+        torch._foreach_copy_(copies, list(tensors))
+    copies = tuple(copies)
+    with _LOCK:
+        if len(_GROUPS) >= _MAX_GROUPS and key not in _GROUPS:
+            _GROUPS.pop(next(iter(_GROUPS)))
+        # weak references: the entry must not keep the parameters (or, through them, a model) alive, and goes with
+        # its first tensor
+        refs = (weakref.ref(tensors[0], lambda _, k=key: _GROUPS.pop(k, None)),
+                *(weakref.ref(t) for t in tensors[1:]))
+        _GROUPS[key] = (refs, stamp, copies)
+    return copies
 
 
 class StaticCopies:
@@ -154,5 +202,5 @@ class StaticCopies:
 
 
 def cached_count() -> int:
-    """How many copies the cache holds (for tests and memory accounting)."""
-    return len(_CACHE)
+    """How many copies the cache holds, a group's counted once (for tests and memory accounting)."""
+    return len(_CACHE) + len(_GROUPS)
