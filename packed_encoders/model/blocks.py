@@ -146,10 +146,11 @@ def attn_in_fwd(x, pending, ln_w, ln_b, w_c, b_c, cos, sin, rows, meta):
     return (s if pending is not None else None), q, k, v, saved, facts
 
 
-def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv):
+def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv, partial: bool = False):
     """Gradients ``(dx, dpending, d ln_w, d ln_b, dw, db)`` of :func:`attn_in_fwd`; ``params``: its
     ``(ln_w, ln_b, w, b)``, ``needs``: which of them want a gradient; ``ds``: the gradient of ``s`` (``None``
-    without ``pending``)."""
+    without ``pending``). ``partial``: the norm's gradients as the kernel's fp32 partial sums (``[P, H]``, for the
+    caller to reduce, see ``Kernels.ln_bwd``)."""
     kern, eps, has_norm, cdt, nh, hd = meta
     s, ln_w_saved, mean, rstd, y_c, w_c, cos, sin, rows = saved
     has_pending, (x_dtype, p_dtype, qkv_dtype, y_dtype), has_ln_b = facts
@@ -161,8 +162,11 @@ def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv):
     if has_norm:
         two = has_pending and p_dtype != x_dtype
         dx, dx2, dlnw, dlnb = kern.ln_bwd(dy, s, ln_w_saved, mean, rstd, dres, has_ln_b, x_dtype,
-                                          p_dtype if two else None)
-        dlnw, dlnb = _grad_w(needs[0], dlnw, ln_w), _grad_w(needs[1], dlnb, ln_b)
+                                          p_dtype if two else None, reduce=not partial)
+        if partial:
+            dlnw, dlnb = dlnw if needs[0] else None, dlnb if needs[1] else None
+        else:
+            dlnw, dlnb = _grad_w(needs[0], dlnw, ln_w), _grad_w(needs[1], dlnb, ln_b)
         dp = (dx2 if two else dx) if has_pending else None
     else:
         g = _as(dy, y_dtype) if dres is None else dy.float() + dres.float()
@@ -197,9 +201,10 @@ def out_mlp_fwd(a, s, wo_c, bo_c, ln_w, ln_b, wi_c, bi_c, w2_c, b2_c, meta):
     return x, pending, saved, (a.dtype, a.shape, s.dtype, o.dtype, pending.dtype)
 
 
-def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending):
+def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending, partial: bool = False):
     """Gradients ``(da, ds, dwo, dbo, d ln_w, d ln_b, dwi, dbi, dw2, db2)`` of :func:`out_mlp_fwd`; ``params``:
-    its ``(wo, bo, ln_w, ln_b, wi, bi, w2, b2)``, ``needs``: which of them want a gradient."""
+    its ``(wo, bo, ln_w, ln_b, wi, bi, w2, b2)``, ``needs``: which of them want a gradient; ``partial``: as
+    :func:`attn_in_bwd`'s."""
     kern, eps, cdt, activation, p_out, p_mlp = meta
     a_c, x, ln_w_saved, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c = saved
     wo, bo, ln_w, ln_b, wi, bi, w2, b2 = params
@@ -214,11 +219,14 @@ def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending):
     dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, needs[4], needs[5], wi, bi)
     two = s_dtype != o_dtype
     ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
-                                     o_dtype if two else None)
+                                     o_dtype if two else None, reduce=not partial)
+    if partial:
+        dlnw, dlnb = dlnw if needs[2] else None, dlnb if needs[3] else None
+    else:
+        dlnw, dlnb = _grad_w(needs[2], dlnw, ln_w), _grad_w(needs[3], dlnb, ln_b)
     do = _as(_undrop(do if two else ds, mask_o, p_out), a_c.dtype)
     da, dwo, dbo = _linear_bwd(do, a_c, wo_c, needs[0], needs[1], wo, bo)
-    return (_as(da.view(a_shape), a_dtype), ds, dwo, dbo, _grad_w(needs[2], dlnw, ln_w), _grad_w(needs[3], dlnb, ln_b),
-            dwi, dbi, dw2, db2)
+    return _as(da.view(a_shape), a_dtype), ds, dwo, dbo, dlnw, dlnb, dwi, dbi, dw2, db2
 
 
 class AttentionIn(torch.autograd.Function):

@@ -33,8 +33,8 @@ from .params import ModernBertParams
 _FLASH_FORWARD = torch.ops.aten._flash_attention_forward.default
 _FLASH_BACKWARD = torch.ops.aten._flash_attention_backward.default
 _PER_LAYER = 12  # weight slots per layer: attention in (4), attention out + MLP (8)
-_PROJECTIONS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # the slots of Wqkv, Wo, Wi, mlp.Wo (weight, bias); the rest:
-# the two norms (their kernels read the parameters as they are)
+_PROJECTIONS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # the slots of Wqkv, Wo, Wi, mlp.Wo (weight, bias)
+_NORMS = frozenset((0, 1, 6, 7))  # attn_norm, mlp_norm (weight, bias): their kernels read the parameters as they are
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
 
@@ -166,7 +166,8 @@ class EncoderStack(torch.autograd.Function):
             if not keep:
                 layers[index] = None
             at = index * _PER_LAYER
-            out_grads = out_mlp_bwd(out_saved, out_facts, out_meta, out_params, needs[at + 4:at + 12], dx, dpending)
+            out_grads = out_mlp_bwd(out_saved, out_facts, out_meta, out_params, needs[at + 4:at + 12], dx, dpending,
+                                    partial=True)
             out_saved = None
             da, ds = out_grads[0], out_grads[1]
             grads[at + 4:at + 12] = out_grads[2:]
@@ -174,12 +175,29 @@ class EncoderStack(torch.autograd.Function):
             att_saved = da = None
             has_pending = in_facts[0]
             in_grads = attn_in_bwd(in_saved, in_facts, in_meta, in_params, needs[at:at + 4],
-                                   ds if has_pending else None, dq, dk, dv)
+                                   ds if has_pending else None, dq, dk, dv, partial=True)
             dx, dpending = in_grads[0], in_grads[1]
             if not has_pending:  # s was x itself: its gradient joins x's
                 dx = dx + ds
             grads[at:at + 4] = in_grads[2:]
+        _reduce_norm_grads(call, grads)
         return (dx, None, *(grads[slot] for slot in call.present))
+
+
+def _reduce_norm_grads(call: _Call, grads: list) -> None:
+    """The norms' gradients, which the layers left as fp32 partial sums (``[P, H]``), reduced: one stack and one sum
+    per shape for every layer (instead of a sum per norm), each then in its parameter's dtype."""
+    by_shape: dict = {}
+    for slot, g in enumerate(grads):
+        if g is not None and slot % _PER_LAYER in _NORMS:
+            by_shape.setdefault(g.shape, []).append(slot)
+    for slots in by_shape.values():
+        sums = torch.stack([grads[slot] for slot in slots]).sum(1)
+        for row, slot in enumerate(slots):
+            index, at = divmod(slot, _PER_LAYER)
+            in_params, _, out_params, _ = call.args[index]
+            param = (*in_params, *out_params)[at]
+            grads[slot] = sums[row] if param.dtype is torch.float32 else sums[row].to(param.dtype)
 
 
 def run_stack(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, x: torch.Tensor,

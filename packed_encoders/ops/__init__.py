@@ -21,7 +21,8 @@ class Kernels:
     block functions of :mod:`packed_encoders.model.blocks`). No routing, no checks: the caller checked the call.
 
     - ``ln_fwd(x, delta, weight, bias, eps, out_dtype, res_dtype) -> (s, y, mean, rstd)``
-    - ``ln_bwd(dy, s, weight, mean, rstd, dres, has_bias, dx_dtype, dx2_dtype) -> (dx, dx2, dw, db)``
+    - ``ln_bwd(dy, s, weight, mean, rstd, dres, has_bias, dx_dtype, dx2_dtype, reduce=True) -> (dx, dx2, dw, db)``
+      (``reduce=False``: ``dw``, ``db`` as fp32 ``[P, H]`` partial sums, for a caller that reduces many at once)
     - ``rope_fwd(qkv, cos, sin, rows, nh, hd) -> (q, k)``, the caller not reading ``qkv``'s q and k thirds afterwards:
       the Triton family rotates inside ``qkv`` (q and k its views, so q, k and the caller's v view share one
       buffer), the torch family returns new tensors (as stock HF, whose CPU attention then sums in the same order);

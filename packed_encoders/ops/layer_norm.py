@@ -67,10 +67,10 @@ def layer_norm_fwd_torch(x: torch.Tensor, delta: torch.Tensor | None, weight, bi
 
 def layer_norm_bwd_torch(dy: torch.Tensor, x: torch.Tensor, weight, mean: torch.Tensor, rstd: torch.Tensor,
                          dres: torch.Tensor | None, has_bias: bool, dx_dtype: torch.dtype,
-                         dx2_dtype: torch.dtype | None):
+                         dx2_dtype: torch.dtype | None, reduce: bool = True):
     """Plain PyTorch twin of the Triton backward: ``(dx, dx2, dw, db)`` given the normalised input ``x``, with the
     residual's gradient ``dres`` added into ``dx`` (and ``dx`` written again in ``dx2_dtype``); fp32 maths,
-    ``dw``/``db`` fp32 ``[H]`` or ``None``."""
+    ``dw``/``db`` fp32 ``[H]`` or ``None`` (``reduce=False``: ``[1, H]``, partial sums that add up to them)."""
     xhat = (x.float() - mean[:, None]) * rstd[:, None]
     dyf = dy.float()
     wdy = dyf * weight.float() if weight is not None else dyf
@@ -80,6 +80,6 @@ def layer_norm_bwd_torch(dy: torch.Tensor, x: torch.Tensor, weight, mean: torch.
     dx = (wdy - (xhat * c1 + c2)) * rstd[:, None]
     if dres is not None:
         dx = dx + dres.float()
-    dw = (dyf * xhat).sum(0) if weight is not None else None
-    db = dyf.sum(0) if has_bias else None
+    dw = (dyf * xhat).sum(0, keepdim=not reduce) if weight is not None else None
+    db = dyf.sum(0, keepdim=not reduce) if has_bias else None
     return dx.to(dx_dtype), None if dx2_dtype is None else dx.to(dx2_dtype), dw, db

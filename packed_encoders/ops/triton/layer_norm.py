@@ -225,7 +225,7 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
              rstd: torch.Tensor, dres: torch.Tensor | None, has_bias: bool, dx_dtype: torch.dtype,
-             dx2_dtype: torch.dtype | None):
+             dx2_dtype: torch.dtype | None, reduce: bool = True):
     """Backward of :func:`forward` given the normalised input ``x`` (for residual LN: the sum ``s``).
 
     ``dres`` (the incoming gradient of ``s``) is added into ``dx``. With ``dx2_dtype`` the same
@@ -233,7 +233,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mea
 
     Returns:
         ``(dx, dx2, dw, db)``: ``dx`` ``[T, H]`` in ``dx_dtype``; ``dx2`` or ``None``; ``dw``/``db`` fp32
-        ``[H]`` (``None`` without weight / bias), reduced in fp32.
+        ``[H]`` (``None`` without weight / bias), reduced in fp32; ``reduce=False``: ``[P, H]``, the programs' partial
+        sums (a caller with many of them sums them in one launch).
     """
     t, n = x.shape
     x, dy = x.contiguous(), dy.contiguous()
@@ -260,6 +261,8 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mea
                       dict(N=n, BLOCK_N=block_n, ROWS=rows, HAS_W=weight is not None, HAS_B=has_bias,
                            HAS_DRES=dres is not None, HAS_DX2=dx2 is not None, STAGES=BWD_STAGES, num_warps=warps),
                       fast)
+    if not reduce:
+        return dx, dx2, dw_part, db_part
     dw = dw_part.sum(0) if dw_part is not None else None
     db = db_part.sum(0) if db_part is not None else None
     return dx, dx2, dw, db
