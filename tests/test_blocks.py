@@ -190,6 +190,13 @@ def test_stack_retained_graph_in_place_change_and_second_backward():
         model.layers[1].mlp.Wi.weight.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+    # second derivatives: the raw kernels have none, so differentiating the gradients raises (both granularities)
+    for rules in (LEAN, BLOCKS):
+        out = encoder_forward(model, params, batch, attention_backend="sdpa", rules=rules)
+        w = model.layers[1].mlp.Wo.weight
+        (g,) = torch.autograd.grad(out.square().mean(), w, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            g.sum().backward()
 
 
 def test_stack_steps_aside_where_the_call_needs_layers():

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..ops.weight_cast import cast
 from .params import ModernBertParams
@@ -246,6 +247,7 @@ class AttentionIn(torch.autograd.Function):
         return s, q, k, v
 
     @staticmethod
+    @once_differentiable  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, ds, dq, dk, dv):
         grads = attn_in_bwd(ctx.saved_tensors, ctx.facts, ctx.meta, ctx.params, ctx.needs_input_grad[2:6],
                             ds, dq, dk, dv)
@@ -265,6 +267,7 @@ class AttentionOutMlp(torch.autograd.Function):
         return x, pending
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dx, dpending):
         grads = out_mlp_bwd(ctx.saved_tensors, ctx.facts, ctx.meta, ctx.params, ctx.needs_input_grad[2:10],
                             dx, dpending)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from ..batch import PackedBatch
 from ..ops.weight_cast import cast_group
@@ -142,6 +143,7 @@ class EncoderStack(torch.autograd.Function):
         return x, pending
 
     @staticmethod
+    @once_differentiable  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, dx, dpending):
         call, layers = ctx.call, ctx.layers
         if layers is None:
