@@ -216,6 +216,12 @@ def test_stack_steps_aside_where_the_call_needs_layers():
     torch.testing.assert_close(out_s, out_c, atol=0, rtol=0)
     for n in g_s:
         torch.testing.assert_close(g_s[n], g_c[n], atol=1e-6, rtol=1e-5, msg=n)
+    with torch.autograd.graph.save_on_cpu():  # offloading sees what the per-block nodes save
+        assert "saved-tensor hooks" in stack_problem(batch, False, False)
+        out_o, g_o = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa",
+                                                           rules=LEAN))
+        assert not plan_mod.last_plan().stack
+    torch.testing.assert_close(out_s, out_o, atol=0, rtol=0)
     hidden: list = []
     with torch.enable_grad():
         encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN, hidden_states=hidden)

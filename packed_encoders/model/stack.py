@@ -14,7 +14,9 @@ per-block path frees them node by node; a stack holding them all would add every
 unless the graph is retained (``backward(retain_graph=True)``), when it keeps them for the next backward.
 
 Where it does not run (:func:`stack_problem` names why): gradient checkpointing (it recomputes layer by layer),
-``output_hidden_states`` (every layer's output leaves the stack), query-only batches (``key_lens``), and a
+``output_hidden_states`` (every layer's output leaves the stack), query-only batches (``key_lens``), active
+saved-tensor hooks (``save_on_cpu`` and other offloading see what ``save_for_backward`` saves; the stack keeps its
+activations on its context), and a
 ``torch.distributed`` world of more than one process: DDP's reducer overlaps each gradient bucket's all-reduce
 with the rest of the backward as the bucket's parameters receive their gradients, which a single node delivering
 every gradient at its end would serialise.
@@ -37,6 +39,13 @@ _PER_LAYER = 12  # weight slots per layer: attention in (4), attention out + MLP
 _PROJECTIONS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # the slots of Wqkv, Wo, Wi, mlp.Wo (weight, bias)
 _NORMS = frozenset((0, 1, 6, 7))  # attn_norm, mlp_norm (weight, bias): their kernels read the parameters as they are
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether ``torch.autograd.graph.saved_tensors_hooks`` are on (``save_on_cpu``, activation offloading or
+    compression); assumed on where torch cannot say."""
+    return _saved_hooks is None or _saved_hooks(False) is not None
 
 
 def _distributed_world() -> bool:
@@ -53,6 +62,9 @@ def stack_problem(batch: PackedBatch, checkpointed: bool, hidden_states: bool) -
         return "output_hidden_states (every layer's output is returned)"
     if batch.key_lens is not None:
         return "a query-only batch (key_lens)"
+    if _saved_tensor_hooks_active():
+        return ("saved-tensor hooks are on (e.g. torch.autograd.graph.save_on_cpu): the per-block nodes pass their "
+                "activations through them")
     if _distributed_world():
         return "a torch.distributed world of several processes (DDP overlaps all-reduces with the layers' backward)"
     return None
