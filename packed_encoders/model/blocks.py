@@ -152,7 +152,7 @@ def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv, partial: bool
     ``(ln_w, ln_b, w, b)``, ``needs``: which of them want a gradient; ``ds``: the gradient of ``s`` (``None``
     without ``pending``). ``partial``: the norm's gradients as the kernel's fp32 partial sums (``[P, H]``, for the
     caller to reduce, see ``Kernels.ln_bwd``)."""
-    kern, eps, has_norm, cdt, nh, hd = meta
+    kern, _eps, has_norm, _cdt, nh, hd = meta
     s, ln_w_saved, mean, rstd, y_c, w_c, cos, sin, rows = saved
     has_pending, (x_dtype, p_dtype, qkv_dtype, y_dtype), has_ln_b = facts
     ln_w, ln_b, w, b = params
@@ -206,7 +206,7 @@ def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending, partial: bool =
     """Gradients ``(da, ds, dwo, dbo, d ln_w, d ln_b, dwi, dbi, dw2, db2)`` of :func:`out_mlp_fwd`; ``params``:
     its ``(wo, bo, ln_w, ln_b, wi, bi, w2, b2)``, ``needs``: which of them want a gradient; ``partial``: as
     :func:`attn_in_bwd`'s."""
-    kern, eps, cdt, activation, p_out, p_mlp = meta
+    kern, _eps, _cdt, activation, p_out, p_mlp = meta
     a_c, x, ln_w_saved, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c = saved
     wo, bo, ln_w, ln_b, wi, bi, w2, b2 = params
     a_dtype, a_shape, s_dtype, o_dtype, p_dtype = facts

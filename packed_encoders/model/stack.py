@@ -16,10 +16,9 @@ unless the graph is retained (``backward(retain_graph=True)``), when it keeps th
 Where it does not run (:func:`stack_problem` names why): gradient checkpointing (it recomputes layer by layer),
 ``output_hidden_states`` (every layer's output leaves the stack), query-only batches (``key_lens``), active
 saved-tensor hooks (``save_on_cpu`` and other offloading see what ``save_for_backward`` saves; the stack keeps its
-activations on its context), and a
-``torch.distributed`` world of more than one process: DDP's reducer overlaps each gradient bucket's all-reduce
-with the rest of the backward as the bucket's parameters receive their gradients, which a single node delivering
-every gradient at its end would serialise.
+activations on its context), and a ``torch.distributed`` world of more than one process: DDP's reducer overlaps
+each gradient bucket's all-reduce with the rest of the backward as the bucket's parameters receive their gradients,
+which a single node delivering every gradient at its end would serialise.
 """
 
 from __future__ import annotations
@@ -73,10 +72,11 @@ def stack_problem(batch: PackedBatch, checkpointed: bool, hidden_states: bool) -
 class _Call:
     """What the stack's forward and backward share: the batch, the plan, each layer's block arguments, RoPE tables."""
 
-    __slots__ = ("params", "batch", "plan", "args", "tables", "model", "present")
+    __slots__ = ("args", "batch", "model", "params", "plan", "present", "tables")
 
     def __init__(self, model, params, batch, plan, args, tables, present):
-        self.model, self.params, self.batch, self.plan, self.args, self.tables = model, params, batch, plan, args, tables
+        self.model, self.params, self.batch, self.plan = model, params, batch, plan
+        self.args, self.tables = args, tables  # per layer: blocks.layer_args; {is_global: (cos, sin, rows)}
         self.present = present  # the weight slots that hold a tensor (the node's inputs after x), in order
 
 
