@@ -606,3 +606,33 @@ def test_benchmark_report_from_a_synthetic_sweep(monkeypatch, tmp_path, capsys):
     assert data["refit_report"]["violations"] == [] and data["shipped_policy"]["report"]["points"] > 0
     refit = Policy.load(tmp_path / "policy-nvidia-h200-sm90.json")
     assert calibrate.policy_from_sweep(data)[0].tables == refit.tables  # the JSON refits to the same policy
+
+
+def test_torch_varlen_forward_saving_hands_its_backward_what_aten_pairs(monkeypatch):
+    """The training stack's FlashAttention-2 pair (CUDA ops, faked here): the backward op receives the forward's
+    inputs, output, log-sum-exp and RNG state, with the same sequence layout, scale and window."""
+    from packed_encoders.attention import flash
+
+    calls = {}
+    out, lse, seed, offset = (torch.full((1,), float(i)) for i in range(4))
+
+    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, p, causal, debug, **kw):
+        calls["fwd"] = (q, k, v, cu_q, cu_k, max_q, max_k, p, causal, debug, kw)
+        return out, lse, seed, offset, None
+
+    def bwd(dout, q, k, v, o, l, cu_q, cu_k, max_q, max_k, p, causal, s, off, **kw):
+        calls["bwd"] = (dout, q, k, v, o, l, cu_q, cu_k, max_q, max_k, p, causal, s, off, kw)
+        return "dq", "dk", "dv"
+
+    monkeypatch.setattr(flash, "_FLASH_FORWARD", fwd)
+    monkeypatch.setattr(flash, "_FLASH_BACKWARD", bwd)
+    q, k, v, cu, dout = (torch.zeros(1) for _ in range(5))
+    a, saved = flash.torch_varlen_forward_saving(q, k, v, cu, 7, window=64, scale=0.125)
+    assert a is out
+    assert calls["fwd"][:10] == (q, k, v, cu, cu, 7, 7, 0.0, False, False)
+    assert calls["fwd"][10] == {"scale": 0.125, "window_size_left": 64, "window_size_right": 64}
+    assert flash.torch_varlen_backward(dout, saved) == ("dq", "dk", "dv")
+    assert calls["bwd"][:14] == (dout, q, k, v, out, lse, cu, cu, 7, 7, 0.0, False, seed, offset)
+    assert calls["bwd"][14] == {"scale": 0.125, "window_size_left": 64, "window_size_right": 64}
+    flash.torch_varlen_forward_saving(q, k, v, cu, 7, window=None, scale=0.125)
+    assert calls["fwd"][10]["window_size_left"] == -1  # global: no window

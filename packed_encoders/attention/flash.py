@@ -71,6 +71,25 @@ def torch_varlen_direct(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | N
 
 
 _FLASH_FORWARD = torch.ops.aten._flash_attention_forward.default
+_FLASH_BACKWARD = torch.ops.aten._flash_attention_backward.default
+
+
+def torch_varlen_forward_saving(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None,
+                                scale: float) -> tuple[torch.Tensor, tuple]:
+    """:func:`torch_varlen_direct` outside autograd, for a caller that runs the backward itself (the training stack,
+    ``model/stack.py``): ``(out [T, heads, head_dim], saved)``, ``saved`` what :func:`torch_varlen_backward` reads
+    (``q, k, v``, the output, its log-sum-exp, the RNG state) — the pair of ops aten's own autograd node runs."""
+    ws = -1 if window is None else int(window)
+    out, lse, seed, offset, _ = _FLASH_FORWARD(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False,
+                                               False, scale=scale, window_size_left=ws, window_size_right=ws)
+    return out, (q, k, v, out, lse, seed, offset, cu_seqlens, max_seqlen, scale, ws)
+
+
+def torch_varlen_backward(dout: torch.Tensor, saved: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`torch_varlen_forward_saving` for the output gradient ``dout``."""
+    q, k, v, out, lse, seed, offset, cu_seqlens, max_seqlen, scale, ws = saved
+    return _FLASH_BACKWARD(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False,
+                           seed, offset, scale=scale, window_size_left=ws, window_size_right=ws)
 
 
 def fa4_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,

@@ -39,14 +39,14 @@ from ..ops.weight_cast import cast
 from .params import ModernBertParams
 
 
-def norm_params(m: nn.Module):
+def _norm_params(m: nn.Module):
     """``(weight, bias, eps, present)`` of a LayerNorm slot (``nn.Identity``: nothing to normalise)."""
     if isinstance(m, nn.Identity):
         return None, None, 0.0, False
     return m.weight, getattr(m, "bias", None), m.eps, True
 
 
-def drop_p(m: nn.Module) -> float:
+def _drop_p(m: nn.Module) -> float:
     """The rate an HF dropout slot applies now (0 in eval mode or for ``nn.Identity``)."""
     return m.p if isinstance(m, nn.Dropout) and m.training and m.p > 0 else 0.0
 
@@ -66,7 +66,7 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, skipping the call when ``t`` has that dtype (a no-op ``to`` still costs a dispatch: ~10 of
     them per layer and step)."""
     return t if t.dtype is dtype else t.to(dtype)
@@ -76,7 +76,15 @@ def _grad_w(need: bool, g: torch.Tensor | None, like: torch.Tensor | None):
     """A parameter's gradient in its own dtype, or ``None`` when it takes none."""
     if g is None or like is None or not need:
         return None
-    return _as(g, like.dtype)
+    return as_dtype(g, like.dtype)
+
+
+def _norm_grads(partial: bool, need_w: bool, need_b: bool, dw, db, w, b):
+    """A norm's ``(d weight, d bias)`` from its backward kernel: the kernel's fp32 partial sums as they are
+    (``partial``: the caller reduces them), else in the parameters' dtypes; ``None`` where not wanted."""
+    if partial:
+        return (dw if need_w else None), (db if need_b else None)
+    return _grad_w(need_w, dw, w), _grad_w(need_b, db, b)
 
 
 def _mm_out_dtype():
@@ -137,7 +145,7 @@ def attn_in_fwd(x, pending, ln_w, ln_b, w_c, b_c, cos, sin, rows, meta):
     else:
         s = x if pending is None else (x + pending)
         y = s
-    y_c = y if cdt is None else _as(y, cdt)
+    y_c = y if cdt is None else as_dtype(y, cdt)
     qkv = _linear(y_c, w_c, b_c)
     q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
     v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
@@ -164,15 +172,12 @@ def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv, partial: bool
         two = has_pending and p_dtype != x_dtype
         dx, dx2, dlnw, dlnb = kern.ln_bwd(dy, s, ln_w_saved, mean, rstd, dres, has_ln_b, x_dtype,
                                           p_dtype if two else None, reduce=not partial)
-        if partial:
-            dlnw, dlnb = dlnw if needs[0] else None, dlnb if needs[1] else None
-        else:
-            dlnw, dlnb = _grad_w(needs[0], dlnw, ln_w), _grad_w(needs[1], dlnb, ln_b)
+        dlnw, dlnb = _norm_grads(partial, needs[0], needs[1], dlnw, dlnb, ln_w, ln_b)
         dp = (dx2 if two else dx) if has_pending else None
     else:
-        g = _as(dy, y_dtype) if dres is None else dy.float() + dres.float()
-        dx = _as(g, x_dtype)
-        dp = _as(g, p_dtype) if has_pending else None
+        g = as_dtype(dy, y_dtype) if dres is None else dy.float() + dres.float()
+        dx = as_dtype(g, x_dtype)
+        dp = as_dtype(g, p_dtype) if has_pending else None
     return dx, dp, dlnw, dlnb, dw, db
 
 
@@ -188,11 +193,11 @@ def out_mlp_fwd(a, s, wo_c, bo_c, ln_w, ln_b, wi_c, bi_c, w2_c, b2_c, meta):
     kern, eps, cdt, activation, p_out, p_mlp = meta
     t = a.shape[0]
     a2 = a.reshape(t, -1)
-    a_c = a2 if cdt is None else _as(a2, cdt)
+    a_c = a2 if cdt is None else as_dtype(a2, cdt)
     o, mask_o = _dropout(_linear(a_c, wo_c, bo_c), p_out)
     res_dtype = torch.promote_types(s.dtype, o.dtype)
     x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
-    y_c = y if cdt is None else _as(y, cdt)
+    y_c = y if cdt is None else as_dtype(y, cdt)
     h = _linear(y_c, wi_c, bi_c)
     g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
     pending = _linear(g, w2_c, b2_c)
@@ -212,7 +217,7 @@ def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending, partial: bool =
     a_dtype, a_shape, s_dtype, o_dtype, p_dtype = facts
     if dpending is None:
         dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
-    dp = _as(dpending, h.dtype)
+    dp = as_dtype(dpending, h.dtype)
     dh, g = kern.glu_bwd(_undrop(torch.mm(dp, w2_c), mask_g, p_mlp), h, activation, forward_out=True)
     g = _undrop(g, mask_g, p_mlp)  # the dropped output the forward multiplied by mlp.Wo
     dw2, db2 = _linear_weight_grads(dp, g, needs[6], needs[7], w2, b2)
@@ -221,13 +226,17 @@ def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending, partial: bool =
     two = s_dtype != o_dtype
     ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
                                      o_dtype if two else None, reduce=not partial)
-    if partial:
-        dlnw, dlnb = dlnw if needs[2] else None, dlnb if needs[3] else None
-    else:
-        dlnw, dlnb = _grad_w(needs[2], dlnw, ln_w), _grad_w(needs[3], dlnb, ln_b)
-    do = _as(_undrop(do if two else ds, mask_o, p_out), a_c.dtype)
+    dlnw, dlnb = _norm_grads(partial, needs[2], needs[3], dlnw, dlnb, ln_w, ln_b)
+    do = as_dtype(_undrop(do if two else ds, mask_o, p_out), a_c.dtype)
     da, dwo, dbo = _linear_bwd(do, a_c, wo_c, needs[0], needs[1], wo, bo)
-    return _as(da.view(a_shape), a_dtype), ds, dwo, dbo, dlnw, dlnb, dwi, dbi, dw2, db2
+    return as_dtype(da.view(a_shape), a_dtype), ds, dwo, dbo, dlnw, dlnb, dwi, dbi, dw2, db2
+
+
+def weights_read(in_saved, out_saved) -> tuple:
+    """What a layer's backward reads of its weights (``None`` where absent): the two norms' weights and the four
+    projections' weights as the forward used them (the compute-dtype copies, or the parameters themselves), from
+    :func:`attn_in_fwd`'s and :func:`out_mlp_fwd`'s ``saved``."""
+    return in_saved[1], in_saved[5], out_saved[2], out_saved[9], out_saved[10], out_saved[11]
 
 
 class AttentionIn(torch.autograd.Function):
@@ -285,12 +294,12 @@ def layer_args(layer: nn.Module, params: ModernBertParams, kernels, cdt: torch.d
     """``(in_params, in_meta, out_params, out_meta)`` of one encoder layer's two blocks (read from the live modules
     on every call: weights, norms' eps, dropout modes)."""
     attn, mlp = layer.attn, layer.mlp
-    ln_w, ln_b, eps, has_norm = norm_params(layer.attn_norm)
-    m_w, m_b, m_eps, _ = norm_params(layer.mlp_norm)
+    ln_w, ln_b, eps, has_norm = _norm_params(layer.attn_norm)
+    m_w, m_b, m_eps, _ = _norm_params(layer.mlp_norm)
     return ((ln_w, ln_b, attn.Wqkv.weight, attn.Wqkv.bias),
             (kernels, eps, has_norm, cdt, params.num_attention_heads, params.head_dim),
             (attn.Wo.weight, attn.Wo.bias, m_w, m_b, mlp.Wi.weight, mlp.Wi.bias, mlp.Wo.weight, mlp.Wo.bias),
-            (kernels, m_eps, cdt, params.activation, drop_p(attn.out_drop), drop_p(mlp.drop)))
+            (kernels, m_eps, cdt, params.activation, _drop_p(attn.out_drop), _drop_p(mlp.drop)))
 
 
 def run_layer_blocks(layer: nn.Module, step, params: ModernBertParams, batch, kernels, carry: list, rope_tables_for,

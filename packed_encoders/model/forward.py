@@ -173,12 +173,14 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         attention = plan_attention(params, batch, attention_backend, grad=grad, dtype=dtype, dropout=any_attn_p)
     total = batch.total_tokens
     device = batch.device
-    ckpt = gradient_checkpointing
-    if isinstance(ckpt, bool):
-        ckpt = (ckpt,) * params.num_hidden_layers
-    # as HF: a layer is checkpointed in train mode with grad
-    ckpt = tuple(fn if grad and layer.training else None for fn, layer in zip(ckpt, model.layers))
-    stack = grad and stack_problem(batch, any(ckpt), hidden_states is not None) is None
+    ckpt = (None,) * params.num_hidden_layers
+    stack = False
+    if grad:  # as HF: a layer is checkpointed in train mode with grad
+        flags = gradient_checkpointing
+        if isinstance(flags, bool):
+            flags = (flags,) * params.num_hidden_layers
+        ckpt = tuple(fn if layer.training else None for fn, layer in zip(flags, model.layers))
+        stack = stack_problem(batch, any(ckpt), hidden_states is not None) is None
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
                     grad=grad, rules=rules, stack=stack)
     if plan.pointers and hidden_states is None and out is None:

@@ -27,13 +27,12 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..attention.flash import torch_varlen_backward, torch_varlen_forward_saving
 from ..batch import PackedBatch
 from ..ops.weight_cast import cast_group
-from .blocks import attn_in_bwd, attn_in_fwd, layer_args, out_mlp_bwd, out_mlp_fwd
+from .blocks import as_dtype, attn_in_bwd, attn_in_fwd, layer_args, out_mlp_bwd, out_mlp_fwd, weights_read
 from .params import ModernBertParams
 
-_FLASH_FORWARD = torch.ops.aten._flash_attention_forward.default
-_FLASH_BACKWARD = torch.ops.aten._flash_attention_backward.default
 _PER_LAYER = 12  # weight slots per layer: attention in (4), attention out + MLP (8)
 _PROJECTIONS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # the slots of Wqkv, Wo, Wi, mlp.Wo (weight, bias)
 _NORMS = frozenset((0, 1, 6, 7))  # attn_norm, mlp_norm (weight, bias): their kernels read the parameters as they are
@@ -72,10 +71,10 @@ def stack_problem(batch: PackedBatch, checkpointed: bool, hidden_states: bool) -
 class _Call:
     """What the stack's forward and backward share: the batch, the plan, each layer's block arguments, RoPE tables."""
 
-    __slots__ = ("args", "batch", "model", "params", "plan", "present", "tables")
+    __slots__ = ("args", "batch", "cdt", "model", "params", "plan", "present", "tables")
 
-    def __init__(self, model, params, batch, plan, args, tables, present):
-        self.model, self.params, self.batch, self.plan = model, params, batch, plan
+    def __init__(self, model, params, batch, plan, cdt, args, tables, present):
+        self.model, self.params, self.batch, self.plan, self.cdt = model, params, batch, plan, cdt
         self.args, self.tables = args, tables  # per layer: blocks.layer_args; {is_global: (cos, sin, rows)}
         self.present = present  # the weight slots that hold a tensor (the node's inputs after x), in order
 
@@ -87,32 +86,22 @@ def _attend(call: _Call, index: int, q, k, v):
     batch, params = call.batch, call.params
     attn_p = params.attention_dropout_of(call.model.layers[index].attn)  # read per call, as stock HF does
     if step.backend == "varlen" and not attn_p and not torch.compiler.is_compiling():
-        ws = -1 if step.window is None else int(step.window)
-        a, lse, seed, offset, _ = _FLASH_FORWARD(q, k, v, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen,
-                                                 batch.max_seqlen, 0.0, False, False, scale=params.scaling,
-                                                 window_size_left=ws, window_size_right=ws)
-        return a, (True, q, k, v, a, lse, seed, offset, ws)
+        a, saved = torch_varlen_forward_saving(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window,
+                                               scale=params.scaling)
+        return a, (True, saved)
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=params.scaling,
                            dropout_p=attn_p)
-    return a.detach(), (False, q, k, v, a)
+    return a.detach(), (False, (q, k, v, a))
 
 
-def _attend_bwd(call: _Call, saved, da, keep: bool):
-    if saved[0]:
-        _, q, k, v, a, lse, seed, offset, ws = saved
-        b = call.batch
-        return _FLASH_BACKWARD(da, q, k, v, a, lse, b.cu_seqlens, b.cu_seqlens, b.max_seqlen, b.max_seqlen, 0.0,
-                               False, seed, offset, scale=call.params.scaling, window_size_left=ws,
-                               window_size_right=ws)
-    _, q, k, v, a = saved
+def _attend_bwd(saved, da, keep: bool):
+    direct, saved = saved
+    if direct:
+        return torch_varlen_backward(da, saved)
+    q, k, v, a = saved
     return torch.autograd.grad(a, (q, k, v), da, retain_graph=keep)
-
-
-def _read_in_backward(in_saved, out_saved) -> tuple:
-    """The weights (or their cast copies) a layer's backward reads: its norms' weights and its projections'."""
-    return in_saved[1], in_saved[5], out_saved[2], out_saved[9], out_saved[10], out_saved[11]
 
 
 class EncoderStack(torch.autograd.Function):
@@ -129,9 +118,8 @@ class EncoderStack(torch.autograd.Function):
         pending = None
         last = len(call.args) - 1
         # the projections' weights in the compute dtype, one cache lookup for all (ops.weight_cast.cast_group)
-        cdt = call.args[0][1][3]
         present = [weights[j] for j, slot in enumerate(call.present) if slot % _PER_LAYER in _PROJECTIONS]
-        copies = iter(cast_group(tuple(present), cdt))
+        copies = iter(cast_group(tuple(present), call.cdt))
         compute = [None] * (len(call.args) * _PER_LAYER)
         for slot in call.present:
             if slot % _PER_LAYER in _PROJECTIONS:
@@ -149,7 +137,7 @@ class EncoderStack(torch.autograd.Function):
             a = s = None
             if index == last:  # an output of this node: a detached alias, or ctx -> tensor -> node would be a cycle
                 out_saved = (out_saved[0], x.detach(), *out_saved[2:])
-            read = tuple((t, t._version) for t in _read_in_backward(in_saved, out_saved) if t is not None)
+            read = tuple((t, t._version) for t in weights_read(in_saved, out_saved) if t is not None)
             layers.append((in_saved, in_facts, att_saved, out_saved, out_facts, read))
         ctx.call, ctx.layers = call, layers
         return x, pending
@@ -185,7 +173,7 @@ class EncoderStack(torch.autograd.Function):
             out_saved = None
             da, ds = out_grads[0], out_grads[1]
             grads[at + 4:at + 12] = out_grads[2:]
-            dq, dk, dv = _attend_bwd(call, att_saved, da, keep)
+            dq, dk, dv = _attend_bwd(att_saved, da, keep)
             att_saved = da = None
             has_pending = in_facts[0]
             in_grads = attn_in_bwd(in_saved, in_facts, in_meta, in_params, needs[at:at + 4],
@@ -211,7 +199,7 @@ def _reduce_norm_grads(call: _Call, grads: list) -> None:
             index, at = divmod(slot, _PER_LAYER)
             in_params, _, out_params, _ = call.args[index]
             param = (*in_params, *out_params)[at]
-            grads[slot] = sums[row] if param.dtype is torch.float32 else sums[row].to(param.dtype)
+            grads[slot] = as_dtype(sums[row], param.dtype)
 
 
 def run_stack(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, x: torch.Tensor,
@@ -223,7 +211,7 @@ def run_stack(model: nn.Module, params: ModernBertParams, batch: PackedBatch, pl
     tables = {g: rope_tables_for(g) for g in set(params.layer_is_global)}
     slots = [w for in_params, _, out_params, _ in args for w in (*in_params, *out_params)]
     present = tuple(i for i, w in enumerate(slots) if w is not None)
-    return EncoderStack.apply(x, _Call(model, params, batch, plan, args, tables, present),
+    return EncoderStack.apply(x, _Call(model, params, batch, plan, cdt, args, tables, present),
                               *(slots[i] for i in present))
 
 
