@@ -21,7 +21,6 @@ from .graphs.config import normalize as normalize_graph_option
 from .graphs.route import describe_graphs, precapture_encoders
 from .model.params import ModernBertParams
 from .model.pointers import off_reason as pointers_off
-from .ops.cublas import off_reason as cublas_off
 from .tuning import read_tuning, same_switches
 from .validation import ValidationReport, check_encoder
 
@@ -177,17 +176,14 @@ def describe(target) -> dict:
 def _plan_facts(plan) -> dict | None:
     """What the last eager call's plan decided (``None`` before one): ``direct``: its kernels launched unchecked
     (``why_checked``: why not), ``glu``: the ``Wi`` + GLU path, ``linear``: the other projections (``"F.linear"``,
-    ``"small_gemm"``: the Triton GEMM of small eager calls, ``"cublas"``: cuBLAS called directly, or the op set's route,
-    e.g. ``"quack"``), ``cublas_off``: why direct cuBLAS calls (``ops.cublas``: these projections, and the training
-    blocks' GEMMs) are off for the process, or ``None``, ``pointers``:
+    ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
     the call may run as raw-pointer launches over a reused workspace (``model.pointers``; ``pointers_off``: why
     they are off for the process, after a run disagreed with the tensor path), ``blocks``: the kernel family of the
     per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``)."""
     if plan is None:
         return None
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,
-            "cublas_off": cublas_off(), "pointers": plan.pointers and pointers_off() is None,
-            "pointers_off": pointers_off(),
+            "pointers": plan.pointers and pointers_off() is None, "pointers_off": pointers_off(),
             "blocks": None if plan.kernels is None else plan.kernels.name, "stack": plan.stack}
 
 

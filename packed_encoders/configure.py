@@ -17,7 +17,6 @@ from .errors import PackedEncodersError, UnsupportedTargetError
 from .graphs.config import normalize
 from .model.params import ModernBertParams
 from .ops.select import select_ops
-from .ops import cublas
 from .ops.triton import set_fast_launch
 from .tuning import Tuning, read_tuning
 
@@ -64,7 +63,6 @@ def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuni
     tuning = tuning if tuning is not None else read_tuning(device)
     ops, reason = select_ops(options.kernels, device, tuning)
     set_fast_launch(tuning.triton_fast_launch)
-    cublas.set_enabled(tuning.direct_cublas)
     policy = load_policy(device, policy_file=tuning.policy_file, cache=tuning.cache_dir)
     state = PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=policy,
                       trailing_max_len=trailing_max_len(options.padded_outputs, target), tuning=tuning)

@@ -4,9 +4,8 @@
 and the kernel layer take their switches from it, never from the environment, so a call behaves as the model was
 packed. The values reach ``ops/``, ``attention/`` and ``batch.py`` as arguments: the plan's
 ``packed_encoders.model.plan.Rules`` (``rules_for``), the op set built at ``pack()`` (quack's GEMM and RoPE
-switches), the attention policy loaded at ``pack()``, the ``fused`` flag of the unpad. Two switches are process-wide:
-the Triton fast launcher (``ops.triton.set_fast_launch``) and direct cuBLAS calls (``ops.cublas.set_enabled``),
-set by every ``pack()``. Calling
+switches), the attention policy loaded at ``pack()``, the ``fused`` flag of the unpad. One switch is process-wide:
+the Triton fast launcher (``ops.triton.set_fast_launch``), set by every ``pack()``. Calling
 ``pe.pack(model, ...)`` again re-reads it (and re-packs when anything changed); ``describe()`` shows it under
 ``"tuning"``. Direct users of ``ops/`` or ``attention/`` get the defaults of a default :class:`Tuning`.
 
@@ -28,7 +27,6 @@ FUSED_UNPAD_ENV = "PACKED_ENCODERS_FUSED_UNPAD"      # =0: unpad with PyTorch op
 QUACK_GEMM_ENV = "PACKED_ENCODERS_QUACK_GEMM"        # =0: projections stay on cuBLAS
 QUACK_ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"        # =0: no RoPE in the q, k projection's epilogue
 FAST_LAUNCH_ENV = "PACKED_ENCODERS_TRITON_FAST_LAUNCH"  # =0: Triton's own launcher
-DIRECT_CUBLAS_ENV = "PACKED_ENCODERS_DIRECT_CUBLAS"  # =0: eager training GEMMs through torch.mm
 FUSED_ROPE_ENV = "PACKED_ENCODERS_FUSED_ROPE"        # =0: RoPE never fused into the attention kernel
 FUSED_GLU_ENV = "PACKED_ENCODERS_FUSED_GLU_GEMM"     # =0: no small-batch Triton GEMMs (Wi + GLU, eager linears)
 LEAN_ENV = "PACKED_ENCODERS_LEAN"                  # =0: the per-op checked path everywhere (A/B runs)
@@ -50,8 +48,6 @@ class Tuning:
         quack_gemm, quack_rope: quack's GEMMs (and the RoPE epilogue of the q, k projection) in the op set
             built at ``pack()``.
         triton_fast_launch: the Triton fast launcher (process-wide; the last ``pack()`` sets it).
-        direct_cublas: the training blocks' GEMMs call ``cublasGemmEx`` themselves (``ops.cublas``; process-wide,
-            the last ``pack()`` sets it).
         fused_rope, fused_glu_gemm: RoPE fused into the attention kernel; the small-batch Triton GEMMs (``Wi``
             with its GLU, and the other projections of eager calls) (the plan's ``Rules``).
         lean: unchecked launches and per-block autograd where they apply (``PACKED_ENCODERS_LEAN``; off: the
@@ -70,7 +66,6 @@ class Tuning:
     quack_gemm: bool = True
     quack_rope: bool = True
     triton_fast_launch: bool = True
-    direct_cublas: bool = True
     fused_rope: bool = True
     fused_glu_gemm: bool = True
     lean: bool = True
@@ -123,7 +118,6 @@ def read_tuning(device=None) -> Tuning:
         quack_gemm=not switched_off(QUACK_GEMM_ENV),
         quack_rope=not switched_off(QUACK_ROPE_ENV),
         triton_fast_launch=not switched_off(FAST_LAUNCH_ENV),
-        direct_cublas=not switched_off(DIRECT_CUBLAS_ENV),
         fused_rope=not switched_off(FUSED_ROPE_ENV),
         fused_glu_gemm=not switched_off(FUSED_GLU_ENV),
         lean=not switched_off(LEAN_ENV),

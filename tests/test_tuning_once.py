@@ -22,7 +22,7 @@ from tests.test_router import VOCAB, padded, tiny_model
 ROOT = Path(pe.__file__).parent
 SWITCHES = ("PACKED_ENCODERS_LEAN", "PACKED_ENCODERS_FUSED_ROPE", "PACKED_ENCODERS_FUSED_GLU_GEMM",
             "PACKED_ENCODERS_QUACK_GEMM", "PACKED_ENCODERS_QUACK_ROPE", "PACKED_ENCODERS_TRITON_FAST_LAUNCH",
-            "PACKED_ENCODERS_DIRECT_CUBLAS", "PACKED_ENCODERS_FUSED_UNPAD", "PACKED_ENCODERS_POLICY", "PACKED_ENCODERS_CACHE")
+            "PACKED_ENCODERS_FUSED_UNPAD", "PACKED_ENCODERS_POLICY", "PACKED_ENCODERS_CACHE")
 LEAN_OFF = "PACKED_ENCODERS_LEAN is off"
 
 
@@ -42,7 +42,7 @@ def test_every_kernel_switch_lands_in_the_tuning_and_the_rules(monkeypatch):
         monkeypatch.setenv(name, "0")
     t = read_tuning()
     assert not (t.lean or t.fused_rope or t.fused_glu_gemm or t.quack_gemm or t.quack_rope or t.triton_fast_launch
-                or t.direct_cublas or t.fused_unpad)
+                or t.fused_unpad)
     rules = rules_for(t)
     assert (rules.lean, rules.fused_rope, rules.glu_gemm_max_tokens, rules.small_linear_max_tokens) == (False, False,
                                                                                                       0, 0)

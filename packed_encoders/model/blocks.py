@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ..ops import cublas
 from ..ops.weight_cast import cast
 from .params import ModernBertParams
 
@@ -63,27 +62,8 @@ def _undrop(g: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tenso
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` for a 2-D ``x`` (the same cuBLAS call: ``mm`` / ``addmm``), without ``linear``'s dispatch layers
-    (without bias: the call itself, :func:`..ops.cublas.mm`, where it serves)."""
-    if b is not None:
-        return torch.addmm(b, x, w.t())
-    y = cublas.mm(x, w, trans_b=True)
-    return torch.mm(x, w.t()) if y is None else y
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (:func:`..ops.cublas.mm` where it serves)."""
-    y = cublas.mm(a, b)
-    return torch.mm(a, b) if y is None else y
-
-
-def _mm_ta(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``a.T @ b`` in ``out_dtype`` (fp32 from bf16 / fp16 operands on CUDA; ``None``: the operands' dtype), through
-    :func:`..ops.cublas.mm` where it serves."""
-    y = cublas.mm(a, b, trans_a=True, out_dtype=out_dtype)
-    if y is not None:
-        return y
-    return torch.mm(a.t(), b) if out_dtype is None else _MM_OUT_DTYPE(a.t(), b, out_dtype)
+    """``F.linear`` for a 2-D ``x`` (the same cuBLAS call: ``mm`` / ``addmm``), without ``linear``'s dispatch layers."""
+    return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +113,7 @@ def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, need_w: bool, need_b
              and dy.is_cuda and _MM_OUT_DTYPE is not None)
     dw = db = None
     if need_w:
-        dw = _mm_ta(dy, x, torch.float32) if widen else _grad_w(True, _mm_ta(dy, x), w)
+        dw = _MM_OUT_DTYPE(dy.t(), x, torch.float32) if widen else _grad_w(True, torch.mm(dy.t(), x), w)
     if b is not None and need_b:
         db = dy.sum(0, dtype=torch.float32) if widen and b.dtype == torch.float32 else _grad_w(True, dy.sum(0), b)
     return dw, db
@@ -141,7 +121,7 @@ def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, need_w: bool, need_b
 
 def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, need_w: bool, need_b: bool, w, b):
     """``(dx, dw, db)`` of ``y = x @ w_c.T + b`` (all in the compute dtype), weight gradients in the parameters'."""
-    return (_mm(dy, w_c), *_linear_weight_grads(dy, x, need_w, need_b, w, b))
+    return (torch.mm(dy, w_c), *_linear_weight_grads(dy, x, need_w, need_b, w, b))
 
 
 # ------------------------------------------------------------------------------------------------ attention in
@@ -238,7 +218,7 @@ def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending, partial: bool =
     if dpending is None:
         dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
     dp = as_dtype(dpending, h.dtype)
-    dh, g = kern.glu_bwd(_undrop(_mm(dp, w2_c), mask_g, p_mlp), h, activation, forward_out=True)
+    dh, g = kern.glu_bwd(_undrop(torch.mm(dp, w2_c), mask_g, p_mlp), h, activation, forward_out=True)
     g = _undrop(g, mask_g, p_mlp)  # the dropped output the forward multiplied by mlp.Wo
     dw2, db2 = _linear_weight_grads(dp, g, needs[6], needs[7], w2, b2)
     g = None

@@ -193,7 +193,6 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     nh, hd = params.num_attention_heads, params.head_dim
     extra_kw = {} if batch.key_lens is None else {"key_lens": batch.key_lens}
     glu_path, glu_linear, linear = plan.glu, plan.glu_linear, plan.linear
-    split_linear = linear if plan.linear_route == "cublas" else F.linear  # Wi before a separate GLU op
 
     # RoPE inputs are built on first use: a forward whose q, k projections all rotate in their epilogue
     # (ops.rope_linear) needs no cos / sin, and each small op here is a kernel in every graph replay
@@ -304,7 +303,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             wi = mlp.Wi
             w, b = cast(wi.weight, wdt), cast(wi.bias, wdt)
             if glu_path == "split":
-                h = run.glu(split_linear(normed, w, b), params.activation)
+                h = run.glu(F.linear(normed, w, b), params.activation)
             else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
                 h = glu_linear(normed, w, b, params.activation)
             normed = None

@@ -16,9 +16,7 @@ forward then calls the chosen implementations directly:
   (``F.linear``; the op set's ``linear`` route where it may take the call; the unchecked Triton GEMM, ``Wi`` + GLU
   included, for eager calls of at most :attr:`Rules.small_linear_max_tokens` tokens, which are host-bound: its
   launch costs less host time than ``F.linear``'s dispatch, and it takes raw pointers (``pointers`` below), while
-  a CUDA graph and its warm-up keep cuBLAS, up to ~20 % faster on the GPU at large sizes; larger eager CUDA calls
-  without gradient call cuBLAS themselves, ``"cublas"``: :func:`..ops.cublas.linear`, ``F.linear``'s own cuBLAS
-  call without its dispatch).
+  a CUDA graph and its warm-up keep cuBLAS, up to ~20 % faster on the GPU at large sizes).
 - ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op;
   ``stack``: one for every layer of the encoder (:mod:`.stack`), where the call allows it.
 - ``pointers``: every op is a Triton kernel that takes raw pointers, so the forward may run the call as bound
@@ -40,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.backends import BACKENDS, FUSED_ROPE_MAX_TOKENS
-from ..ops import TORCH_KERNELS, Kernels, OpSet, cublas, quack_gemm
+from ..ops import TORCH_KERNELS, Kernels, OpSet, quack_gemm
 from .params import ModernBertParams
 from .pointers import plan_runs_pointers
 
@@ -127,8 +125,7 @@ class Plan:
     linear: Callable
     layers: tuple[LayerPlan, ...]
     why_checked: str | None  # why the checked ops run (None when direct)
-    linear_route: str = "F.linear"  # what ``linear`` is, for describe(): "F.linear" | "small_gemm" | "cublas" | the
-    # route's gemm
+    linear_route: str = "F.linear"  # what ``linear`` is, for describe(): "F.linear" | "small_gemm" | the route's gemm
     pointers: bool = False  # short calls may run as raw-pointer launches (.pointers.plan_runs_pointers, no autocast)
     stack: bool = False  # with gradients: every layer's blocks in one autograd node (.stack)
 
@@ -169,22 +166,18 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     # a CUDA graph replays without host cost: its projections (and its warm-up's) stay on cuBLAS
     small_linear = (not grad and 0 < tokens <= rules.small_linear_max_tokens and not compiling and not quack
                     and not quack_gemm.for_graph(device.type == "cuda"))
-    # eager CUDA calls past that rule: cuBLAS called directly (ops.cublas; the same call as F.linear's)
-    cublas_linear = (not grad and not compiling and not quack and device.type == "cuda"
-                     and not quack_gemm.for_graph(True))
     rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
-    key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, small_linear, cublas_linear,
-           rope_local_fused, decisions, params.window >= max_seqlen - 1, autocast, stack)
+    key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, small_linear, rope_local_fused,
+           decisions, params.window >= max_seqlen - 1, autocast, stack)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
         return hit[1]
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
-                               small_linear=small_linear, cublas_linear=cublas_linear, compiling=compiling,
-                               autocast=autocast, stack=stack)
+                               small_linear=small_linear, compiling=compiling, autocast=autocast, stack=stack)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -200,7 +193,7 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 
 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
-           small_linear, cublas_linear, compiling, autocast, stack) -> Plan:
+           small_linear, compiling, autocast, stack) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
@@ -258,8 +251,6 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         linear, linear_route = run_ops.linear, "small_gemm"
     elif routed and ops.linear is not None:
         linear, linear_route = ops.linear, ops.gemm
-    elif direct and cublas_linear:
-        linear, linear_route = cublas.linear, "cublas"
     else:
         linear, linear_route = F.linear, "F.linear"
     plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
