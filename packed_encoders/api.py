@@ -179,12 +179,14 @@ def _plan_facts(plan) -> dict | None:
     ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
     the call may run as raw-pointer launches over a reused workspace (``model.pointers``; ``pointers_off``: why
     they are off for the process, after a run disagreed with the tensor path), ``blocks``: the kernel family of the
-    per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``)."""
+    per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``;
+    ``stack_off``: why they ran one node per block instead, ``None`` when they did or no gradient was wanted)."""
     if plan is None:
         return None
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,
             "pointers": plan.pointers and pointers_off() is None, "pointers_off": pointers_off(),
-            "blocks": None if plan.kernels is None else plan.kernels.name, "stack": plan.stack}
+            "blocks": None if plan.kernels is None else plan.kernels.name, "stack": plan.stack,
+            "stack_off": plan.stack_off}
 
 
 def _single_encoder(model) -> nn.Module:

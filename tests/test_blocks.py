@@ -151,9 +151,10 @@ def test_stack_matches_the_per_block_path(name, autocast):
                                                          rules=rules))
 
     out_s, g_s = run(LEAN)
-    assert plan_mod.last_plan().stack
+    assert plan_mod.last_plan().stack and plan_mod.last_plan().stack_off is None
     out_b, g_b = run(BLOCKS)
     assert not plan_mod.last_plan().stack and plan_mod.last_plan().kernels is not None
+    assert plan_mod.last_plan().stack_off.startswith("Rules.stack is off")
     torch.testing.assert_close(out_s, out_b, atol=0, rtol=0)
     assert set(g_s) == set(g_b) and len(g_s) == len(list(model.parameters()))
     for n in g_b:
@@ -212,7 +213,7 @@ def test_stack_steps_aside_where_the_call_needs_layers():
     out_s, g_s = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
     out_c, g_c = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN,
                                                        gradient_checkpointing=True))
-    assert not plan_mod.last_plan().stack
+    assert not plan_mod.last_plan().stack and "checkpointing" in plan_mod.last_plan().stack_off
     torch.testing.assert_close(out_s, out_c, atol=0, rtol=0)
     for n in g_s:
         torch.testing.assert_close(g_s[n], g_c[n], atol=1e-6, rtol=1e-5, msg=n)
@@ -220,7 +221,7 @@ def test_stack_steps_aside_where_the_call_needs_layers():
         assert "saved-tensor hooks" in stack_problem(batch, False, False)
         out_o, g_o = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa",
                                                            rules=LEAN))
-        assert not plan_mod.last_plan().stack
+        assert not plan_mod.last_plan().stack and "saved-tensor hooks" in plan_mod.last_plan().stack_off
     torch.testing.assert_close(out_s, out_o, atol=0, rtol=0)
     hidden: list = []
     with torch.enable_grad():
@@ -229,6 +230,7 @@ def test_stack_steps_aside_where_the_call_needs_layers():
     with torch.no_grad():
         encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN)
     assert not plan_mod.last_plan().stack and plan_mod.last_plan().kernels is None
+    assert plan_mod.last_plan().stack_off is None  # nothing to stack without gradients
 
 
 def test_frozen_parameters_get_no_gradient():

@@ -174,15 +174,16 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     total = batch.total_tokens
     device = batch.device
     ckpt = (None,) * params.num_hidden_layers
-    stack = False
+    stack, stack_off = False, None
     if grad:  # as HF: a layer is checkpointed in train mode with grad
         flags = gradient_checkpointing
         if isinstance(flags, bool):
             flags = (flags,) * params.num_hidden_layers
         ckpt = tuple(fn if layer.training else None for fn, layer in zip(flags, model.layers))
-        stack = stack_problem(batch, any(ckpt), hidden_states is not None) is None
+        stack_off = stack_problem(batch, any(ckpt), hidden_states is not None)
+        stack = stack_off is None
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
-                    grad=grad, rules=rules, stack=stack)
+                    grad=grad, rules=rules, stack=stack, stack_off=stack_off)
     if plan.pointers and hidden_states is None and out is None:
         y = run_pointers(model, params, batch, plan, rope_inputs,
                          lambda: encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules))

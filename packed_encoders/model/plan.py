@@ -128,6 +128,7 @@ class Plan:
     linear_route: str = "F.linear"  # what ``linear`` is, for describe(): "F.linear" | "small_gemm" | the route's gemm
     pointers: bool = False  # short calls may run as raw-pointer launches (.pointers.plan_runs_pointers, no autocast)
     stack: bool = False  # with gradients: every layer's blocks in one autograd node (.stack)
+    stack_off: str | None = None  # with per-block nodes instead: why (.stack.stack_problem, or the rules)
 
 
 _CACHE: dict = {}
@@ -152,11 +153,12 @@ def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -
 
 def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens: int, max_seqlen: int,
              dtype: torch.dtype, device: torch.device, grad: bool, rules: Rules | None = None,
-             stack: bool = False) -> Plan:
+             stack: bool = False, stack_off: str | None = None) -> Plan:
     """The :class:`Plan` of one call (cached per call class; see the module docstring).
 
     ``attention``: ``{window: Decision}`` from :func:`..model.forward.plan_attention` (global: ``None``);
-    ``stack``: the call allows one autograd node for every layer (:func:`.stack.stack_problem`).
+    ``stack``: the call allows one autograd node for every layer, ``stack_off``: why not
+    (:func:`.stack.stack_problem`), for ``describe()``.
     """
     rules = rules or default_rules()
     compiling = torch.compiler.is_compiling()
@@ -170,14 +172,14 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
     key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, small_linear, rope_local_fused,
-           decisions, params.window >= max_seqlen - 1, autocast, stack)
+           decisions, params.window >= max_seqlen - 1, autocast, stack, stack_off)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
         return hit[1]
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
-                               small_linear=small_linear, compiling=compiling, autocast=autocast, stack=stack)
+                               small_linear=small_linear, compiling=compiling, autocast=autocast, stack=stack, stack_off=stack_off)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -193,7 +195,7 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 
 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
-           small_linear, compiling, autocast, stack) -> Plan:
+           small_linear, compiling, autocast, stack, stack_off) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
@@ -255,8 +257,14 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         linear, linear_route = F.linear, "F.linear"
     plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
     # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
-    return replace(plan, pointers=not autocast and plan_runs_pointers(plan),
-                   stack=stack and kernels is not None and rules.stack)
+    stacked = stack and kernels is not None and rules.stack
+    if kernels is None or stacked:
+        stack_off = None  # no block path to stack (no gradients, the per-op path), or the stack runs
+    elif not rules.stack:
+        stack_off = "Rules.stack is off (a training CUDA graph's capture records per-block nodes)"
+    else:
+        stack_off = stack_off or "not asked for by the caller"
+    return replace(plan, pointers=not autocast and plan_runs_pointers(plan), stack=stacked, stack_off=stack_off)
 
 
 __all__ = ["LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "last_plan", "plan_for",
