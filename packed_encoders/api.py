@@ -180,7 +180,8 @@ def _plan_facts(plan) -> dict | None:
     the call may run as raw-pointer launches over a reused workspace (``model.pointers``; ``pointers_off``: why
     they are off for the process, after a run disagreed with the tensor path), ``blocks``: the kernel family of the
     per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``;
-    ``stack_off``: why they ran one node per block instead, ``None`` when they did or no gradient was wanted)."""
+    ``stack_off``: why a call with gradients did not (one node per block, or per op), ``None`` when it did or no
+    gradient was wanted)."""
     if plan is None:
         return None
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,

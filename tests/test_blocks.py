@@ -231,6 +231,9 @@ def test_stack_steps_aside_where_the_call_needs_layers():
         encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN)
     assert not plan_mod.last_plan().stack and plan_mod.last_plan().kernels is None
     assert plan_mod.last_plan().stack_off is None  # nothing to stack without gradients
+    with torch.enable_grad():  # the plain-PyTorch op set trains through autograd's own per-op nodes
+        encoder_forward(model, params, batch, attention_backend="sdpa")
+    assert not plan_mod.last_plan().stack and "one autograd node per op" in plan_mod.last_plan().stack_off
 
 
 def test_frozen_parameters_get_no_gradient():

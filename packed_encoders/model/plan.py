@@ -128,7 +128,7 @@ class Plan:
     linear_route: str = "F.linear"  # what ``linear`` is, for describe(): "F.linear" | "small_gemm" | the route's gemm
     pointers: bool = False  # short calls may run as raw-pointer launches (.pointers.plan_runs_pointers, no autocast)
     stack: bool = False  # with gradients: every layer's blocks in one autograd node (.stack)
-    stack_off: str | None = None  # with per-block nodes instead: why (.stack.stack_problem, or the rules)
+    stack_off: str | None = None  # with gradients and no stack: why (.stack.stack_problem, the rules, the op set)
 
 
 _CACHE: dict = {}
@@ -258,8 +258,13 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
     plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
     # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
     stacked = stack and kernels is not None and rules.stack
-    if kernels is None or stacked:
-        stack_off = None  # no block path to stack (no gradients, the per-op path), or the stack runs
+    if stacked or not grad:
+        stack_off = None
+    elif kernels is None:
+        stack_off = "one autograd node per op: " + (
+            "PACKED_ENCODERS_LEAN is off" if not rules.lean else "traced by torch.compile" if compiling
+            else "Rules.blocks is off" if rules.blocks is False
+            else f"the {ops.name!r} op set runs plain PyTorch ops here (autograd's own backwards)")
     elif not rules.stack:
         stack_off = "Rules.stack is off (a training CUDA graph's capture records per-block nodes)"
     else:
