@@ -320,7 +320,8 @@ def training_table(group: list[dict]) -> str:
     """One markdown table for the rows of one (run, workload); ratios against that run's hf_sdpa / compile."""
     ok = {r["variant"]: r for r in group if r.get("status") == "ok"}
     sdpa, comp = ok.get("hf_sdpa", {}), ok.get("compile", {})
-    lines = ["| variant | step ms median (min-max) | x hf_sdpa | x compile | host ms / step | GPU ms / step "
+    lines = ["| variant | step ms median (min-max) | x hf_sdpa | x compile | host ms / step (profiler; timers) "
+             "| GPU ms / step "
              "| peak reserved GiB | mem x hf_sdpa | wall s (warm-up s) | first loss | loss vs hf_sdpa: first / max / "
              "mean abs diff (steps) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -334,11 +335,17 @@ def training_table(group: list[dict]) -> str:
         lines.append(
             f"| {v} | {_fmt(med)} ({_fmt(r['step_ms_min'])}-{_fmt(r['step_ms_max'])}) "
             f"| {_ratio(sdpa.get('step_ms_median'), med)} | {_ratio(comp.get('step_ms_median'), med)} "
-            f"| {_fmt(r.get('host_ms_per_step'))} | {_fmt(r.get('gpu_ms_per_step'))} "
+            f"| {_host_cell(r)} | {_fmt(r.get('gpu_ms_per_step'))} "
             f"| {_fmt(mem / GIB if mem else None, 2)} | {_ratio(mem, sdpa.get('peak_reserved_bytes'))} "
             f"| {_fmt(r.get('wall_s'))} ({_fmt(r.get('warmup_s'))}) | {r['losses'][0]:.4f} "
             f"| {_curve_vs(r, sdpa) if v != 'hf_sdpa' else '-'} |")
     return "\n".join(lines)
+
+
+def _host_cell(r: dict) -> str:
+    """A training row's host time per step: under the profiler, then by host timers where the row has them."""
+    timer = r.get("host_timer_ms_median")
+    return _fmt(r.get("host_ms_per_step")) + ("" if timer is None else f"; {_fmt(timer)}")
 
 
 def _training_header(group: list[dict]) -> str:

@@ -55,6 +55,9 @@ the loss of every step. Then ``--profile-steps`` more steps under ``torch.profil
   call returns (before the closing synchronize), minus the time the CPU spent blocked on the GPU inside the step
   (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaEventSynchronize`` and blocking ``cudaMemcpy*``
   as the profiler records them), / steps. It includes the profiler's own per-op overhead (a few us per op).
+* ``host_timer_ms_median``: the same span measured without the profiler, over the timed steps (host timers,
+  median): no profiler overhead, but any wait on the GPU inside the step counts (e.g. a padded call's length
+  read, which waits for the work queued before it).
 * ``top_device_ms_per_step`` (in ``profile``): the 15 kernels with the most device time, ms and calls per step.
 
     python -m benchmarks.training --workloads single --config modernbert-base      # one workload, all variants
@@ -475,10 +478,12 @@ def run_child(args) -> int:
     warmup_s = time.perf_counter() - t_warm
     memory = {f"{k.removesuffix('_bytes')}_warmup_bytes": v for k, v in common.peak_memory(device).items()}
     common.reset_memory(device)
+    host_s = []
     for i in range(args.warmup, args.warmup + args.steps):
         common.synchronize(device)
         t0 = time.perf_counter()
         losses.append(one(i))
+        host_s.append(time.perf_counter() - t0)
         common.synchronize(device)
         step_s.append(time.perf_counter() - t0)
     memory.update(common.peak_memory(device))
@@ -504,7 +509,7 @@ def run_child(args) -> int:
         "step_ms": ms, "step_ms_median": statistics.median(ms), "step_ms_min": min(ms), "step_ms_max": max(ms),
         "first_step_s": first_step_s, "warmup_s": warmup_s, "setup_s": trainee.setup_s, "wall_s": wall_s,
         "peak_reserved_bytes": None, **memory, "host_ms_per_step": prof.get("host_ms_per_step"),
-        "gpu_ms_per_step": prof.get("gpu_ms_per_step"),
+        "host_timer_ms_median": statistics.median(host_s) * 1e3, "gpu_ms_per_step": prof.get("gpu_ms_per_step"),
         "profile": prof, "losses": [float(x) for x in losses],
         "tokens_per_step": statistics.mean(b.tokens for b in batches),
         "padded_tokens_per_step": statistics.mean(b.padded_tokens for b in batches),
@@ -605,6 +610,8 @@ def run_trainer_child(args, wl: Workload, corpus, env) -> int:
         "warmup_s": memory.pop("warmup_s", None), "setup_s": setup_s, "wall_s": wall_s,
         "peak_reserved_bytes": None, **memory,
         "host_ms_per_step": prof.get("host_ms_per_step"), "gpu_ms_per_step": prof.get("gpu_ms_per_step"),
+        "host_timer_ms_median": (statistics.median(host_marks[args.warmup:args.warmup + args.steps]) * 1e3
+                                 if len(host_marks) >= args.warmup + args.steps else None),
         "profile": prof, "losses": [float(x) for x in step_losses],
         "doc_lengths": length_stats([len(d) for _, ds in texts for d in ds]),
         "query_lengths": length_stats([len(q) for qs, _ in texts for q in qs]),
