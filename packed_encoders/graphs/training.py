@@ -49,10 +49,10 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..batch import PackedBatch
 from ..errors import PackedEncodersError
+from ..model.blocks import first_order
 from ..model.forward import encoder_forward
 from ..model.plan import rules_for
 from ..ops import quack_gemm, weight_cast
@@ -166,7 +166,7 @@ class _Replay(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad_out):
         handle = ctx.handle
         if handle.done:  # (the slot is released only here or when the node is freed: never reused under it)

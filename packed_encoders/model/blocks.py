@@ -31,12 +31,47 @@ per-op path).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..ops.weight_cast import cast
 from .params import ModernBertParams
+
+
+SECOND_DERIVATIVE = ("packed_encoders: second derivatives through the packed encoder are not supported (its training "
+                     "path runs kernels with hand-written first-order backwards); run that model unpacked "
+                     "(pe.unpack(model)) to differentiate twice")
+
+
+def first_order(backward):
+    """``once_differentiable`` for the packed encoder's autograd functions, its error naming the library: the
+    backward runs without grad, and a backward through its result (``create_graph=True``, then differentiating
+    again) raises :data:`SECOND_DERIVATIVE` rather than returning wrong second derivatives."""
+    delayed = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+    if delayed is None:  # torch without the node once_differentiable builds on: its own message
+        return once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled() or not any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads):
+            return outputs
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+
+        def aliased(t):
+            if t is None or not isinstance(t, torch.Tensor):
+                return t
+            t = t.detach()
+            t.requires_grad = t.is_floating_point() or t.is_complex()
+            return t
+
+        return delayed(SECOND_DERIVATIVE.encode(), len(outs))(*[aliased(t) for t in outs])
+
+    return wrapper
 
 
 def _norm_params(m: nn.Module):
@@ -256,7 +291,7 @@ class AttentionIn(torch.autograd.Function):
         return s, q, k, v
 
     @staticmethod
-    @once_differentiable  # raw kernels: a double backward raises rather than returning wrong second derivatives
+    @first_order  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, ds, dq, dk, dv):
         grads = attn_in_bwd(ctx.saved_tensors, ctx.facts, ctx.meta, ctx.params, ctx.needs_input_grad[2:6],
                             ds, dq, dk, dv)
@@ -276,7 +311,7 @@ class AttentionOutMlp(torch.autograd.Function):
         return x, pending
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, dx, dpending):
         grads = out_mlp_bwd(ctx.saved_tensors, ctx.facts, ctx.meta, ctx.params, ctx.needs_input_grad[2:10],
                             dx, dpending)

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ..attention.flash import torch_varlen_backward, torch_varlen_forward_saving
 from ..batch import PackedBatch
 from ..ops.weight_cast import cast_group
-from .blocks import as_dtype, attn_in_bwd, attn_in_fwd, layer_args, out_mlp_bwd, out_mlp_fwd, weights_read
+from .blocks import (as_dtype, attn_in_bwd, attn_in_fwd, first_order, layer_args, out_mlp_bwd, out_mlp_fwd,
+                     weights_read)
 from .params import ModernBertParams
 
 _PER_LAYER = 12  # weight slots per layer: attention in (4), attention out + MLP (8)
@@ -143,7 +143,7 @@ class EncoderStack(torch.autograd.Function):
         return x, pending
 
     @staticmethod
-    @once_differentiable  # raw kernels: a double backward raises rather than returning wrong second derivatives
+    @first_order  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, dx, dpending):
         call, layers = ctx.call, ctx.layers
         if layers is None:
