@@ -179,7 +179,8 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
         return hit[1]
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
-                               small_linear=small_linear, compiling=compiling, autocast=autocast, stack=stack, stack_off=stack_off)
+                               small_linear=small_linear, compiling=compiling, autocast=autocast, stack=stack,
+                               stack_off=stack_off)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
