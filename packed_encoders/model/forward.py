@@ -26,7 +26,7 @@ from ..ops.weight_cast import cast
 from .blocks import compute_dtype, run_layer_blocks
 from .dropout import applies_attention_dropout, dropout_modules
 from .params import ModernBertParams
-from .plan import Rules, plan_for
+from .plan import NOT_ASKED, Rules, plan_for
 from .pointers import run as run_pointers
 from .stack import run_stack, stack_problem
 
@@ -174,16 +174,15 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     total = batch.total_tokens
     device = batch.device
     ckpt = (None,) * params.num_hidden_layers
-    stack, stack_off = False, None
+    stack_off = NOT_ASKED
     if grad:  # as HF: a layer is checkpointed in train mode with grad
         flags = gradient_checkpointing
         if isinstance(flags, bool):
             flags = (flags,) * params.num_hidden_layers
         ckpt = tuple(fn if layer.training else None for fn, layer in zip(flags, model.layers))
         stack_off = stack_problem(batch, any(ckpt), hidden_states is not None)
-        stack = stack_off is None
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
-                    grad=grad, rules=rules, stack=stack, stack_off=stack_off)
+                    grad=grad, rules=rules, stack_off=stack_off)
     if plan.pointers and hidden_states is None and out is None:
         y = run_pointers(model, params, batch, plan, rope_inputs,
                          lambda: encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules))

@@ -131,6 +131,7 @@ class Plan:
     stack_off: str | None = None  # with gradients and no stack: why (.stack.stack_problem, the rules, the op set)
 
 
+NOT_ASKED = "not asked for by the caller"  # plan_for's default stack_off: one node per block
 _CACHE: dict = {}
 _LOCK = threading.Lock()
 _CACHE_SIZE = 256
@@ -153,12 +154,12 @@ def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -
 
 def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens: int, max_seqlen: int,
              dtype: torch.dtype, device: torch.device, grad: bool, rules: Rules | None = None,
-             stack: bool = False, stack_off: str | None = None) -> Plan:
+             stack_off: str | None = NOT_ASKED) -> Plan:
     """The :class:`Plan` of one call (cached per call class; see the module docstring).
 
     ``attention``: ``{window: Decision}`` from :func:`..model.forward.plan_attention` (global: ``None``);
-    ``stack``: the call allows one autograd node for every layer, ``stack_off``: why not
-    (:func:`.stack.stack_problem`), for ``describe()``.
+    ``stack_off``: why the call cannot run every layer as one autograd node (:func:`.stack.stack_problem`), or
+    ``None`` when it can; kept on the plan for ``describe()``.
     """
     rules = rules or default_rules()
     compiling = torch.compiler.is_compiling()
@@ -172,14 +173,14 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
     key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, small_linear, rope_local_fused,
-           decisions, params.window >= max_seqlen - 1, autocast, stack, stack_off)
+           decisions, params.window >= max_seqlen - 1, autocast, stack_off)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
         return hit[1]
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
-                               small_linear=small_linear, compiling=compiling, autocast=autocast, stack=stack,
+                               small_linear=small_linear, compiling=compiling, autocast=autocast,
                                stack_off=stack_off)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
@@ -196,7 +197,7 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 
 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
-           small_linear, compiling, autocast, stack, stack_off) -> Plan:
+           small_linear, compiling, autocast, stack_off) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
@@ -257,8 +258,7 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
     else:
         linear, linear_route = F.linear, "F.linear"
     plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
-    # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
-    stacked = stack and kernels is not None and rules.stack
+    stacked = stack_off is None and kernels is not None and rules.stack
     if stacked or not grad:
         stack_off = None
     elif kernels is None:
@@ -268,8 +268,7 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
             else f"the {ops.name!r} op set runs plain PyTorch ops here (autograd's own backwards)")
     elif not rules.stack:
         stack_off = "Rules.stack is off (a training CUDA graph's capture records per-block nodes)"
-    else:
-        stack_off = stack_off or "not asked for by the caller"
+    # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
     return replace(plan, pointers=not autocast and plan_runs_pointers(plan), stack=stacked, stack_off=stack_off)
 
 
