@@ -3,6 +3,8 @@ unchecked (direct) Triton launches against the checked per-op path (interpreted 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -73,7 +75,8 @@ def test_plan_choices_follow_the_rules(fused):
         return plan_mod.plan_for(params, ops, _sdpa(params), tokens=tokens, max_seqlen=max_seqlen,
                                  dtype=torch.float32, device=cpu, grad=grad, rules=rules)
 
-    assert plan(5000).glu == "split"  # past the small GEMMs' size rule (eager: Rules.small_linear_max_tokens)
+    assert plan(9000).glu == "split"  # past the small GEMMs' size rules (eager: Rules.glu_eager_max_tokens)
+    assert plan(5000).glu == "small_gemm"  # past small_linear_max_tokens: Wi + GLU still one Triton GEMM
     assert plan(300).glu == "small_gemm"  # past glu_gemm_max_tokens, but an eager call: host-bound
     # projections: the Triton GEMM for small eager calls (host-bound), F.linear past the size rule, with gradient
     # or with the switch off (PACKED_ENCODERS_FUSED_GLU_GEMM=0 at pack())
@@ -89,8 +92,10 @@ def test_plan_choices_follow_the_rules(fused):
         warm = plan_mod.plan_for(params, fused.TRITON_OPS, _sdpa(params), tokens=100, max_seqlen=40,
                                  dtype=torch.bfloat16, device=torch.device("cuda"), grad=False)
     assert warm.direct and warm.glu == "small_gemm" and warm.linear is torch.nn.functional.linear
-    assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0, small_linear_max_tokens=0)).glu == "split"
-    assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0)).glu == "small_gemm"  # eager: the other rule
+    off = plan_mod.Rules(glu_gemm_max_tokens=0, small_linear_max_tokens=0, glu_eager_max_tokens=0)
+    assert plan(100, rules=off).glu == "split"
+    assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0)).glu == "small_gemm"  # eager: the other rules
+    assert plan(100, rules=plan_mod.Rules(glu_gemm_max_tokens=0, glu_eager_max_tokens=0)).glu == "small_gemm"
     # the checked path routes through the checked op, unless PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at pack())
     assert plan(5000, rules=plan_mod.Rules(lean=False)).glu == "route"
     assert plan(100, rules=plan_mod.Rules(lean=False, glu_gemm_max_tokens=0)).glu == "split"
@@ -242,12 +247,24 @@ def test_pointer_runs_need_every_op_on_a_pointer_kernel(fused):
                                  device=torch.device("cpu"), grad=grad, rules=rules)
 
     assert plan(100).pointers and pointers.plan_runs_pointers(plan(100))
-    assert plan(4096).pointers and not plan(4097).pointers  # past it, cuBLAS: it needs tensors
+    assert plan(100).linear_route == "small_gemm" and plan(100).glu == "small_gemm"
+    # past the Triton GEMM's size rule: cuBLAS on views of the workspace, Wi + GLU still one Triton GEMM ...
+    assert plan(4097).pointers and (plan(4097).linear_route, plan(4097).glu) == ("F.linear", "small_gemm")
+    # ... up to Rules.glu_eager_max_tokens, then Wi and the GLU as two launches
+    assert plan(8193).pointers and (plan(8193).linear_route, plan(8193).glu) == ("F.linear", "split")
+    assert plan(5000, rules=plan_mod.Rules(glu_eager_max_tokens=0)).glu == "split"
+    assert plan(5000, grad=True).glu == "split"
+    assert plan(16000).pointers
+    # Rules.pointer_max_tokens: larger calls are GPU-bound, and the workspace would outgrow the tensor path's peak
+    assert not plan(16000, rules=plan_mod.Rules(pointer_max_tokens=15999)).pointers
+    assert not plan(100, rules=plan_mod.Rules(pointer_max_tokens=99)).pointers
+    assert plan(100, rules=plan_mod.Rules(small_linear_max_tokens=0)).pointers
+    varlen = {None: Decision("varlen"), params.window: Decision("triton")}  # FlashAttention-2 after the RoPE kernel
+    assert plan(100, attention=varlen).pointers and plan(5000, attention=varlen).pointers
     assert not plan(100, attention=_sdpa(params)).pointers
     assert not plan(100, attention={None: Decision("triton"), params.window: Decision("sdpa")}).pointers
     assert not plan(100, grad=True).pointers and not plan(100, ops=TORCH_OPS).pointers
-    assert not plan(100, rules=plan_mod.Rules(fused_rope=False)).pointers  # RoPE as its own op
-    assert not plan(100, rules=plan_mod.Rules(small_linear_max_tokens=0)).pointers
+    assert not plan(100, rules=plan_mod.Rules(fused_rope=False)).pointers  # the Triton kernel's RoPE as its own op
     # on CPU the run declines (CUDA pointers only) and the tensor path gives the result
     batch = _batch(model, [9, 30, 4])
     with torch.no_grad():
@@ -258,16 +275,19 @@ def test_pointer_runs_need_every_op_on_a_pointer_kernel(fused):
 
 
 def test_pointer_workspace_buffers_are_aligned_and_disjoint():
-    from packed_encoders.model.pointers import _ALIGN, _offsets
+    from packed_encoders.model.pointers import _ALIGN, _offsets, _widths, _workspace_bytes
 
     hidden, inner, size = 96, 160, 2
-    for base in (0, 16, 4096 + 48):
-        offs = _offsets(base, 64, hidden, inner, size)
-        widths = (hidden, hidden, 3 * hidden, hidden, hidden, inner)
-        assert all(o % _ALIGN == 0 and o >= base for o in offs)
-        ends = [o + 64 * w * size for o, w in zip(offs, widths)]
-        assert all(e <= o for e, o in zip(ends, offs[1:]))
-        assert ends[-1] <= base + 64 * (7 * hidden + inner) * size + 6 * _ALIGN  # what _workspace allocates
+    for pre in (False, True):
+        widths = _widths(hidden, inner, pre)
+        assert len(widths) == 6 + pre
+        for base in (0, 16, 4096 + 48):
+            for tokens in (1, 37, 64):
+                offs = _offsets(base, tokens, widths, size)
+                assert all(o % _ALIGN == 0 and o >= base for o in offs)
+                ends = [o + tokens * w * size for o, w in zip(offs, widths)]
+                assert all(e <= o for e, o in zip(ends, offs[1:]))
+                assert ends[-1] <= base + _workspace_bytes(tokens, widths, size)  # what _run allocates
 
 
 def test_first_pointer_run_of_a_launch_class_is_checked(monkeypatch):
@@ -280,6 +300,7 @@ def test_first_pointer_run_of_a_launch_class_is_checked(monkeypatch):
     params = ModernBertParams.from_hf_config(model.config)
     batch = _batch(model, [9, 30, 4])
     y = torch.randn(batch.total_tokens, params.hidden_size)
+    plan = SimpleNamespace(linear_route="small_gemm", glu="small_gemm", layers=())
     monkeypatch.setattr(pointers, "_run", lambda *a: y.clone())
     monkeypatch.setattr(pointers, "_VERIFIED", set())
     monkeypatch.setattr(pointers, "_STATE", {"off": None})
@@ -292,15 +313,15 @@ def test_first_pointer_run_of_a_launch_class_is_checked(monkeypatch):
             return result
         return run
 
-    got = pointers.run(model, params, batch, None, None, tensor_path(y.clone()))
+    got = pointers.run(model, params, batch, plan, None, tensor_path(y.clone()))
     assert torch.equal(got, y) and len(calls) == 1 and pointers.off_reason() is None
-    pointers.run(model, params, batch, None, None, tensor_path(y.clone()))
+    pointers.run(model, params, batch, plan, None, tensor_path(y.clone()))
     assert len(calls) == 1  # that launch class is checked: no second tensor run
     longer = _batch(model, [9, 30, 4, 300])  # another size class: checked again, and it disagrees
     y = torch.randn(longer.total_tokens, params.hidden_size)
     ref = y + 1
     with pytest.warns(RuntimeWarning, match="disagreed with the tensor path"):
-        got = pointers.run(model, params, longer, None, None, tensor_path(ref))
+        got = pointers.run(model, params, longer, plan, None, tensor_path(ref))
     assert torch.equal(got, ref) and "disagreed" in pointers.off_reason()
-    assert pointers.run(model, params, batch, None, None, tensor_path(y)) is None  # off for the process
+    assert pointers.run(model, params, batch, plan, None, tensor_path(y)) is None  # off for the process
     assert not pointers._LOCAL.declined

@@ -278,9 +278,9 @@ def test_forward_uses_glu_linear_without_grad_only(counted, monkeypatch):
     with torch.no_grad():
         got = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa")
         assert len(calls) == len(model.layers)
-        # the plan sizes the direct path's GEMMs (PACKED_ENCODERS_FUSED_GLU_GEMM=0 at pack(): both rules 0)
+        # the plan sizes the direct path's GEMMs (PACKED_ENCODERS_FUSED_GLU_GEMM=0 at pack(): every rule 0)
         ref = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa",
-                              rules=Rules(glu_gemm_max_tokens=0, small_linear_max_tokens=0))
+                              rules=Rules(glu_gemm_max_tokens=0, small_linear_max_tokens=0, glu_eager_max_tokens=0))
     assert len(calls) == len(model.layers)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
     encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa").sum().backward()

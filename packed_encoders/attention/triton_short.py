@@ -271,33 +271,33 @@ def _signature(q_dtype, cu_dtype, kl_dtype, rows_dtype, strides: tuple, head_dim
             not pointers & 15)
 
 
-def launch_pointers(qkv: int, out: int, cu_seqlens: int, num_seqs: int, total: int, max_seqlen: int, heads: int,
-                    head_dim: int, window: int | None, scale: float, rope: tuple[int, int, int, torch.dtype],
-                    dtype: torch.dtype, device: int, stream: int) -> bool:
-    """The RoPE-fused kernel on raw device pointers: ``q, k, v`` the three thirds of a contiguous fused projection
-    ``qkv`` ``[total, 3 * heads * head_dim]`` of ``dtype`` (unrotated), ``out`` contiguous ``[total, heads,
-    head_dim]``, int32 ``cu_seqlens`` ``[num_seqs + 1]``, ``rope`` ``(cos, sin, rows, rows dtype)``: contiguous fp32
-    ``[R, head_dim // 2]`` tables and ``rows`` ``[total]``; on ``stream`` of CUDA device ``device``. Launches only
-    through a signature a tensor launch bound before (see ``_runtime.launch_cached``): returns ``False``, launching
-    nothing, when there is none."""
+def launcher(num_seqs: int, total: int, max_seqlen: int, heads: int, head_dim: int, window: int | None,
+             scale: float, rows_dtype: torch.dtype, dtype: torch.dtype, device: int, stream: int):
+    """The RoPE-fused kernel for raw device pointers, all 16-byte aligned: ``launch(qkv, out, cu_seqlens, cos, sin,
+    rows)`` with ``q, k, v`` the three thirds of a contiguous fused projection ``qkv`` ``[total, 3 * heads *
+    head_dim]`` of ``dtype`` (unrotated), ``out`` contiguous ``[total, heads, head_dim]``, int32 ``cu_seqlens``
+    ``[num_seqs + 1]``, contiguous fp32 ``cos`` / ``sin`` ``[R, head_dim // 2]`` and ``rows`` ``[total]`` of
+    ``rows_dtype``; on ``stream`` of CUDA device ``device``. ``None`` when no tensor launch bound that signature yet
+    (see ``_runtime.launch_cached``)."""
     local = window is not None and window < max_seqlen - 1
     cfg = tile_config(max_seqlen, head_dim, local)
     tiles_per_seq = triton_cdiv(max_seqlen, cfg.block_m)
     width = heads * head_dim
-    elem = dtype.itemsize
-    k, v = qkv + width * elem, qkv + 2 * width * elem
-    cos, sin, rows, rows_dtype = rope
+    k_offset, v_offset = width * dtype.itemsize, 2 * width * dtype.itemsize
     strides = (3 * width, head_dim, 3 * width, head_dim, 3 * width, head_dim, width, head_dim, head_dim // 2)
     bound = _BOUND.get((device, _signature(dtype, torch.int32, torch.int32, rows_dtype, strides, head_dim, cfg, local,
-                                           False, max(total, num_seqs * tiles_per_seq),
-                                           qkv | k | v | out | cu_seqlens | cos | sin | rows)))
+                                           False, max(total, num_seqs * tiles_per_seq), 0)))
     if not bound:  # not bound yet (or unbindable: False)
-        return False
+        return None
     grid_rows = num_seqs * tiles_per_seq if cfg.grid == "seq" else triton_cdiv(total, cfg.block_m)
-    bound(grid_rows, triton_cdiv(heads, cfg.heads_per_program), 1, stream, qkv, k, v, out, cu_seqlens, cu_seqlens,
-          cos, sin, rows, scale * _LOG2E, total, num_seqs, max(0, math.ceil(math.log2(num_seqs))),
-          int(window) if local else 0, tiles_per_seq, heads, *strides)
-    return True
+    run = bound.at(grid_rows, triton_cdiv(heads, cfg.heads_per_program), 1, stream)
+    ints = (scale * _LOG2E, total, num_seqs, max(0, math.ceil(math.log2(num_seqs))), int(window) if local else 0,
+            tiles_per_seq, heads, *strides)
+
+    def launch(qkv: int, out: int, cu_seqlens: int, cos: int, sin: int, rows: int) -> None:
+        run(qkv, qkv + k_offset, qkv + v_offset, out, cu_seqlens, cu_seqlens, cos, sin, rows, *ints)
+
+    return launch
 
 
 def _launch(q, k, v, cu_seqlens, max_seqlen: int, window: int | None, scale: float, config: TileConfig | None,

@@ -11,7 +11,8 @@ forward then calls the chosen implementations directly:
 - per layer (:class:`LayerPlan`): the attention window and backend, and where RoPE happens: in the ``Wqkv``
   GEMM's epilogue (``rope_linear``: the op set's route is asked; it may decline a call), else inside the attention
   kernel (``rope_in_attention``), else as its own op.
-- the ``Wi`` + GLU path (``"small_gemm"``: one Triton launch for short calls; ``"route"``: the op set's
+- the ``Wi`` + GLU path (``"small_gemm"``: one Triton launch for short calls and eager ones of at most
+  :attr:`Rules.glu_eager_max_tokens` tokens; ``"route"``: the op set's
   ``glu_linear`` route, e.g. quack's epilogue; ``"split"``: ``F.linear`` then the GLU op) and the projections
   (``F.linear``; the op set's ``linear`` route where it may take the call; the unchecked Triton GEMM, ``Wi`` + GLU
   included, for eager calls of at most :attr:`Rules.small_linear_max_tokens` tokens, which are host-bound: its
@@ -19,8 +20,9 @@ forward then calls the chosen implementations directly:
   a CUDA graph and its warm-up keep cuBLAS, up to ~20 % faster on the GPU at large sizes).
 - ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op;
   ``stack``: one for every layer of the encoder (:mod:`.stack`), where the call allows it.
-- ``pointers``: every op is a Triton kernel that takes raw pointers, so the forward may run the call as bound
-  launches over a reused workspace (:mod:`.pointers`: no per-op allocation, shape reads or launch keys).
+- ``pointers``: every op is one :mod:`.pointers` can launch (Triton kernels on raw pointers, cuBLAS and
+  FlashAttention-2 on views), so the forward may run a call of at most :attr:`Rules.pointer_max_tokens` tokens over
+  one workspace (no per-op allocation, shape reads or launch keys).
 
 Route choices count host time: quack's CuteDSL GEMMs cost ~10-20 us more host time per launch than cuBLAS, so an
 eager call consults quack's routes only from :data:`QUACK_EAGER_MIN_TOKENS` tokens (where the forward is
@@ -62,7 +64,14 @@ class Rules:
             GEMMs, Triton / cuBLAS (``Wi`` + the GLU kernel there): 0.82x at 256 tokens, 0.80x at 1,024, 1.01x at
             3,300, 1.14x at 7,400, 1.20x at 16,384 (``gemm_eager`` rows in benchmarks/results/h200); an eager call of
             a few thousand tokens spends more host time than GPU time on cuBLAS's dispatch alone.
+        glu_eager_max_tokens: eager no-grad calls of at most this many tokens (and more than
+            ``small_linear_max_tokens``) run ``Wi`` + GLU as one Triton GEMM, the other projections on cuBLAS: H200,
+            8,192 tokens, 60.6 us against 62.6 for cuBLAS + the GLU kernel (``small_gemm.TUNED``), and one launch
+            and one cuBLAS call fewer per layer on the host; at 16,384 tokens cuBLAS + GLU is ~10 % faster.
         quack_eager_min_tokens: eager calls below this many tokens never consult quack's routes.
+        pointer_max_tokens: eager no-grad calls of at most this many tokens may run as raw-pointer launches over one
+            workspace (:mod:`.pointers`; host-bound sizes: larger calls are GPU-bound, and the workspace holds every
+            buffer of a layer at once, ~1.5x the tensor path's peak).
         blocks: training forwards as per-block autograd functions: ``None`` where the op family's kernels are
             fused (Triton; plain-torch ops keep autograd's own C++ backwards, cheaper than Python twins), ``True``
             for any family with kernels (tests use it to check the block maths on CPU), ``False`` never.
@@ -75,7 +84,9 @@ class Rules:
     fused_rope_max_tokens: int = FUSED_ROPE_MAX_TOKENS
     glu_gemm_max_tokens: int = 256
     small_linear_max_tokens: int = 4096
+    glu_eager_max_tokens: int = 8192
     quack_eager_min_tokens: int = QUACK_EAGER_MIN_TOKENS
+    pointer_max_tokens: int = QUACK_EAGER_MIN_TOKENS
     blocks: bool | None = None
     stack: bool = True
 
@@ -93,7 +104,8 @@ def rules_for(tuning) -> Rules:
     small = bool(tuning.fused_glu_gemm)
     rules = Rules(lean=bool(tuning.lean), fused_rope=bool(tuning.fused_rope),
                   glu_gemm_max_tokens=_DEFAULT_RULES.glu_gemm_max_tokens if small else 0,
-                  small_linear_max_tokens=_DEFAULT_RULES.small_linear_max_tokens if small else 0)
+                  small_linear_max_tokens=_DEFAULT_RULES.small_linear_max_tokens if small else 0,
+                  glu_eager_max_tokens=_DEFAULT_RULES.glu_eager_max_tokens if small else 0)
     if len(_TUNED_RULES) > 64:
         _TUNED_RULES.clear()
     _TUNED_RULES[id(tuning)] = (tuning, rules)
@@ -167,21 +179,25 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
                                             else ops.gemm == "quack" and ops.linear is not None)
     glu_small = 0 < tokens <= rules.glu_gemm_max_tokens
     # a CUDA graph replays without host cost: its projections (and its warm-up's) stay on cuBLAS
-    small_linear = (not grad and 0 < tokens <= rules.small_linear_max_tokens and not compiling and not quack
-                    and not quack_gemm.for_graph(device.type == "cuda"))
+    graph = quack_gemm.for_graph(device.type == "cuda")
+    host_bound = not grad and not compiling and not quack and not graph  # an eager call's host time counts
+    small_linear = host_bound and 0 < tokens <= rules.small_linear_max_tokens
+    glu_eager = host_bound and 0 < tokens <= rules.glu_eager_max_tokens
+    # raw-pointer runs: host-bound eager calls only (a graph's capture or warm-up records the tensor path)
+    pointers = not grad and not compiling and not graph and tokens <= rules.pointer_max_tokens
     rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
-    key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, small_linear, rope_local_fused,
-           decisions, params.window >= max_seqlen - 1, autocast, stack_off)
+    key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, glu_eager, small_linear,
+           rope_local_fused, decisions, params.window >= max_seqlen - 1, autocast, stack_off, pointers)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
         return hit[1]
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
-                               small_linear=small_linear, compiling=compiling, autocast=autocast,
-                               stack_off=stack_off)
+                               glu_eager=glu_eager, small_linear=small_linear, compiling=compiling, autocast=autocast,
+                               stack_off=stack_off, pointers=pointers)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -196,8 +212,8 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
     return window
 
 
-def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small,
-           small_linear, compiling, autocast, stack_off) -> Plan:
+def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small, glu_eager,
+           small_linear, compiling, autocast, stack_off, pointers) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
@@ -244,7 +260,7 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         glu = "split"
     elif routed and ops.gemm == "quack" and ops.glu_linear is not None:
         glu = "route"
-    elif direct and (glu_small or small_linear) and run_ops.glu_linear is not None:
+    elif direct and (glu_small or glu_eager or small_linear) and run_ops.glu_linear is not None:
         glu = "small_gemm"
     elif not direct and ops.glu_linear is not None and (glu_small or (not rules.lean and rules.glu_gemm_max_tokens)):
         glu = "route"  # the checked op applies its own size and cover rules (0 tokens: the switch is off)
@@ -269,7 +285,8 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
     elif not rules.stack:
         stack_off = "Rules.stack is off (a training CUDA graph's capture records per-block nodes)"
     # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
-    return replace(plan, pointers=not autocast and plan_runs_pointers(plan), stack=stacked, stack_off=stack_off)
+    pointers = pointers and not autocast and plan_runs_pointers(plan)
+    return replace(plan, pointers=pointers, stack=stacked, stack_off=stack_off)
 
 
 __all__ = ["LayerPlan", "Plan", "QUACK_EAGER_MIN_TOKENS", "Rules", "default_rules", "last_plan", "plan_for",

@@ -1,23 +1,24 @@
-"""Short no-grad eager calls as raw-pointer launches over one reused workspace.
+"""No-grad eager calls as raw-pointer launches over one workspace per call.
 
-An eager ModernBERT-base forward of a short batch launches ~155 Triton kernels and spends its time on the host:
-per launch, a ``torch.empty`` for the output, the wrapper's reads of shapes, strides and dtypes, and the launch.
-For a plan whose every op is one of the Triton kernels that take raw pointers (:attr:`..ops.OpSet.pointers`: the
-LayerNorms, the small GEMMs, the RoPE-fused Triton attention; see :func:`plan_runs_pointers`), this module runs
-the layers on integers instead: the activations live in one workspace, allocated once per (device, stream,
-geometry) and reused by later calls on that stream (stream order serialises them; threads sharing a stream take
-turns enqueueing), and each op launches
-its already-compiled kernel through the signature a tensor launch bound (``ops.triton._runtime.Bound``). The maths
-and the kernels are the tensor path's (:func:`..model.forward.encoder_forward`): results are bit-identical.
+An eager ModernBERT-base forward of a batch of a few thousand tokens or fewer is host-bound: ~200 launches, and
+per launch a ``torch.empty`` for the output, the wrapper's reads of shapes, strides and dtypes, and the launch.
+For a plan whose ops this module can launch (see :func:`plan_runs_pointers`: the op set's Triton kernels that
+take raw pointers, the LayerNorms, GLU and RoPE; the projections on the small Triton GEMM or cuBLAS; attention in
+the RoPE-fused Triton kernel or FlashAttention-2), it runs the layers on integers instead: the activations live
+in one workspace, allocated once per call from the caching allocator, each Triton op launches its
+already-compiled kernel through the signature a tensor launch bound (``ops.triton._runtime.Bound``), and cuBLAS
+(``torch.mm`` / ``torch.addmm``) and FlashAttention-2 (``aten::_flash_attention_forward``) read and write tensor
+views of the workspace made once per call. The maths, the kernels and their launch shapes are the tensor path's
+(:func:`..model.forward.encoder_forward`): results are bit-identical.
 
 Weights are read from the live modules on every call, as the tensor path reads them. A call this module cannot
 run (a signature not bound yet, the fast launcher off or launch hooks on, a weight of another dtype, non-contiguous
 or misaligned, dropout in train mode, a layer 0 with a norm, ...) returns ``None`` and the caller runs the tensor
 path, which binds what was missing; nothing it wrote is visible (only the workspace is written before the output).
 
-Checked as CUDA graphs are: the first run of each launch class (geometry, dtype, device, the GEMM and attention
-configs its sizes select) is compared with the tensor path, bit for bit, and the tensor path's result returned;
-a mismatch turns raw-pointer runs off for the process with a warning (:func:`off_reason` says why).
+Checked as CUDA graphs are: the first run of each launch class (geometry, dtype, device, routes, the GEMM and
+attention configs its sizes select) is compared with the tensor path, bit for bit, and the tensor path's result
+returned; a mismatch turns raw-pointer runs off for the process with a warning (:func:`off_reason` says why).
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from torch import nn
 from ..batch import PackedBatch
 from .params import ModernBertParams
 
-_WORKSPACES: dict = {}
-_MAX_WORKSPACES = 16
 _ALIGN = 256  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
 _VERIFIED: set = set()  # launch classes whose first run matched the tensor path
 _STATE: dict = {"off": None}  # why raw-pointer runs are off for this process (a failed check), or None
 _LOCAL = threading.local()  # .declined: the tensor path is running for a check (no raw-pointer run inside it)
+_LINEAR_ROUTES = ("small_gemm", "F.linear")
+_GLU_ROUTES = ("small_gemm", "split")
 
 
 def off_reason() -> str | None:
@@ -48,52 +49,49 @@ def off_reason() -> str | None:
 
 def plan_runs_pointers(plan) -> bool:
     """Whether a :class:`..model.plan.Plan` can run here: unchecked Triton ops (``ops.pointers``), the projections
-    and ``Wi`` + GLU on the small Triton GEMM, and every layer's attention in the Triton kernel with RoPE fused."""
-    return (plan.direct and getattr(plan.ops, "pointers", False) and plan.linear_route == "small_gemm"
-            and plan.glu == "small_gemm"
-            and all(step.backend == "triton" and step.rope_in_attention and not step.rope_linear
+    on the small Triton GEMM or ``F.linear`` (cuBLAS), ``Wi`` + GLU fused in the Triton GEMM or ``F.linear`` then the
+    GLU kernel, and every layer's attention in the Triton kernel with RoPE fused or in FlashAttention-2 (torch
+    ``varlen``) after the RoPE kernel."""
+    return (plan.direct and getattr(plan.ops, "pointers", False) and plan.linear_route in _LINEAR_ROUTES
+            and plan.glu in _GLU_ROUTES and (plan.glu != "split" or plan.linear_route == "F.linear")
+            and all(not step.rope_linear and (step.rope_in_attention if step.backend == "triton"
+                                              else step.backend == "varlen" and not step.rope_in_attention)
                     for step in plan.layers))
 
 
-def _workspace(device: torch.device, tokens: int, hidden: int, inner: int, dtype: torch.dtype,
-               stream: int) -> tuple[torch.Tensor, int, threading.Lock]:
-    """``(buffer, capacity in tokens, lock)`` of this (device, stream, geometry)'s workspace, grown to hold
-    ``tokens`` (a power of two, at least 64). Buffers per token: the residual stream, the normed input, ``qkv``,
-    the attention output, the projection output and the GLU output (ModernBERT-base, bf16: 13 KB per token,
-    3.3 MB at 256 tokens, 53 MB at 4,096). The caller holds the lock while it enqueues (two threads interleaving
-    launches on one stream would interleave their writes) and the buffer until it has: a workspace replaced or
-    dropped meanwhile is freed only after, in its stream's order."""
-    key = (device, stream, hidden, inner, dtype)
-    hit = _WORKSPACES.get(key)
-    if hit is not None and hit[1] >= tokens:
-        return hit
-    capacity = max(64, 1 << (tokens - 1).bit_length())
-    per_token = (7 * hidden + inner) * dtype.itemsize
-    hit = (torch.empty(capacity * per_token + 6 * _ALIGN, dtype=torch.uint8, device=device), capacity,
-           threading.Lock())
-    if len(_WORKSPACES) >= _MAX_WORKSPACES:
-        _WORKSPACES.pop(next(iter(_WORKSPACES), None), None)
-    _WORKSPACES[key] = hit
-    return hit
+_WIDTHS = ("x", "normed", "qkv", "att", "delta", "gated", "pre")
 
 
-def _offsets(base: int, capacity: int, hidden: int, inner: int, itemsize: int) -> tuple[int, ...]:
+def _widths(hidden: int, inner: int, pre: bool) -> tuple[int, ...]:
+    """Columns of the workspace's buffers, in :data:`_WIDTHS` order: the residual stream, the normed input, ``qkv``,
+    the attention output, the projection output, the GLU output and (``pre``: ``Wi`` and the GLU as two launches)
+    ``Wi``'s output."""
+    return (hidden, hidden, 3 * hidden, hidden, hidden, inner) + ((2 * inner,) if pre else ())
+
+
+def _offsets(base: int, tokens: int, widths: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Each buffer's address in a workspace at ``base`` for ``tokens`` rows, every one ``_ALIGN``-aligned."""
     out = []
     at = -(-base // _ALIGN) * _ALIGN
-    for width in (hidden, hidden, 3 * hidden, hidden, hidden, inner):
+    for width in widths:
         out.append(at)
-        at += -(-capacity * width * itemsize // _ALIGN) * _ALIGN
+        at += -(-tokens * width * itemsize // _ALIGN) * _ALIGN
     return tuple(out)
 
 
+def _workspace_bytes(tokens: int, widths: tuple[int, ...], itemsize: int) -> int:
+    return tokens * sum(widths) * itemsize + (len(widths) + 1) * _ALIGN
+
+
 def _ptr(t: torch.Tensor | None, dtype: torch.dtype, numel: int) -> int | None:
-    """``t``'s data pointer when it is a contiguous ``dtype`` tensor of ``numel`` elements (``None``: no tensor);
-    ``-1`` otherwise (the call then takes the tensor path)."""
+    """``t``'s data pointer when it is a contiguous, 16-byte aligned ``dtype`` tensor of ``numel`` elements
+    (``None``: no tensor); ``-1`` otherwise (the call then takes the tensor path)."""
     if t is None:
         return None
     if t.dtype is not dtype or t.numel() != numel or not t.is_contiguous():
         return -1
-    return t.data_ptr()
+    p = t.data_ptr()
+    return -1 if p & 15 else p
 
 
 def _dropout_active(m: nn.Module) -> bool:
@@ -111,7 +109,7 @@ def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, ro
     out = _run(model, params, batch, plan, rope_inputs)
     if out is None:
         return None
-    key = _launch_class(params, batch, out.dtype, out.device)
+    key = _launch_class(params, batch, plan, out.dtype, out.device)
     if key in _VERIFIED:
         return out
     _LOCAL.declined = True
@@ -131,9 +129,11 @@ def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, ro
     return ref
 
 
-def _launch_class(params: ModernBertParams, batch: PackedBatch, dtype: torch.dtype, device: torch.device) -> tuple:
-    """What selects the kernels and launch shapes of a run: geometry, dtype, device and the size classes (the
-    LayerNorm tile, the four GEMMs' configs, the attention tiles of the windows in reach)."""
+def _launch_class(params: ModernBertParams, batch: PackedBatch, plan, dtype: torch.dtype,
+                  device: torch.device) -> tuple:
+    """What selects the kernels and launch shapes of a run: geometry, dtype, device, the routes, and the size
+    classes (the LayerNorm tile, the four GEMMs' configs, the attention tiles of the windows in reach; cuBLAS and
+    FlashAttention-2 are the tensor path's own calls)."""
     from ..attention import triton_short
     from ..ops.triton import layer_norm, small_gemm
 
@@ -141,8 +141,9 @@ def _launch_class(params: ModernBertParams, batch: PackedBatch, dtype: torch.dty
     config = small_gemm.default_config
     windows = tuple(params.layer_window(n) is not None and params.layer_window(n) < batch.max_seqlen - 1
                     for n in range(params.num_hidden_layers))
-    return (params, dtype, device, layer_norm._forward_shape(t, h, dtype.itemsize), config(t, 3 * h, h),
-            config(t, h, h), config(t, 2 * i, h, glu=True), config(t, h, i), windows,
+    return (params, dtype, device, plan.linear_route, plan.glu, tuple(step.backend for step in plan.layers),
+            layer_norm._forward_shape(t, h, dtype.itemsize), config(t, 3 * h, h), config(t, h, h),
+            config(t, 2 * i, h, glu=True), config(t, h, i), windows,
             triton_short.tile_config(batch.max_seqlen, params.head_dim, False),
             triton_short.tile_config(batch.max_seqlen, params.head_dim, True))
 
@@ -154,7 +155,6 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     if _dropout_active(emb.drop):
         return None
     table = emb.tok_embeddings.weight
-    dtype = table.dtype
     device = batch.device
     if device.type != "cuda" or table.device != device:
         return None
@@ -165,17 +165,22 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch._C._cuda_getDevice():
         return None
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    buf, capacity, lock = _workspace(device, batch.total_tokens, params.hidden_size, params.intermediate_size, dtype,
-                                     stream)
-    with lock:
-        return _enqueue(model, params, batch, plan, rope_inputs, buf, capacity, dtype, index, stream)
+    # one allocation per call, from the caching allocator on the current stream: later calls reuse its block, and
+    # nothing stays reserved for this path alone
+    dtype = table.dtype
+    widths = _widths(params.hidden_size, params.intermediate_size, plan.glu == "split")
+    ws = torch.empty(_workspace_bytes(batch.total_tokens, widths, dtype.itemsize), dtype=torch.uint8, device=device)
+    return _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index,
+                    torch._C._cuda_getCurrentRawStream(index))
 
 
-def _enqueue(model, params, batch, plan, rope_inputs, buf, capacity, dtype, index, stream) -> torch.Tensor | None:
-    """:func:`_run`'s launches on the workspace ``buf`` (its lock held)."""
+def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, stream) -> torch.Tensor | None:
+    """:func:`_run`'s launches on the workspace ``ws``: every launcher resolved once (one per kernel and launch
+    shape), then the layers."""
     from ..attention import triton_short
+    from ..ops.triton import glu as glu_kernel
     from ..ops.triton import layer_norm, small_gemm
+    from ..ops.triton import rope as rope_kernel
     from ..ops.triton.glu import ACTIVATIONS
 
     emb = model.embeddings
@@ -185,72 +190,158 @@ def _enqueue(model, params, batch, plan, rope_inputs, buf, capacity, dtype, inde
     hidden, heads, head_dim = params.hidden_size, params.num_attention_heads, params.head_dim
     inner = params.intermediate_size
     act = ACTIVATIONS[params.activation]
-    x, normed, qkv, att, delta, gated = _offsets(buf.data_ptr(), capacity, hidden, inner, dtype.itemsize)
-    ln = layer_norm.forward_pointers
-    gemm = small_gemm.launch_pointers
-    attend = triton_short.launch_pointers
+    offsets = _offsets(ws.data_ptr(), total, widths, dtype.itemsize)
+    x, normed, qkv, att, delta, gated = offsets[:6]
+    pre = offsets[6] if len(offsets) > 6 else None
+    steps = plan.layers
+    varlen = any(step.backend == "varlen" for step in steps)
+    cublas = plan.linear_route == "F.linear"
 
-    def norm_args(m: nn.Module):
-        return _ptr(m.weight, dtype, hidden), _ptr(getattr(m, "bias", None), dtype, hidden), m.eps
-
-    e = F.embedding(batch.input_ids, table, emb.tok_embeddings.padding_idx)
-    w, b, eps = norm_args(emb.norm)
-    if w == -1 or b == -1 or not ln(e.data_ptr(), None, w, b, None, x, total, hidden, eps, dtype, index, stream):
+    # what every norm and projection must look like for the launchers below (checked again on each module)
+    has_w, has_b = emb.norm.weight is not None, getattr(emb.norm, "bias", None) is not None
+    first = model.layers[0]
+    biases = (first.attn.Wqkv.bias is not None, first.attn.Wo.bias is not None, first.mlp.Wi.bias is not None,
+              first.mlp.Wo.bias is not None)
+    ln = layer_norm.forward_launcher(total, hidden, False, has_w, has_b, dtype, index, stream)
+    ln_res = layer_norm.forward_launcher(total, hidden, True, has_w, has_b, dtype, index, stream)
+    if ln is None or ln_res is None:
         return None
     rope = {}
     tables = rope_inputs(model, params, batch)  # held until the launches reading them are enqueued
     for is_global, (cos, sin, rows) in tables.items():
-        if (cos.dtype is not torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
-                or not rows.is_contiguous()):
+        ptrs = (_ptr(cos, torch.float32, cos.numel()), _ptr(sin, torch.float32, sin.numel()),
+                _ptr(rows, rows.dtype, rows.numel()))
+        if -1 in ptrs:
             return None
-        rope[is_global] = (cos.data_ptr(), sin.data_ptr(), rows.data_ptr(), rows.dtype)
+        rope[is_global] = (*ptrs, rows.dtype)
+    attend = []
+    launchers: dict = {}
+    for i, step in enumerate(steps):
+        rows_dtype = rope[params.layer_is_global[i]][3]
+        key = (step.backend, step.window, rows_dtype)
+        if key not in launchers:
+            launchers[key] = (
+                rope_kernel.forward_launcher(total, heads, head_dim, rows_dtype, dtype, index, stream)
+                if step.backend == "varlen" else
+                triton_short.launcher(batch.num_seqs, total, batch.max_seqlen, heads, head_dim, step.window,
+                                      params.scaling, rows_dtype, dtype, index, stream))
+        if launchers[key] is None:
+            return None
+        attend.append(launchers[key])
+    glu = None if pre is None else glu_kernel.forward_launcher(total, inner, act, dtype, index, stream)
+    wi_glu = None if pre is not None else small_gemm.launcher(total, hidden, inner, act, biases[2], dtype, index,
+                                                              stream)
+    if (glu or wi_glu) is None:
+        return None
+
+    if cublas or varlen:
+        typed = ws.view(dtype)
+        base = ws.data_ptr()
+
+        def view(at: int, *shape: int) -> torch.Tensor:
+            # a tensor over one workspace buffer, for cuBLAS and FlashAttention-2 (one view per buffer and call)
+            cols = shape[-1] if len(shape) == 2 else shape[1] * shape[2] * shape[3]
+            strides = (cols, 1) if len(shape) == 2 else (cols, shape[2] * shape[3], shape[3], 1)
+            return typed.as_strided(shape, strides, (at - base) // dtype.itemsize)
+
+    if varlen:  # the views FlashAttention-2 reads, rotated in place by the RoPE kernel
+        q, k, v = view(qkv, total, 3, heads, head_dim).unbind(1)
+    if cublas:
+        tensors = {at: view(at, total, width) for at, width in zip(offsets, widths)}
+
+        def project(src, weight: torch.Tensor, bias: torch.Tensor | None, dst: int, _: int) -> None:
+            # F.linear's own cuBLAS call (addmm with a bias, mm without), written into the workspace
+            src = src if type(src) is torch.Tensor else tensors[src]
+            if bias is None:
+                torch.mm(src, weight.t(), out=tensors[dst])
+            else:
+                torch.addmm(bias, src, weight.t(), out=tensors[dst])
+    else:
+        gemms = (small_gemm.launcher(total, hidden, 3 * hidden, None, biases[0], dtype, index, stream),
+                 small_gemm.launcher(total, hidden, hidden, None, biases[1], dtype, index, stream),
+                 None,
+                 small_gemm.launcher(total, inner, hidden, None, biases[3], dtype, index, stream))
+        if None in (gemms[0], gemms[1], gemms[3]):
+            return None
+
+        def project(src, weight: torch.Tensor, bias: torch.Tensor | None, dst: int, which: int) -> None:
+            w = weight.data_ptr()
+            gemms[which](src if type(src) is int else src.data_ptr(), w, w if bias is None else bias.data_ptr(), dst)
+
+    def norm(m: nn.Module):
+        # (weight, bias, eps) pointers of a norm shaped as the launchers expect (an absent one: any valid pointer)
+        w, b = _ptr(m.weight, dtype, hidden), _ptr(getattr(m, "bias", None), dtype, hidden)
+        if w == -1 or b == -1 or (w is not None) != has_w or (b is not None) != has_b:
+            return None
+        return (x if w is None else w), (x if b is None else b), m.eps
+
+    e = F.embedding(batch.input_ids, table, emb.tok_embeddings.padding_idx)
+    args = norm(emb.norm)
+    if args is None:
+        return None
+    ln(e.data_ptr(), x, args[0], args[1], x, x, args[2])
     cu = batch.cu_seqlens.data_ptr()
-    num_seqs, max_seqlen, scale = batch.num_seqs, batch.max_seqlen, params.scaling
+    if cu & 15:
+        return None
+    max_seqlen, scale = batch.max_seqlen, params.scaling
     pending = False
     for i, layer in enumerate(model.layers):
-        step = plan.layers[i]
+        step = steps[i]
         attn, mlp = layer.attn, layer.mlp
         if attn.training and params.attention_dropout_of(attn) or _dropout_active(attn.out_drop) \
                 or _dropout_active(mlp.drop):
             return None
-        wqkv, wo, wi, wo2 = attn.Wqkv, attn.Wo, mlp.Wi, mlp.Wo
-        pq = _ptr(wqkv.weight, dtype, 3 * hidden * hidden)
-        bq = _ptr(wqkv.bias, dtype, 3 * hidden)
-        po = _ptr(wo.weight, dtype, hidden * hidden)
-        bo = _ptr(wo.bias, dtype, hidden)
-        pi = _ptr(wi.weight, dtype, 2 * inner * hidden)
-        bi = _ptr(wi.bias, dtype, 2 * inner)
-        po2 = _ptr(wo2.weight, dtype, hidden * inner)
-        bo2 = _ptr(wo2.bias, dtype, hidden)
-        if -1 in (pq, bq, po, bo, pi, bi, po2, bo2):
+        wqkv, wo, wi, wo2 = attn.Wqkv.weight, attn.Wo.weight, mlp.Wi.weight, mlp.Wo.weight
+        bqkv, bo, bi, bo2 = attn.Wqkv.bias, attn.Wo.bias, mlp.Wi.bias, mlp.Wo.bias
+        checked = (_ptr(wqkv, dtype, 3 * hidden * hidden), _ptr(bqkv, dtype, 3 * hidden),
+                   _ptr(wo, dtype, hidden * hidden), _ptr(bo, dtype, hidden), _ptr(wi, dtype, 2 * inner * hidden),
+                   _ptr(bi, dtype, 2 * inner), _ptr(wo2, dtype, hidden * inner), _ptr(bo2, dtype, hidden))
+        if -1 in checked or (bqkv is not None, bo is not None, bi is not None, bo2 is not None) != biases:
             return None
         if isinstance(layer.attn_norm, nn.Identity):
             if pending:  # (ModernBERT's first layer only: nothing to add yet)
                 return None
             src = x
         else:
-            w, b, eps = norm_args(layer.attn_norm)
-            if w == -1 or b == -1 or not ln(x, delta if pending else None, w, b, x if pending else None, normed, total,
-                                            hidden, eps, dtype, index, stream):
+            args = norm(layer.attn_norm)
+            if args is None:
                 return None
+            if pending:
+                ln_res(x, delta, args[0], args[1], x, normed, args[2])
+            else:
+                ln(x, x, args[0], args[1], x, normed, args[2])
             src = normed
-        if not (gemm(src, pq, bq, qkv, total, hidden, 3 * hidden, None, dtype, index, stream)
-                and attend(qkv, att, cu, num_seqs, total, max_seqlen, heads, head_dim, step.window, scale,
-                           rope[params.layer_is_global[i]], dtype, index, stream)
-                and gemm(att, po, bo, delta, total, hidden, hidden, None, dtype, index, stream)):
+        project(src, wqkv, bqkv, qkv, 0)
+        cos, sin, rows, _ = rope[params.layer_is_global[i]]
+        if step.backend == "varlen":
+            attend[i](qkv, cos, sin, rows)
+            a = step.attention(q, k, v, batch.cu_seqlens, max_seqlen, window=step.window, scale=scale)
+            a = a.view(total, hidden) if cublas else a
+        else:
+            attend[i](qkv, att, cu, cos, sin, rows)
+            a = att
+        project(a, wo, bo, delta, 1)
+        a = None
+        args = norm(layer.mlp_norm)
+        if args is None:
             return None
-        w, b, eps = norm_args(layer.mlp_norm)
-        if w == -1 or b == -1 or not (
-                ln(x, delta, w, b, x, normed, total, hidden, eps, dtype, index, stream)
-                and gemm(normed, pi, bi, gated, total, hidden, inner, act, dtype, index, stream)
-                and gemm(gated, po2, bo2, delta, total, inner, hidden, None, dtype, index, stream)):
-            return None
+        ln_res(x, delta, args[0], args[1], x, normed, args[2])
+        if pre is None:  # Wi and the GLU in one Triton launch
+            w = wi.data_ptr()
+            wi_glu(normed, w, w if bi is None else bi.data_ptr(), gated)
+        else:
+            project(normed, wi, bi, pre, 2)
+            glu(pre, gated)
+        project(gated, wo2, bo2, delta, 3)
         pending = True
     out = torch.empty((total, hidden), dtype=dtype, device=device)
-    w, b, eps = norm_args(model.final_norm)
-    if w == -1 or b == -1 or not ln(x, delta if pending else None, w, b, x if pending else None, out.data_ptr(), total,
-                                    hidden, eps, dtype, index, stream):
+    args = norm(model.final_norm)
+    if args is None:
         return None
+    if pending:
+        ln_res(x, delta, args[0], args[1], x, out.data_ptr(), args[2])
+    else:
+        ln(x, x, args[0], args[1], x, out.data_ptr(), args[2])
     return out
 
 

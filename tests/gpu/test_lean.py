@@ -280,6 +280,54 @@ def test_pointer_runs_are_the_tensor_path_bit_for_bit(overrides, monkeypatch):
     torch.testing.assert_close(after, ref, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("backend,lengths,route", [
+    ("varlen", [600, 500, 40], "small_gemm"),  # FlashAttention-2 on every layer (local ones windowed)
+    ("auto", [600, 500, 40], "small_gemm"),
+    ("auto", [1500, 1200, 900, 800, 700, 33], "F.linear"),  # past the Triton GEMM's size rule: cuBLAS
+])
+def test_pointer_runs_with_flash_attention_and_cublas_are_the_tensor_path_bit_for_bit(backend, lengths, route,
+                                                                                      monkeypatch):
+    """Documents-sized calls run on raw pointers too: the projections as cuBLAS calls on views of the workspace,
+    global layers in FlashAttention-2 after the in-place RoPE kernel; the same bits as the tensor path."""
+    from packed_encoders.model import forward as fwd
+    from packed_encoders.model import pointers
+
+    model = _model(attention_bias=True, mlp_bias=True)
+    params = ModernBertParams.from_hf_config(model.config)
+    ops, _ = select_ops("auto", DEV)
+    ran = []
+    real = pointers.run
+    tensor_path = [False]
+
+    def spy(*args):
+        if tensor_path[0]:
+            return None
+        checking = getattr(pointers._LOCAL, "declined", False)
+        y = real(*args)
+        if not checking:
+            ran.append(y is not None)
+        return y
+
+    monkeypatch.setattr(fwd, "run_pointers", spy)
+    ids, mask = _batch(lengths, 0)
+    batch = _packed(model, ids, mask)
+    attention = plan_attention(params, batch, backend, grad=False, dtype=torch.bfloat16, dropout=False)
+    assert any(d.backend == "varlen" for d in attention.values())
+    for seed in range(3):  # binds (tensor path), checked against the tensor path, then on pointers
+        ids, mask = _batch(lengths, seed)
+        batch = _packed(model, ids, mask)
+        with torch.no_grad():
+            got = encoder_forward(model, params, batch, attention=attention, ops=ops)
+            plan = plan_mod.last_plan()
+            tensor_path[0] = True
+            ref = encoder_forward(model, params, batch, attention=attention, ops=ops)
+            tensor_path[0] = False
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    assert plan.pointers and plan.linear_route == route, plan
+    assert ran[-1] is True, ran
+    assert pointers.off_reason() is None
+
+
 @pytest.mark.parametrize("backend", ["varlen", "fa4"])
 def test_training_stack_matches_the_per_block_path(backend):
     """One autograd node for every layer (model/stack.py: torch varlen's forward / backward ops called directly, FA4

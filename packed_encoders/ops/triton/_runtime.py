@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from typing import Callable
 
 import numpy as np
 import torch
@@ -250,6 +251,17 @@ class Bound:
     def __call__(self, g0: int, g1: int, g2: int, stream: int, *args) -> None:
         self.c_launch(g0, g1, g2, stream, self.function, self.coop, self.pdl, None, None, self.metadata, None, None,
                       None, *args, *self.tail)
+
+    def at(self, g0: int, g1: int, g2: int, stream: int) -> Callable[..., None]:
+        """``launch(*args)``: this specialisation with its grid and stream fixed, for a caller launching it many
+        times with other pointers (one Python frame and the C launch per call)."""
+        c_launch, function, coop, pdl, metadata, tail = (self.c_launch, self.function, self.coop, self.pdl,
+                                                          self.metadata, self.tail)
+
+        def launch(*args) -> None:
+            c_launch(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None, None, None, *args, *tail)
+
+        return launch
 
 
 def bound_ok() -> bool:

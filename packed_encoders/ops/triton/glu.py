@@ -112,6 +112,23 @@ def forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     return y
 
 
+def forward_launcher(t: int, inner: int, act: int, dtype: torch.dtype, device: int, stream: int):
+    """:func:`forward` for raw device pointers, 16-byte aligned: ``launch(x, y)`` with ``x`` contiguous
+    ``[t, 2 * inner]`` and ``y`` contiguous ``[t, inner]``, both ``dtype``; ``act`` an :data:`ACTIVATIONS` code; on
+    ``stream`` of CUDA device ``device``. ``None`` when no tensor launch bound that signature yet (see
+    ``_runtime.launch_cached``)."""
+    bt, bi, warps = config(inner)
+    bound = _FWD_BOUND.get((device, (dtype, inner, bt, bi, warps, act, t < I32_END, True)))
+    if not bound:  # not bound yet (or unbindable: False)
+        return None
+    run = bound.at(cdiv(t, bt), cdiv(inner, bi), 1, stream)
+
+    def launch(x: int, y: int) -> None:
+        run(x, y, t)
+
+    return launch
+
+
 def backward(dy: torch.Tensor, x: torch.Tensor, activation: str, forward_out: bool = False):
     """``dx`` ``[T, 2I]`` in ``x.dtype`` given ``dy`` ``[T, I]`` and the forward input ``x``.
 

@@ -148,26 +148,25 @@ def _forward_signature(*facts_then_t_and_pointers) -> tuple:
     return (*facts, t < _I32_END, not pointers & 15)
 
 
-def forward_pointers(x: int, delta: int | None, weight: int | None, bias: int | None, s: int | None, y: int, t: int,
-                     n: int, eps: float, dtype: torch.dtype, device: int, stream: int) -> bool:
-    """:func:`forward` without statistics on raw device pointers of contiguous ``[t, n]`` tensors, all of one
-    ``dtype`` (weight and bias ``[n]``; ``s``: where the residual sum goes, ``x`` itself works), on ``stream`` of
-    CUDA device ``device``.
-    Launches only through a signature a tensor launch bound before (see ``_runtime.launch_cached``): returns
-    ``False``, launching nothing, when there is none."""
-    elem = dtype.itemsize
-    block_n, rows, warps = _forward_shape(t, n, elem)
-    d = x if delta is None else delta
-    w = x if weight is None else weight
-    b = x if bias is None else bias
-    ss = y if s is None else s
-    sig = _forward_signature(dtype, dtype, dtype, dtype, dtype, dtype, dtype, n, block_n, rows, warps,
-                             delta is not None, weight is not None, bias is not None, False, t, x | d | w | b | ss | y)
+def forward_launcher(t: int, n: int, delta: bool, weight: bool, bias: bool, dtype: torch.dtype, device: int,
+                     stream: int):
+    """:func:`forward` without statistics for raw device pointers of contiguous ``[t, n]`` tensors, all of one
+    ``dtype`` and 16-byte aligned: ``launch(x, delta, weight, bias, s, y, eps)`` on ``stream`` of CUDA device
+    ``device`` (``delta``, ``weight``, ``bias``: whether those are present; an absent one's pointer is ignored, pass
+    ``x``'s; ``s``: where the residual sum goes, ``x`` itself works, ignored without ``delta``). ``None`` when no
+    tensor launch bound that signature yet (see ``_runtime.launch_cached``)."""
+    block_n, rows, warps = _forward_shape(t, n, dtype.itemsize)
+    sig = _forward_signature(dtype, dtype, dtype, dtype, dtype, dtype, dtype, n, block_n, rows, warps, delta, weight,
+                             bias, False, t, 0)
     bound = _FWD_BOUND.get((device, sig))
     if not bound:  # not bound yet (or unbindable: False)
-        return False
-    bound(cdiv(t, rows), 1, 1, stream, x, d, w, b, ss, y, y, y, t, float(eps))
-    return True
+        return None
+    run = bound.at(cdiv(t, rows), 1, 1, stream)
+
+    def launch(x: int, d: int, w: int, b: int, s: int, y: int, eps: float) -> None:
+        run(x, d, w, b, s, y, y, y, t, eps)  # (mean, rstd: unused without statistics)
+
+    return launch
 
 
 def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,

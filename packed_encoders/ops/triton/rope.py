@@ -162,6 +162,28 @@ def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_id
     return q, k
 
 
+def forward_launcher(t: int, num_heads: int, head_dim: int, position_dtype: torch.dtype, dtype: torch.dtype,
+                     device: int, stream: int):
+    """:func:`forward` in place for raw device pointers, all 16-byte aligned: ``launch(qkv, cos, sin,
+    position_ids)`` with ``qkv`` contiguous ``[t, 3 * num_heads * head_dim]`` of ``dtype``, ``cos`` / ``sin``
+    contiguous fp32 ``[P, head_dim // 2]``, ``position_ids`` ``[t]`` of ``position_dtype``; on ``stream`` of CUDA
+    device ``device``. ``None`` when no tensor launch bound that signature yet (see ``_runtime.launch_cached``)."""
+    block, rows, warps = config(num_heads, head_dim)
+    width = num_heads * head_dim
+    sig = (dtype, torch.float32, torch.float32, position_dtype, num_heads, head_dim, block, rows, warps, 3 * width,
+           True, t < I32_END, True)
+    bound = _FWD_BOUND.get((device, sig))
+    if not bound:  # not bound yet (or unbindable: False)
+        return None
+    run = bound.at(cdiv(t, rows), 1, 1, stream)
+    k_offset = width * dtype.itemsize
+
+    def launch(qkv: int, cos: int, sin: int, position_ids: int) -> None:
+        run(qkv, cos, sin, position_ids, qkv, qkv + k_offset, t)
+
+    return launch
+
+
 def _last_dim_unit(g: torch.Tensor | None) -> torch.Tensor | None:
     return g if g is None or g.stride(-1) == 1 else g.contiguous()
 
