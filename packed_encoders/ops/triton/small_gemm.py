@@ -102,7 +102,7 @@ TUNED: dict[tuple[str, int, int, int], Config] = {
     ('glu', 2304, 768, 1024): Config(128, 128, 64, 8, 3),  # 0.89x vs baseline
     ('glu', 2304, 768, 2048): Config(64, 64, 64, 4, 4),  # 0.84x vs baseline
     ('glu', 2304, 768, 4096): Config(64, 64, 64, 4, 4),  # 0.87x vs baseline
-    ('glu', 2304, 768, 8192): Config(128, 128, 64, 8, 3),  # 1.03x vs baseline (2026-12-03, triton 3.6, torch 2.11)
+    ('glu', 2304, 768, 8192): Config(128, 128, 64, 8, 3),  # 1.03x vs baseline (gemm_small_20261203-141000)
     ('linear', 2304, 768, 128): Config(64, 64, 128, 4, 3),  # 0.85x vs baseline
     ('linear', 2304, 768, 256): Config(64, 64, 64, 4, 4),  # 0.81x vs baseline
     ('linear', 2304, 768, 512): Config(64, 64, 64, 4, 4),  # 0.79x vs baseline
