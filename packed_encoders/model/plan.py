@@ -64,10 +64,10 @@ class Rules:
             GEMMs, Triton / cuBLAS (``Wi`` + the GLU kernel there): 0.82x at 256 tokens, 0.80x at 1,024, 1.01x at
             3,300, 1.14x at 7,400, 1.20x at 16,384 (``gemm_eager`` rows in benchmarks/results/h200); an eager call of
             a few thousand tokens spends more host time than GPU time on cuBLAS's dispatch alone.
-        glu_eager_max_tokens: eager no-grad calls of at most this many tokens (and more than
-            ``small_linear_max_tokens``) run ``Wi`` + GLU as one Triton GEMM, the other projections on cuBLAS: H200,
-            8,192 tokens, 60.6 us against 62.6 for cuBLAS + the GLU kernel (``small_gemm.TUNED``), and one launch
-            and one cuBLAS call fewer per layer on the host; at 16,384 tokens cuBLAS + GLU is ~10 % faster.
+        glu_eager_max_tokens: eager no-grad calls of at most this many tokens run ``Wi`` + GLU as one Triton GEMM
+            (past ``small_linear_max_tokens``, the other projections on cuBLAS): H200, 8,192 tokens, 60.6 us
+            against 62.6 for cuBLAS + the GLU kernel (``small_gemm.TUNED``), and one launch and one cuBLAS call
+            fewer per layer on the host; at 16,384 tokens cuBLAS + GLU is ~10 % faster.
         quack_eager_min_tokens: eager calls below this many tokens never consult quack's routes.
         pointer_max_tokens: eager no-grad calls of at most this many tokens may run as raw-pointer launches over one
             workspace (:mod:`.pointers`; host-bound sizes: larger calls are GPU-bound, and the workspace holds every

@@ -59,11 +59,8 @@ def plan_runs_pointers(plan) -> bool:
                     for step in plan.layers))
 
 
-_WIDTHS = ("x", "normed", "qkv", "att", "delta", "gated", "pre")
-
-
 def _widths(hidden: int, inner: int, pre: bool) -> tuple[int, ...]:
-    """Columns of the workspace's buffers, in :data:`_WIDTHS` order: the residual stream, the normed input, ``qkv``,
+    """Columns of the workspace's buffers, in order: the residual stream, the normed input, ``qkv``,
     the attention output, the projection output, the GLU output and (``pre``: ``Wi`` and the GLU as two launches)
     ``Wi``'s output."""
     return (hidden, hidden, 3 * hidden, hidden, hidden, inner) + ((2 * inner,) if pre else ())
