@@ -136,7 +136,15 @@ def is_packed(target) -> bool:
 def describe(target) -> dict:
     """What is active for each encoder: backend requested and last chosen, kernels, device, validation.
 
-    Returns ``{"encoders": [ {...}, ... ]}``, one JSON-serialisable dict per ModernBERT encoder.
+    Returns ``{"encoders": [ {...}, ... ]}``, one JSON-serialisable dict per ModernBERT encoder, with ``path``,
+    ``packed``, ``device``, ``dtype`` and, once packed: ``attention_backend`` (as requested), ``last_attention`` (the
+    last call's backend per layer kind: ``"global"`` and ``"window N"``, ``N`` the half window, keys within
+    ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
+    reason), ``attention_policy``, ``kernels`` / ``kernels_reason``, ``gemm``, ``kernel_fallbacks``,
+    ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided: ``direct``, ``why_checked``,
+    ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``; see
+    :func:`_plan_facts`), ``cuda_graph``, ``tuning`` (the switches read at ``pack()``), ``padded_outputs`` and
+    ``validated``.
     """
     out = []
     for path, model in find_encoders(target):
@@ -177,7 +185,7 @@ def _plan_facts(plan) -> dict | None:
     """What the last eager call's plan decided (``None`` before one): ``direct``: its kernels launched unchecked
     (``why_checked``: why not), ``glu``: the ``Wi`` + GLU path, ``linear``: the other projections (``"F.linear"``,
     ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
-    the call may run as raw-pointer launches over a reused workspace (``model.pointers``; ``pointers_off``: why
+    the call may run as raw-pointer launches over one workspace (``model.pointers``; ``pointers_off``: why
     they are off for the process, after a run disagreed with the tensor path), ``blocks``: the kernel family of the
     per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``;
     ``stack_off``: why a call with gradients did not (one node per block, or per op), ``None`` when it did or no
