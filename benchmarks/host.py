@@ -32,8 +32,8 @@ Per (workload, variant): ``host_ms`` (median time for the call to return, GPU id
 ``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), and for packed
 inference the per-token cosine against stock on the first batch. Rows go to ``--out`` as JSON lines; a table is
 printed. Host time per layer = ``host_ms / num_hidden_layers``. ``--profile-dir DIR`` also writes where each
-call's host time goes (cProfile by function, one call; torch.profiler by operator) per round, variant and
-workload.
+call's host time goes (cProfile by function, one call; torch.profiler by operator) per variant and workload, in
+the first round only (a file per round, variant and workload outnumbers what a remote run may return).
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per variant (its fresh process)")
     ap.add_argument("--profile-dir", default=None,
                     help="write where each call's host time goes (cProfile by function, torch.profiler by operator) "
-                         "to DIR/round<R>_<variant>/<workload>.txt")
+                         "to DIR/round0_<variant>/<workload>.txt (first round only)")
     ap.add_argument("--child", dest="variant", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--code", default=None, help=argparse.SUPPRESS)  # the child's package tree (NAME@DIR)
     args = ap.parse_args(argv)
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
             argv_child = ["benchmarks.host", "--child", variant, "--device", args.device, "--config", args.config,
                           "--workloads", args.workloads] + (["--tokens", args.tokens] if args.tokens else []) \
                 + (["--quick"] if args.quick else []) + (["--code", code] if code else [])
-            if args.profile_dir:
+            if args.profile_dir and round_ == 0:
                 name = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
                 argv_child += ["--profile-dir", str(Path(args.profile_dir) / f"round{round_}_{name}")]
             rc, out, secs = run_child(argv_child, timeout=args.timeout, env=VARIANTS[variant])
