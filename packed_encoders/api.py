@@ -98,7 +98,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             state.report = report
             if not report.passed:
                 result = ValidationReport([report])
-                raise ValidationError("pack(): the selected packed path failed validation; the model is "
+                # neutral wording: the summary says whether the packed path or the model itself is at fault
+                raise ValidationError("pack(): validation against stock Hugging Face failed; the model is "
                                       "unchanged:\n" + result.summary(), result)
         planned.append((model, state))
     for model, state in planned:

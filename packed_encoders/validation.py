@@ -307,5 +307,5 @@ def validate(target, *, lengths=None, attention_backend: str | None = None, kern
         reports.append(check_encoder(model, state, path, lengths))
     result = ValidationReport(reports)
     if raise_on_failure and not result.passed:
-        raise ValidationError("packed path failed validation against stock Hugging Face:\n" + result.summary(), result)
+        raise ValidationError("validation against stock Hugging Face failed:\n" + result.summary(), result)
     return result
