@@ -184,7 +184,7 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     small_linear = host_bound and 0 < tokens <= rules.small_linear_max_tokens
     glu_eager = host_bound and 0 < tokens <= rules.glu_eager_max_tokens
     # raw-pointer runs: host-bound eager calls only (a graph's capture or warm-up records the tensor path)
-    pointers = not grad and not compiling and not graph and tokens <= rules.pointer_max_tokens
+    pointers = host_bound and tokens <= rules.pointer_max_tokens
     rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")

@@ -216,18 +216,12 @@ def test_varlen_direct_is_varlen_attn(window):
     assert (g_direct - g_ref).abs().max() <= 1e-2 * g_ref.abs().max()
 
 
-@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True, "norm_bias": True}])
-def test_pointer_runs_are_the_tensor_path_bit_for_bit(overrides, monkeypatch):
-    """Short calls whose plan is all Triton run as raw-pointer launches over a reused workspace (model/pointers.py):
-    the same kernels and launch shapes as the tensor path, so the same bits; the first call of a launch signature
-    takes the tensor path (which binds it); a grown workspace, another stream and a weight changed in place are
-    served correctly."""
+def _spy_pointer_runs(monkeypatch):
+    """``(ran, tensor_path)``: the forward's raw-pointer runs recorded in ``ran`` (whether each ran, outside the
+    first run's check, which runs the tensor path), and declined while ``tensor_path[0]`` is set."""
     from packed_encoders.model import forward as fwd
     from packed_encoders.model import pointers
 
-    model = _model(**overrides)
-    params = ModernBertParams.from_hf_config(model.config)
-    ops, _ = select_ops("auto", DEV)
     ran = []
     real = pointers.run
     tensor_path = [False]
@@ -235,13 +229,28 @@ def test_pointer_runs_are_the_tensor_path_bit_for_bit(overrides, monkeypatch):
     def spy(*args):
         if tensor_path[0]:
             return None
-        checking = getattr(pointers._LOCAL, "declined", False)  # the first run's check runs the tensor path
+        checking = getattr(pointers._LOCAL, "declined", False)
         y = real(*args)
         if not checking:
             ran.append(y is not None)
         return y
 
     monkeypatch.setattr(fwd, "run_pointers", spy)
+    return ran, tensor_path
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "mlp_bias": True, "norm_bias": True}])
+def test_pointer_runs_are_the_tensor_path_bit_for_bit(overrides, monkeypatch):
+    """Short calls whose plan is all Triton run as raw-pointer launches over a per-call workspace
+    (model/pointers.py): the same kernels and launch shapes as the tensor path, so the same bits; the first call of a
+    launch signature takes the tensor path (which binds it); a larger call, another stream and a weight changed in
+    place are served correctly."""
+    from packed_encoders.model import pointers
+
+    model = _model(**overrides)
+    params = ModernBertParams.from_hf_config(model.config)
+    ops, _ = select_ops("auto", DEV)
+    ran, tensor_path = _spy_pointer_runs(monkeypatch)
     from packed_encoders.attention import triton_short
     from packed_encoders.ops.triton import layer_norm, small_gemm
 
@@ -289,26 +298,12 @@ def test_pointer_runs_with_flash_attention_and_cublas_are_the_tensor_path_bit_fo
                                                                                       monkeypatch):
     """Documents-sized calls run on raw pointers too: the projections as cuBLAS calls on views of the workspace,
     global layers in FlashAttention-2 after the in-place RoPE kernel; the same bits as the tensor path."""
-    from packed_encoders.model import forward as fwd
     from packed_encoders.model import pointers
 
     model = _model(attention_bias=True, mlp_bias=True)
     params = ModernBertParams.from_hf_config(model.config)
     ops, _ = select_ops("auto", DEV)
-    ran = []
-    real = pointers.run
-    tensor_path = [False]
-
-    def spy(*args):
-        if tensor_path[0]:
-            return None
-        checking = getattr(pointers._LOCAL, "declined", False)
-        y = real(*args)
-        if not checking:
-            ran.append(y is not None)
-        return y
-
-    monkeypatch.setattr(fwd, "run_pointers", spy)
+    ran, tensor_path = _spy_pointer_runs(monkeypatch)
     ids, mask = _batch(lengths, 0)
     batch = _packed(model, ids, mask)
     attention = plan_attention(params, batch, backend, grad=False, dtype=torch.bfloat16, dropout=False)

@@ -93,6 +93,13 @@ def _glu_bwd_kernel(DY, X, DX, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr
         tl.store(Y + r64 * I + cols[None, :], (act * g).to(Y.dtype.element_ty), mask=mask)
 
 
+def _forward_signature(dtype, inner: int, act: int, t: int, pointers: int) -> tuple:
+    # what the forward kernel's compiled specialisation depends on: dtype, the constexprs, then t's 32-bit range (it
+    # is not specialised) and whether every pointer (or-ed together) is 16-byte aligned
+    bt, bi, warps = config(inner)
+    return (dtype, inner, bt, bi, warps, act, t < I32_END, not pointers & 15)
+
+
 def forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(x[:, :I]) * x[:, I:]`` ``[T, I]`` in ``x.dtype`` for ``x`` ``[T, 2I]``."""
     t, two_i = x.shape
@@ -106,7 +113,7 @@ def forward(x: torch.Tensor, activation: str) -> torch.Tensor:
     fast = sig = None
     if x.is_cuda:
         fast = (x.data_ptr(), y.data_ptr(), t)
-        sig = (x.dtype, inner, bt, bi, warps, act, t < I32_END, not (fast[0] | fast[1]) & 15)
+        sig = _forward_signature(x.dtype, inner, act, t, fast[0] | fast[1])
     launch_cached(_FWD_BOUND, sig, _glu_fwd_kernel, x, (cdiv(t, bt), cdiv(inner, bi)), (x, y, t),
                   dict(I=inner, BLOCK_T=bt, BLOCK_I=bi, ACT=act, num_warps=warps), fast)
     return y
@@ -117,8 +124,8 @@ def forward_launcher(t: int, inner: int, act: int, dtype: torch.dtype, device: i
     ``[t, 2 * inner]`` and ``y`` contiguous ``[t, inner]``, both ``dtype``; ``act`` an :data:`ACTIVATIONS` code; on
     ``stream`` of CUDA device ``device``. ``None`` when no tensor launch bound that signature yet (see
     ``_runtime.launch_cached``)."""
-    bt, bi, warps = config(inner)
-    bound = _FWD_BOUND.get((device, (dtype, inner, bt, bi, warps, act, t < I32_END, True)))
+    bt, bi, _ = config(inner)
+    bound = _FWD_BOUND.get((device, _forward_signature(dtype, inner, act, t, 0)))
     if not bound:  # not bound yet (or unbindable: False)
         return None
     run = bound.at(cdiv(t, bt), cdiv(inner, bi), 1, stream)

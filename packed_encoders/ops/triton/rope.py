@@ -126,6 +126,17 @@ def _rope_bwd_kernel(DQ, DK, DV, COS, SIN, POS, DQKV, n_rows,
     tl.store(out + 2 * NH * HD + HALF, v2.to(DQKV.dtype.element_ty), mask=mask)
 
 
+def _forward_signature(qkv_dtype, cos_dtype, sin_dtype, pos_dtype, num_heads: int, head_dim: int, inplace: bool,
+                       t: int, pointers: int) -> tuple:
+    # what the forward kernel's compiled specialisation depends on: dtypes, the constexprs (from the geometry and
+    # ``inplace``), then t's 32-bit range (it is not specialised) and whether every pointer (or-ed together) is
+    # 16-byte aligned
+    block, rows, warps = config(num_heads, head_dim)
+    stride = (3 if inplace else 1) * num_heads * head_dim
+    return (qkv_dtype, cos_dtype, sin_dtype, pos_dtype, num_heads, head_dim, block, rows, warps, stride, inplace,
+            t < I32_END, not pointers & 15)
+
+
 def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor,
             num_heads: int, head_dim: int, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated ``q, k`` ``[T, nh, hd]`` (``qkv.dtype``) from ``qkv`` ``[T, 3 * nh * hd]``.
@@ -154,8 +165,8 @@ def forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_id
     fast = sig = None
     if qkv.is_cuda:
         fast = tuple(a.data_ptr() for a in args[:6]) + (t,)
-        sig = (qkv.dtype, args[1].dtype, args[2].dtype, args[3].dtype, num_heads, head_dim, block, rows, warps,
-               stride, inplace, t < I32_END, not or_all(fast[:6]) & 15)
+        sig = _forward_signature(qkv.dtype, args[1].dtype, args[2].dtype, args[3].dtype, num_heads, head_dim,
+                                 inplace, t, or_all(fast[:6]))
     launch_cached(_FWD_BOUND, sig, _rope_fwd_kernel, qkv, (cdiv(t, rows),), args,
                   dict(NH=num_heads, HD=head_dim, HALF=head_dim // 2, BLOCK=block, ROWS=rows, OUT_STRIDE=stride,
                        CLEAN_V=inplace, num_warps=warps), fast)
@@ -168,11 +179,10 @@ def forward_launcher(t: int, num_heads: int, head_dim: int, position_dtype: torc
     position_ids)`` with ``qkv`` contiguous ``[t, 3 * num_heads * head_dim]`` of ``dtype``, ``cos`` / ``sin``
     contiguous fp32 ``[P, head_dim // 2]``, ``position_ids`` ``[t]`` of ``position_dtype``; on ``stream`` of CUDA
     device ``device``. ``None`` when no tensor launch bound that signature yet (see ``_runtime.launch_cached``)."""
-    block, rows, warps = config(num_heads, head_dim)
+    rows = config(num_heads, head_dim)[1]
     width = num_heads * head_dim
-    sig = (dtype, torch.float32, torch.float32, position_dtype, num_heads, head_dim, block, rows, warps, 3 * width,
-           True, t < I32_END, True)
-    bound = _FWD_BOUND.get((device, sig))
+    bound = _FWD_BOUND.get((device, _forward_signature(dtype, torch.float32, torch.float32, position_dtype, num_heads,
+                                                       head_dim, True, t, 0)))
     if not bound:  # not bound yet (or unbindable: False)
         return None
     run = bound.at(cdiv(t, rows), 1, 1, stream)
