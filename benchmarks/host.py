@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import ROOT, environment, git_sha, run_child, synchronize, write_rows
+from benchmarks.training import device_work
 
 VARIANTS = {
     "stock": {},
@@ -102,11 +103,12 @@ def _profile(step, args, device: str, n: int = 3, table_to: list | None = None) 
         table_to.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     gpu_us = 0.0
     aten = 0
-    for e in prof.events():
+    events = prof.events()
+    for e in events:
         if e.name.startswith("aten::"):
             aten += 1
-        if device.startswith("cuda") and e.device_type == torch.autograd.DeviceType.CUDA:
-            gpu_us += e.device_time_total  # a kernel, memcpy or memset: its duration
+    if device.startswith("cuda"):
+        gpu_us = sum(e.time_range.elapsed_us() for e in device_work(events))  # kernels, memcpys, memsets
     return gpu_us / 1e3 / n, aten // n
 
 

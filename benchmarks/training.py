@@ -50,7 +50,9 @@ timed steps (warm-up separately);
 the loss of every step. Then ``--profile-steps`` more steps under ``torch.profiler``:
 
 * ``gpu_ms_per_step``: the sum of the device time of every kernel, memcpy and memset of those steps / steps
-  (busy GPU time; idle gaps between launches are not counted).
+  (busy GPU time; idle gaps between launches are not counted). Spans the profiler draws on the GPU's timeline for a
+  ``record_function`` range (``Optimizer.step#AdamW.step``: the span of the optimizer's kernels) are not kernels
+  and are left out: counted, they would add the optimizer's kernels a second time.
 * ``host_ms_per_step``: the CPU wall time of the step's Python and dispatch: from the step's start until its last
   call returns (before the closing synchronize), minus the time the CPU spent blocked on the GPU inside the step
   (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaEventSynchronize`` and blocking ``cudaMemcpy*``
@@ -409,7 +411,7 @@ def _profile_summary(prof, host_s: list[float], cuda: bool) -> dict:
     events = prof.events()
     n = len(host_s)
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    device_events = [e for e in events if e.device_type == DeviceType.CUDA]
+    device_events = device_work(events)
     # an asynchronous host-to-device copy returns at once; a cudaMemcpyAsync that lasts waits for the GPU
     blocked_us = sum(e.time_range.elapsed_us() for e in cpu if e.name in _BLOCKING
                      and (e.name != "cudaMemcpyAsync" or e.time_range.elapsed_us() > 20))
@@ -419,6 +421,17 @@ def _profile_summary(prof, host_s: list[float], cuda: bool) -> dict:
             "device_events_per_step": len(device_events) / n,
             "aten_ops_per_step": sum(e.name.startswith("aten::") for e in cpu) / n,
             "top_device_ms_per_step": _top_device(device_events, n) if cuda else None}
+
+
+def device_work(events) -> list:
+    """The profiler's device events that are GPU work (kernels, memcpys, memsets): not the GPU-timeline spans of
+    user annotations (``record_function`` ranges such as ``Optimizer.step#AdamW.step``), which overlap the kernels
+    they enclose."""
+    from torch.autograd import DeviceType
+
+    ranges = {e.name for e in events if e.device_type == DeviceType.CPU and getattr(e, "is_user_annotation", False)}
+    return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and e.name not in ranges]
 
 
 def _top_device(device_events, n: int, top: int = 15) -> list[dict]:

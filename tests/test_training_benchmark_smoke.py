@@ -56,3 +56,24 @@ def test_training_quick_cpu(tmp_path):
         assert ok[(wl, "pack_train_graphs")]["describe"][0]["cuda_graph"]["config"]["training"]
     if importlib.util.find_spec("matplotlib"):  # the bench extra
         assert len(render.training_plots(rows, tmp_path / "plots")) == 2
+
+
+def test_gpu_time_counts_kernels_not_annotation_spans():
+    """The profiler draws a ``record_function`` range (``Optimizer.step#AdamW.step``) on the GPU timeline too; that
+    span encloses kernels already counted and must not be added to the GPU time a second time."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from benchmarks.training import device_work
+
+    def event(name, device, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation)
+
+    kernel = event("multi_tensor_apply_kernel", DeviceType.CUDA)
+    memset = event("Memset (Device)", DeviceType.CUDA)
+    events = [event("Optimizer.step#AdamW.step", DeviceType.CPU, True), kernel, memset,
+              event("Optimizer.step#AdamW.step", DeviceType.CUDA, True),  # flagged as an annotation
+              event("Optimizer.step#AdamW.step", DeviceType.CUDA),  # not flagged: known by its CPU range's name
+              event("aten::mm", DeviceType.CPU)]
+    assert device_work(events) == [kernel, memset]
