@@ -16,7 +16,8 @@ reports per op:
 Ops (each skipped, with the reason in its row, where it cannot run): ``python_call`` (an empty Python function:
 the unit), ``empty`` (``torch.empty [T, H]``), ``view``, ``linear`` (``F.linear``, the ``Wqkv`` shape),
 ``linear_cublaslt`` (the same with ``torch.backends.cuda.preferred_blas_library("cublaslt")``), ``mm_out``
-(``torch.mm`` into a preallocated output, weight pre-transposed), ``ln_direct`` / ``ln_checked`` (the Triton
+(``torch.mm`` into a preallocated output, weight pre-transposed), ``mm_dx`` / ``mm_dw_fp32`` (a training
+backward's two GEMMs per projection: ``dy @ w``, and ``dy.T @ x`` written as fp32 from bf16 operands), ``ln_direct`` / ``ln_checked`` (the Triton
 residual LayerNorm, unchecked launch and the checked op), ``glu`` (Triton), ``attn_triton`` (the Triton attention
 kernel, unchecked launch), ``attn_varlen`` (torch ``varlen_attn``), ``attn_fa4`` (FlashAttention-4). Rows go to
 ``--out`` as JSON lines (``runner: "host_ops"``); a table is printed.
@@ -55,6 +56,7 @@ def ops(device: str, tokens: int, hidden: int, heads: int, seqs: int) -> dict:
     w_qkv = rand(3 * hidden, hidden)
     w_t = w_qkv.t().contiguous()
     out = torch.empty(tokens, 3 * hidden, device=device, dtype=dtype)
+    dy = rand(tokens, 3 * hidden)
     h = rand(tokens, 2 * 1152)
     head_dim = hidden // heads
     qkv = rand(tokens, 3, heads, head_dim)
@@ -70,13 +72,15 @@ def ops(device: str, tokens: int, hidden: int, heads: int, seqs: int) -> dict:
         "view": (lambda: x.view(tokens, heads, head_dim), None),
         "linear": (lambda: F.linear(x, w_qkv), None),
         "mm_out": (lambda: torch.mm(x, w_t, out=out), None),
+        "mm_dx": (lambda: torch.mm(dy, w_qkv), None),
     }
     if not cuda:
-        for name in ("linear_cublaslt", "ln_direct", "ln_checked", "glu", "attn_triton", "attn_varlen", "attn_fa4"):
+        for name in ("linear_cublaslt", "mm_dw_fp32", "ln_direct", "ln_checked", "glu", "attn_triton", "attn_varlen", "attn_fa4"):
             table[name] = (None, "CUDA only")
         return table
 
     table["linear_cublaslt"] = table["linear"]  # the same call: run() switches the BLAS library around it
+    table["mm_dw_fp32"] = (lambda: torch.mm(dy.t(), x, out_dtype=torch.float32), None)
     try:
         from packed_encoders.ops.fused import DIRECT_OPS, TRITON_OPS
         from packed_encoders.ops.triton import glu

@@ -418,6 +418,7 @@ def _profile_summary(prof, host_s: list[float], cuda: bool) -> dict:
     return {"profiled_steps": n, "host_ms_per_step": (sum(host_s) * 1e3 - blocked_us / 1e3) / n,
             "blocked_ms_per_step": blocked_us / 1e3 / n,
             "gpu_ms_per_step": sum(e.time_range.elapsed_us() for e in device_events) / 1e3 / n if cuda else None,
+            "gpu_kernels_only": True,  # rows without it counted Optimizer.step's GPU span too (render.gpu_ms)
             "device_events_per_step": len(device_events) / n,
             "aten_ops_per_step": sum(e.name.startswith("aten::") for e in cpu) / n,
             "top_device_ms_per_step": _top_device(device_events, n) if cuda else None}
