@@ -29,8 +29,9 @@ variant's median over rounds with its range.
 
 Per (workload, variant): ``host_ms`` (median time for the call to return, GPU idle at the start: the host's share),
 ``gpu_ms`` (kernel time per call from ``torch.profiler``), ``wall_ms`` (median per call back to back, CUDA events),
-``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), and for packed
-inference the per-token cosine against stock on the first batch. Rows go to ``--out`` as JSON lines; a table is
+``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), for packed
+inference the per-token cosine against stock on the first batch, and for ``train`` ``phase_host_ms`` (host timers
+per part of the step, medians: queries forward, documents forward, loss, backward, optimizer step + ``zero_grad``). Rows go to ``--out`` as JSON lines; a table is
 printed. Host time per layer = ``host_ms / num_hidden_layers``. ``--profile-dir DIR`` also writes where each
 call's host time goes (cProfile by function, one call; torch.profiler by operator) per variant and workload, in
 the first round only (a file per round, variant and workload outnumbers what a remote run may return).
@@ -195,15 +196,30 @@ def child(args) -> dict:
                 m = b.attention_mask.unsqueeze(-1).float()
                 return torch.nn.functional.normalize((h.float() * m).sum(1) / m.sum(1), dim=-1)
 
-            def step(pair):
+            def step(pair, marks=None):
                 qb, db = pair
-                scores = encode(qb) @ encode(db).t() / 0.05
-                loss = torch.nn.functional.cross_entropy(scores, torch.arange(scores.shape[0], device=device))
+                t0 = time.perf_counter()
+                eq = encode(qb)
+                t1 = time.perf_counter()
+                ed = encode(db)
+                t2 = time.perf_counter()
+                loss = torch.nn.functional.cross_entropy(eq @ ed.t() / 0.05, torch.arange(eq.shape[0], device=device))
+                t3 = time.perf_counter()
                 loss.backward()
+                t4 = time.perf_counter()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+                if marks is not None:
+                    marks.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4))
 
             row = _measure(step, pairs, device, counts["train_host"], counts, _profile_path(args, workload))
+            marks: list = []
+            for i in range(counts["train_host"]):  # where a step's host time goes, GPU idle at each step's start
+                synchronize(device)
+                step(pairs[i % len(pairs)], marks)
+            synchronize(device)
+            row["phase_host_ms"] = {name: statistics.median(m[j] for m in marks) * 1e3 for j, name in
+                                    enumerate(("queries_forward", "documents_forward", "loss", "backward", "optimizer"))}
         else:
             set_name, batch = WORKLOADS[workload]
             batches = _batches(corpus, set_name, batch, 3 if args.quick else N_BATCHES, 0, device, cap)
