@@ -214,7 +214,8 @@ def readme_block(rows: list[dict]) -> str:
             "row names another, random weights, bf16 (training: fp32 master weights under bf16 autocast, AdamW), real "
             "text from the token cache (`benchmarks/README.md`); each variant in a fresh process, medians, ratios "
             "within one run. Training time per step: wall clock; host and GPU ms per step from `torch.profiler` "
-            "(with training graphs the host figure is not meaningful: the host waits in graph launches); \"by "
+            "(GPU: the step's kernels, memcpys and memsets; with training graphs the host figure is not meaningful: "
+            "the host waits in graph launches); \"by "
             "timers\": the host span again without the profiler's per-op overhead, where the row has it.")
     return f"{README_BEGIN}\n{head}\n\n" + "\n".join(lines) + f"\n{README_END}"
 
