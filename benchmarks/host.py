@@ -31,8 +31,8 @@ Per (workload, variant): ``host_ms`` (median time for the call to return, GPU id
 ``gpu_ms`` (kernel time per call from ``torch.profiler``), ``wall_ms`` (median per call back to back, CUDA events),
 ``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), for packed
 inference the per-token cosine against stock on the first batch, and for ``train`` ``phase_host_ms`` (host timers
-per part of the step, medians: queries forward, documents forward, loss, backward, optimizer step + ``zero_grad``). Rows go to ``--out`` as JSON lines; a table is
-printed. Host time per layer = ``host_ms / num_hidden_layers``. ``--profile-dir DIR`` also writes where each
+per part of the step, medians: queries forward, documents forward, loss, backward, optimizer step + ``zero_grad``).
+Rows go to ``--out`` as JSON lines; a table is printed. Host time per layer = ``host_ms / num_hidden_layers``. ``--profile-dir DIR`` also writes where each
 call's host time goes (cProfile by function, one call; torch.profiler by operator) per variant and workload, in
 the first round only (a file per round, variant and workload outnumbers what a remote run may return).
 """
@@ -218,8 +218,8 @@ def child(args) -> dict:
                 synchronize(device)
                 step(pairs[i % len(pairs)], marks)
             synchronize(device)
-            row["phase_host_ms"] = {name: statistics.median(m[j] for m in marks) * 1e3 for j, name in
-                                    enumerate(("queries_forward", "documents_forward", "loss", "backward", "optimizer"))}
+            phases = ("queries_forward", "documents_forward", "loss", "backward", "optimizer")
+            row["phase_host_ms"] = {name: statistics.median(m[j] for m in marks) * 1e3 for j, name in enumerate(phases)}
         else:
             set_name, batch = WORKLOADS[workload]
             batches = _batches(corpus, set_name, batch, 3 if args.quick else N_BATCHES, 0, device, cap)

@@ -17,10 +17,10 @@ Ops (each skipped, with the reason in its row, where it cannot run): ``python_ca
 the unit), ``empty`` (``torch.empty [T, H]``), ``view``, ``linear`` (``F.linear``, the ``Wqkv`` shape),
 ``linear_cublaslt`` (the same with ``torch.backends.cuda.preferred_blas_library("cublaslt")``), ``mm_out``
 (``torch.mm`` into a preallocated output, weight pre-transposed), ``mm_dx`` / ``mm_dw_fp32`` (a training
-backward's two GEMMs per projection: ``dy @ w``, and ``dy.T @ x`` written as fp32 from bf16 operands), ``ln_direct`` / ``ln_checked`` (the Triton
-residual LayerNorm, unchecked launch and the checked op), ``glu`` (Triton), ``attn_triton`` (the Triton attention
-kernel, unchecked launch), ``attn_varlen`` (torch ``varlen_attn``), ``attn_fa4`` (FlashAttention-4). Rows go to
-``--out`` as JSON lines (``runner: "host_ops"``); a table is printed.
+backward's two GEMMs per projection: ``dy @ w``, and ``dy.T @ x`` written as fp32 from bf16 operands),
+``ln_direct`` / ``ln_checked`` (the Triton residual LayerNorm, unchecked launch and the checked op), ``glu``
+(Triton), ``attn_triton`` (the Triton attention kernel, unchecked launch), ``attn_varlen`` (torch ``varlen_attn``),
+``attn_fa4`` (FlashAttention-4). Rows go to ``--out`` as JSON lines (``runner: "host_ops"``); a table is printed.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def ops(device: str, tokens: int, hidden: int, heads: int, seqs: int) -> dict:
         "mm_dx": (lambda: torch.mm(dy, w_qkv), None),
     }
     if not cuda:
-        for name in ("linear_cublaslt", "mm_dw_fp32", "ln_direct", "ln_checked", "glu", "attn_triton", "attn_varlen", "attn_fa4"):
+        for name in ("linear_cublaslt", "mm_dw_fp32", "ln_direct", "ln_checked", "glu", "attn_triton", "attn_varlen",
+                     "attn_fa4"):
             table[name] = (None, "CUDA only")
         return table
 
