@@ -34,7 +34,8 @@ inference the per-token cosine against stock on the first batch, and for ``train
 per part of the step, medians: queries forward, documents forward, loss, backward, optimizer step + ``zero_grad``).
 Rows go to ``--out`` as JSON lines; a table is printed. Host time per layer = ``host_ms / num_hidden_layers``.
 ``--profile-dir DIR`` also writes where each call's host time goes (cProfile by function, one call; torch.profiler
-by operator) per variant and workload, in the first round only (a file per round, variant and workload outnumbers what a remote run may return).
+by operator) per variant and workload, in the first round only (a file per round, variant and workload outnumbers
+what a remote run may return).
 """
 
 from __future__ import annotations
