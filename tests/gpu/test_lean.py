@@ -362,3 +362,45 @@ def test_training_stack_matches_the_per_block_path(backend):
     print(backend, "worst gradient cosine stack / blocks", worst, "peak MB", peak_s / 2**20, peak_b / 2**20)
     assert worst[0] > 0.99999, worst
     assert peak_s <= peak_b * 1.02 + 2**20, (peak_s, peak_b)
+
+
+def test_short_training_calls_run_triton_gemms():
+    """A training call of at most ``Rules.train_gemm_max_tokens`` tokens (fp32 masters under bf16 autocast) runs its
+    projections' GEMMs, forward and backward, on the Triton GEMMs (fp32 weight gradients written from the
+    accumulator): outputs and every parameter gradient as the cuBLAS path's and stock HF's, and ``describe()``
+    says which ran."""
+    from packed_encoders.api import _plan_facts
+
+    model = _model(torch.float32).train()
+    params = ModernBertParams.from_hf_config(model.config)
+    ids, mask = _batch([12, 30, 7, 128, 64, 3, 90, 40])
+    batch = _packed(model, ids, mask)
+    assert batch.total_tokens <= LEAN.train_gemm_max_tokens
+    ops, _ = select_ops("auto", DEV)
+    torch.manual_seed(1)
+    target = torch.randn(batch.total_tokens, model.config.hidden_size, device=DEV)
+
+    def run(rules):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = encoder_forward(model, params, batch, ops=ops, rules=rules)
+        plan = plan_mod.last_plan()
+        ((out.float() - target) ** 2).mean().backward()
+        return out.detach().float(), {n: p.grad.clone() for n, p in model.named_parameters()}, plan
+
+    out_t, g_t, plan_t = run(LEAN)
+    out_c, g_c, plan_c = run(plan_mod.Rules(train_gemm_max_tokens=0))
+    assert plan_t.stack and plan_t.kernels.gemm is not None and _plan_facts(plan_t)["training_gemm"] == "triton"
+    assert plan_c.kernels.gemm is None and _plan_facts(plan_c)["training_gemm"] == "torch.mm"
+    assert _cos_rows(out_t, out_c).min() > 0.9999
+    worst = min((float(torch.nn.functional.cosine_similarity(g_t[n].flatten(), g_c[n].flatten(), dim=0)), n)
+                for n in g_c)
+    print("worst gradient cosine triton / cuBLAS GEMMs", worst)
+    # the two paths round each GEMM's bf16 output after summing in another order; 22 layers of a random model carry
+    # that noise back to the first layers' gradients
+    assert worst[0] > 0.99, worst
+    last = model.config.num_hidden_layers - 1
+    for n in [n for n in g_c if n.startswith(f"layers.{last}.") or n.startswith("final_norm")]:
+        assert float(torch.nn.functional.cosine_similarity(g_t[n].flatten(), g_c[n].flatten(), dim=0)) > 0.9999, n
+    for n, g in g_t.items():
+        assert g.dtype == torch.float32 and torch.isfinite(g).all(), n

@@ -340,3 +340,78 @@ def glu_linear_unchecked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     rows = weight.shape[0]
     return _launch(x, weight, bias, rows // 2, True, ACTIVATIONS[activation],
                    default_config(x.shape[0], rows, x.shape[1], glu=True))
+
+
+# ------------------------------------------------------------------------------- backward GEMMs of short calls
+# A training call of a few hundred tokens makes 12 GEMMs per layer (4 forward, 4 input and 4 weight gradients), each
+# a few microseconds of GPU work; through cuBLAS each costs ~10-20 us of host time (``benchmarks/host_ops.py``:
+# ``mm_out``, ``mm_dx``, ``mm_dw_fp32``), and a weight gradient over few rows often becomes a split-K GEMM with a
+# memset and a reduction launch. These run each as one Triton launch.
+
+# The weight-gradient tile: BLOCK_M x BLOCK_N of the output [N, K] (``block_m`` / ``block_n``), ``block_k`` token
+# rows per step of the reduction. Not tuned: ModernBERT-base's shapes give 144-432 programs.
+WEIGHT_GRAD_CONFIG = Config(64, 64, 32, 4, 3)
+_WG_BOUND: dict = {}
+
+
+@kernel(do_not_specialize=("M",))
+def _weight_grad_kernel(
+    DY, X, Y, M,
+    sd_m, sd_n, sx_m, sx_k,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    # Y[N, K] = DY[M, N].T @ X[M, K]: the reduction runs over the M token rows, a runtime length (one compiled
+    # kernel serves every call); masked rows load zeros.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    cols_n = (offs_n % N).to(tl.int64)
+    cols_k = (offs_k % K).to(tl.int64)
+    d_at = DY + offs_m.to(tl.int64)[:, None] * sd_m + cols_n[None, :] * sd_n  # [BLOCK_M, BLOCK_N]
+    x_at = X + offs_m.to(tl.int64)[:, None] * sx_m + cols_k[None, :] * sx_k  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m0 in range(0, M, BLOCK_M):
+        ok = (offs_m + m0 < M)[:, None]
+        d = tl.load(d_at, mask=ok, other=0.0)
+        x = tl.load(x_at, mask=ok, other=0.0)
+        if DOT_F32:  # the CPU interpreter multiplies bf16 bit patterns as integers; same maths in fp32
+            acc = tl.dot(tl.trans(d.to(tl.float32)), x.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(d), x, acc, input_precision="ieee")
+        d_at += BLOCK_M * sd_m
+        x_at += BLOCK_M * sx_m
+    ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    tl.store(Y + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def weight_grad(dy: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dy.T @ x`` ``[N, K]`` in ``out_dtype``: the weight gradient of ``y = x @ W.T`` with ``dy`` ``[M, N]``,
+    ``x`` ``[M, K]`` (any strides, one dtype and device), fp32 accumulation over the M rows and one rounding (fp32
+    ``out_dtype``: the accumulator as it is, as ``torch.mm(dy.T, x, out_dtype=torch.float32)``). Unchecked: the
+    caller's training path meets this contract by construction."""
+    m, n = dy.shape
+    k = x.shape[1]
+    y = torch.empty((n, k), dtype=out_dtype, device=dy.device)
+    if n == 0 or k == 0:
+        return y
+    if m == 0:
+        return y.zero_()
+    cfg = WEIGHT_GRAD_CONFIG
+    strides = (*dy.stride(), *x.stride())
+    grid = (cdiv(n, cfg.block_m), cdiv(k, cfg.block_n))
+    fast = sig = None
+    if dy.is_cuda:
+        fast = (dy.data_ptr(), x.data_ptr(), y.data_ptr(), m, *strides)
+        sig = (dy.dtype, x.dtype, out_dtype, strides, n, k, m < I32_END, not (fast[0] | fast[1] | fast[2]) & 15)
+    launch_cached(_WG_BOUND, sig, _weight_grad_kernel, dy, grid, (dy, x, y, m, *strides),
+                  dict(N=n, K=k, BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, BLOCK_M=cfg.block_k,
+                       DOT_F32=not dy.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages), fast)
+    return y
+
+
+def input_grad(dy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``dy @ weight`` ``[M, K]`` in ``dy.dtype``: the input gradient of ``y = x @ weight.T`` (``weight`` ``[N, K]``,
+    ``dy`` ``[M, N]``), as :func:`linear_unchecked` of ``weight.T`` read in place (its strides)."""
+    wt = weight.t()
+    return _launch(dy, wt, None, wt.shape[0], False, 0, default_config(dy.shape[0], wt.shape[0], wt.shape[1]))
