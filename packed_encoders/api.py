@@ -143,7 +143,7 @@ def describe(target) -> dict:
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
     reason), ``attention_policy``, ``kernels`` / ``kernels_reason``, ``gemm``, ``kernel_fallbacks``,
     ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided: ``direct``, ``why_checked``,
-    ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``training_gemm``, ``stack``, ``stack_off``; see
+    ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``; see
     :func:`_plan_facts`), ``cuda_graph``, ``tuning`` (the switches read at ``pack()``), ``padded_outputs`` and
     ``validated``.
     """
@@ -188,18 +188,14 @@ def _plan_facts(plan) -> dict | None:
     ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
     the call may run as raw-pointer launches over one workspace (``model.pointers``; ``pointers_off``: why
     they are off for the process, after a run disagreed with the tensor path), ``blocks``: the kernel family of the
-    per-block training autograd, ``training_gemm``: what ran its projections' GEMMs (``"torch.mm"``: cuBLAS on
-    CUDA, or ``"triton"``: the family's GEMMs of short calls, :attr:`..model.plan.Rules.train_gemm_max_tokens`),
-    ``stack``: every layer's blocks ran as one autograd node (``model.stack``;
+    per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``;
     ``stack_off``: why a call with gradients did not (one node per block, or per op), ``None`` when it did or no
     gradient was wanted)."""
     if plan is None:
         return None
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,
             "pointers": plan.pointers and pointers_off() is None, "pointers_off": pointers_off(),
-            "blocks": None if plan.kernels is None else plan.kernels.name,
-            "training_gemm": None if plan.kernels is None else "torch.mm" if plan.kernels.gemm is None else "triton",
-            "stack": plan.stack,
+            "blocks": None if plan.kernels is None else plan.kernels.name, "stack": plan.stack,
             "stack_off": plan.stack_off}
 
 

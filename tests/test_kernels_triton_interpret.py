@@ -401,39 +401,6 @@ def test_packed_forward_matches_torch_ops(fused):
         torch.testing.assert_close(got_g[name], ref_g[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
-def test_short_training_calls_run_their_gemms_on_triton(fused):
-    """A training call of at most ``Rules.train_gemm_max_tokens`` tokens runs every projection's forward, input- and
-    weight-gradient GEMM as the family's Triton GEMMs (``Kernels.gemm``); outputs and every parameter gradient as
-    with ``torch.mm`` (the rule off), and ``describe()``'s plan facts say which ran."""
-    from packed_encoders.api import _plan_facts
-    from packed_encoders.batch import from_packed
-    from packed_encoders.model import plan as plan_mod
-    from packed_encoders.model.forward import encoder_forward
-    from packed_encoders.model.params import ModernBertParams
-
-    model, config = _tiny_modernbert()
-    params = ModernBertParams.from_hf_config(config)
-    lengths = [5, 9, 2, 17]
-    ids = torch.randint(3, 101, (sum(lengths),), generator=_gen(41))
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    batch = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=max(lengths),
-                        position_ids=None, vocab_size=101)
-    results = []
-    for rules in (plan_mod.Rules(train_gemm_max_tokens=0), plan_mod.Rules()):
-        model.zero_grad()
-        out = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa", rules=rules)
-        out.square().mean().backward()
-        plan = plan_mod.last_plan()
-        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
-                        plan.kernels.gemm, _plan_facts(plan)["training_gemm"]))
-    (ref, ref_g, ref_gemm, ref_fact), (got, got_g, got_gemm, got_fact) = results
-    assert ref_gemm is None and ref_fact == "torch.mm"
-    assert got_gemm is fused.TRITON_KERNELS.short_gemm and got_fact == "triton"
-    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
-    for name in ref_g:
-        torch.testing.assert_close(got_g[name], ref_g[name], atol=2e-5, rtol=1e-4, msg=name)
-
-
 # ------------------------------------------------------------------------------------------------ routing
 
 

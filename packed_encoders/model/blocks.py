@@ -96,16 +96,9 @@ def _undrop(g: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tenso
     return g if mask is None else torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1.0 - p))
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, gemm: tuple | None) -> torch.Tensor:
-    """``F.linear`` for a 2-D ``x`` (the same cuBLAS call: ``mm`` / ``addmm``), without ``linear``'s dispatch layers;
-    ``gemm``: the kernel family's GEMMs of short calls (``Kernels.gemm``) instead of cuBLAS."""
-    if gemm is not None:
-        return gemm[0](x, w, b)
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` for a 2-D ``x`` (the same cuBLAS call: ``mm`` / ``addmm``), without ``linear``'s dispatch layers."""
     return torch.mm(x, w.t()) if b is None else torch.addmm(b, x, w.t())
-
-
-def _input_grad(dy: torch.Tensor, w: torch.Tensor, gemm: tuple | None) -> torch.Tensor:
-    return torch.mm(dy, w) if gemm is None else gemm[1](dy, w)
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,31 +137,26 @@ def _mm_out_dtype():
 _MM_OUT_DTYPE = _mm_out_dtype()
 
 
-def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, need_w: bool, need_b: bool, w, b, gemm: tuple | None):
-    """``(dw, db)`` of ``y = x @ w_c.T + b``, in the parameters' dtypes (``None`` where not wanted); ``gemm``: as
-    :func:`_linear`'s.
+def _linear_weight_grads(dy: torch.Tensor, x: torch.Tensor, need_w: bool, need_b: bool, w, b):
+    """``(dw, db)`` of ``y = x @ w_c.T + b``, in the parameters' dtypes (``None`` where not wanted).
 
     fp32 master weights under autocast (``dy`` bf16 / fp16 on CUDA): the GEMM writes its fp32 accumulator
     directly and the bias sum accumulates in fp32, rather than rounding to the compute dtype and casting back as
     autocast's cast node does (one kernel and one allocation fewer per gradient; the result differs from stock
     by that bf16 rounding only, towards the exact value)."""
     widen = (w is not None and w.dtype == torch.float32 and dy.dtype in (torch.bfloat16, torch.float16)
-             and dy.is_cuda and (_MM_OUT_DTYPE is not None or gemm is not None))
+             and dy.is_cuda and _MM_OUT_DTYPE is not None)
     dw = db = None
-    if need_w and gemm is not None:
-        dw = gemm[2](dy, x, torch.float32 if widen else dy.dtype)
-        dw = dw if widen else _grad_w(True, dw, w)
-    elif need_w:
+    if need_w:
         dw = _MM_OUT_DTYPE(dy.t(), x, torch.float32) if widen else _grad_w(True, torch.mm(dy.t(), x), w)
     if b is not None and need_b:
         db = dy.sum(0, dtype=torch.float32) if widen and b.dtype == torch.float32 else _grad_w(True, dy.sum(0), b)
     return dw, db
 
 
-def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, need_w: bool, need_b: bool, w, b,
-                gemm: tuple | None):
+def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, w_c: torch.Tensor, need_w: bool, need_b: bool, w, b):
     """``(dx, dw, db)`` of ``y = x @ w_c.T + b`` (all in the compute dtype), weight gradients in the parameters'."""
-    return (_input_grad(dy, w_c, gemm), *_linear_weight_grads(dy, x, need_w, need_b, w, b, gemm))
+    return (torch.mm(dy, w_c), *_linear_weight_grads(dy, x, need_w, need_b, w, b))
 
 
 # ------------------------------------------------------------------------------------------------ attention in
@@ -193,7 +181,7 @@ def attn_in_fwd(x, pending, ln_w, ln_b, w_c, b_c, cos, sin, rows, meta):
         s = x if pending is None else (x + pending)
         y = s
     y_c = y if cdt is None else as_dtype(y, cdt)
-    qkv = _linear(y_c, w_c, b_c, kern.gemm)
+    qkv = _linear(y_c, w_c, b_c)
     q, k = kern.rope_fwd(qkv, cos, sin, rows, nh, hd)
     v = qkv.view(qkv.shape[0], 3, nh, hd)[:, 2]
     saved = (s if has_norm else None, ln_w, mean, rstd, y_c, w_c, cos, sin, rows)
@@ -212,7 +200,7 @@ def attn_in_bwd(saved, facts, meta, params, needs, ds, dq, dk, dv, partial: bool
     has_pending, (x_dtype, p_dtype, qkv_dtype, y_dtype), has_ln_b = facts
     ln_w, ln_b, w, b = params
     dqkv = kern.rope_bwd(dq, dk, dv, cos, sin, rows, nh, hd, qkv_dtype)
-    dy, dw, db = _linear_bwd(dqkv, y_c, w_c, needs[2], needs[3], w, b, kern.gemm)
+    dy, dw, db = _linear_bwd(dqkv, y_c, w_c, needs[2], needs[3], w, b)
     dres = ds if has_pending else None
     dlnw = dlnb = None
     if has_norm:
@@ -241,13 +229,13 @@ def out_mlp_fwd(a, s, wo_c, bo_c, ln_w, ln_b, wi_c, bi_c, w2_c, b2_c, meta):
     t = a.shape[0]
     a2 = a.reshape(t, -1)
     a_c = a2 if cdt is None else as_dtype(a2, cdt)
-    o, mask_o = _dropout(_linear(a_c, wo_c, bo_c, kern.gemm), p_out)
+    o, mask_o = _dropout(_linear(a_c, wo_c, bo_c), p_out)
     res_dtype = torch.promote_types(s.dtype, o.dtype)
     x, y, mean, rstd = kern.ln_fwd(s, o, ln_w, ln_b, eps, cdt or res_dtype, res_dtype)
     y_c = y if cdt is None else as_dtype(y, cdt)
-    h = _linear(y_c, wi_c, bi_c, kern.gemm)
+    h = _linear(y_c, wi_c, bi_c)
     g, mask_g = _dropout(kern.glu_fwd(h, activation), p_mlp)
-    pending = _linear(g, w2_c, b2_c, kern.gemm)
+    pending = _linear(g, w2_c, b2_c)
     # g (the GLU's output) is not kept: the GLU backward writes it again as it reads h (memory: a
     # [T, intermediate] tensor per layer, ~9 % of a layer's saved activations in ModernBERT-base)
     saved = (a_c, x, ln_w, mean, rstd, y_c, h, mask_o, mask_g, wo_c, wi_c, w2_c)
@@ -265,17 +253,17 @@ def out_mlp_bwd(saved, facts, meta, params, needs, dx, dpending, partial: bool =
     if dpending is None:
         dpending = torch.zeros(x.shape[0], w2_c.shape[0], dtype=p_dtype, device=x.device)
     dp = as_dtype(dpending, h.dtype)
-    dh, g = kern.glu_bwd(_undrop(_input_grad(dp, w2_c, kern.gemm), mask_g, p_mlp), h, activation, forward_out=True)
+    dh, g = kern.glu_bwd(_undrop(torch.mm(dp, w2_c), mask_g, p_mlp), h, activation, forward_out=True)
     g = _undrop(g, mask_g, p_mlp)  # the dropped output the forward multiplied by mlp.Wo
-    dw2, db2 = _linear_weight_grads(dp, g, needs[6], needs[7], w2, b2, kern.gemm)
+    dw2, db2 = _linear_weight_grads(dp, g, needs[6], needs[7], w2, b2)
     g = None
-    dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, needs[4], needs[5], wi, bi, kern.gemm)
+    dy, dwi, dbi = _linear_bwd(dh, y_c, wi_c, needs[4], needs[5], wi, bi)
     two = s_dtype != o_dtype
     ds, do, dlnw, dlnb = kern.ln_bwd(dy, x, ln_w_saved, mean, rstd, dx, ln_b is not None, s_dtype,
                                      o_dtype if two else None, reduce=not partial)
     dlnw, dlnb = _norm_grads(partial, needs[2], needs[3], dlnw, dlnb, ln_w, ln_b)
     do = as_dtype(_undrop(do if two else ds, mask_o, p_out), a_c.dtype)
-    da, dwo, dbo = _linear_bwd(do, a_c, wo_c, needs[0], needs[1], wo, bo, kern.gemm)
+    da, dwo, dbo = _linear_bwd(do, a_c, wo_c, needs[0], needs[1], wo, bo)
     return as_dtype(da.view(a_shape), a_dtype), ds, dwo, dbo, dlnw, dlnb, dwi, dbi, dw2, db2
 
 

@@ -19,9 +19,7 @@ forward then calls the chosen implementations directly:
   launch costs less host time than ``F.linear``'s dispatch, and it takes raw pointers (``pointers`` below), while
   a CUDA graph and its warm-up keep cuBLAS, up to ~20 % faster on the GPU at large sizes).
 - ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op;
-  ``stack``: one for every layer of the encoder (:mod:`.stack`), where the call allows it. Eager calls of at most
-  :attr:`Rules.train_gemm_max_tokens` tokens run their projections' GEMMs, forward and backward, as the family's
-  Triton GEMMs (``Kernels.gemm``).
+  ``stack``: one for every layer of the encoder (:mod:`.stack`), where the call allows it.
 - ``pointers``: every op is one :mod:`.pointers` can launch (Triton kernels on raw pointers, cuBLAS and
   FlashAttention-2 on views), so the forward may run a call of at most :attr:`Rules.pointer_max_tokens` tokens over
   one workspace (no per-op allocation, shape reads or launch keys).
@@ -70,13 +68,6 @@ class Rules:
             (past ``small_linear_max_tokens``, the other projections on cuBLAS): H200, 8,192 tokens, 60.6 us
             against 62.6 for cuBLAS + the GLU kernel (``small_gemm.TUNED``), and one launch and one cuBLAS call
             fewer per layer on the host; at 16,384 tokens cuBLAS + GLU is ~10 % faster.
-        train_gemm_max_tokens: eager calls with gradients of at most this many tokens run their projections' forward
-            and backward GEMMs on the kernel family's Triton GEMMs (``Kernels.short_gemm``, one launch each) instead
-            of cuBLAS (0: never): a ModernBERT-base layer makes 12 GEMMs per training call, each a few microseconds
-            of GPU work at these sizes and ~10-20 us of host time through ``torch.mm`` on the H200 machine
-            (``benchmarks/host_ops.py``), and a weight gradient over few rows often runs as cuBLAS's split-K GEMM
-            plus a reduction launch. The forward GEMM's GPU speed is 0.79-1.03x cuBLAS's up to 512 tokens
-            (``small_gemm.TUNED``); training graphs keep cuBLAS (no host cost to save there).
         quack_eager_min_tokens: eager calls below this many tokens never consult quack's routes.
         pointer_max_tokens: eager no-grad calls of at most this many tokens may run as raw-pointer launches over one
             workspace (:mod:`.pointers`; host-bound sizes: larger calls are GPU-bound, and the workspace holds every
@@ -94,7 +85,6 @@ class Rules:
     glu_gemm_max_tokens: int = 256
     small_linear_max_tokens: int = 4096
     glu_eager_max_tokens: int = 8192
-    train_gemm_max_tokens: int = 512
     quack_eager_min_tokens: int = QUACK_EAGER_MIN_TOKENS
     pointer_max_tokens: int = QUACK_EAGER_MIN_TOKENS
     blocks: bool | None = None
@@ -115,8 +105,7 @@ def rules_for(tuning) -> Rules:
     rules = Rules(lean=bool(tuning.lean), fused_rope=bool(tuning.fused_rope),
                   glu_gemm_max_tokens=_DEFAULT_RULES.glu_gemm_max_tokens if small else 0,
                   small_linear_max_tokens=_DEFAULT_RULES.small_linear_max_tokens if small else 0,
-                  glu_eager_max_tokens=_DEFAULT_RULES.glu_eager_max_tokens if small else 0,
-                  train_gemm_max_tokens=_DEFAULT_RULES.train_gemm_max_tokens if small else 0)
+                  glu_eager_max_tokens=_DEFAULT_RULES.glu_eager_max_tokens if small else 0)
     if len(_TUNED_RULES) > 64:
         _TUNED_RULES.clear()
     _TUNED_RULES[id(tuning)] = (tuning, rules)
@@ -196,12 +185,11 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     glu_eager = host_bound and 0 < tokens <= rules.glu_eager_max_tokens
     # raw-pointer runs: host-bound eager calls only (a graph's capture or warm-up records the tensor path)
     pointers = host_bound and tokens <= rules.pointer_max_tokens
-    train_gemm = grad and not compiling and not graph and 0 < tokens <= rules.train_gemm_max_tokens
     rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
     key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, glu_eager, small_linear,
-           rope_local_fused, decisions, params.window >= max_seqlen - 1, autocast, stack_off, pointers, train_gemm)
+           rope_local_fused, decisions, params.window >= max_seqlen - 1, autocast, stack_off, pointers)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
@@ -209,7 +197,7 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
                                glu_eager=glu_eager, small_linear=small_linear, compiling=compiling, autocast=autocast,
-                               stack_off=stack_off, pointers=pointers, train_gemm=train_gemm)
+                               stack_off=stack_off, pointers=pointers)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -225,7 +213,7 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 
 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small, glu_eager,
-           small_linear, compiling, autocast, stack_off, pointers, train_gemm) -> Plan:
+           small_linear, compiling, autocast, stack_off, pointers) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
@@ -248,8 +236,6 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         kernels = ops.kernels if why_not is None else TORCH_KERNELS
         if kernels is TORCH_KERNELS and rules.blocks is None:
             kernels = None
-        elif train_gemm and kernels.short_gemm is not None:
-            kernels = replace(kernels, gemm=kernels.short_gemm)
     # An op set's own routes (linear, rope_linear, glu_linear) serve forwards without gradient; quack's are
     # consulted only where its host cost per launch is paid back (``quack``: see _quack_active)
     routed = not grad and (quack or ops.gemm != "quack")

@@ -31,11 +31,6 @@ class Kernels:
       ``forward_out`` (``y`` equal to ``glu_fwd``'s, for a backward that did not keep it)
     - ``rope_finite_v``: ``rope_fwd`` also zeroes the non-finite entries of ``qkv``'s v third (the attention then
       needs no cleaning pass, :attr:`packed_encoders.attention.backends.Backend.finite_v`)
-    - ``short_gemm``: the family's GEMMs for training calls of few tokens, one launch each, or ``None``:
-      ``(linear(x, w, b) -> x @ w.T + b, input_grad(dy, w) -> dy @ w, weight_grad(dy, x, dtype) -> dy.T @ x)``, each
-      operand in one dtype, fp32 accumulation (``weight_grad`` writes ``dtype``, fp32 included)
-    - ``gemm``: ``short_gemm`` where this call's plan runs it (:mod:`packed_encoders.model.plan`), else ``None``
-      (cuBLAS through ``torch.mm``)
     """
 
     name: str
@@ -46,8 +41,6 @@ class Kernels:
     glu_fwd: Callable
     glu_bwd: Callable
     rope_finite_v: bool = False
-    short_gemm: tuple | None = None
-    gemm: tuple | None = None
 
 
 def _rope_fwd_torch(qkv, cos, sin, position_ids, num_heads, head_dim):

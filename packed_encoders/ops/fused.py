@@ -523,8 +523,7 @@ DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _r
                    residual_in_place=_residual_layer_norm_in_place, pointers=True)
 
 TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope_fwd_in_place, _rope.backward, _glu.forward,
-                         _glu.backward, rope_finite_v=True,
-                         short_gemm=(_small_gemm.linear_unchecked, _small_gemm.input_grad, _small_gemm.weight_grad))
+                         _glu.backward, rope_finite_v=True)
 
 TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,
                         fallbacks=fallbacks, direct=DIRECT_OPS, covers=covers, kernels=TRITON_KERNELS)
