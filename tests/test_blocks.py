@@ -137,6 +137,23 @@ def test_blocks_dropout_and_checkpointing():
         torch.testing.assert_close(g_a[n], g_p[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
+def test_blocks_dropout_rate_one_matches_the_per_op_path():
+    """Dropout rate 1 (every element dropped): the blocks' backward scales by 0, as torch's own dropout does,
+    rather than dividing by 1 - p."""
+    model, params, batch, _, _ = _setup("base_like", mlp_dropout=1.0, attention_dropout=1.0)
+    model.train()
+    results = []
+    for rules in (LEAN, PER_OP):
+        torch.manual_seed(13)
+        results.append(_grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa",
+                                                             rules=rules)))
+    (out_l, g_l), (out_p, g_p) = results
+    torch.testing.assert_close(out_l, out_p, atol=1e-5, rtol=1e-5)
+    for n in g_p:
+        assert torch.isfinite(g_l[n]).all(), n
+        torch.testing.assert_close(g_l[n], g_p[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
 @pytest.mark.parametrize("name", ["odd", "base_like"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_stack_matches_the_per_block_path(name, autocast):

@@ -93,7 +93,8 @@ def _dropout(x: torch.Tensor, p: float):
 
 
 def _undrop(g: torch.Tensor, mask: torch.Tensor | None, p: float) -> torch.Tensor:
-    return g if mask is None else torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1.0 - p))
+    # p = 1 drops everything: scale 0, as torch's own dropout backward (1 / (1 - p) would divide by zero)
+    return g if mask is None else torch.ops.aten.native_dropout_backward(g, mask, 1.0 / (1.0 - p) if p < 1 else 0.0)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
