@@ -7,6 +7,7 @@ import warnings
 import torch
 from torch import nn
 
+from .adapters import token_labels
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import install
@@ -49,7 +50,10 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             positions (after each row's last real token) get HF's values, computed as query-only tokens;
             an int ``N``: the same for calls of padded width ``<= N``; ``"auto"``: ``"zeros"``, ``"all"`` for
             question-answering heads (their loss reads padded positions), or the query length of a ColBERT target
-            using masked query expansion (PyLate, sentence-transformers v6).
+            using masked query expansion (PyLate, sentence-transformers v6); and a token-classification or
+            masked-LM head called with ``labels`` that count at padded positions (not -100) gets stock's values
+            there: trailing ones computed, other padding by the stock forward for that call
+            (:mod:`packed_encoders.adapters.token_labels`).
         validation_lengths: override the validation batch's lengths.
         cuda_graph: ``None`` (default, automatic): ``GraphConfig()`` bounds (sequences up to 2,048 tokens, calls
             up to 32k tokens), graphs captured lazily on first use of a bucket and kept within a memory budget
@@ -104,6 +108,10 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         planned.append((model, state))
     for model, state in planned:
         install(model, state)
+    if options.padded_outputs == "auto":
+        token_labels.watch(target)
+    else:
+        token_labels.unwatch(target)
     idle = sorted({str(_device(model)) for model, state in planned
                    if state.options.cuda_graph is not None and not state.options.graph_auto
                    and _device(model).type != "cuda"})
@@ -126,6 +134,7 @@ def unpack(target):
     """
     for _, model in find_encoders(target):
         restore(model)
+    token_labels.unwatch(target)
     return target
 
 

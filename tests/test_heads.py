@@ -59,3 +59,45 @@ def test_masked_lm_loss_and_gradients():
     for n, p in model.named_parameters():
         if n in ref_grads:
             torch.testing.assert_close(p.grad, ref_grads[n], atol=2e-5, rtol=1e-3, msg=n)
+
+
+@pytest.mark.parametrize("head", ["ModernBertForTokenClassification", "ModernBertForMaskedLM"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_token_head_labels_at_padding_get_the_stock_loss(head, side):
+    """Labels that count at padded positions (built by hand, not -100 there): the loss and the gradients are
+    stock's. Right padding: the encoder computes those trailing positions; left padding: the call runs the stock
+    forward, counted by ``describe()``. Labels of -100 at padding keep the packed path's zeros there."""
+    import copy
+
+    cls = getattr(transformers, head)
+    stock = make_model("base_like", cls=cls, num_labels=4).train()
+    packed = copy.deepcopy(stock)
+    pe.pack(packed)
+    ids, mask = padded_batch([5, 12, 9], side=side)
+    g = torch.Generator().manual_seed(3)
+    labels = ids.clone() if head.endswith("MaskedLM") else torch.randint(0, 4, ids.shape, generator=g)
+    for model in (stock, packed):
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ref = stock(input_ids=ids, attention_mask=mask, labels=labels).loss
+    got = packed(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    sp, pp = dict(stock.named_parameters()), dict(packed.named_parameters())
+    for name, p in sp.items():
+        if p.grad is not None:
+            torch.testing.assert_close(pp[name].grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    calls = pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}
+    assert bool(calls) == (side == "left"), calls
+    # labels ignored at padding (HF's collators): the packed path as usual, its zeros never read by the loss
+    ignored = labels.masked_fill(mask == 0, -100)
+    before = dict(calls)
+    got = packed(input_ids=ids, attention_mask=mask, labels=ignored).loss
+    torch.testing.assert_close(got, stock(input_ids=ids, attention_mask=mask, labels=ignored).loss, atol=1e-5,
+                               rtol=1e-5)
+    assert (pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}) == before
+    twin = copy.deepcopy(packed)  # hooks copied with the head; each unpack removes its own
+    pe.unpack(packed)
+    assert not packed._forward_pre_hooks and not packed._forward_hooks
+    assert twin._forward_pre_hooks and twin._forward_hooks
+    pe.unpack(twin)
+    assert not twin._forward_pre_hooks and not twin._forward_hooks

@@ -5,7 +5,8 @@ side), ``position_ids``, ``return_dict``, ``output_hidden_states``, all-zero ``t
 kwargs of HF v5 / sentence-transformers' flattening collator (``cu_seq_lens_q/k``, ``max_length_q/k``,
 ``seq_idx``) or packed ``position_ids`` with batch 1 and no mask. Padded positions of the output are zeros,
 except the trailing masked positions of query calls under ColBERT query expansion
-(:mod:`packed_encoders.adapters.late_interaction`), which get HF's values.
+(:mod:`packed_encoders.adapters.late_interaction`) and of token heads' calls whose labels reach them
+(:mod:`packed_encoders.adapters.token_labels`), which get HF's values.
 Calls stock serves and the packed path does not reproduce run the stock forward
 (:mod:`packed_encoders.adapters.stock_calls`); anything else the packed path cannot honour raises
 :class:`~packed_encoders.errors.PackedEncodersError`.
@@ -30,6 +31,7 @@ from ..call import empty_output, packed_route, padded_route, raise_earlier_error
 from ..errors import PackedEncodersError, StockOnlyInput
 from .stock_calls import mask_holes_reason, stock_call_reason
 from .structure import structure_check
+from .token_labels import STOCK, STOCK_REASON, TRAILING, take_request
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
@@ -96,10 +98,13 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     """Drop-in for ``type(model).forward(model, *args, **kwargs)`` running the packed path."""
     state = model._packed_encoders
     raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
+    request = take_request()  # a token head's labels reach padded positions (adapters.token_labels)
     problem = structure_check(model, state)
     names = _positional_names(type(model))
     if problem is None:
         problem = stock_call_reason(model, names, args, kwargs)
+    if problem is None and request == STOCK:
+        return _stock_fallback(model, state, STOCK_REASON, args, kwargs)
     if problem is not None:
         return _stock_fallback(model, state, padded_route(model, state, structure=problem).reason, args, kwargs)
     call = dict(kwargs)  # as given: a mask with holes, found after the sync, runs stock with them
@@ -174,7 +179,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     watch = state.runtime.get("expansion")
     if watch is not None:
         state.trailing_max_len = watch.length()
-    trailing = state.trailing_max_len is not None and attention_mask is not None and width <= state.trailing_max_len
+    trailing = attention_mask is not None and (request == TRAILING or state.trailing_max_len is not None
+                                               and width <= state.trailing_max_len)
     padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)
     route = padded_route(model, state, hidden_states=output_hidden_states, **padded)
