@@ -1,6 +1,10 @@
-"""Exception hierarchy of packed_encoders."""
+"""Exception hierarchy of packed_encoders, and the messages more than one module raises."""
 
 from __future__ import annotations
+
+SECOND_DERIVATIVE = ("packed_encoders: second derivatives through the packed encoder are not supported (its training "
+                     "path runs kernels with hand-written first-order backwards); run that model unpacked "
+                     "(pe.unpack(model)) to differentiate twice")
 
 
 class PackedEncodersError(RuntimeError):

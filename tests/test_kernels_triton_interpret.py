@@ -401,6 +401,30 @@ def test_packed_forward_matches_torch_ops(fused):
         torch.testing.assert_close(got_g[name], ref_g[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
+def test_second_derivatives_name_the_way_out(fused):
+    """Differentiating twice through the Triton path (the layers' stack node, and the embedding / final norms'
+    custom ops, whose backward ops are recorded under ``create_graph=True``) raises the library's message naming
+    ``pe.unpack``, not torch's "no autograd formula"."""
+    from packed_encoders.batch import from_packed
+    from packed_encoders.errors import SECOND_DERIVATIVE
+    from packed_encoders.model.forward import encoder_forward
+    from packed_encoders.model.params import ModernBertParams
+
+    model, config = _tiny_modernbert()
+    params = ModernBertParams.from_hf_config(config)
+    lengths = [4, 7]
+    ids = torch.randint(3, 101, (sum(lengths),), generator=_gen(42))
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    batch = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=7, position_ids=None,
+                        vocab_size=101)
+    out = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa")
+    for p in (model.final_norm.weight, model.layers[0].attn.Wqkv.weight):
+        (g,) = torch.autograd.grad(out.square().mean(), p, create_graph=True, retain_graph=True)
+        with pytest.raises(RuntimeError, match="second derivatives through the packed encoder"):
+            g.square().sum().backward(retain_graph=True)
+    assert "pe.unpack(model)" in SECOND_DERIVATIVE
+
+
 # ------------------------------------------------------------------------------------------------ routing
 
 

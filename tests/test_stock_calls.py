@@ -92,3 +92,27 @@ def test_torch_export_of_a_packed_model_exports_the_stock_graph():
         out = program.module()(input_ids=ids2, attention_mask=mask2).last_hidden_state
         ref = stock(model, input_ids=ids2, attention_mask=mask2).last_hidden_state
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_func_grad_of_a_packed_model_runs_the_stock_forward():
+    """Inside a ``torch.func`` transform the packed path steps aside (its training path's autograd functions do not
+    support functorch): ``torch.func.grad`` over ``functional_call`` gives stock's gradients, the reason counted."""
+    model = pe.pack(make_model("base_like")).train()
+    ids, mask = padded_batch([5, 12, 9])
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def loss(params):
+        out = torch.func.functional_call(model, params, (), dict(input_ids=ids, attention_mask=mask))
+        return out.last_hidden_state[mask.bool()].square().mean()
+
+    with pytest.warns(RuntimeWarning, match="torch.func transform"):
+        got = torch.func.grad(loss)(params)
+    pe.unpack(model)
+    ref = torch.func.grad(loss)(params)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-5, msg=name)
+    pe.pack(model)
+    with torch.no_grad():  # outside a transform: the packed path again
+        model(input_ids=ids, attention_mask=mask)
+    calls = pe.describe(model)["encoders"][0]["stock_forward_calls"] or {}
+    assert not calls, calls

@@ -3,8 +3,8 @@ them (a one-time ``RuntimeWarning``, the reason in ``describe()``), so code writ
 
 Named before the call: attention probabilities (``output_attentions=True``), HF's precomputed per-layer-type mask
 mapping (a dict ``attention_mask``), a mask per query and key (a 3-D / 4-D tensor ``attention_mask``),
-layer-selecting ``output_hidden_states`` (a list or tuple), and tracing by ``torch.export`` (the exported program
-is the stock graph: the packed forward syncs the host on the lengths).
+layer-selecting ``output_hidden_states`` (a list or tuple), tracing by ``torch.export`` (the exported program
+is the stock graph: the packed forward syncs the host on the lengths), and calls inside a ``torch.func`` transform.
 Found while unpacking: a mask with holes inside a row (:class:`~packed_encoders.errors.StockOnlyInput`).
 """
 
@@ -20,11 +20,19 @@ EXPORT = ("torch.export traces the stock forward (the packed forward reads the b
           "an exported graph cannot)")
 
 
+# torch.func's interpreter stack (grad, vmap, jvp, ...): None outside any transform
+_functorch_level = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
+FUNCTORCH = ("a torch.func transform (grad, vjp, jvp, vmap, ...) is active: the packed training path's autograd "
+             "functions do not support functorch")
+
+
 def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict) -> str | None:
     """Why this call must run the stock forward, or ``None``. ``names``: the forward's positional parameter names
     (after ``self``), to find ``attention_mask`` passed positionally. A few dict lookups on the hot path."""
     if torch.compiler.is_exporting():
         return EXPORT
+    if _functorch_level() is not None:
+        return FUNCTORCH
     mask = kwargs.get("attention_mask")
     if mask is None and args and "attention_mask" in names[:len(args)]:
         mask = args[names.index("attention_mask")]

@@ -37,13 +37,9 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..errors import SECOND_DERIVATIVE
 from ..ops.weight_cast import cast
 from .params import ModernBertParams
-
-
-SECOND_DERIVATIVE = ("packed_encoders: second derivatives through the packed encoder are not supported (its training "
-                     "path runs kernels with hand-written first-order backwards); run that model unpacked "
-                     "(pe.unpack(model)) to differentiate twice")
 
 
 def first_order(backward):

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..errors import SECOND_DERIVATIVE
 from . import FusedOpSet, Kernels, OpSet, RouteLog
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
@@ -218,6 +219,20 @@ def _glu_backward(ctx, dy):
 
 
 _glu_fwd.register_autograd(_glu_backward, setup_context=_glu_setup)
+
+
+def _no_second_derivative(ctx, *grads):
+    raise RuntimeError(SECOND_DERIVATIVE)
+
+
+def _nothing_to_keep(ctx, inputs, output) -> None:
+    pass
+
+
+# The backward ops run inside the forward ops' backward formulas; under create_graph=True autograd records them,
+# and differentiating again must name the way out, not torch's "no autograd formula was registered"
+for _bwd in (_ln_bwd, _rope_bwd, _glu_bwd):
+    _bwd.register_autograd(_no_second_derivative, setup_context=_nothing_to_keep)
 
 # ---------------------------------------------------------------------------------------------------------
 # routing
