@@ -251,6 +251,11 @@ def test_stack_steps_aside_where_the_call_needs_layers():
     with torch.enable_grad():  # the plain-PyTorch op set trains through autograd's own per-op nodes
         encoder_forward(model, params, batch, attention_backend="sdpa")
     assert not plan_mod.last_plan().stack and "one autograd node per op" in plan_mod.last_plan().stack_off
+    assert "checkpointing" not in plan_mod.last_plan().stack_off
+    with torch.enable_grad():  # the call's own reason is named there too
+        encoder_forward(model, params, batch, attention_backend="sdpa", gradient_checkpointing=True)
+    assert "one autograd node per op" in plan_mod.last_plan().stack_off
+    assert "checkpointing" in plan_mod.last_plan().stack_off
 
 
 def test_frozen_parameters_get_no_gradient():

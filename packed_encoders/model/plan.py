@@ -278,10 +278,12 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
     if stacked or not grad:
         stack_off = None
     elif kernels is None:
+        # the call's own reason too (gradient checkpointing, hidden states...): it holds on this path as well
+        also = "" if stack_off in (None, NOT_ASKED) else f"; and {stack_off}"
         stack_off = "one autograd node per op: " + (
             "PACKED_ENCODERS_LEAN is off" if not rules.lean else "traced by torch.compile" if compiling
             else "Rules.blocks is off" if rules.blocks is False
-            else f"the {ops.name!r} op set runs plain PyTorch ops here (autograd's own backwards)")
+            else f"the {ops.name!r} op set runs plain PyTorch ops here (autograd's own backwards)") + also
     elif not rules.stack:
         stack_off = "Rules.stack is off (a training CUDA graph's capture records per-block nodes)"
     # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
