@@ -152,7 +152,7 @@ def describe(target) -> dict:
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
     reason), ``attention_policy``, ``kernels`` / ``kernels_reason``, ``gemm``, ``kernel_fallbacks``,
     ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided: ``direct``, ``why_checked``,
-    ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``; see
+    ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``, ``dropout``; see
     :func:`_plan_facts`), ``cuda_graph``, ``tuning`` (the switches read at ``pack()``), ``padded_outputs`` and
     ``validated``.
     """
@@ -179,7 +179,7 @@ def describe(target) -> dict:
                 "gemm": state.ops.gemm,
                 "kernel_fallbacks": state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {},
                 "kernel_substitutions": list(getattr(state.ops, "substitutions", ())),
-                "eager_plan": _plan_facts(state.runtime.get("eager_plan")),
+                "eager_plan": _plan_facts(state.runtime.get("eager_plan"), state.runtime.get("eager_dropout")),
                 "cuda_graph": describe_graphs(state, weight.device),
                 "tuning": state.tuning.describe(),
                 "padded_outputs": ("zeros" if trailing is None else
@@ -191,7 +191,7 @@ def describe(target) -> dict:
     return {"encoders": out}
 
 
-def _plan_facts(plan) -> dict | None:
+def _plan_facts(plan, dropout: bool | None = None) -> dict | None:
     """What the last eager call's plan decided (``None`` before one): ``direct``: its kernels launched unchecked
     (``why_checked``: why not), ``glu``: the ``Wi`` + GLU path, ``linear``: the other projections (``"F.linear"``,
     ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
@@ -199,13 +199,14 @@ def _plan_facts(plan) -> dict | None:
     they are off for the process, after a run disagreed with the tensor path), ``blocks``: the kernel family of the
     per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``;
     ``stack_off``: why a call with gradients did not (one node per block, or per op), ``None`` when it did or no
-    gradient was wanted)."""
+    gradient was wanted), ``dropout``: some dropout module applied dropout in that call (its train mode and a
+    non-zero rate, read live)."""
     if plan is None:
         return None
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,
             "pointers": plan.pointers and pointers_off() is None, "pointers_off": pointers_off(),
             "blocks": None if plan.kernels is None else plan.kernels.name, "stack": plan.stack,
-            "stack_off": plan.stack_off}
+            "stack_off": plan.stack_off, "dropout": dropout}
 
 
 def _single_encoder(model) -> nn.Module:

@@ -142,6 +142,7 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
                           gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
                           hidden_pre_norm_last=hidden_pre_norm_last, rules=rules_for(state.tuning))
     state.runtime["eager_plan"] = last_plan()  # this thread's forward just ran it; describe() shows its facts
+    state.runtime["eager_dropout"] = applies_dropout(_dropout_modules(model, state), params.attention_dropout)
     return out
 
 

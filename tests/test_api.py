@@ -342,3 +342,13 @@ def test_packed_forward_names_a_non_tensor_argument():
     ids = torch.randint(3, 200, (29,))
     with pytest.raises(pe.PackedEncodersError, match="cu_seqlens must be a torch.Tensor"):
         pe.packed_forward(model, None, ids, [0, 5, 8, 28, 29], 20)
+
+
+def test_describe_says_whether_the_last_eager_call_applied_dropout():
+    model = pe.pack(make_model("base_like", mlp_dropout=0.1))
+    ids, mask = padded_batch([5, 12, 9])
+    with torch.no_grad():
+        model.eval()(input_ids=ids, attention_mask=mask)
+    assert pe.describe(model)["encoders"][0]["eager_plan"]["dropout"] is False
+    model.train()(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
+    assert pe.describe(model)["encoders"][0]["eager_plan"]["dropout"] is True
