@@ -111,6 +111,17 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def device_work(events) -> list:
+    """The profiler's device events that are GPU work (kernels, memcpys, memsets): not the GPU-timeline spans of
+    user annotations (``record_function`` ranges such as ``Optimizer.step#AdamW.step``), which overlap the kernels
+    they enclose."""
+    from torch.autograd import DeviceType
+
+    ranges = {e.name for e in events if e.device_type == DeviceType.CPU and getattr(e, "is_user_annotation", False)}
+    return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+            and e.name not in ranges]
+
+
 def timed_pass(step: Callable, batches: Sequence, device: str) -> float:
     """Seconds for one pass of ``step`` over ``batches`` (CUDA events on GPU, perf_counter on CPU)."""
     synchronize(device)

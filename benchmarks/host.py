@@ -58,8 +58,7 @@ if __name__ == "__main__" and "--code" in sys.argv[:-1]:
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT, environment, git_sha, run_child, synchronize, write_rows
-from benchmarks.training import device_work
+from benchmarks.common import ROOT, device_work, environment, git_sha, run_child, synchronize, write_rows
 
 VARIANTS = {
     "stock": {},

@@ -86,7 +86,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import common
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, device_work
 
 VARIANTS = ("hf_sdpa", "hf_eager", "compile", "pack", "pack_train_graphs", "packed", "st_sdpa", "st_pack",
             "pylate_sdpa", "pylate_pack")
@@ -422,17 +422,6 @@ def _profile_summary(prof, host_s: list[float], cuda: bool) -> dict:
             "device_events_per_step": len(device_events) / n,
             "aten_ops_per_step": sum(e.name.startswith("aten::") for e in cpu) / n,
             "top_device_ms_per_step": _top_device(device_events, n) if cuda else None}
-
-
-def device_work(events) -> list:
-    """The profiler's device events that are GPU work (kernels, memcpys, memsets): not the GPU-timeline spans of
-    user annotations (``record_function`` ranges such as ``Optimizer.step#AdamW.step``), which overlap the kernels
-    they enclose."""
-    from torch.autograd import DeviceType
-
-    ranges = {e.name for e in events if e.device_type == DeviceType.CPU and getattr(e, "is_user_annotation", False)}
-    return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
-            and e.name not in ranges]
 
 
 def _top_device(device_events, n: int, top: int = 15) -> list[dict]:

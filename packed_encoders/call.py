@@ -130,7 +130,8 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
     ``describe()``. Returns ``[T, hidden_size]``."""
     params = state.params
     grad = torch.is_grad_enabled()
-    dropout = applies_attention_dropout(_dropout_modules(model, state), params.attention_dropout)
+    modules = _dropout_modules(model, state)
+    dropout = applies_attention_dropout(modules, params.attention_dropout)
     requested = attention_backend or state.options.attention_backend
     if dropout and requested == "auto":
         requested = "sdpa"  # the only backend with attention-probability dropout; describe() reports it
@@ -142,7 +143,7 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
                           gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
                           hidden_pre_norm_last=hidden_pre_norm_last, rules=rules_for(state.tuning))
     state.runtime["eager_plan"] = last_plan()  # this thread's forward just ran it; describe() shows its facts
-    state.runtime["eager_dropout"] = applies_dropout(_dropout_modules(model, state), params.attention_dropout)
+    state.runtime["eager_dropout"] = applies_dropout(modules, params.attention_dropout)
     return out
 
 

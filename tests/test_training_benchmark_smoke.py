@@ -65,7 +65,7 @@ def test_gpu_time_counts_kernels_not_annotation_spans():
 
     from torch.autograd import DeviceType
 
-    from benchmarks.training import device_work
+    from benchmarks.common import device_work
 
     def event(name, device, annotation=False):
         return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation)

@@ -233,6 +233,7 @@ def _nothing_to_keep(ctx, inputs, output) -> None:
 # and differentiating again must name the way out, not torch's "no autograd formula was registered"
 for _bwd in (_ln_bwd, _rope_bwd, _glu_bwd):
     _bwd.register_autograd(_no_second_derivative, setup_context=_nothing_to_keep)
+del _bwd
 
 # ---------------------------------------------------------------------------------------------------------
 # routing
