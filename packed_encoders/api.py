@@ -152,9 +152,9 @@ def describe(target) -> dict:
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
     reason), ``attention_policy``, ``kernels`` / ``kernels_reason``, ``gemm``, ``kernel_fallbacks``,
     ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided: ``direct``, ``why_checked``,
-    ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``, ``dropout``; see
-    :func:`_plan_facts`), ``cuda_graph``, ``tuning`` (the switches read at ``pack()``), ``padded_outputs`` and
-    ``validated``.
+    ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``, ``stack_pointers``,
+    ``stack_pointers_off``, ``dropout``; see :func:`_plan_facts`), ``cuda_graph``, ``tuning`` (the switches read at
+    ``pack()``), ``padded_outputs`` and ``validated``.
     """
     out = []
     for path, model in find_encoders(target):
@@ -179,7 +179,8 @@ def describe(target) -> dict:
                 "gemm": state.ops.gemm,
                 "kernel_fallbacks": state.ops.fallbacks() if hasattr(state.ops, "fallbacks") else {},
                 "kernel_substitutions": list(getattr(state.ops, "substitutions", ())),
-                "eager_plan": _plan_facts(state.runtime.get("eager_plan"), state.runtime.get("eager_dropout")),
+                "eager_plan": _plan_facts(state.runtime.get("eager_plan"), state.runtime.get("eager_dropout"),
+                                          state.runtime.get("eager_stack_pointers_off")),
                 "cuda_graph": describe_graphs(state, weight.device),
                 "tuning": state.tuning.describe(),
                 "padded_outputs": ("zeros" if trailing is None else
@@ -191,7 +192,7 @@ def describe(target) -> dict:
     return {"encoders": out}
 
 
-def _plan_facts(plan, dropout: bool | None = None) -> dict | None:
+def _plan_facts(plan, dropout: bool | None = None, stack_pointers_off: str | None = None) -> dict | None:
     """What the last eager call's plan decided (``None`` before one): ``direct``: its kernels launched unchecked
     (``why_checked``: why not), ``glu``: the ``Wi`` + GLU path, ``linear``: the other projections (``"F.linear"``,
     ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
@@ -199,14 +200,16 @@ def _plan_facts(plan, dropout: bool | None = None) -> dict | None:
     they are off for the process, after a run disagreed with the tensor path), ``blocks``: the kernel family of the
     per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``;
     ``stack_off``: why a call with gradients did not (one node per block, or per op), ``None`` when it did or no
-    gradient was wanted), ``dropout``: some dropout module applied dropout in that call (its train mode and a
-    non-zero rate, read live)."""
+    gradient was wanted; ``stack_pointers``: that node launched its kernels on raw pointers
+    (``model.stack_pointers``), ``stack_pointers_off``: why it did not), ``dropout``: some dropout module applied
+    dropout in that call (its train mode and a non-zero rate, read live)."""
     if plan is None:
         return None
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,
             "pointers": plan.pointers and pointers_off() is None, "pointers_off": pointers_off(),
             "blocks": None if plan.kernels is None else plan.kernels.name, "stack": plan.stack,
-            "stack_off": plan.stack_off, "dropout": dropout}
+            "stack_off": plan.stack_off, "stack_pointers": plan.stack and stack_pointers_off is None,
+            "stack_pointers_off": stack_pointers_off if plan.stack else None, "dropout": dropout}
 
 
 def _single_encoder(model) -> nn.Module:

@@ -19,6 +19,7 @@ from .graphs import route as graphs
 from .model.dropout import applies_attention_dropout, applies_dropout, dropout_modules
 from .model.forward import activation_dtype, encoder_forward, input_grads_hooked, plan_attention
 from .model.plan import last_plan, rules_for
+from .model.stack import last_pointers_off
 from .router import Eager, Facts, PackedGraph, RectangularGraph, Route, Stock, TrainingGraph, choose
 
 _INTEGER = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
@@ -144,6 +145,7 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
                           hidden_pre_norm_last=hidden_pre_norm_last, rules=rules_for(state.tuning))
     state.runtime["eager_plan"] = last_plan()  # this thread's forward just ran it; describe() shows its facts
     state.runtime["eager_dropout"] = applies_dropout(modules, params.attention_dropout)
+    state.runtime["eager_stack_pointers_off"] = last_pointers_off()
     return out
 
 

@@ -350,5 +350,10 @@ def test_describe_says_whether_the_last_eager_call_applied_dropout():
     with torch.no_grad():
         model.eval()(input_ids=ids, attention_mask=mask)
     assert pe.describe(model)["encoders"][0]["eager_plan"]["dropout"] is False
+    plan = pe.describe(model)["encoders"][0]["eager_plan"]
+    assert plan["stack_pointers"] is False and plan["stack_pointers_off"] is None  # (no gradient: no stack)
     model.train()(input_ids=ids, attention_mask=mask).last_hidden_state.sum().backward()
-    assert pe.describe(model)["encoders"][0]["eager_plan"]["dropout"] is True
+    plan = pe.describe(model)["encoders"][0]["eager_plan"]
+    assert plan["dropout"] is True
+    if plan["stack"]:  # the raw-pointer stack is CUDA only, and says why not
+        assert plan["stack_pointers"] is False and plan["stack_pointers_off"], plan

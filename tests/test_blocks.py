@@ -185,6 +185,21 @@ def test_stack_matches_the_per_block_path(name, autocast):
     assert stack_nodes < 20 + len(list(model.parameters())), stack_nodes  # leaves, embedding, norms, the stack
 
 
+def test_stack_on_cpu_says_why_it_is_not_on_raw_pointers():
+    """The raw-pointer stack (model/stack_pointers.py) is CUDA only: a CPU call runs the tensor form and says why
+    (``last_pointers_off``, and describe()'s eager_plan through a packed model); cuBLASLt says it has no device."""
+    from packed_encoders.model.stack import last_pointers_off
+    from packed_encoders.ops import cublaslt
+
+    model, params, batch, _, _ = _setup("base_like")
+    model.train()
+    encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN).sum().backward()
+    assert plan_mod.last_plan().stack
+    assert last_pointers_off().startswith("not a CUDA call"), last_pointers_off()
+    if not torch.cuda.is_available():
+        assert cublaslt.status() == "no CUDA device"
+
+
 def test_stack_retained_graph_in_place_change_and_second_backward():
     """``retain_graph=True`` keeps the stack's activations for another backward (gradients accumulate to twice);
     without it a second backward raises, as does a weight changed in place between forward and backward."""

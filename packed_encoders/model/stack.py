@@ -23,6 +23,8 @@ which a single node delivering every gradient at its end would serialise.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -32,12 +34,14 @@ from ..ops.weight_cast import cast_group
 from .blocks import (as_dtype, attn_in_bwd, attn_in_fwd, first_order, layer_args, out_mlp_bwd, out_mlp_fwd,
                      weights_read)
 from .params import ModernBertParams
+from .stack_pointers import PointerStack, prepare
 
 _PER_LAYER = 12  # weight slots per layer: attention in (4), attention out + MLP (8)
 _PROJECTIONS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # the slots of Wqkv, Wo, Wi, mlp.Wo (weight, bias)
 _NORMS = frozenset((0, 1, 6, 7))  # attn_norm, mlp_norm (weight, bias): their kernels read the parameters as they are
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 _saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_LAST = threading.local()  # .pointers_off: why this thread's last stack call did not run on raw pointers
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -204,15 +208,30 @@ def _reduce_norm_grads(call: _Call, grads: list) -> None:
 
 def run_stack(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, x: torch.Tensor,
               rope_tables_for, cdt: torch.dtype | None):
-    """Every layer of ``model`` on ``x`` ``[T, H]`` (the embedding output) as one :class:`EncoderStack` node.
-    Returns ``(x, pending)``: the last layer's residual stream and its MLP output, to be summed into
-    ``final_norm``."""
+    """Every layer of ``model`` on ``x`` ``[T, H]`` (the embedding output) as one autograd node: on raw pointers
+    (:class:`.stack_pointers.PointerStack`) where the call allows it, else :class:`EncoderStack`
+    (:func:`last_pointers_off` says why). Returns ``(x, pending)``: the last layer's residual stream and its MLP
+    output, to be summed into ``final_norm``."""
     args = tuple(layer_args(layer, params, plan.kernels, cdt) for layer in model.layers)
     tables = {g: rope_tables_for(g) for g in set(params.layer_is_global)}
     slots = [w for in_params, _, out_params, _ in args for w in (*in_params, *out_params)]
     present = tuple(i for i, w in enumerate(slots) if w is not None)
+    projections = [i for i in present if i % _PER_LAYER in _PROJECTIONS]
+    compute = [None] * len(slots)
+    for i, copy in zip(projections, cast_group(tuple(slots[i] for i in projections), cdt)):
+        compute[i] = copy
+    fast = prepare(model, params, batch, plan, x, args, tables, present, compute, cdt)
+    _LAST.pointers_off = fast if isinstance(fast, str) else None
+    if not isinstance(fast, str):
+        return PointerStack.apply(x, fast, *(slots[i] for i in present))
     return EncoderStack.apply(x, _Call(model, params, batch, plan, cdt, args, tables, present),
                               *(slots[i] for i in present))
 
 
-__all__ = ["EncoderStack", "run_stack", "stack_problem"]
+def last_pointers_off() -> str | None:
+    """Why this thread's last stack call ran as :class:`EncoderStack` rather than on raw pointers (``None``: it ran
+    on raw pointers, or no stack call ran yet)."""
+    return getattr(_LAST, "pointers_off", None)
+
+
+__all__ = ["EncoderStack", "last_pointers_off", "run_stack", "stack_problem"]

@@ -36,6 +36,7 @@ import threading
 import weakref
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -135,12 +136,9 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
         if len(devices) != 1:
             return tuple(cast(t, dtype) for t in tensors)
         flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
-        copies, at = [], 0
-        for t in tensors:
-            copies.append(flat[at:at + t.numel()].view(t.shape))
-            at += t.numel()
-        torch._foreach_copy_(copies, list(tensors))
-    copies = tuple(copies)
+        # the views in one C++ call (one slice and view per tensor from Python: ~3x the host time)
+        copies = tuple(_unflatten_dense_tensors(flat, tensors))
+        torch._foreach_copy_(list(copies), list(tensors))
     with _LOCK:
         if len(_GROUPS) >= _MAX_GROUPS and key not in _GROUPS:
             _GROUPS.pop(next(iter(_GROUPS)))

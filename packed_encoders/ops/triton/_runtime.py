@@ -423,7 +423,7 @@ def kernel(*, do_not_specialize=()):
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
+def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -431,7 +431,7 @@ def persistent_programs(t: torch.Tensor, work_items: int, per_sm: int = 4) -> in
     """How many programs a persistent kernel launches: ``per_sm`` per multiprocessor on CUDA,
     a handful when interpreted, never more than the work items (and at least 1)."""
     if t.device.type == "cuda":
-        cap = per_sm * _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+        cap = per_sm * sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
     else:
         cap = 3
     return max(1, min(cap, work_items))

@@ -136,6 +136,22 @@ def forward_launcher(t: int, inner: int, act: int, dtype: torch.dtype, device: i
     return launch
 
 
+def backward_launcher(t: int, inner: int, act: int, dtype: torch.dtype, device: int, stream: int):
+    """:func:`backward` with ``forward_out`` for raw device pointers, 16-byte aligned: ``launch(dy, x, dx, y)`` with
+    ``dy`` / ``y`` contiguous ``[t, inner]`` and ``x`` / ``dx`` contiguous ``[t, 2 * inner]``, all ``dtype``; ``act``
+    an :data:`ACTIVATIONS` code. ``None`` when no tensor launch bound that signature yet."""
+    bt, bi, warps = config(inner)
+    bound = _BWD_BOUND.get((device, (dtype, dtype, dtype, inner, bt, bi, warps, act, True, t < I32_END, True)))
+    if not bound:
+        return None
+    run = bound.at(cdiv(t, bt), cdiv(inner, bi), 1, stream)
+
+    def launch(dy: int, x: int, dx: int, y: int) -> None:
+        run(dy, x, dx, y, t)
+
+    return launch
+
+
 def backward(dy: torch.Tensor, x: torch.Tensor, activation: str, forward_out: bool = False):
     """``dx`` ``[T, 2I]`` in ``x.dtype`` given ``dy`` ``[T, I]`` and the forward input ``x``.
 

@@ -19,7 +19,7 @@ import torch
 import triton.language as tl
 
 from ._runtime import I32_END as _I32_END
-from ._runtime import cdiv, kernel, launch_cached, next_pow2, or_all, persistent_programs
+from ._runtime import cdiv, kernel, launch_cached, next_pow2, or_all, persistent_programs, sm_count
 
 MAX_HIDDEN = 16384  # one row lives in registers; beyond this the torch op is used
 # Persistent backward: 16 warps per multiprocessor (4 programs of 4 warps, 2 of 8), all resident at once since
@@ -149,19 +149,27 @@ def _forward_signature(*facts_then_t_and_pointers) -> tuple:
 
 
 def forward_launcher(t: int, n: int, delta: bool, weight: bool, bias: bool, dtype: torch.dtype, device: int,
-                     stream: int):
-    """:func:`forward` without statistics for raw device pointers of contiguous ``[t, n]`` tensors, all of one
-    ``dtype`` and 16-byte aligned: ``launch(x, delta, weight, bias, s, y, eps)`` on ``stream`` of CUDA device
-    ``device`` (``delta``, ``weight``, ``bias``: whether those are present; an absent one's pointer is ignored, pass
-    ``x``'s; ``s``: where the residual sum goes, ``x`` itself works, ignored without ``delta``). ``None`` when no
-    tensor launch bound that signature yet (see ``_runtime.launch_cached``)."""
-    block_n, rows, warps = _forward_shape(t, n, dtype.itemsize)
-    sig = _forward_signature(dtype, dtype, dtype, dtype, dtype, dtype, dtype, n, block_n, rows, warps, delta, weight,
-                             bias, False, t, 0)
+                     stream: int, *, dtypes: tuple | None = None, stats: bool = False):
+    """:func:`forward` for raw device pointers of contiguous ``[t, n]`` tensors, 16-byte aligned:
+    ``launch(x, delta, weight, bias, s, y, eps)`` on ``stream`` of CUDA device ``device`` (``delta``, ``weight``,
+    ``bias``: whether those are present; an absent one's pointer is ignored, pass ``x``'s; ``s``: where the residual
+    sum goes, ``x`` itself works, ignored without ``delta``), or with ``stats``: ``launch(x, delta, weight, bias, s,
+    y, mean, rstd, eps)``, ``mean`` / ``rstd`` fp32 ``[t]``. ``dtypes``: ``(x, delta, weight, bias, s, y)``'s
+    dtypes (an absent input's is ``x``'s, an absent ``s``'s is ``y``'s); ``None``: every one ``dtype``. ``None``
+    when no tensor launch bound that signature yet (see ``_runtime.launch_cached``)."""
+    x_dt, d_dt, w_dt, b_dt, s_dt, y_dt = dtypes or (dtype,) * 6
+    block_n, rows, warps = _forward_shape(t, n, max(x_dt.itemsize, y_dt.itemsize))
+    sig = _forward_signature(x_dt, d_dt, w_dt, b_dt, s_dt, y_dt, torch.float32 if stats else y_dt, n, block_n, rows,
+                             warps, delta, weight, bias, stats, t, 0)
     bound = _FWD_BOUND.get((device, sig))
     if not bound:  # not bound yet (or unbindable: False)
         return None
     run = bound.at(cdiv(t, rows), 1, 1, stream)
+    if stats:
+        def launch_stats(x: int, d: int, w: int, b: int, s: int, y: int, mean: int, rstd: int, eps: float) -> None:
+            run(x, d, w, b, s, y, mean, rstd, t, eps)
+
+        return launch_stats
 
     def launch(x: int, d: int, w: int, b: int, s: int, y: int, eps: float) -> None:
         run(x, d, w, b, s, y, y, y, t, eps)  # (mean, rstd: unused without statistics)
@@ -220,6 +228,39 @@ def forward(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | 
                   dict(N=n, BLOCK_N=block_n, ROWS=rows, HAS_RES=delta is not None, HAS_W=weight is not None,
                        HAS_B=bias is not None, STATS=stats, num_warps=warps), fast)
     return s, y, mean, rstd
+
+
+def backward_programs(t: int, n: int, elem_bytes: int, device: int) -> int:
+    """How many programs :func:`backward` launches for ``t`` rows of ``n`` (the rows of its ``[P, n]`` partial
+    sums); ``elem_bytes``: the larger of ``x``'s and ``dy``'s element sizes."""
+    _, rows, warps = config(n, elem_bytes, backward=True)
+    per_sm = BWD_PROGRAMS_PER_SM or max(1, BWD_WARPS_PER_SM // warps)
+    return max(1, min(per_sm * sm_count(device), cdiv(t, rows)))
+
+
+def backward_launcher(t: int, n: int, dtypes: tuple, weight: bool, bias: bool, dres: bool, dx2: bool, device: int,
+                      stream: int):
+    """:func:`backward` with ``reduce=False`` for raw device pointers of contiguous tensors, 16-byte aligned:
+    ``launch(dy, x, weight, mean, rstd, dres, dx, dx2, dw, db)``, ``dw`` / ``db`` fp32 ``[P, n]`` with ``P =``
+    :func:`backward_programs` (an absent one's pointer is ignored: pass ``mean``'s; an absent ``weight``: ``x``'s,
+    ``dres``: ``dy``'s, ``dx2``: ``dx``'s). ``dtypes``: ``(dy, x, weight, dres, dx, dx2)``'s dtypes, an absent
+    one's as the pointer passed for it. ``t > 0``. ``None`` when no tensor launch bound that signature yet."""
+    dy_dt, x_dt, w_dt, dres_dt, dx_dt, dx2_dt = dtypes
+    block_n, rows, warps = config(n, max(x_dt.itemsize, dy_dt.itemsize), backward=True)
+    tiles = cdiv(t, rows)
+    programs = backward_programs(t, n, max(x_dt.itemsize, dy_dt.itemsize), device)
+    f32 = torch.float32
+    sig = ((dy_dt, x_dt, w_dt, f32, f32, dres_dt, dx_dt, dx2_dt, f32, f32), n, block_n, rows, warps, weight, bias,
+           dres, dx2, BWD_STAGES, programs < _I32_END, True)
+    bound = _BWD_BOUND.get((device, sig))
+    if not bound:
+        return None
+    run = bound.at(programs, 1, 1, stream)
+
+    def launch(dy: int, x: int, w: int, mean: int, rstd: int, dr: int, dx: int, d2: int, dw: int, db: int) -> None:
+        run(dy, x, w, mean, rstd, dr, dx, d2, dw, db, t, tiles, programs)
+
+    return launch
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,

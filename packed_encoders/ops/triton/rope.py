@@ -194,6 +194,28 @@ def forward_launcher(t: int, num_heads: int, head_dim: int, position_dtype: torc
     return launch
 
 
+def backward_launcher(t: int, num_heads: int, head_dim: int, grad_dtype: torch.dtype, position_dtype: torch.dtype,
+                      dtype: torch.dtype, device: int, stream: int):
+    """:func:`backward` for raw device pointers, all 16-byte aligned: ``launch(dq, dk, dv, cos, sin, position_ids,
+    dqkv)`` with ``dq, dk, dv`` contiguous ``[t, num_heads, head_dim]`` of ``grad_dtype``, ``cos`` / ``sin`` fp32
+    tables, ``position_ids`` ``[t]`` of ``position_dtype`` and ``dqkv`` contiguous ``[t, 3 * num_heads * head_dim]``
+    of ``dtype``. ``None`` when no tensor launch bound that signature yet (see ``_runtime.launch_cached``)."""
+    block, rows, warps = config(num_heads, head_dim)
+    strides = (num_heads * head_dim, head_dim) * 3
+    f32 = torch.float32
+    sig = ((grad_dtype, grad_dtype, grad_dtype, f32, f32, position_dtype, dtype), strides, num_heads, head_dim, block,
+           rows, warps, True, t < I32_END, True)
+    bound = _BWD_BOUND.get((device, sig))
+    if not bound:
+        return None
+    run = bound.at(cdiv(t, rows), 1, 1, stream)
+
+    def launch(dq: int, dk: int, dv: int, cos: int, sin: int, position_ids: int, dqkv: int) -> None:
+        run(dq, dk, dv, cos, sin, position_ids, dqkv, t, *strides)
+
+    return launch
+
+
 def _last_dim_unit(g: torch.Tensor | None) -> torch.Tensor | None:
     return g if g is None or g.stride(-1) == 1 else g.contiguous()
 
