@@ -244,9 +244,12 @@ class PointerStack(torch.autograd.Function):
                   arena.add(4 * t), arena.add(4 * t), 0 if final else arena.add(t * h * rsz),
                   arena.add(t * h * isz), arena.add(4 * t), arena.add(4 * t), arena.add(t * 2 * inner * isz))
             arenas[first, final] = (arena.size, at)
-        # one call's transients: the attention projection, the GLU output, pending, the cuBLASLt workspace
+        # one call's transients: the attention projection and pending (one buffer: a layer reads pending in its first
+        # norm, before it writes the projection, and writes pending after its second norm read the projection), the
+        # GLU output, the cuBLASLt workspace
         scratch = _Arena()
-        at_o, at_g, at_p = scratch.add(t * h * isz), scratch.add(t * inner * isz), scratch.add(t * h * isz)
+        at_o, at_g = scratch.add(t * h * isz), scratch.add(t * inner * isz)
+        at_p = at_o
         at_ws = scratch.add(cublaslt.WORKSPACE_BYTES)
         tmp = torch.empty(scratch.size + _ALIGN, dtype=torch.uint8, device=device)
         tbase = -(-tmp.data_ptr() // _ALIGN) * _ALIGN
@@ -339,18 +342,21 @@ class PointerStack(torch.autograd.Function):
         dx = as_dtype(dx, res_dt).contiguous()
         dpending = (torch.zeros((t, h), dtype=cdt, device=device) if dpending is None
                     else as_dtype(dpending, cdt).contiguous())
-        # one call's transients: the gradients crossing layers (ds, do, the outputs dx, dpending), dy, then the MLP's
-        # (dg, dh, g) and the attention's (da, dqkv), which are never live together
+        # one call's transients. Across layers: the residual's gradient ds (the norms' backward adds into it in
+        # place: each program reads its rows' incoming gradient before it writes them) and, with two dtypes, the
+        # branch's (do, then the next layer's dpending). Within a layer the MLP's (dg, dh, g; dy2 in dg once the GLU
+        # backward read it) and then the attention's (da, dqkv; dy1 in da once FlashAttention-2's backward read it).
         two = launch.two
         scratch = _Arena()
-        at_ds, at_dy, at_dxo = scratch.add(t * h * rsz), scratch.add(t * h * isz), scratch.add(t * h * rsz)
-        at_do, at_dpo = (scratch.add(t * h * isz), scratch.add(t * h * isz)) if two else (at_ds, at_dxo)
+        at_ds = scratch.add(t * h * rsz)
+        at_do = scratch.add(t * h * isz) if two else at_ds
         phase = scratch.size
-        at_dg, at_dh = scratch.add(t * inner * isz), scratch.add(t * 2 * inner * isz)
+        at_dg, at_dh = scratch.add(t * max(inner, h) * isz), scratch.add(t * 2 * inner * isz)
         at_g = scratch.add(t * inner * isz)
         mlp_end, scratch.size = scratch.size, phase
         at_da, at_dqkv = scratch.add(t * h * isz), scratch.add(t * 3 * h * isz)
         scratch.size = max(scratch.size, mlp_end)
+        at_dy2, at_dy1, at_dxo, at_dpo = at_dg, at_da, at_ds, at_do
         programs = launch.programs
         # the norms' partial sums, fp32 [2 norms (and 2 biases), P, H] per layer, allocated as each layer's backward
         # runs (the activations of the layers above are freed by then) and reduced once after the layers
@@ -359,7 +365,7 @@ class PointerStack(torch.autograd.Function):
         at_ws = scratch.add(cublaslt.WORKSPACE_BYTES)
         tmp = torch.empty(scratch.size + _ALIGN, dtype=torch.uint8, device=device)
         base = -(-tmp.data_ptr() // _ALIGN) * _ALIGN
-        dg_p, dh_p, g_p, dy_p = base + at_dg, base + at_dh, base + at_g, base + at_dy
+        dg_p, dh_p, g_p, dy2_p, dy1_p = base + at_dg, base + at_dh, base + at_g, base + at_dy2, base + at_dy1
         ds_p, do_p, da_p, dqkv_p = base + at_ds, base + at_do, base + at_da, base + at_dqkv
         dxo_p, dpo_p, ws = base + at_dxo, base + at_dpo, base + at_ws
         typed = tmp.view(cdt)
@@ -390,12 +396,12 @@ class PointerStack(torch.autograd.Function):
             launch.glu_bwd(dg_p, h_p, dh_p, g_p)
             if needs[slot + 10]:
                 grads[slot + 10] = _weight_grad(dw_of, h, inner, out_params[6], g_p, dp_p, ws, stream)
-            dx_i(wi.data_ptr(), dh_p, dy_p, ws, stream)
+            dx_i(wi.data_ptr(), dh_p, dy2_p, ws, stream)
             if needs[slot + 8]:
                 grads[slot + 8] = _weight_grad(dw_of, 2 * inner, h, out_params[4], y2_p, dh_p, ws, stream)
             # mlp_norm (residual): x = s + o
             m_w = out_params[2]
-            launch.ln_bwd(dy_p, xo_p, m_w.data_ptr() if m_w is not None else xo_p, m2, r2, dx_p, ds_p, do_p,
+            launch.ln_bwd(dy2_p, xo_p, m_w.data_ptr() if m_w is not None else xo_p, m2, r2, dx_p, ds_p, do_p,
                           parts + part_stride, parts + 3 * part_stride if call.has_b else m2)
             # attention output: o = Wo a
             q, k, v, a, lse, seed, offset, wsz = att
@@ -414,7 +420,7 @@ class PointerStack(torch.autograd.Function):
                 dqkv_t = call.plan.kernels.rope_bwd(dq, dk, dv, *call.tensor_tables[params.layer_is_global[index]],
                                                     heads, head_dim, cdt)
                 dqkv_at = dqkv_t.data_ptr()
-            dx_qkv(wqkv.data_ptr(), dqkv_at, dy_p, ws, stream)
+            dx_qkv(wqkv.data_ptr(), dqkv_at, dy1_p, ws, stream)
             if needs[slot + 2]:
                 grads[slot + 2] = _weight_grad(dw_of, 3 * h, h, in_params[2], y_p, dqkv_at, ws, stream)
             dq = dk = dv = None
@@ -423,11 +429,11 @@ class PointerStack(torch.autograd.Function):
                 if index == 0:  # the node's input gradient: a tensor of its own
                     dx_in = torch.empty((t, h), dtype=res_dt, device=device)
                     dxo_p = dx_in.data_ptr()
-                launch.ln_bwd(dy_p, s_p, ln_w.data_ptr() if ln_w is not None else s_p, m1, r1, ds_p, dxo_p,
+                launch.ln_bwd(dy1_p, s_p, ln_w.data_ptr() if ln_w is not None else s_p, m1, r1, ds_p, dxo_p,
                               dpo_p if two else dxo_p, parts, parts + 2 * part_stride if call.has_b else m1)
                 dx_p, dp_p = dxo_p, (dpo_p if two else dxo_p)
             else:  # no attn_norm: s is x; its gradient is ds plus the projection input's
-                dy_t = typed.as_strided((t, h), (h, 1), (dy_p - tmp.data_ptr()) // isz)
+                dy_t = typed.as_strided((t, h), (h, 1), (dy1_p - tmp.data_ptr()) // isz)
                 ds_t = tmp.view(res_dt).as_strided((t, h), (h, 1), (ds_p - tmp.data_ptr()) // rsz)
                 dx_in = as_dtype(dy_t, res_dt) + ds_t  # (as the tensor form: the input's dtype, then the sum)
             del buf, keep, qkv  # (this layer's activations go as soon as its gradients are made)
