@@ -322,6 +322,12 @@ def compute_dtype(device_type: str) -> torch.dtype | None:
     return None
 
 
+# :func:`layer_args`'s parameters, flattened per layer (``(*in_params, *out_params)``): the slots of a layer
+SLOTS_PER_LAYER = 12
+PROJECTION_SLOTS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # Wqkv, Wo, Wi, mlp.Wo (weight, bias)
+NORM_SLOTS = frozenset((0, 1, 6, 7))  # attn_norm, mlp_norm (weight, bias): their kernels read the parameters
+
+
 def layer_args(layer: nn.Module, params: ModernBertParams, kernels, cdt: torch.dtype | None):
     """``(in_params, in_meta, out_params, out_meta)`` of one encoder layer's two blocks (read from the live modules
     on every call: weights, norms' eps, dropout modes)."""

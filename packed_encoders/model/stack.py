@@ -31,14 +31,14 @@ from torch import nn
 from ..attention.flash import torch_varlen_backward, torch_varlen_forward_saving
 from ..batch import PackedBatch
 from ..ops.weight_cast import cast_group
+from .blocks import NORM_SLOTS as _NORMS
+from .blocks import PROJECTION_SLOTS as _PROJECTIONS
+from .blocks import SLOTS_PER_LAYER as _PER_LAYER
 from .blocks import (as_dtype, attn_in_bwd, attn_in_fwd, first_order, layer_args, out_mlp_bwd, out_mlp_fwd,
                      weights_read)
 from .params import ModernBertParams
 from .stack_pointers import PointerStack, prepare
 
-_PER_LAYER = 12  # weight slots per layer: attention in (4), attention out + MLP (8)
-_PROJECTIONS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # the slots of Wqkv, Wo, Wi, mlp.Wo (weight, bias)
-_NORMS = frozenset((0, 1, 6, 7))  # attn_norm, mlp_norm (weight, bias): their kernels read the parameters as they are
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 _saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _LAST = threading.local()  # .pointers_off: why this thread's last stack call did not run on raw pointers
@@ -75,12 +75,13 @@ def stack_problem(batch: PackedBatch, checkpointed: bool, hidden_states: bool) -
 class _Call:
     """What the stack's forward and backward share: the batch, the plan, each layer's block arguments, RoPE tables."""
 
-    __slots__ = ("args", "batch", "cdt", "model", "params", "plan", "present", "tables")
+    __slots__ = ("args", "batch", "cdt", "compute", "model", "params", "plan", "present", "tables")
 
-    def __init__(self, model, params, batch, plan, cdt, args, tables, present):
+    def __init__(self, model, params, batch, plan, cdt, args, tables, present, compute):
         self.model, self.params, self.batch, self.plan, self.cdt = model, params, batch, plan, cdt
         self.args, self.tables = args, tables  # per layer: blocks.layer_args; {is_global: (cos, sin, rows)}
         self.present = present  # the weight slots that hold a tensor (the node's inputs after x), in order
+        self.compute = compute  # per slot: a projection's weight in the compute dtype (None elsewhere)
 
 
 def _attend(call: _Call, index: int, q, k, v):
@@ -121,13 +122,7 @@ class EncoderStack(torch.autograd.Function):
         layers = []
         pending = None
         last = len(call.args) - 1
-        # the projections' weights in the compute dtype, one cache lookup for all (ops.weight_cast.cast_group)
-        present = [weights[j] for j, slot in enumerate(call.present) if slot % _PER_LAYER in _PROJECTIONS]
-        copies = iter(cast_group(tuple(present), call.cdt))
-        compute = [None] * (len(call.args) * _PER_LAYER)
-        for slot in call.present:
-            if slot % _PER_LAYER in _PROJECTIONS:
-                compute[slot] = next(copies)
+        compute = call.compute  # the projections' weights in the compute dtype (run_stack)
         for index, (in_params, in_meta, out_params, out_meta) in enumerate(call.args):
             at = index * _PER_LAYER
             cos, sin, rows = call.tables[call.params.layer_is_global[index]]
@@ -224,7 +219,7 @@ def run_stack(model: nn.Module, params: ModernBertParams, batch: PackedBatch, pl
     _LAST.pointers_off = fast if isinstance(fast, str) else None
     if not isinstance(fast, str):
         return PointerStack.apply(x, fast, *(slots[i] for i in present))
-    return EncoderStack.apply(x, _Call(model, params, batch, plan, cdt, args, tables, present),
+    return EncoderStack.apply(x, _Call(model, params, batch, plan, cdt, args, tables, present, compute),
                               *(slots[i] for i in present))
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ..attention.flash import _FLASH_BACKWARD, _FLASH_FORWARD
 from ..ops import cublaslt
+from .blocks import SLOTS_PER_LAYER as _PER_LAYER
 from .blocks import as_dtype, first_order
 
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
@@ -213,10 +214,6 @@ def _launchers_here(call: PointerCall) -> "_Launchers":
     return launch
 
 
-_PER_LAYER = 12  # as .stack: weight slots per layer (attention in: 4, attention out + MLP: 8)
-_NORM_SLOTS = (0, 6)  # attn_norm, mlp_norm weights (their biases at +1)
-
-
 class PointerStack(torch.autograd.Function):
     """:class:`.stack.EncoderStack` on raw pointers: ``(x, pending)`` after every layer from the embedding output
     ``x`` ``[T, H]``; ``weights``: the present weight slots (``call.present``), inputs so that autograd delivers
@@ -233,14 +230,14 @@ class PointerStack(torch.autograd.Function):
         isz, rsz = cdt.itemsize, res_dt.itemsize
         compute = call.compute
         last = len(call.args) - 1
-        # what one layer's backward reads, in one buffer per layer: s, y and the first norm's statistics (not for a
-        # first layer without attn_norm: s is x, y a cast of it), x (the last layer's is the node's output), y2,
-        # the second norm's statistics, h
+        # what one layer's backward reads, in one buffer per layer: s (a first layer's is x), y (a first layer
+        # without attn_norm: a cast of x), the first norm's statistics, x (the last layer's is the node's output),
+        # y2, the second norm's statistics, h
         arenas = {}
         for first, final in ((True, False), (False, False), (False, True), (True, True)):
             arena = _Arena()
             own = not first or call.args[0][1][2]
-            at = (arena.add(t * h * rsz) if own else 0, arena.add(t * h * isz) if own else 0,
+            at = (0 if first else arena.add(t * h * rsz), arena.add(t * h * isz) if own else 0,
                   arena.add(4 * t), arena.add(4 * t), 0 if final else arena.add(t * h * rsz),
                   arena.add(t * h * isz), arena.add(4 * t), arena.add(4 * t), arena.add(t * 2 * inner * isz))
             arenas[first, final] = (arena.size, at)
