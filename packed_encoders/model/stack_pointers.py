@@ -30,20 +30,27 @@ from .blocks import as_dtype, first_order
 
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 
-_ALIGN = 256  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
+_ALIGN = 256  # bytes between buffers: what cuBLASLt's heuristic assumes of its operands (the Triton kernels: 16)
 _LOW = (torch.bfloat16, torch.float16)
 _F32 = torch.float32
 
 
-def _ptr(t: torch.Tensor | None, dtype: torch.dtype, numel: int) -> int | None:
-    """``t``'s data pointer if it is a contiguous, 16-byte aligned ``dtype`` tensor of ``numel`` elements (``None``
-    for no tensor, ``-1`` otherwise)."""
+def _ptr(t: torch.Tensor | None, dtype: torch.dtype, numel: int, align: int = 16) -> int | None:
+    """``t``'s data pointer if it is a contiguous, ``align``-byte aligned ``dtype`` tensor of ``numel`` elements
+    (``None`` for no tensor, ``-1`` otherwise)."""
     if t is None:
         return None
     if t.dtype is not dtype or t.numel() != numel or not t.is_contiguous():
         return -1
     p = t.data_ptr()
-    return -1 if p & 15 else p
+    return -1 if p & (align - 1) else p
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and ``_ALIGN``-byte aligned (a copy from the caching allocator where it is not)."""
+    if t.is_contiguous() and not t.data_ptr() & (_ALIGN - 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 class _Arena:
@@ -127,8 +134,8 @@ def prepare(model, params, batch, plan, x: torch.Tensor, args, tables: dict, pre
             or plan.kernels.name != "triton" or batch.cu_seqlens.dtype is not torch.int32:
         return "not a CUDA call with the Triton kernel family and int32 cu_seqlens (or under torch.compile)"
     t, h = x.shape
-    if t == 0 or x.dtype not in (_F32, *_LOW) or not x.is_contiguous():
-        return "an empty batch, or an embedding output that is not a contiguous fp32 / bf16 / fp16 tensor"
+    if t == 0 or x.dtype not in (_F32, *_LOW) or _ptr(x, x.dtype, x.numel(), _ALIGN) == -1:
+        return "an empty batch, or an embedding output that is not a contiguous, aligned fp32 / bf16 / fp16 tensor"
     from ..ops.triton._runtime import bound_ok
 
     if cublaslt.status() is not None:
@@ -155,8 +162,8 @@ def prepare(model, params, batch, plan, x: torch.Tensor, args, tables: dict, pre
             return "a layer after the first without attn_norm"
         if any(b is not None for b in (in_params[3], out_params[1], out_params[5], out_params[7])):
             return "projection biases"
-        for w, b in ((in_params[0], in_params[1]), (out_params[2], out_params[3])):
-            if w is None and b is None and not in_meta[2]:
+        for norm, (w, b) in enumerate(((in_params[0], in_params[1]), (out_params[2], out_params[3]))):
+            if norm == 0 and not in_meta[2]:  # (no attn_norm)
                 continue
             if (has_w, has_b) == (None, None):
                 has_w, has_b = w is not None, b is not None
@@ -170,10 +177,12 @@ def prepare(model, params, batch, plan, x: torch.Tensor, args, tables: dict, pre
     if len(w_dts) > 1 or any(_ptr(t_, t_.dtype, h) == -1 for t_ in norms):
         return "norm weights of several dtypes, or not contiguous / 16-byte aligned"
     sizes = (3 * h * h, h * h, 2 * inner * h, h * inner)
-    for index in range(len(args)):
+    for index, (in_params, _, out_params, _) in enumerate(args):
         slot = index * _PER_LAYER
-        if any(_ptr(compute[slot + at], wdt, size) in (-1, None) for at, size in zip((2, 4, 8, 10), sizes)):
-            return "a projection weight (in the compute dtype) not contiguous or 16-byte aligned"
+        if any(_ptr(compute[slot + at], wdt, size, _ALIGN) in (-1, None) for at, size in zip((2, 4, 8, 10), sizes)):
+            return "a projection weight (in the compute dtype) not contiguous or 256-byte aligned"
+        if any(w.dtype not in (_F32, wdt) for w in (in_params[2], out_params[0], out_params[4], out_params[6])):
+            return "a projection weight of another low-precision dtype than the compute dtype"
     res_dt = torch.promote_types(x.dtype, wdt)
     if res_dt is not x.dtype:
         return "the residual stream's dtype differs from the embedding output's"
@@ -292,6 +301,7 @@ class PointerStack(torch.autograd.Function):
             wsz = -1 if window is None else int(window)
             a, lse, seed, offset, _ = _FLASH_FORWARD(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, False, False,
                                                      scale=scale, window_size_left=wsz, window_size_right=wsz)
+            a = _aligned(a)  # (FlashAttention-2 allocates it contiguous: a check)
             a_p = a.data_ptr()
             fwd_o(wo.data_ptr(), a_p, o_p, ws, stream)
             if index == last:  # outputs of the node: tensors of their own
@@ -336,9 +346,9 @@ class PointerStack(torch.autograd.Function):
         for slot, need in zip(call.present, ctx.needs_input_grad[2:]):
             needs[slot] = need
         grads: list = [None] * len(needs)
-        dx = as_dtype(dx, res_dt).contiguous()
+        dx = _aligned(as_dtype(dx, res_dt))
         dpending = (torch.zeros((t, h), dtype=cdt, device=device) if dpending is None
-                    else as_dtype(dpending, cdt).contiguous())
+                    else _aligned(as_dtype(dpending, cdt)))
         # one call's transients. Across layers: the residual's gradient ds (the norms' backward adds into it in
         # place: each program reads its rows' incoming gradient before it writes them) and, with two dtypes, the
         # branch's (do, then the next layer's dpending). Within a layer the MLP's (dg, dh, g; dy2 in dg once the GLU
@@ -410,7 +420,7 @@ class PointerStack(torch.autograd.Function):
                                          window_size_left=wsz, window_size_right=wsz)
             att = q = k = v = a = lse = None
             cos, sin, rows = call.tables[params.layer_is_global[index]]
-            if dq.is_contiguous() and dk.is_contiguous() and dv.is_contiguous():
+            if all(g.is_contiguous() and not g.data_ptr() & 15 for g in (dq, dk, dv)):
                 launch.rope_bwd(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), cos, sin, rows, dqkv_p)
                 dqkv_at = dqkv_p
             else:  # (FlashAttention-2 writes contiguous gradients; should that change, the tensor launch)

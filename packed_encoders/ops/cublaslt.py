@@ -72,6 +72,7 @@ def _load() -> str | None:
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [_VP, _VP, _VP, _VP, _VP, _VP, _VP, _I32, _VP,
                                                        ctypes.POINTER(_I32)]
         lib.cublasLtMatmulAlgoCheck.argtypes = [_VP, _VP, _VP, _VP, _VP, _VP, _VP, _VP]
+        lib.cublasLtMatrixLayoutDestroy.argtypes = [_VP]
         lib.cublasLtMatmul.argtypes = [_VP] * 14 + [_SZ, _VP]
         lib.cublasLtMatmul.restype = _I32
     except (OSError, AttributeError) as exc:
@@ -128,14 +129,35 @@ def _preference() -> int:
     return ref.value
 
 
+class _Owned:
+    """A plan's matrix layouts (destroyed with it) and its heuristic result (its algorithm at offset 0): held by
+    every :class:`Matmul` of the plan, so that neither goes while one may still be called."""
+
+    __slots__ = ("layouts", "result")
+
+    def __init__(self, layouts: tuple, result):
+        self.layouts, self.result = layouts, result
+
+    def __del__(self):
+        lib = _STATE.get("lib")
+        if lib is None:
+            return
+        for layout in self.layouts:
+            try:
+                lib.cublasLtMatrixLayoutDestroy(_VP(layout))
+            except Exception:  # interpreter shutdown
+                return
+
+
 _ALGOS: dict = {}  # (device, class key) -> heuristic result buffer (its algo at offset 0)
-_PLANS: dict = {}  # (device, exact key) -> (desc, layout a, layout b, layout d, algo address, keep-alive)
+_PLANS: dict = {}  # (device, exact key) -> (handle, desc, layout a, layout b, layout d, algo address, _Owned)
 
 
 def _plan(device: int, trans_a: int, trans_b: int, dims: tuple[int, int, int], t_at: int, lds: tuple[int, int, int],
           ab: torch.dtype, d: torch.dtype):
-    """``(handle, desc, layout a, layout b, layout d, algo address, keep-alive)`` of ``D = op(A) . op(B)``, ``dims``
-    its column-major ``(m, n, k)``, ``dims[t_at]`` the token count."""
+    """``(handle, desc, layout a, layout b, layout d, algo address, owner)`` of ``D = op(A) . op(B)``, ``dims`` its
+    column-major ``(m, n, k)``, ``dims[t_at]`` the token count; ``owner`` (:class:`_Owned`) keeps the layouts and the
+    algorithm alive."""
     key = (device, trans_a, trans_b, dims, lds, ab, d)
     plan = _PLANS.get(key)
     if plan is not None:
@@ -144,9 +166,13 @@ def _plan(device: int, trans_a: int, trans_b: int, dims: tuple[int, int, int], t
     handle = _handle(device)
     desc = _desc(trans_a, trans_b)
     m, n, k = dims
+    owner = _Owned((), None)
     la = _layout(ab, *((k, m) if trans_a else (m, k)), lds[0])
+    owner.layouts = (la,)
     lb = _layout(ab, *((n, k) if trans_b else (k, n)), lds[1])
+    owner.layouts = (la, lb)
     ld = _layout(d, m, n, lds[2])
+    owner.layouts = (la, lb, ld)
     # the algorithm of this shape's class (the token count rounded up to a power of two), checked for this count
     klass = (device, trans_a, trans_b, tuple(-max(1, x - 1).bit_length() if i == t_at else x
                                              for i, x in enumerate(dims)), lds, ab, d)
@@ -164,16 +190,18 @@ def _plan(device: int, trans_a: int, trans_b: int, dims: tuple[int, int, int], t
         if count.value < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for m={m} n={n} k={k} ({ab} -> {d})")
         _ALGOS.setdefault(klass, result)
+    owner.result = result
     if len(_PLANS) > 4096:  # token counts vary per batch: a bound on memory, not a working limit
-        _PLANS.clear()  # (layouts are a few hundred bytes each: not destroyed)
-    plan = _PLANS[key] = (handle, desc, la, lb, ld, ctypes.addressof(result), result)
+        _PLANS.clear()  # (a plan's layouts go with the last Matmul holding it)
+    plan = _PLANS[key] = (handle, desc, la, lb, ld, ctypes.addressof(result), owner)
     return plan
 
 
 class Matmul:
     """One GEMM shape on raw pointers, ``call(a, b, d, workspace, stream)``: the operands as
-    :func:`linear`, :func:`input_grad` and :func:`weight_grad` order them; ``workspace``: a device buffer of
-    :data:`WORKSPACE_BYTES` that no other stream uses meanwhile."""
+    :func:`linear`, :func:`input_grad` and :func:`weight_grad` order them, each 256-byte aligned (the heuristic's
+    default alignment); ``workspace``: a device buffer of :data:`WORKSPACE_BYTES` that no other stream uses
+    meanwhile."""
 
     __slots__ = ("call",)
 
@@ -184,7 +212,8 @@ class Matmul:
         alpha, beta = (_VP(v) for v in _STATE["scalars"][2:])
         size = _SZ(WORKSPACE_BYTES)
 
-        def call(a: int, b: int, d: int, workspace: int, stream: int) -> None:
+        def call(a: int, b: int, d: int, workspace: int, stream: int, _owner=plan[6]) -> None:
+            # (_owner: the layouts and the algorithm stay while this function exists)
             code = mm(handle, desc, alpha, a, la, b, lb, beta, d, ld, d, ld, algo, workspace, size, stream)
             if code:
                 raise RuntimeError(f"cuBLASLt cublasLtMatmul failed (cublasStatus_t {code})")
