@@ -53,6 +53,32 @@ def test_cublaslt_products_match_torch_mm(dtype, out_dtype):
                 assert err < (2e-2 if got.dtype != torch.float32 else 1e-4), (n, k, t, what, err)
 
 
+def test_cublaslt_calls_outlive_the_plan_cache():
+    """A call made from a plan keeps its layouts and algorithm after the plan cache drops the plan (it is cleared
+    past 4,096 shapes, possibly within one backward): it still computes, and the cache rebuilds the plan."""
+    import gc
+
+    assert cublaslt.status() is None, cublaslt.status()
+    torch.manual_seed(0)
+    ws = torch.empty(cublaslt.WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
+    stream = torch.cuda.current_stream().cuda_stream
+    t, n, k = 300, 768, 1152
+    w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05
+    x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
+    call = cublaslt.linear(t, n, k, torch.bfloat16, 0).call
+    cublaslt._PLANS.clear()
+    cublaslt._ALGOS.clear()
+    gc.collect()
+    y = torch.empty(t, n, device=DEV, dtype=torch.bfloat16)
+    call(w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), stream)
+    again = torch.empty_like(y)
+    cublaslt.linear(t, n, k, torch.bfloat16, 0).call(w.data_ptr(), x.data_ptr(), again.data_ptr(), ws.data_ptr(),
+                                                     stream)
+    ref = x.float() @ w.float().t()
+    for got in (y, again):
+        assert float((got.float() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
 def _model(dtype):
     from transformers import ModernBertConfig, ModernBertModel
 
