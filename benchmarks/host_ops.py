@@ -18,7 +18,10 @@ the unit), ``empty`` (``torch.empty [T, H]``), ``view``, ``linear`` (``F.linear`
 ``linear_cublaslt`` (the same with ``torch.backends.cuda.preferred_blas_library("cublaslt")``), ``mm_out``
 (``torch.mm`` into a preallocated output, weight pre-transposed), ``mm_dx`` / ``mm_dw_fp32`` (a training
 backward's two GEMMs per projection: ``dy @ w``, and ``dy.T @ x`` written as fp32 from bf16 operands),
-``ln_direct`` / ``ln_checked`` (the Triton residual LayerNorm, unchecked launch and the checked op), ``glu``
+``mm_lt`` / ``mm_lt_dw_fp32`` (the ``Wqkv`` forward and fp32 weight-gradient products as one ``cublasLtMatmul`` on
+raw pointers, ``packed_encoders.ops.cublaslt``, as the training stack calls them), ``ln_direct`` / ``ln_checked``
+(the Triton residual LayerNorm, unchecked launch and the checked op), ``ln_bound`` (the same kernel launched on raw
+pointers through its bound signature, as the raw-pointer paths launch it), ``glu``
 (Triton), ``attn_triton`` (the Triton attention kernel, unchecked launch), ``attn_varlen`` (torch ``varlen_attn``),
 ``attn_fa4`` (FlashAttention-4). Rows go to ``--out`` as JSON lines (``runner: "host_ops"``); a table is printed.
 """
@@ -75,8 +78,8 @@ def ops(device: str, tokens: int, hidden: int, heads: int, seqs: int) -> dict:
         "mm_dx": (lambda: torch.mm(dy, w_qkv), None),
     }
     if not cuda:
-        for name in ("linear_cublaslt", "mm_dw_fp32", "ln_direct", "ln_checked", "glu", "attn_triton", "attn_varlen",
-                     "attn_fa4"):
+        for name in ("linear_cublaslt", "mm_dw_fp32", "mm_lt", "mm_lt_dw_fp32", "ln_direct", "ln_checked", "ln_bound",
+                     "glu", "attn_triton", "attn_varlen", "attn_fa4"):
             table[name] = (None, "CUDA only")
         return table
 
@@ -92,6 +95,8 @@ def ops(device: str, tokens: int, hidden: int, heads: int, seqs: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - a row says why
         for name in ("ln_direct", "ln_checked", "glu"):
             table[name] = (None, f"{exc.__class__.__name__}: {exc}")
+    table["ln_bound"] = _ln_bound(x, d, w_ln, tokens, hidden, dtype)
+    table.update(_cublaslt_ops(x, w_qkv, dy, tokens, hidden, dtype))
     try:
         from packed_encoders.attention.triton_short import triton_short_attention_direct
 
@@ -108,6 +113,47 @@ def ops(device: str, tokens: int, hidden: int, heads: int, seqs: int) -> dict:
     table["attn_fa4"] = ((lambda: fa4_varlen(q, k, v, cu, max_seqlen, window=None, scale=scale)), None) \
         if why is None else (None, why)
     return table
+
+
+def _ln_bound(x, d, w, tokens: int, hidden: int, dtype):
+    """The residual LayerNorm forward with statistics launched through its bound signature (bound by one tensor
+    launch first), as ``model/stack_pointers.py`` launches it."""
+    try:
+        from packed_encoders.ops.triton import layer_norm
+
+        layer_norm.forward(x, d, w, None, 1e-5, dtype, dtype)  # binds the signature
+        device = x.device.index
+        launch = layer_norm.forward_launcher(tokens, hidden, True, True, False, dtype, device,
+                                             torch._C._cuda_getCurrentRawStream(device), stats=True)
+    except Exception as exc:  # noqa: BLE001 - a row says why
+        return None, f"{exc.__class__.__name__}: {exc}"
+    if launch is None:
+        return None, "the signature did not bind (fast launcher off, or launch hooks on)"
+    s, y = torch.empty_like(x), torch.empty_like(x)
+    mean, rstd = (torch.empty(tokens, device=x.device, dtype=torch.float32) for _ in range(2))
+    ptrs = (x.data_ptr(), d.data_ptr(), w.data_ptr(), x.data_ptr(), s.data_ptr(), y.data_ptr(), mean.data_ptr(),
+            rstd.data_ptr())
+    return (lambda: launch(*ptrs, 1e-5)), None
+
+
+def _cublaslt_ops(x, w, dy, tokens: int, hidden: int, dtype) -> dict:
+    """``mm_lt`` (``x @ w.T``) and ``mm_lt_dw_fp32`` (``dy.T @ x`` in fp32) as single ``cublasLtMatmul`` calls."""
+    from packed_encoders.ops import cublaslt
+
+    why = cublaslt.status()
+    if why is not None:
+        return {"mm_lt": (None, why), "mm_lt_dw_fp32": (None, why)}
+    device = x.device.index
+    n = w.shape[0]
+    ws = torch.empty(cublaslt.WORKSPACE_BYTES, dtype=torch.uint8, device=x.device)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    y = torch.empty(tokens, n, device=x.device, dtype=dtype)
+    dw = torch.empty(n, hidden, device=x.device, dtype=torch.float32)
+    fwd = cublaslt.linear(tokens, n, hidden, dtype, device).call
+    wgrad = cublaslt.weight_grad(tokens, n, hidden, dtype, torch.float32, device).call
+    a = (w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), stream)
+    b = (x.data_ptr(), dy.data_ptr(), dw.data_ptr(), ws.data_ptr(), stream)
+    return {"mm_lt": ((lambda: fwd(*a)), None), "mm_lt_dw_fp32": ((lambda: wgrad(*b)), None)}
 
 
 def run(fn, name: str, device: str, calls: int, repeats: int) -> dict:
