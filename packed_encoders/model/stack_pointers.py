@@ -12,11 +12,13 @@ backward pair on tensor views (as :mod:`.stack`). The maths, the Triton kernels 
 tensor form's; the GEMMs are cuBLAS kernels that cuBLASLt's heuristic picks (not necessarily ``torch.mm``'s), so
 results agree with the tensor form to GEMM rounding, not bit for bit.
 
-:func:`prepare` returns ``None`` (the tensor form runs) for a call it cannot run: not CUDA, cuBLASLt or the bound
+:func:`prepare` returns why (the tensor form runs) for a call it cannot run: not CUDA, cuBLASLt or the bound
 launcher unavailable (``PACKED_ENCODERS_TRITON_FAST_LAUNCH=0``, a profiler's launch hooks), a kernel signature no
 tensor launch has bound yet (the first step of a new dtype combination runs the tensor form and binds it), another
 attention backend than FlashAttention-2, dropout, projection biases, fp32 GEMMs, a layer after the first without
-an ``attn_norm``, a weight of another dtype, non-contiguous or misaligned.
+an ``attn_norm``, a weight of another dtype, non-contiguous or misaligned. GEMM operands are 256-byte aligned
+(what cuBLASLt's heuristic assumes by default): the buffers by construction, the weights checked, the incoming
+gradients and FlashAttention-2's output copied where they are not.
 """
 
 from __future__ import annotations
