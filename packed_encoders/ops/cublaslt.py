@@ -139,14 +139,12 @@ class _Owned:
         self.layouts, self.result = layouts, result
 
     def __del__(self):
-        lib = _STATE.get("lib")
-        if lib is None:
-            return
-        for layout in self.layouts:
-            try:
+        try:
+            lib = _STATE.get("lib")
+            for layout in self.layouts if lib is not None else ():
                 lib.cublasLtMatrixLayoutDestroy(_VP(layout))
-            except Exception:  # interpreter shutdown
-                return
+        except Exception:  # interpreter shutdown (module globals already gone)
+            pass
 
 
 _ALGOS: dict = {}  # (device, class key) -> heuristic result buffer (its algo at offset 0)

@@ -1,0 +1,80 @@
+"""The raw-pointer training stack's bookkeeping (model/stack_pointers.py), on CPU with recording launchers that do
+nothing: every launch gets integer pointers, each layer makes the launches of its forward and backward once (the
+first layer without ``attn_norm``), every parameter of the layers gets a gradient of its shape, and the node's
+outputs have the dtypes of the residual stream and the compute dtype. The maths is checked on the H200
+(``tests/gpu/test_stack_pointers.py``)."""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+
+import pytest
+import torch
+
+import packed_encoders.model.stack_pointers as sp
+from packed_encoders.model.blocks import PROJECTION_SLOTS, SLOTS_PER_LAYER, layer_args
+from packed_encoders.model.params import ModernBertParams
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
+    from transformers import ModernBertConfig, ModernBertModel
+
+    cfg = ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                           vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                           sep_token_id=2)
+    model = ModernBertModel(cfg).train()
+    params = ModernBertParams.from_hf_config(cfg)
+    t, h = 37, 64
+    calls = []
+
+    def recorder(name):
+        def launch(*args):
+            assert all(type(a) in (int, float) for a in args), (name, args)
+            calls.append(name)
+        return launch
+
+    two = x_dtype is torch.float32
+    launch = types.SimpleNamespace(
+        ln0=recorder("ln0"), ln1=recorder("ln1"), ln2=recorder("ln2"), rope=recorder("rope"), glu=recorder("glu"),
+        glu_bwd=recorder("glu_bwd"), rope_bwd=recorder("rope_bwd"), ln_bwd=recorder("ln_bwd"), programs=5,
+        fwd=tuple(recorder(f"fwd{i}") for i in range(4)), dx=tuple(recorder(f"dx{i}") for i in range(4)),
+        weight_grad=lambda n, k, dtype: recorder("dw"), two=two, stream=0, device=0)
+
+    def flash_forward(q, k, v, *args, **kwargs):
+        return torch.zeros(q.shape, dtype=q.dtype), torch.zeros(4), torch.zeros(2), torch.zeros(2), None
+
+    def flash_backward(da, q, k, v, *args, **kwargs):
+        return tuple(torch.zeros(q.shape, dtype=q.dtype) for _ in range(3))
+
+    monkeypatch.setattr(sp, "_FLASH_FORWARD", flash_forward)
+    monkeypatch.setattr(sp, "_FLASH_BACKWARD", flash_backward)
+    monkeypatch.setattr(sp, "_launchers_here", lambda call: call.launch)
+    layers = [types.SimpleNamespace(window=None if i % 3 == 0 else 64, backend="varlen") for i in range(4)]
+    plan = types.SimpleNamespace(layers=layers, kernels=types.SimpleNamespace(name="triton"))
+    cdt = torch.bfloat16
+    args = tuple(layer_args(layer, params, plan.kernels, cdt) for layer in model.layers)
+    slots = [w for a, _, b, _ in args for w in (*a, *b)]
+    present = tuple(i for i, w in enumerate(slots) if w is not None)
+    compute = [slots[i].detach().to(cdt) if slots[i] is not None and i % SLOTS_PER_LAYER in PROJECTION_SLOTS
+               else None for i in range(len(slots))]
+    call = sp.PointerCall()
+    call.params, call.plan, call.args, call.has_b, call.tensor_tables = params, plan, args, False, {}
+    call.batch = types.SimpleNamespace(cu_seqlens=torch.tensor([0, 10, t], dtype=torch.int32), max_seqlen=27)
+    call.tables = {True: (1, 2, 3), False: (4, 5, 6)}
+    call.present, call.compute, call.cdt, call.res_dt, call.launch, call.launch_args = (
+        present, compute, cdt, x_dtype, launch, ())
+    x = torch.randn(t, h, dtype=x_dtype, requires_grad=True)
+    out, pending = sp.PointerStack.apply(x, call, *(slots[i] for i in present))
+    assert (out.dtype, pending.dtype, out.shape, pending.shape) == (x_dtype, cdt, (t, h), (t, h))
+    forward = Counter(calls)
+    n = params.num_hidden_layers
+    assert forward == Counter({"ln1": n - 1, "ln2": n, "rope": n, "glu": n, **{f"fwd{i}": n for i in range(4)}})
+    calls.clear()
+    (out.float().sum() + pending.float().sum()).backward()
+    assert Counter(calls) == Counter({"ln_bwd": 2 * n - 1, "glu_bwd": n, "rope_bwd": n, "dw": 4 * n,
+                                      **{f"dx{i}": n for i in range(4)}})
+    assert x.grad is not None and x.grad.shape == x.shape
+    for name, p in model.layers.named_parameters():
+        assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
