@@ -37,7 +37,7 @@ def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
 
     two = x_dtype is torch.float32
     launch = types.SimpleNamespace(
-        ln0=recorder("ln0"), ln1=recorder("ln1"), ln2=recorder("ln2"), rope=recorder("rope"), glu=recorder("glu"),
+        ln0=recorder("ln0"), ln_res=recorder("ln_res"), rope=recorder("rope"), glu=recorder("glu"),
         glu_bwd=recorder("glu_bwd"), rope_bwd=recorder("rope_bwd"), ln_bwd=recorder("ln_bwd"), programs=5,
         fwd=tuple(recorder(f"fwd{i}") for i in range(4)), dx=tuple(recorder(f"dx{i}") for i in range(4)),
         weight_grad=lambda n, k, dtype: recorder("dw"), two=two, stream=0, device=0)
@@ -70,7 +70,7 @@ def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
     assert (out.dtype, pending.dtype, out.shape, pending.shape) == (x_dtype, cdt, (t, h), (t, h))
     forward = Counter(calls)
     n = params.num_hidden_layers
-    assert forward == Counter({"ln1": n - 1, "ln2": n, "rope": n, "glu": n, **{f"fwd{i}": n for i in range(4)}})
+    assert forward == Counter({"ln_res": 2 * n - 1, "rope": n, "glu": n, **{f"fwd{i}": n for i in range(4)}})
     calls.clear()
     (out.float().sum() + pending.float().sum()).backward()
     assert Counter(calls) == Counter({"ln_bwd": 2 * n - 1, "glu_bwd": n, "rope_bwd": n, "dw": 4 * n,

@@ -88,12 +88,9 @@ class _Launchers:
             return (x, d if d is not None else x, w_dt if has_w else x, w_dt if has_b else x,
                     s if s is not None else y, y)
 
-        # attn_norm of a layer with pending (residual + LN), mlp_norm (residual + LN), attn_norm of a first layer
-        # with a norm and nothing pending (plain LN)
-        self.ln1 = need(layer_norm.forward_launcher(t, h, True, has_w, has_b, cdt, device, stream, stats=True,
-                                                    dtypes=ln_dtypes(res_dt, cdt, res_dt, cdt)))
-        self.ln2 = need(layer_norm.forward_launcher(t, h, True, has_w, has_b, cdt, device, stream, stats=True,
-                                                    dtypes=ln_dtypes(res_dt, cdt, res_dt, cdt)))
+        # residual + LN (attn_norm with pending, mlp_norm), and plain LN (attn_norm of a first layer with a norm)
+        self.ln_res = need(layer_norm.forward_launcher(t, h, True, has_w, has_b, cdt, device, stream, stats=True,
+                                                       dtypes=ln_dtypes(res_dt, cdt, res_dt, cdt)))
         self.ln0 = layer_norm.forward_launcher(t, h, False, has_w, has_b, cdt, device, stream, stats=True,
                                                dtypes=ln_dtypes(x_dt, None, None, cdt))
         self.rope = need(rope.forward_launcher(t, heads, head_dim, rows_dt, cdt, device, stream))
@@ -284,7 +281,7 @@ class PointerStack(torch.autograd.Function):
                 w_p = ln_w.data_ptr() if ln_w is not None else x_p
                 b_p = ln_b.data_ptr() if ln_b is not None else x_p
                 if pending:
-                    launch.ln1(x_p, pend_p, w_p, b_p, s_p, y_p, m1, r1, in_meta[1])
+                    launch.ln_res(x_p, pend_p, w_p, b_p, s_p, y_p, m1, r1, in_meta[1])
                 else:  # a first layer with a norm: s is x itself
                     launch.ln0(x_p, x_p, w_p, b_p, y_p, y_p, m1, r1, in_meta[1])
                     s_p = x_p
@@ -311,8 +308,8 @@ class PointerStack(torch.autograd.Function):
                 pend_out = torch.empty((t, h), dtype=cdt, device=device)
                 xo_p = x_out.data_ptr()
             m_w, m_b = out_params[2], out_params[3]
-            launch.ln2(s_p, o_p, m_w.data_ptr() if m_w is not None else s_p,
-                       m_b.data_ptr() if m_b is not None else s_p, xo_p, y2_p, m2, r2, out_meta[1])
+            launch.ln_res(s_p, o_p, m_w.data_ptr() if m_w is not None else s_p,
+                          m_b.data_ptr() if m_b is not None else s_p, xo_p, y2_p, m2, r2, out_meta[1])
             fwd_i(wi.data_ptr(), y2_p, h_p, ws, stream)
             launch.glu(h_p, g_p)
             fwd_2(w2.data_ptr(), g_p, pend_p if index < last else pend_out.data_ptr(), ws, stream)
