@@ -51,7 +51,10 @@ def status() -> str | None:
     """``None`` when cuBLASLt can be called here, else why not (no CUDA, the library not found or not loadable)."""
     with _LOCK:
         if "status" not in _STATE:
-            _STATE["status"] = _load()
+            try:
+                _STATE["status"] = _load()
+            except Exception as exc:  # noqa: BLE001 - a CUDA runtime that fails here: the tensor form, visibly
+                _STATE["status"] = f"{exc.__class__.__name__}: {exc}"
         return _STATE["status"]
 
 
