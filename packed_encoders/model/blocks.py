@@ -328,6 +328,43 @@ PROJECTION_SLOTS = frozenset((2, 3, 4, 5, 8, 9, 10, 11))  # Wqkv, Wo, Wi, mlp.Wo
 NORM_SLOTS = frozenset((0, 1, 6, 7))  # attn_norm, mlp_norm (weight, bias): their kernels read the parameters
 
 
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def take_layers(ctx) -> tuple[list, bool]:
+    """A stack node's backward start (``model.stack``, ``model.stack_pointers``): ``(ctx.layers, keep)``, ``keep``
+    whether the graph is retained (``backward(retain_graph=True)``; assumed where torch cannot say); without it the
+    node lets go of its activations (``ctx.layers`` becomes ``None``). A second backward after they went raises."""
+    layers = ctx.layers
+    if layers is None:
+        raise RuntimeError("Trying to backward through the graph a second time (the packed encoder's stack node "
+                           "freed its activations); specify retain_graph=True on the first backward")
+    keep = _keep_graph is None or _keep_graph()
+    if not keep:
+        ctx.layers = None
+    return layers, keep
+
+
+def slot_needs(present: tuple, needs_input_grad, n_layers: int) -> list:
+    """Per weight slot (``SLOTS_PER_LAYER`` per layer) whether it wants a gradient, from a stack node's
+    ``needs_input_grad`` of its weight inputs (the ``present`` slots, in order)."""
+    needs = [False] * (n_layers * SLOTS_PER_LAYER)
+    for slot, need in zip(present, needs_input_grad):
+        needs[slot] = need
+    return needs
+
+
+def check_versions(read: tuple, index: int) -> None:
+    """Raise autograd's in-place error if a weight layer ``index``'s backward reads (``read``: ``(tensor, version)``
+    pairs taken in forward) changed since."""
+    for t, version in read:
+        if t._version != version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a weight of the packed encoder's layer {index} (shape {tuple(t.shape)}) is at "
+                f"version {t._version}; expected version {version}")
+
+
 def layer_args(layer: nn.Module, params: ModernBertParams, kernels, cdt: torch.dtype | None):
     """``(in_params, in_meta, out_params, out_meta)`` of one encoder layer's two blocks (read from the live modules
     on every call: weights, norms' eps, dropout modes)."""

@@ -34,12 +34,11 @@ from ..ops.weight_cast import cast_group
 from .blocks import NORM_SLOTS as _NORMS
 from .blocks import PROJECTION_SLOTS as _PROJECTIONS
 from .blocks import SLOTS_PER_LAYER as _PER_LAYER
-from .blocks import (as_dtype, attn_in_bwd, attn_in_fwd, first_order, layer_args, out_mlp_bwd, out_mlp_fwd,
-                     weights_read)
+from .blocks import (as_dtype, attn_in_bwd, attn_in_fwd, check_versions, first_order, layer_args, out_mlp_bwd,
+                     out_mlp_fwd, slot_needs, take_layers, weights_read)
 from .params import ModernBertParams
 from .stack_pointers import PointerStack, prepare
 
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
 _saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 _LAST = threading.local()  # .pointers_off: why this thread's last stack call did not run on raw pointers
 
@@ -144,26 +143,14 @@ class EncoderStack(torch.autograd.Function):
     @staticmethod
     @first_order  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, dx, dpending):
-        call, layers = ctx.call, ctx.layers
-        if layers is None:
-            raise RuntimeError("Trying to backward through the graph a second time (the packed encoder's stack node "
-                               "freed its activations); specify retain_graph=True on the first backward")
-        keep = _keep_graph is None or _keep_graph()
-        if not keep:
-            ctx.layers = None
-        needs = [False] * (len(call.args) * _PER_LAYER)
-        for slot, need in zip(call.present, ctx.needs_input_grad[2:]):
-            needs[slot] = need
+        call = ctx.call
+        layers, keep = take_layers(ctx)
+        needs = slot_needs(call.present, ctx.needs_input_grad[2:], len(call.args))
         grads = [None] * len(needs)
         for index in range(len(call.args) - 1, -1, -1):
             in_params, in_meta, out_params, out_meta = call.args[index]
             in_saved, in_facts, att_saved, out_saved, out_facts, read = layers[index]
-            for t, version in read:
-                if t._version != version:
-                    raise RuntimeError(
-                        f"one of the variables needed for gradient computation has been modified by an inplace "
-                        f"operation: a weight of the packed encoder's layer {index} (shape {tuple(t.shape)}) is at "
-                        f"version {t._version}; expected version {version}")
+            check_versions(read, index)
             if not keep:
                 layers[index] = None
             at = index * _PER_LAYER

@@ -28,9 +28,7 @@ import torch
 from ..attention.flash import _FLASH_BACKWARD, _FLASH_FORWARD
 from ..ops import cublaslt
 from .blocks import SLOTS_PER_LAYER as _PER_LAYER
-from .blocks import as_dtype, first_order
-
-_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+from .blocks import as_dtype, check_versions, first_order, slot_needs, take_layers
 
 _ALIGN = 256  # bytes between buffers: what cuBLASLt's heuristic assumes of its operands (the Triton kernels: 16)
 _LOW = (torch.bfloat16, torch.float16)
@@ -325,13 +323,8 @@ class PointerStack(torch.autograd.Function):
     @staticmethod
     @first_order  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, dx, dpending):
-        call, layers = ctx.call, ctx.layers
-        if layers is None:
-            raise RuntimeError("Trying to backward through the graph a second time (the packed encoder's stack node "
-                               "freed its activations); specify retain_graph=True on the first backward")
-        keep_graph = _keep_graph is None or _keep_graph()
-        if not keep_graph:
-            ctx.layers = None
+        call = ctx.call
+        layers, keep_graph = take_layers(ctx)
         params, batch, cdt, res_dt = call.params, call.batch, call.cdt, call.res_dt
         launch = _launchers_here(call)
         t, h = dx.shape
@@ -341,9 +334,7 @@ class PointerStack(torch.autograd.Function):
         isz, rsz = cdt.itemsize, res_dt.itemsize
         stream = launch.stream
         n_layers = len(call.args)
-        needs = [False] * (n_layers * _PER_LAYER)
-        for slot, need in zip(call.present, ctx.needs_input_grad[2:]):
-            needs[slot] = need
+        needs = slot_needs(call.present, ctx.needs_input_grad[2:], n_layers)
         grads: list = [None] * len(needs)
         dx = _aligned(as_dtype(dx, res_dt))
         dpending = (torch.zeros((t, h), dtype=cdt, device=device) if dpending is None
@@ -383,12 +374,7 @@ class PointerStack(torch.autograd.Function):
         for index in range(n_layers - 1, -1, -1):
             in_params, in_meta, out_params, out_meta = call.args[index]
             buf, keep, x_keep, (s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p), qkv, att, read = layers[index]
-            for w_, version in read:
-                if w_._version != version:
-                    raise RuntimeError(
-                        f"one of the variables needed for gradient computation has been modified by an inplace "
-                        f"operation: a weight of the packed encoder's layer {index} (shape {tuple(w_.shape)}) is at "
-                        f"version {w_._version}; expected version {version}")
+            check_versions(read, index)
             if not keep_graph:
                 layers[index] = None
             slot = index * _PER_LAYER
