@@ -346,3 +346,20 @@ def test_pointer_check_tolerates_cublaslt_rounding_not_wrong_rows():
     both = ref.clone()
     both[5, 7] = float("inf")
     assert _agrees(both.clone(), both, exact=False)
+
+
+def test_workspace_size_classes_cover_the_request_within_a_quarter():
+    """Raw-pointer buffers are sized in four classes per power of two (model/workspace.py): never smaller than the
+    request, at most 25 % larger, one size for nearby token counts (so a later step reuses the cached blocks)."""
+    from packed_encoders.model import workspace
+
+    for n in (1, 4096, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 3 * (1 << 24) + 5, 204 * 2**20, 214 * 2**20):
+        c = workspace.size_class(n)
+        assert n <= c <= max(n, n * 1.25), (n, c)
+        assert workspace.size_class(c) == c
+    assert workspace.size_class(1000) == 1000  # small: the caching allocator's own rounding
+    assert workspace.size_class(204 * 2**20) == workspace.size_class(214 * 2**20)  # the two sets one run held
+    classes = {workspace.size_class(n) for n in range((1 << 24) + 1, (1 << 25) + 1, 4099)}
+    assert len(classes) == 4
+    arena = workspace.Arena()
+    assert (arena.add(3), arena.add(300), arena.add(0), arena.size) == (0, 256, 768, 768)

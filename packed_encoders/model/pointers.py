@@ -37,6 +37,7 @@ from torch import nn
 
 from ..batch import PackedBatch
 from ..ops import cublaslt
+from . import workspace
 from .params import ModernBertParams
 
 _ALIGN = 256  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
@@ -186,8 +187,8 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     dtype = table.dtype
     widths = _widths(params.hidden_size, params.intermediate_size, plan.glu == "split")
     extra = cublaslt.WORKSPACE_BYTES if _lt_projections(plan, model) else 0
-    ws = torch.empty(_workspace_bytes(batch.total_tokens, widths, dtype.itemsize, extra), dtype=torch.uint8,
-                     device=device)
+    ws = torch.empty(workspace.size_class(_workspace_bytes(batch.total_tokens, widths, dtype.itemsize, extra)),
+                     dtype=torch.uint8, device=device)
     return _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index,
                     torch._C._cuda_getCurrentRawStream(index))
 

@@ -6,11 +6,11 @@ hosts against ~7 us for the bound launch itself) and each ``torch.mm`` (~14-24 u
 algorithm lookup). Here a call resolves its launchers once (:func:`prepare`): the op family's Triton kernels bound by
 earlier tensor launches (``ops.triton._runtime.Bound``) and one cuBLASLt plan per GEMM shape
 (:mod:`..ops.cublaslt`); then every layer runs on pointers. The forward allocates one buffer per layer for what its
-backward reads (the norms' inputs, statistics and outputs, the MLP's input) plus ``qkv`` and FlashAttention-2's
-outputs; the backward reuses one buffer per call for its transients. FlashAttention-2 is aten's own forward and
-backward pair on tensor views (as :mod:`.stack`). The maths, the Triton kernels and their launch shapes are the
-tensor form's; the GEMMs are cuBLAS kernels that cuBLASLt's heuristic picks (not necessarily ``torch.mm``'s), so
-results agree with the tensor form to GEMM rounding, not bit for bit.
+backward reads (the norms' inputs, statistics and outputs, the MLP's input, ``qkv``) beside FlashAttention-2's
+outputs; the backward reuses one buffer per call for its transients (sizes in :mod:`.workspace`'s classes).
+FlashAttention-2 is aten's own forward and backward pair on tensor views (as :mod:`.stack`). The maths, the Triton
+kernels and their launch shapes are the tensor form's; the GEMMs are cuBLAS kernels that cuBLASLt's heuristic picks
+(not necessarily ``torch.mm``'s), so results agree with the tensor form to GEMM rounding, not bit for bit.
 
 :func:`prepare` returns why (the tensor form runs) for a call it cannot run: not CUDA, cuBLASLt or the bound
 launcher unavailable (``PACKED_ENCODERS_TRITON_FAST_LAUNCH=0``, a profiler's launch hooks), a kernel signature no
@@ -27,10 +27,12 @@ import torch
 
 from ..attention.flash import _FLASH_BACKWARD, _FLASH_FORWARD
 from ..ops import cublaslt
+from . import workspace
 from .blocks import SLOTS_PER_LAYER as _PER_LAYER
 from .blocks import as_dtype, check_versions, first_order, slot_needs, take_layers
+from .workspace import Arena as _Arena
 
-_ALIGN = 256  # bytes between buffers: what cuBLASLt's heuristic assumes of its operands (the Triton kernels: 16)
+_ALIGN = workspace.ALIGN  # what cuBLASLt's heuristic assumes of its operands (the Triton kernels: 16)
 _LOW = (torch.bfloat16, torch.float16)
 _F32 = torch.float32
 
@@ -51,20 +53,6 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous() and not t.data_ptr() & (_ALIGN - 1):
         return t
     return t.clone(memory_format=torch.contiguous_format)
-
-
-class _Arena:
-    """Offsets of aligned buffers in one byte buffer: ``add(nbytes) -> offset``; ``size`` the bytes it needs."""
-
-    __slots__ = ("size",)
-
-    def __init__(self):
-        self.size = 0
-
-    def add(self, nbytes: int) -> int:
-        at = self.size
-        self.size += -(-nbytes // _ALIGN) * _ALIGN
-        return at
 
 
 class _Launchers:
@@ -238,14 +226,15 @@ class PointerStack(torch.autograd.Function):
         last = len(call.args) - 1
         # what one layer's backward reads, in one buffer per layer: s (a first layer's is x), y (a first layer
         # without attn_norm: a cast of x), the first norm's statistics, x (the last layer's is the node's output),
-        # y2, the second norm's statistics, h
+        # y2, the second norm's statistics, h, qkv
         arenas = {}
         for first, final in ((True, False), (False, False), (False, True), (True, True)):
             arena = _Arena()
             own = not first or call.args[0][1][2]
             at = (0 if first else arena.add(t * h * rsz), arena.add(t * h * isz) if own else 0,
                   arena.add(4 * t), arena.add(4 * t), 0 if final else arena.add(t * h * rsz),
-                  arena.add(t * h * isz), arena.add(4 * t), arena.add(4 * t), arena.add(t * 2 * inner * isz))
+                  arena.add(t * h * isz), arena.add(4 * t), arena.add(4 * t), arena.add(t * 2 * inner * isz),
+                  arena.add(t * 3 * h * isz))
             arenas[first, final] = (arena.size, at)
         # one call's transients: the attention projection and pending (one buffer: a layer reads pending in its first
         # norm, before it writes the projection, and writes pending after its second norm read the projection), the
@@ -254,8 +243,7 @@ class PointerStack(torch.autograd.Function):
         at_o, at_g = scratch.add(t * h * isz), scratch.add(t * inner * isz)
         at_p = at_o
         at_ws = scratch.add(cublaslt.WORKSPACE_BYTES)
-        tmp = torch.empty(scratch.size + _ALIGN, dtype=torch.uint8, device=device)
-        tbase = -(-tmp.data_ptr() // _ALIGN) * _ALIGN
+        tmp, tbase = workspace.empty(scratch.size, device)
         o_p, g_p, pend_p, ws = tbase + at_o, tbase + at_g, tbase + at_p, tbase + at_ws
         stream = launch.stream
         fwd_qkv, fwd_o, fwd_i, fwd_2 = launch.fwd
@@ -270,9 +258,8 @@ class PointerStack(torch.autograd.Function):
             slot = index * _PER_LAYER
             wqkv, wo, wi, w2 = compute[slot + 2], compute[slot + 4], compute[slot + 8], compute[slot + 10]
             size, at = arenas[index == 0, index == last]
-            buf = torch.empty(size + _ALIGN, dtype=torch.uint8, device=device)
-            base = -(-buf.data_ptr() // _ALIGN) * _ALIGN
-            s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p = (base + a for a in at)
+            buf, base = workspace.empty(size, device)
+            s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p, qkv_p = (base + a for a in at)
             keep = None  # tensors of a layer without attn_norm (its input, the input in the compute dtype)
             ln_w, ln_b = in_params[0], in_params[1]
             if in_meta[2]:
@@ -288,8 +275,7 @@ class PointerStack(torch.autograd.Function):
                 y_c = as_dtype(x_t, cdt)
                 keep = (x_t, y_c)
                 s_p, y_p = x_p, y_c.data_ptr()
-            qkv = torch.empty((t, 3 * h), dtype=cdt, device=device)
-            qkv_p = qkv.data_ptr()
+            qkv = buf.narrow(0, qkv_p - buf.data_ptr(), t * 3 * h * isz).view(cdt).view(t, 3 * h)
             fwd_qkv(wqkv.data_ptr(), y_p, qkv_p, ws, stream)
             cos, sin, rows = call.tables[params.layer_is_global[index]]
             launch.rope(qkv_p, cos, sin, rows)
@@ -360,8 +346,7 @@ class PointerStack(torch.autograd.Function):
         norm_rows = 4 if call.has_b else 2
         partials = []
         at_ws = scratch.add(cublaslt.WORKSPACE_BYTES)
-        tmp = torch.empty(scratch.size + _ALIGN, dtype=torch.uint8, device=device)
-        base = -(-tmp.data_ptr() // _ALIGN) * _ALIGN
+        tmp, base = workspace.empty(scratch.size, device)
         dg_p, dh_p, g_p, dy2_p, dy1_p = base + at_dg, base + at_dh, base + at_g, base + at_dy2, base + at_dy1
         ds_p, do_p, da_p, dqkv_p = base + at_ds, base + at_do, base + at_da, base + at_dqkv
         dxo_p, dpo_p, ws = base + at_dxo, base + at_dpo, base + at_ws
