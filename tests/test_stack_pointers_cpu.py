@@ -27,12 +27,13 @@ def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
     model = ModernBertModel(cfg).train()
     params = ModernBertParams.from_hf_config(cfg)
     t, h = 37, 64
-    calls = []
+    calls, last_args = [], {}
 
     def recorder(name):
         def launch(*args):
             assert all(type(a) in (int, float) for a in args), (name, args)
             calls.append(name)
+            last_args[name] = args
         return launch
 
     two = x_dtype is torch.float32
@@ -43,6 +44,10 @@ def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
         weight_grad=lambda n, k, dtype: recorder("dw"), two=two, stream=0, device=0)
 
     def flash_forward(q, k, v, *args, **kwargs):
+        # q, k, v: views of the qkv buffer the projection wrote (Wqkv's launch: call(w, y, qkv, workspace, stream))
+        qkv_p = last_args["fwd0"][2]
+        assert [u.data_ptr() for u in (q, k, v)] == [qkv_p + j * h * q.element_size() for j in range(3)]
+        assert q.stride() == (3 * h, h // 4, 1) and q.shape == (t, 4, h // 4)
         return torch.zeros(q.shape, dtype=q.dtype), torch.zeros(4), torch.zeros(2), torch.zeros(2), None
 
     def flash_backward(da, q, k, v, *args, **kwargs):

@@ -279,7 +279,7 @@ class PointerStack(torch.autograd.Function):
             fwd_qkv(wqkv.data_ptr(), y_p, qkv_p, ws, stream)
             cos, sin, rows = call.tables[params.layer_is_global[index]]
             launch.rope(qkv_p, cos, sin, rows)
-            q, k, v = (qkv.as_strided((t, heads, head_dim), (3 * h, head_dim, 1), j * h) for j in range(3))
+            q, k, v = qkv.view(t, 3, heads, head_dim).unbind(1)  # (views at qkv's own offset in buf)
             window = call.plan.layers[index].window
             wsz = -1 if window is None else int(window)
             a, lse, seed, offset, _ = _FLASH_FORWARD(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, False, False,
