@@ -327,11 +327,15 @@ def test_pointer_runs_with_flash_attention_and_cublas_are_the_tensor_path_bit_fo
 
 
 @pytest.mark.parametrize("backend", ["varlen", "fa4"])
-def test_training_stack_matches_the_per_block_path(backend):
+def test_training_stack_matches_the_per_block_path(backend, monkeypatch):
     """One autograd node for every layer (model/stack.py: torch varlen's forward / backward ops called directly, FA4
     under a local autograd graph) against one node per block: the same output, the same gradients, and no higher
-    peak memory (the stack frees each layer's activations as its backward passes)."""
+    peak memory (the stack frees each layer's activations as its backward passes; its raw-pointer buffers counted
+    at their exact sizes, not model/workspace.py's size classes)."""
     from packed_encoders.attention import flash
+    from packed_encoders.model import workspace
+
+    monkeypatch.setattr(workspace, "size_class", lambda nbytes: nbytes)
 
     if backend == "fa4" and flash.fa4_status() is not None:
         pytest.skip(flash.fa4_status())

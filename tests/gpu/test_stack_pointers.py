@@ -137,6 +137,11 @@ def _worst(ref, got):
 @pytest.mark.parametrize("lengths", [[12, 30, 7, 64, 3, 90, 40, 20, 9, 17, 25, 33, 11, 5, 60, 14],
                                      [40, 300, 129, 7, 925, 1500, 64, 512]])
 def test_pointer_stack_matches_the_tensor_form(dtype, autocast, lengths, monkeypatch):
+    from packed_encoders.model import workspace
+
+    # peak memory is compared as the buffers' exact sizes: their size classes (up to 25 % more, so that steps of
+    # varying token counts reuse cached blocks) are checked in tests/test_plan.py
+    monkeypatch.setattr(workspace, "size_class", lambda nbytes: nbytes)
     model = _model(dtype)
     batch = _packed(model, lengths)
     out_t, g_t, off_t, peak_t = _run(model, batch, autocast, True, monkeypatch)  # (binds the kernels' signatures)
