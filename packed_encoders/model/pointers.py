@@ -7,10 +7,10 @@ take raw pointers, the LayerNorms, GLU and RoPE; the projections on the small Tr
 the RoPE-fused Triton kernel or FlashAttention-2), it runs the layers on integers instead: the activations live
 in one workspace, allocated once per call from the caching allocator (in :mod:`.workspace`'s size classes), each
 Triton op launches its already-compiled kernel through the signature a tensor launch bound
-(``ops.triton._runtime.Bound``), and cuBLAS
-(``torch.mm`` / ``torch.addmm``) and FlashAttention-2 (``aten::_flash_attention_forward``) read and write tensor
-views of the workspace made once per call. The maths, the kernels and their launch shapes are the tensor path's
-(:func:`..model.forward.encoder_forward`): results are bit-identical.
+(``ops.triton._runtime.Bound``), and cuBLAS (``torch.mm`` / ``torch.addmm``) and FlashAttention-2
+(``aten::_flash_attention_forward``) read and write tensor views of the workspace made once per call. The maths,
+the kernels and their launch shapes are the tensor path's (:func:`..model.forward.encoder_forward`): results are
+bit-identical.
 
 Weights are read from the live modules on every call, as the tensor path reads them. A call this module cannot
 run (a signature not bound yet, the fast launcher off or launch hooks on, a weight of another dtype, non-contiguous
@@ -36,7 +36,7 @@ from ..batch import PackedBatch
 from . import workspace
 from .params import ModernBertParams
 
-_ALIGN = 256  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
+_ALIGN = workspace.ALIGN  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
 _VERIFIED: set = set()  # launch classes whose first run matched the tensor path
 _STATE: dict = {"off": None}  # why raw-pointer runs are off for this process (a failed check), or None
 _LOCAL = threading.local()  # .declined: the tensor path is running for a check (no raw-pointer run inside it)
