@@ -116,3 +116,36 @@ def test_torch_func_grad_of_a_packed_model_runs_the_stock_forward():
         model(input_ids=ids, attention_mask=mask)
     calls = pe.describe(model)["encoders"][0]["stock_forward_calls"] or {}
     assert not calls, calls
+
+
+def test_torch_compile_of_a_packed_model_runs_the_packed_forward_outside_the_graph():
+    """``torch.compile`` of a packed model (or of a head around it) runs the packed forward as it is, outside the
+    compiled graph (it reads the batch's lengths on the host): stock's outputs and gradients, no stock fallback;
+    ``torch.export`` still traces the stock forward."""
+    import copy
+
+    from transformers import ModernBertForSequenceClassification
+
+    model = make_model("base_like")
+    ref = copy.deepcopy(model)
+    pe.pack(model)
+    ids, mask = padded_batch([5, 12, 9], side="mixed")
+    with torch.no_grad():
+        got = torch.compile(model, backend="eager")(input_ids=ids, attention_mask=mask).last_hidden_state
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want.last_hidden_state[real], atol=1e-5, rtol=1e-5)
+    assert not pe.describe(model)["encoders"][0]["stock_forward_calls"]
+
+    head = make_model("base_like", cls=ModernBertForSequenceClassification, num_labels=3).train()
+    head.config.classifier_pooling = "mean"
+    stock_head = copy.deepcopy(head)
+    pe.pack(head)
+    labels = torch.tensor([0, 2, 1])
+    for m, compiled in ((head, True), (stock_head, False)):
+        torch.manual_seed(0)
+        run = torch.compile(m, backend="eager") if compiled else m
+        run(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert not pe.describe(head)["encoders"][0]["stock_forward_calls"]
+    for (name, p), q in zip(head.named_parameters(), stock_head.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from torch import nn
 
 from .hf_call import hf_forward
 from .stock_calls import stock_signature
 from .state import _NO_FORWARD, STATE_ATTR, PackState, get_state
+
+
+# Under torch.compile (not torch.export) the packed forward runs as it is, outside the compiled graph: it reads the
+# batch's lengths on the host and picks its own kernels and CUDA graphs per call, so tracing it would break the graph
+# at that read anyway; the code around the encoder (a head, a loss) still compiles.
+_outside_dynamo = torch.compiler.disable(hf_forward, recursive=True)
 
 
 class PackedForward:
@@ -18,6 +25,8 @@ class PackedForward:
         self.module = module
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            return _outside_dynamo(self.module, *args, **kwargs)
         return hf_forward(self.module, *args, **kwargs)
 
     @property
