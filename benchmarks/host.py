@@ -32,7 +32,9 @@ Per (workload, variant): ``host_ms`` (median time for the call to return, GPU id
 ``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), for packed
 inference the per-token cosine against stock on the first batch, and for ``train`` ``phase_host_ms`` (host timers
 per part of the step, medians: queries forward, documents forward, loss, backward, optimizer step + ``zero_grad``).
-Rows go to ``--out`` as JSON lines; a table is printed. Host time per layer = ``host_ms / num_hidden_layers``.
+Rows go to ``--out`` as JSON lines (appended to a ``.jsonl.partial`` file as each variant's process ends, so a run
+killed by a time limit keeps what it measured); a table is printed. Host time per layer = ``host_ms /
+num_hidden_layers``.
 ``--profile-dir DIR`` also writes where each call's host time goes (cProfile by function, one call; torch.profiler
 by operator) per variant and workload, in the first round only (a file per round, variant and workload outnumbers
 what a remote run may return).
@@ -58,7 +60,8 @@ if __name__ == "__main__" and "--code" in sys.argv[:-1]:
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT, device_work, environment, git_sha, run_child, synchronize, write_rows
+from benchmarks.common import (ROOT, device_work, environment, finish_rows, git_sha, run_child, synchronize,
+                               write_rows)
 
 VARIANTS = {
     "stock": {},
@@ -282,6 +285,10 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
     rows = []
+    env = environment(args.device)
+    t_start = time.perf_counter()
+    path = Path(args.out) / f"host_{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    partial = path.with_suffix(".jsonl.partial")  # rows so far, should the run be killed (a remote time limit)
     for round_ in range(args.rounds):
         for spec, variant, code in specs:
             argv_child = ["benchmarks.host", "--child", variant, "--device", args.device, "--config", args.config,
@@ -294,22 +301,19 @@ def main(argv=None) -> int:
             line = next((ln for ln in out.splitlines() if ln.startswith("HOSTJSON ")), None)
             if rc != 0 or line is None:
                 print(f"[{spec}] failed (rc {rc}, {secs:.0f} s):\n{out[-2500:]}", file=sys.stderr)
-                rows.append({"runner": "host", "variant": spec, "round": round_, "status": "failed",
-                             "tail": out[-2000:]})
-                continue
-            for r in json.loads(line[len("HOSTJSON "):])["rows"]:
-                r.update(status="ok", variant=spec, round=round_)
-                if code:
-                    r["code_sha"] = git_sha(code)
-                rows.append(r)
-            print(f"[{spec}] round {round_ + 1}/{args.rounds}: {secs:.0f} s", file=sys.stderr)
-    env = environment(args.device)
-    for r in rows:
-        r["env"] = env
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"host_{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    write_rows(path, rows)
+                new = [{"runner": "host", "variant": spec, "round": round_, "status": "failed", "tail": out[-2000:]}]
+            else:
+                new = json.loads(line[len("HOSTJSON "):])["rows"]
+                for r in new:
+                    r.update(status="ok", variant=spec, round=round_)
+                    if code:
+                        r["code_sha"] = git_sha(code)
+                print(f"[{spec}] round {round_ + 1}/{args.rounds}: {secs:.0f} s", file=sys.stderr)
+            for r in new:
+                r["env"] = env
+            write_rows(partial, new)
+            rows += new
+    finish_rows(path, partial, rows, t_start)
     print(table(rows))
     print(f"rows: {path}")
     return 0

@@ -101,3 +101,39 @@ def test_host_rounds_and_a_second_code_tree(tmp_path):
         host.parse_variant(f"new_eager@{tmp_path}")
     with pytest.raises(SystemExit, match="unknown variant"):
         host.parse_variant("newer")
+
+
+def test_host_rows_are_kept_as_each_variant_ends(tmp_path, monkeypatch):
+    """A ``benchmarks.host`` run killed after its first child process (a remote time limit) leaves that child's
+    rows, with the environment, in ``host_*.jsonl.partial``; a finished run leaves only ``host_*.jsonl``."""
+    import pytest
+
+    from benchmarks import host
+
+    row = {"runner": "host", "workload": "queries", "host_ms": 1.0, "gpu_ms": 0.5, "wall_ms": 1.2, "layers": 2,
+           "python_calls": 10, "aten_ops": 5}
+    calls = []
+
+    def child(argv, timeout, env):
+        calls.append(argv)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the kill, while the second variant runs
+        return 0, "HOSTJSON " + json.dumps({"rows": [dict(row)]}), 0.1
+
+    monkeypatch.setattr(host, "run_child", child)
+    monkeypatch.setattr(host, "environment", lambda device: {"device": device})
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        host.main(["--device", "cpu", "--workloads", "queries", "--variants", "new_eager,stock", "--out", str(out)])
+    (partial,) = out.glob("host_*.jsonl.partial")
+    rows = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert [(r["variant"], r["status"], r["env"]) for r in rows] == [("new_eager", "ok", {"device": "cpu"})]
+    assert not list(out.glob("host_*.jsonl"))
+    monkeypatch.setattr(host, "run_child", lambda argv, timeout, env: (
+        0, "HOSTJSON " + json.dumps({"rows": [dict(row)]}), 0.1))
+    done = tmp_path / "done"
+    assert host.main(["--device", "cpu", "--workloads", "queries", "--variants", "new_eager,stock",
+                      "--out", str(done)]) == 0
+    (path,) = done.glob("host_*.jsonl")
+    assert not list(done.glob("*.partial"))
+    assert [r["variant"] for r in map(json.loads, path.read_text().splitlines())] == ["new_eager", "stock"]
