@@ -14,8 +14,15 @@ from .state import _NO_FORWARD, STATE_ATTR, PackState, get_state
 
 # Under torch.compile (not torch.export) the packed forward runs as it is, outside the compiled graph: it reads the
 # batch's lengths on the host and picks its own kernels and CUDA graphs per call, so tracing it would break the graph
-# at that read anyway; the code around the encoder (a head, a loss) still compiles.
-_outside_dynamo = torch.compiler.disable(hf_forward, recursive=True)
+# at that read anyway; the code around the encoder (a head, a loss) still compiles. The wrapper is made at the first
+# pack() rather than at import: making it imports torch._dynamo (~0.6 s), which pack() imports anyway.
+_OUTSIDE_DYNAMO: list = []
+
+
+def _outside_dynamo():
+    if not _OUTSIDE_DYNAMO:
+        _OUTSIDE_DYNAMO.append(torch.compiler.disable(hf_forward, recursive=True))
+    return _OUTSIDE_DYNAMO[0]
 
 
 class PackedForward:
@@ -26,7 +33,7 @@ class PackedForward:
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
-            return _outside_dynamo(self.module, *args, **kwargs)
+            return _outside_dynamo()(self.module, *args, **kwargs)
         return hf_forward(self.module, *args, **kwargs)
 
     @property
@@ -64,6 +71,7 @@ class PackedReplicator:
 
 
 def install(model: nn.Module, state: PackState) -> None:
+    _outside_dynamo()
     existing = get_state(model)
     if existing is None:
         state.previous_forward = model.__dict__.get("forward", _NO_FORWARD)
