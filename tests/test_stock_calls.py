@@ -120,8 +120,8 @@ def test_torch_func_grad_of_a_packed_model_runs_the_stock_forward():
 
 def test_torch_compile_of_a_packed_model_runs_the_packed_forward_outside_the_graph():
     """``torch.compile`` of a packed model (or of a head around it) runs the packed forward as it is, outside the
-    compiled graph (it reads the batch's lengths on the host): stock's outputs and gradients, no stock fallback;
-    ``torch.export`` still traces the stock forward."""
+    compiled graph (it reads the batch's lengths on the host): stock's outputs and gradients, no stock fallback.
+    ``torch.export`` still traces the stock forward (``test_torch_export_of_a_packed_model_...`` above)."""
     import copy
 
     from transformers import ModernBertForSequenceClassification
