@@ -94,6 +94,20 @@ def test_torch_export_of_a_packed_model_exports_the_stock_graph():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_strict_torch_export_of_a_packed_model_says_to_export_non_strict():
+    """A strict export traces through dynamo, where torch.compile and export look alike (the packed forward runs
+    outside dynamo's graph for both): the error names ``strict=False``, and the model still runs afterwards."""
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12, 9])
+    with pytest.raises(Exception, match="strict=False"):
+        torch.export.export(model, (), dict(input_ids=ids, attention_mask=mask), strict=True)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
+
+
 def test_torch_func_grad_of_a_packed_model_runs_the_stock_forward():
     """Inside a ``torch.func`` transform the packed path steps aside (its training path's autograd functions do not
     support functorch): ``torch.func.grad`` over ``functional_call`` gives stock's gradients, the reason counted."""

@@ -12,16 +12,26 @@ from .stock_calls import stock_signature
 from .state import _NO_FORWARD, STATE_ATTR, PackState, get_state
 
 
-# Under torch.compile (not torch.export) the packed forward runs as it is, outside the compiled graph: it reads the
-# batch's lengths on the host and picks its own kernels and CUDA graphs per call, so tracing it would break the graph
-# at that read anyway; the code around the encoder (a head, a loss) still compiles. The wrapper is made at the first
-# pack() rather than at import: making it imports torch._dynamo (~0.6 s), which pack() imports anyway.
+# Under torch.compile the packed forward runs as it is, outside the compiled graph: it reads the batch's lengths on
+# the host and picks its own kernels and CUDA graphs per call, so tracing it would break the graph at that read anyway;
+# the code around the encoder (a head, a loss) still compiles. Inside a dynamo trace torch.compiler.is_exporting()
+# cannot tell torch.compile from a strict torch.export (torch 2.11 folds it to True for both), so every dynamo trace
+# takes the wrapper; non-strict torch.export (the default) never enters dynamo and traces the stock forward
+# (adapters.stock_calls). The wrapper is made at the first pack() rather than at import: making it imports
+# torch._dynamo (~0.6 s), which pack() imports anyway.
 _OUTSIDE_DYNAMO: list = []
+_STRICT_EXPORT = ("packed_encoders runs the packed forward outside dynamo's graph (it reads the batch's lengths on "
+                  "the host); export a packed model with torch.export.export(..., strict=False), which traces the "
+                  "stock forward, or pe.unpack(model) first")
 
 
 def _outside_dynamo():
     if not _OUTSIDE_DYNAMO:
-        _OUTSIDE_DYNAMO.append(torch.compiler.disable(hf_forward, recursive=True))
+        try:
+            wrapped = torch.compiler.disable(hf_forward, recursive=True, reason=_STRICT_EXPORT)
+        except TypeError:  # torch without disable(reason=...)
+            wrapped = torch.compiler.disable(hf_forward, recursive=True)
+        _OUTSIDE_DYNAMO.append(wrapped)
     return _OUTSIDE_DYNAMO[0]
 
 
@@ -32,7 +42,7 @@ class PackedForward:
         self.module = module
 
     def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        if torch.compiler.is_dynamo_compiling():
             return _outside_dynamo()(self.module, *args, **kwargs)
         return hf_forward(self.module, *args, **kwargs)
 
