@@ -19,7 +19,8 @@ the unit), ``empty`` (``torch.empty [T, H]``), ``view``, ``linear`` (``F.linear`
 (``torch.mm`` into a preallocated output, weight pre-transposed), ``mm_dx`` / ``mm_dw_fp32`` (a training
 backward's two GEMMs per projection: ``dy @ w``, and ``dy.T @ x`` written as fp32 from bf16 operands),
 ``mm_lt`` / ``mm_lt_dw_fp32`` (the ``Wqkv`` forward and fp32 weight-gradient products as one ``cublasLtMatmul`` on
-raw pointers, ``packed_encoders.ops.cublaslt``, as the training stack calls them), ``ln_direct`` / ``ln_checked``
+raw pointers, ``packed_encoders.ops.cublaslt``, as the training stack calls them), ``mm_lt_new_t`` (``mm_lt`` made
+for another token count of the same class on every call, as each eager call or training step meets one), ``ln_direct`` / ``ln_checked``
 (the Triton residual LayerNorm, unchecked launch and the checked op), ``ln_bound`` (the same kernel launched on raw
 pointers through its bound signature, as the raw-pointer paths launch it), ``glu``
 (Triton), ``attn_triton`` (the Triton attention kernel, unchecked launch), ``attn_varlen`` (torch ``varlen_attn``),
@@ -142,7 +143,7 @@ def _cublaslt_ops(x, w, dy, tokens: int, hidden: int, dtype) -> dict:
 
     why = cublaslt.status()
     if why is not None:
-        return {"mm_lt": (None, why), "mm_lt_dw_fp32": (None, why)}
+        return {"mm_lt": (None, why), "mm_lt_dw_fp32": (None, why), "mm_lt_new_t": (None, why)}
     device = x.device.index
     n = w.shape[0]
     ws = torch.empty(cublaslt.WORKSPACE_BYTES, dtype=torch.uint8, device=x.device)
@@ -153,7 +154,13 @@ def _cublaslt_ops(x, w, dy, tokens: int, hidden: int, dtype) -> dict:
     wgrad = cublaslt.weight_grad(tokens, n, hidden, dtype, torch.float32, device).call
     a = (w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), stream)
     b = (x.data_ptr(), dy.data_ptr(), dw.data_ptr(), ws.data_ptr(), stream)
-    return {"mm_lt": ((lambda: fwd(*a)), None), "mm_lt_dw_fp32": ((lambda: wgrad(*b)), None)}
+    counts = itertools.cycle(range(tokens - 15, tokens + 1))  # 16 token counts of one class, one per call
+
+    def new_t():
+        cublaslt.linear(next(counts), n, hidden, dtype, device).call(*a)
+
+    return {"mm_lt": ((lambda: fwd(*a)), None), "mm_lt_dw_fp32": ((lambda: wgrad(*b)), None),
+            "mm_lt_new_t": (new_t, None)}
 
 
 def run(fn, name: str, device: str, calls: int, repeats: int) -> dict:

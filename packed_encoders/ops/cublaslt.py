@@ -10,9 +10,13 @@ torch itself loaded (found in the process's mapped files), so no version can dif
 Row-major ``[rows, cols]`` tensors are column-major ``[cols, rows]`` matrices to cuBLAS, so the three products are
 asked transposed: ``y = x @ w.T`` is ``y^T = w . x^T``.
 
-An algorithm is chosen per (product, ``n``, ``k``, dtypes, power-of-two class of the token count ``t``): the
-heuristic's first choice for the first ``t`` of its class, which cuBLASLt then checks (``cublasLtMatmulAlgoCheck``)
-for every other ``t`` once; a ``t`` it refuses gets its own heuristic choice.
+Each product shape (its ``n``, ``k``, dtypes and the power-of-two class of the token count ``t``) has one set of
+descriptors per thread, made with the first ``t`` of its class, and the heuristic's first algorithm for that ``t``.
+Another ``t`` of the class sets the two layouts' column counts (two attribute writes, only when ``t`` changed since
+the shape's last call) and runs the same algorithm: an eager training step or inference call meets a new ``t`` on
+nearly every call, and new layouts and a ``cublasLtMatmulAlgoCheck`` per shape and call cost more host time than
+they save (a ``t`` for which ``cublasLtMatmul`` refuses the class's algorithm gets its own descriptors and heuristic
+choice, kept for the next call at that ``t``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+from typing import Callable
 
 import torch
 
@@ -74,7 +79,7 @@ def _load() -> str | None:
         lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [_VP, _I32, _VP, _SZ]
         lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [_VP, _VP, _VP, _VP, _VP, _VP, _VP, _I32, _VP,
                                                        ctypes.POINTER(_I32)]
-        lib.cublasLtMatmulAlgoCheck.argtypes = [_VP, _VP, _VP, _VP, _VP, _VP, _VP, _VP]
+        lib.cublasLtMatrixLayoutSetAttribute.argtypes = [_VP, _I32, _VP, _SZ]
         lib.cublasLtMatrixLayoutDestroy.argtypes = [_VP]
         lib.cublasLtMatmul.argtypes = [_VP] * 14 + [_SZ, _VP]
         lib.cublasLtMatmul.restype = _I32
@@ -132,14 +137,29 @@ def _preference() -> int:
     return ref.value
 
 
-class _Owned:
-    """A plan's matrix layouts (destroyed with it) and its heuristic result (its algorithm at offset 0): held by
-    every :class:`Matmul` of the plan, so that neither goes while one may still be called."""
+_LAYOUT_COLS = 3  # cublasLtMatrixLayoutAttribute_t CUBLASLT_MATRIX_LAYOUT_COLS (uint64)
 
-    __slots__ = ("layouts", "result")
 
-    def __init__(self, layouts: tuple, result):
-        self.layouts, self.result = layouts, result
+class _Shape:
+    """One product shape's descriptors for every token count of its class (see the module docstring): ``t`` is the
+    count its layouts hold now, ``t_layouts`` the two layouts whose column count is ``t``. Owned by every
+    :class:`Matmul` made from it: the layouts are destroyed with the last one."""
+
+    __slots__ = ("args", "t", "t_layouts", "layouts", "result", "own")
+
+    def __init__(self, handle: int, desc: int, layouts: tuple[int, int, int], t_layouts: tuple[int, int],
+                 result, t: int):
+        self.layouts, self.t_layouts, self.result, self.t = layouts, t_layouts, result, t
+        la, lb, ld = layouts
+        self.args = (handle, desc, la, lb, ld, ctypes.addressof(result))
+        self.own: dict = {}  # t -> a _Shape of that t alone (cuBLASLt refused the class's algorithm for it)
+
+    def set_t(self, t: int) -> None:
+        lib, cols = _STATE["lib"], _U64(t)
+        for layout in self.t_layouts:
+            _check(lib.cublasLtMatrixLayoutSetAttribute(_VP(layout), _LAYOUT_COLS, ctypes.byref(cols), 8),
+                   "cublasLtMatrixLayoutSetAttribute")
+        self.t = t
 
     def __del__(self):
         try:
@@ -150,92 +170,111 @@ class _Owned:
             pass
 
 
-_ALGOS: dict = {}  # (device, class key) -> heuristic result buffer (its algo at offset 0)
-_PLANS: dict = {}  # (device, exact key) -> (handle, desc, layout a, layout b, layout d, algo address, _Owned)
+_SHAPES: dict = {}  # (thread, device, class key) -> _Shape
 
 
-def _plan(device: int, trans_a: int, trans_b: int, dims: tuple[int, int, int], t_at: int, lds: tuple[int, int, int],
-          ab: torch.dtype, d: torch.dtype):
-    """``(handle, desc, layout a, layout b, layout d, algo address, owner)`` of ``D = op(A) . op(B)``, ``dims`` its
-    column-major ``(m, n, k)``, ``dims[t_at]`` the token count; ``owner`` (:class:`_Owned`) keeps the layouts and the
-    algorithm alive."""
-    key = (device, trans_a, trans_b, dims, lds, ab, d)
-    plan = _PLANS.get(key)
-    if plan is not None:
-        return plan
+def _shape(device: int, trans_a: int, trans_b: int, dims: tuple[int, int, int], t_at: int,
+           lds: tuple[int, int, int], ab: torch.dtype, d: torch.dtype, exact: bool = False) -> _Shape:
+    """The :class:`_Shape` of ``D = op(A) . op(B)``, ``dims`` its column-major ``(m, n, k)``, ``dims[t_at]`` the
+    token count: the class's (``exact``: one made for this ``t`` alone, with its own heuristic choice)."""
+    m, n, k = dims
+    t = dims[t_at]
+    klass = tuple(-max(1, x - 1).bit_length() if i == t_at else x for i, x in enumerate(dims))
+    key = (threading.get_ident(), device, trans_a, trans_b, klass, lds, ab, d)
+    shape = None if exact else _SHAPES.get(key)
+    if shape is not None:
+        return shape
     lib = _STATE["lib"]
     handle = _handle(device)
     desc = _desc(trans_a, trans_b)
-    m, n, k = dims
-    owner = _Owned((), None)
-    la = _layout(ab, *((k, m) if trans_a else (m, k)), lds[0])
-    owner.layouts = (la,)
-    lb = _layout(ab, *((n, k) if trans_b else (k, n)), lds[1])
-    owner.layouts = (la, lb)
-    ld = _layout(d, m, n, lds[2])
-    owner.layouts = (la, lb, ld)
-    # the algorithm of this shape's class (the token count rounded up to a power of two), checked for this count
-    klass = (device, trans_a, trans_b, tuple(-max(1, x - 1).bit_length() if i == t_at else x
-                                             for i, x in enumerate(dims)), lds, ab, d)
-    result = _ALGOS.get(klass)
-    if result is not None:
-        checked = (ctypes.c_byte * _RESULT_BYTES)()
-        refused = lib.cublasLtMatmulAlgoCheck(handle, desc, la, lb, ld, ld, ctypes.addressof(result), checked)
-        if refused or ctypes.c_size_t.from_buffer(checked, 64).value > WORKSPACE_BYTES:
-            result = None
-    if result is None:
+    made: list = []
+    try:
+        for dtype, rows, cols, ld in ((ab, *((k, m) if trans_a else (m, k)), lds[0]),
+                                      (ab, *((n, k) if trans_b else (k, n)), lds[1]), (d, m, n, lds[2])):
+            made.append(_layout(dtype, rows, cols, ld))
         result = (ctypes.c_byte * _RESULT_BYTES)()
         count = _I32(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, la, lb, ld, ld, _preference(), 1, result,
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, desc, *made, made[2], _preference(), 1, result,
                                                   ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
         if count.value < 1:
             raise RuntimeError(f"cuBLASLt has no algorithm for m={m} n={n} k={k} ({ab} -> {d})")
-        _ALGOS.setdefault(klass, result)
-    owner.result = result
-    if len(_PLANS) > 4096:  # token counts vary per batch: a bound on memory, not a working limit
-        _PLANS.clear()  # (a plan's layouts go with the last Matmul holding it)
-    plan = _PLANS[key] = (handle, desc, la, lb, ld, ctypes.addressof(result), owner)
-    return plan
+    except BaseException:
+        for layout in made:
+            lib.cublasLtMatrixLayoutDestroy(_VP(layout))
+        raise
+    # the layouts whose column count is t: B and D when t is n (forward, input gradient), A and B when t is k
+    t_layouts = (made[1], made[2]) if t_at == 1 else (made[0], made[1])
+    shape = _Shape(handle, desc, tuple(made), t_layouts, result, t)
+    if not exact:
+        if len(_SHAPES) > 1024:  # a bound on memory (threads come and go), not a working limit
+            _SHAPES.clear()  # (a shape's layouts go with the last Matmul holding it)
+        _SHAPES[key] = shape
+    return shape
 
 
 class Matmul:
     """One GEMM shape on raw pointers, ``call(a, b, d, workspace, stream)``: the operands as
     :func:`linear`, :func:`input_grad` and :func:`weight_grad` order them, each 256-byte aligned (the heuristic's
     default alignment); ``workspace``: a device buffer of :data:`WORKSPACE_BYTES` that no other stream uses
-    meanwhile."""
+    meanwhile. Raises ``RuntimeError`` with the ``cublasStatus_t`` when cuBLASLt fails."""
 
     __slots__ = ("call",)
 
-    def __init__(self, plan):
-        # the fixed arguments as ctypes objects: ctypes passes them as they are (an int is converted per call)
-        handle, desc, la, lb, ld, algo = (_VP(v) for v in plan[:6])
+    def __init__(self, shape: _Shape, t: int, make_own: Callable[[], _Shape] | None):
+        own = shape.own.get(t)
+        if own is not None:  # this t's own descriptors: a refusal there is final
+            shape, make_own = own, None
         mm = _STATE["lib"].cublasLtMatmul
         alpha, beta = (_VP(v) for v in _STATE["scalars"][2:])
         size = _SZ(WORKSPACE_BYTES)
+        # the fixed arguments as ctypes objects: ctypes passes them as they are (an int is converted per call)
+        handle, desc, la, lb, ld, algo = (_VP(v) for v in shape.args)
+        set_t = shape.set_t
 
-        def call(a: int, b: int, d: int, workspace: int, stream: int, _owner=plan[6]) -> None:
-            # (_owner: the layouts and the algorithm stay while this function exists)
+        def call(a: int, b: int, d: int, workspace: int, stream: int, _shape=shape) -> None:
+            # (_shape: the layouts and the algorithm stay while this function exists)
+            if _shape.t != t:
+                set_t(t)
             code = mm(handle, desc, alpha, a, la, b, lb, beta, d, ld, d, ld, algo, workspace, size, stream)
             if code:
+                refused(a, b, d, workspace, stream, code)
+
+        def refused(a: int, b: int, d: int, workspace: int, stream: int, code: int) -> None:
+            # cuBLASLt checks the algorithm against the layouts on every call: the class's does not take this t
+            if make_own is None:
                 raise RuntimeError(f"cuBLASLt cublasLtMatmul failed (cublasStatus_t {code})")
+            own = shape.own.get(t)
+            if own is None:
+                own = shape.own[t] = make_own()
+            h, dsc, oa, ob, od, oalgo = (_VP(v) for v in own.args)
+            again = mm(h, dsc, alpha, a, oa, b, ob, beta, d, od, d, od, oalgo, workspace, size, stream)
+            if again:
+                raise RuntimeError(f"cuBLASLt cublasLtMatmul failed (cublasStatus_t {again}; {code} with the "
+                                   "algorithm of its token-count class)")
 
         self.call = call
 
 
+def _matmul(device: int, trans_a: int, trans_b: int, dims: tuple[int, int, int], t_at: int,
+            lds: tuple[int, int, int], ab: torch.dtype, d: torch.dtype) -> Matmul:
+    shape = _shape(device, trans_a, trans_b, dims, t_at, lds, ab, d)
+    return Matmul(shape, dims[t_at], lambda: _shape(device, trans_a, trans_b, dims, t_at, lds, ab, d, exact=True))
+
+
 def linear(t: int, n: int, k: int, dtype: torch.dtype, device: int) -> Matmul:
     """``y [t, n] = x [t, k] @ w [n, k].T``, all ``dtype``, contiguous: ``call(w, x, y, ...)``."""
-    return Matmul(_plan(device, 1, 0, (n, t, k), 1, (k, k, n), dtype, dtype))
+    return _matmul(device, 1, 0, (n, t, k), 1, (k, k, n), dtype, dtype)
 
 
 def input_grad(t: int, n: int, k: int, dtype: torch.dtype, device: int) -> Matmul:
     """``dx [t, k] = dy [t, n] @ w [n, k]``, all ``dtype``, contiguous: ``call(w, dy, dx, ...)``."""
-    return Matmul(_plan(device, 0, 0, (k, t, n), 1, (k, n, k), dtype, dtype))
+    return _matmul(device, 0, 0, (k, t, n), 1, (k, n, k), dtype, dtype)
 
 
 def weight_grad(t: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype, device: int) -> Matmul:
     """``dw [n, k] = dy [t, n].T @ x [t, k]`` (``dy``, ``x`` of ``dtype``; ``dw`` of ``out_dtype``, from the fp32
     accumulator), contiguous: ``call(x, dy, dw, ...)``."""
-    return Matmul(_plan(device, 0, 1, (k, n, t), 2, (k, n, k), dtype, out_dtype))
+    return _matmul(device, 0, 1, (k, n, t), 2, (k, n, k), dtype, out_dtype)
 
 
 __all__ = ["Matmul", "WORKSPACE_BYTES", "input_grad", "linear", "status", "weight_grad"]

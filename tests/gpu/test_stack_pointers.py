@@ -53,29 +53,32 @@ def test_cublaslt_products_match_torch_mm(dtype, out_dtype):
                 assert err < (2e-2 if got.dtype != torch.float32 else 1e-4), (n, k, t, what, err)
 
 
-def test_cublaslt_calls_outlive_the_plan_cache():
-    """A call made from a plan keeps its layouts and algorithm after the plan cache drops the plan (it is cleared
-    past 4,096 shapes, possibly within one backward): it still computes, and the cache rebuilds the plan."""
+def test_cublaslt_calls_outlive_the_shape_cache_and_interleave_token_counts():
+    """Calls of one token-count class share their descriptors (ops/cublaslt.py): two calls made for different
+    counts, called alternately, each compute their own product; a call keeps its descriptors after the shape cache
+    drops them (it is cleared past 1,024 shapes), and the cache rebuilds them."""
     import gc
 
     assert cublaslt.status() is None, cublaslt.status()
     torch.manual_seed(0)
     ws = torch.empty(cublaslt.WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
     stream = torch.cuda.current_stream().cuda_stream
-    t, n, k = 300, 768, 1152
+    n, k = 768, 1152
     w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.05
-    x = torch.randn(t, k, device=DEV, dtype=torch.bfloat16)
-    call = cublaslt.linear(t, n, k, torch.bfloat16, 0).call
-    cublaslt._PLANS.clear()
-    cublaslt._ALGOS.clear()
+    counts = (300, 511, 257, 300)  # one class (257..512), the first count again last
+    calls = [cublaslt.linear(t, n, k, torch.bfloat16, 0).call for t in counts]
+    xs = [torch.randn(t, k, device=DEV, dtype=torch.bfloat16) for t in counts]
+    cublaslt._SHAPES.clear()
     gc.collect()
-    y = torch.empty(t, n, device=DEV, dtype=torch.bfloat16)
-    call(w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), stream)
-    again = torch.empty_like(y)
-    cublaslt.linear(t, n, k, torch.bfloat16, 0).call(w.data_ptr(), x.data_ptr(), again.data_ptr(), ws.data_ptr(),
-                                                     stream)
-    ref = x.float() @ w.float().t()
-    for got in (y, again):
+    outs = [torch.full((t, n), float("nan"), device=DEV, dtype=torch.bfloat16) for t in counts]
+    for _ in range(2):
+        for call, x, y in zip(calls, xs, outs):
+            call(w.data_ptr(), x.data_ptr(), y.data_ptr(), ws.data_ptr(), stream)
+    again = torch.empty_like(outs[0])
+    cublaslt.linear(counts[0], n, k, torch.bfloat16, 0).call(w.data_ptr(), xs[0].data_ptr(), again.data_ptr(),
+                                                             ws.data_ptr(), stream)
+    for got, x in zip(outs + [again], xs + [xs[0]]):
+        ref = x.float() @ w.float().t()
         assert float((got.float() - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
