@@ -7,10 +7,12 @@ take raw pointers, the LayerNorms, GLU and RoPE; the projections on the small Tr
 the RoPE-fused Triton kernel or FlashAttention-2), it runs the layers on integers instead: the activations live
 in one workspace, allocated once per call from the caching allocator (in :mod:`.workspace`'s size classes), each
 Triton op launches its already-compiled kernel through the signature a tensor launch bound
-(``ops.triton._runtime.Bound``), and cuBLAS (``torch.mm`` / ``torch.addmm``) and FlashAttention-2
-(``aten::_flash_attention_forward``) read and write tensor views of the workspace made once per call. The maths,
-the kernels and their launch shapes are the tensor path's (:func:`..model.forward.encoder_forward`): results are
-bit-identical.
+(``ops.triton._runtime.Bound``), cuBLAS projections without biases run through cuBLASLt on pointers
+(:mod:`..ops.cublaslt`; ``torch.mm`` / ``torch.addmm`` on workspace views where a projection has a bias or an
+operand is not 256-byte aligned), and FlashAttention-2 (``aten::_flash_attention_forward``) reads and writes tensor
+views of the workspace made once per call. The maths, the kernels and their launch shapes are the tensor path's
+(:func:`..model.forward.encoder_forward`): results are bit-identical, except that cuBLASLt's algorithm for a
+projection may sum in another order than ``torch.mm``'s.
 
 Weights are read from the live modules on every call, as the tensor path reads them. A call this module cannot
 run (a signature not bound yet, the fast launcher off or launch hooks on, a weight of another dtype, non-contiguous
@@ -18,8 +20,9 @@ or misaligned, dropout in train mode, a layer 0 with a norm, ...) returns ``None
 path, which binds what was missing; nothing it wrote is visible (only the workspace is written before the output).
 
 Checked as CUDA graphs are: the first run of each launch class (geometry, dtype, device, routes, the GEMM and
-attention configs its sizes select) is compared with the tensor path, bit for bit, and the tensor path's result
-returned; a mismatch turns raw-pointer runs off for the process with a warning (:func:`off_reason` says why).
+attention configs its sizes select) is compared with the tensor path (bit for bit; with cuBLASLt projections,
+every row's cosine >= 0.999: see :func:`_agrees`), and the tensor path's result returned; a mismatch turns
+raw-pointer runs off for the process with a warning (:func:`off_reason` says why).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..batch import PackedBatch
+from ..ops import cublaslt
 from . import workspace
 from .params import ModernBertParams
 
@@ -78,8 +82,8 @@ def _offsets(base: int, tokens: int, widths: tuple[int, ...], itemsize: int) -> 
     return tuple(out)
 
 
-def _workspace_bytes(tokens: int, widths: tuple[int, ...], itemsize: int) -> int:
-    return tokens * sum(widths) * itemsize + (len(widths) + 1) * _ALIGN
+def _workspace_bytes(tokens: int, widths: tuple[int, ...], itemsize: int, extra: int = 0) -> int:
+    return tokens * sum(widths) * itemsize + (len(widths) + 1) * _ALIGN + extra
 
 
 def _ptr(t: torch.Tensor | None, dtype: torch.dtype, numel: int) -> int | None:
@@ -116,7 +120,7 @@ def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, ro
         ref = tensor_path()
     finally:
         _LOCAL.declined = False
-    if torch.equal(out, ref):
+    if _agrees(out, ref, exact=not _lt_projections(plan, model)):
         if len(_VERIFIED) > 4096:
             _VERIFIED.clear()
         _VERIFIED.add(key)
@@ -126,6 +130,20 @@ def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, ro
                          f"{batch.total_tokens} tokens, {batch.num_seqs} sequences): off for this process")
         warnings.warn(f"packed_encoders: {_STATE['off']}; please report it", RuntimeWarning, stacklevel=2)
     return ref
+
+
+def _agrees(out: torch.Tensor, ref: torch.Tensor, exact: bool) -> bool:
+    """Whether a raw-pointer run's output matches the tensor path's: bit for bit where both make the same kernel
+    calls; with cuBLASLt projections (whose algorithm may sum in another order than ``torch.mm``'s cuBLAS call),
+    every row's cosine at least 0.999 and every finite entry where the tensor path's is (a wrong pointer or stride
+    shows as whole rows of another token's or buffer's values, far below that)."""
+    if exact or torch.equal(out, ref):
+        return torch.equal(out, ref)
+    a, b = out.float(), ref.float()
+    if not torch.equal(a.isfinite(), b.isfinite()):
+        return False
+    a, b = a.nan_to_num(0.0, 0.0, 0.0), b.nan_to_num(0.0, 0.0, 0.0)
+    return bool(F.cosine_similarity(a, b, dim=-1, eps=1e-6).min() >= 0.999)
 
 
 def _launch_class(params: ModernBertParams, batch: PackedBatch, plan, dtype: torch.dtype,
@@ -168,15 +186,28 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     # nothing stays reserved for this path alone
     dtype = table.dtype
     widths = _widths(params.hidden_size, params.intermediate_size, plan.glu == "split")
-    ws = torch.empty(workspace.size_class(_workspace_bytes(batch.total_tokens, widths, dtype.itemsize)),
+    lt = _lt_projections(plan, model)
+    extra = cublaslt.WORKSPACE_BYTES if lt else 0
+    ws = torch.empty(workspace.size_class(_workspace_bytes(batch.total_tokens, widths, dtype.itemsize, extra)),
                      dtype=torch.uint8, device=device)
     return _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index,
-                    torch._C._cuda_getCurrentRawStream(index))
+                    torch._C._cuda_getCurrentRawStream(index), lt)
 
 
-def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, stream) -> torch.Tensor | None:
+def _lt_projections(plan, model: nn.Module) -> bool:
+    """Whether the call's cuBLAS projections go through cuBLASLt on pointers (:mod:`..ops.cublaslt`, ~15 us of host
+    per GEMM against ~25 for ``torch.mm``): projections without biases (ModernBERT's), the library loadable."""
+    if plan.linear_route != "F.linear" or cublaslt.status() is not None:
+        return False
+    first = model.layers[0]
+    return (first.attn.Wqkv.bias is None and first.attn.Wo.bias is None and first.mlp.Wi.bias is None
+            and first.mlp.Wo.bias is None)
+
+
+def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, stream,
+             lt: bool) -> torch.Tensor | None:
     """:func:`_run`'s launches on the workspace ``ws``: every launcher resolved once (one per kernel and launch
-    shape), then the layers."""
+    shape), then the layers. ``lt``: the projections through cuBLASLt (:func:`_lt_projections`)."""
     from ..attention import triton_short
     from ..ops.triton import glu as glu_kernel
     from ..ops.triton import layer_norm, small_gemm
@@ -247,15 +278,33 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
     if varlen:  # the views FlashAttention-2 reads, rotated in place by the RoPE kernel
         q, k, v = view(qkv, total, 3, heads, head_dim).unbind(1)
     if cublas:
-        tensors = {at: view(at, total, width) for at, width in zip(offsets, widths)}
+        tensors: dict = {}  # the buffers' views, made at the first torch.mm of the call
 
-        def project(src, weight: torch.Tensor, bias: torch.Tensor | None, dst: int, _: int) -> None:
+        def mm(src, weight: torch.Tensor, bias: torch.Tensor | None, dst: int) -> None:
             # F.linear's own cuBLAS call (addmm with a bias, mm without), written into the workspace
+            if not tensors:
+                tensors.update((at, view(at, total, width)) for at, width in zip(offsets, widths))
             src = src if type(src) is torch.Tensor else tensors[src]
             if bias is None:
                 torch.mm(src, weight.t(), out=tensors[dst])
             else:
                 torch.addmm(bias, src, weight.t(), out=tensors[dst])
+
+        if lt:
+            # the workspace's tail, past the buffers (_workspace_bytes' extra)
+            lt_ws = -(-(offsets[-1] + total * widths[-1] * dtype.itemsize) // _ALIGN) * _ALIGN
+            shapes = ((3 * hidden, hidden), (hidden, hidden), (2 * inner, hidden), (hidden, inner))
+            lt = tuple(cublaslt.linear(total, n, k, dtype, index).call for n, k in shapes)
+
+            def project(src, weight: torch.Tensor, bias: torch.Tensor | None, dst: int, which: int) -> None:
+                a, w = (src if type(src) is int else src.data_ptr()), weight.data_ptr()
+                if (a | w) & 255:  # cuBLASLt's algorithms assume 256-byte aligned operands
+                    mm(src, weight, bias, dst)
+                else:
+                    lt[which](w, a, dst, lt_ws, stream)
+        else:
+            def project(src, weight: torch.Tensor, bias: torch.Tensor | None, dst: int, _: int) -> None:
+                mm(src, weight, bias, dst)
     else:
         gemms = (small_gemm.launcher(total, hidden, 3 * hidden, None, biases[0], dtype, index, stream),
                  small_gemm.launcher(total, hidden, hidden, None, biases[1], dtype, index, stream),
