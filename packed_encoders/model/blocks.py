@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import SECOND_DERIVATIVE
 from ..ops.weight_cast import cast
+from .live import param, sub
 from .params import ModernBertParams
 
 
@@ -74,7 +75,7 @@ def _norm_params(m: nn.Module):
     """``(weight, bias, eps, present)`` of a LayerNorm slot (``nn.Identity``: nothing to normalise)."""
     if isinstance(m, nn.Identity):
         return None, None, 0.0, False
-    return m.weight, getattr(m, "bias", None), m.eps, True
+    return param(m, "weight"), param(m, "bias", None), m.eps, True
 
 
 def _drop_p(m: nn.Module) -> float:
@@ -368,13 +369,15 @@ def check_versions(read: tuple, index: int) -> None:
 def layer_args(layer: nn.Module, params: ModernBertParams, kernels, cdt: torch.dtype | None):
     """``(in_params, in_meta, out_params, out_meta)`` of one encoder layer's two blocks (read from the live modules
     on every call: weights, norms' eps, dropout modes)."""
-    attn, mlp = layer.attn, layer.mlp
-    ln_w, ln_b, eps, has_norm = _norm_params(layer.attn_norm)
-    m_w, m_b, m_eps, _ = _norm_params(layer.mlp_norm)
-    return ((ln_w, ln_b, attn.Wqkv.weight, attn.Wqkv.bias),
+    attn, mlp = sub(layer, "attn"), sub(layer, "mlp")
+    ln_w, ln_b, eps, has_norm = _norm_params(sub(layer, "attn_norm"))
+    m_w, m_b, m_eps, _ = _norm_params(sub(layer, "mlp_norm"))
+    wqkv, wo, wi, wo2 = sub(attn, "Wqkv"), sub(attn, "Wo"), sub(mlp, "Wi"), sub(mlp, "Wo")
+    return ((ln_w, ln_b, param(wqkv, "weight"), param(wqkv, "bias", None)),
             (kernels, eps, has_norm, cdt, params.num_attention_heads, params.head_dim),
-            (attn.Wo.weight, attn.Wo.bias, m_w, m_b, mlp.Wi.weight, mlp.Wi.bias, mlp.Wo.weight, mlp.Wo.bias),
-            (kernels, m_eps, cdt, params.activation, _drop_p(attn.out_drop), _drop_p(mlp.drop)))
+            (param(wo, "weight"), param(wo, "bias", None), m_w, m_b, param(wi, "weight"), param(wi, "bias", None),
+             param(wo2, "weight"), param(wo2, "bias", None)),
+            (kernels, m_eps, cdt, params.activation, _drop_p(sub(attn, "out_drop")), _drop_p(sub(mlp, "drop"))))
 
 
 def run_layer_blocks(layer: nn.Module, step, params: ModernBertParams, batch, kernels, carry: list, rope_tables_for,

@@ -38,6 +38,7 @@ from torch import nn
 from ..batch import PackedBatch
 from ..ops import cublaslt
 from . import workspace
+from .live import param, sub
 from .params import ModernBertParams
 
 _ALIGN = workspace.ALIGN  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
@@ -168,10 +169,10 @@ def _launch_class(params: ModernBertParams, batch: PackedBatch, plan, dtype: tor
 def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, rope_inputs) -> torch.Tensor | None:
     if batch.inputs_embeds is not None or batch.key_lens is not None or batch.cu_seqlens.dtype is not torch.int32:
         return None
-    emb = model.embeddings
-    if _dropout_active(emb.drop):
+    emb = sub(model, "embeddings")
+    if _dropout_active(sub(emb, "drop")):
         return None
-    table = emb.tok_embeddings.weight
+    table = param(sub(emb, "tok_embeddings"), "weight")
     device = batch.device
     if device.type != "cuda" or table.device != device:
         return None
@@ -199,9 +200,15 @@ def _lt_projections(plan, model: nn.Module) -> bool:
     per GEMM against ~25 for ``torch.mm``): projections without biases (ModernBERT's), the library loadable."""
     if plan.linear_route != "F.linear" or cublaslt.status() is not None:
         return False
-    first = model.layers[0]
-    return (first.attn.Wqkv.bias is None and first.attn.Wo.bias is None and first.mlp.Wi.bias is None
-            and first.mlp.Wo.bias is None)
+    return not any(_biases(model))
+
+
+def _biases(model: nn.Module) -> tuple[bool, bool, bool, bool]:
+    """Whether the first layer's ``Wqkv``, attention ``Wo``, ``Wi`` and MLP ``Wo`` have biases."""
+    first = sub(model, "layers")[0]
+    attn, mlp = sub(first, "attn"), sub(first, "mlp")
+    return tuple(param(sub(m, name), "bias", None) is not None
+                 for m, name in ((attn, "Wqkv"), (attn, "Wo"), (mlp, "Wi"), (mlp, "Wo")))
 
 
 def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, stream,
@@ -214,8 +221,9 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
     from ..ops.triton import rope as rope_kernel
     from ..ops.triton.glu import ACTIVATIONS
 
-    emb = model.embeddings
-    table = emb.tok_embeddings.weight
+    emb = sub(model, "embeddings")
+    tokens = sub(emb, "tok_embeddings")
+    table = param(tokens, "weight")
     device = batch.device
     total = batch.total_tokens
     hidden, heads, head_dim = params.hidden_size, params.num_attention_heads, params.head_dim
@@ -229,10 +237,9 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
     cublas = plan.linear_route == "F.linear"
 
     # what every norm and projection must look like for the launchers below (checked again on each module)
-    has_w, has_b = emb.norm.weight is not None, getattr(emb.norm, "bias", None) is not None
-    first = model.layers[0]
-    biases = (first.attn.Wqkv.bias is not None, first.attn.Wo.bias is not None, first.mlp.Wi.bias is not None,
-              first.mlp.Wo.bias is not None)
+    emb_norm = sub(emb, "norm")
+    has_w, has_b = param(emb_norm, "weight") is not None, param(emb_norm, "bias", None) is not None
+    biases = _biases(model)
     ln = layer_norm.forward_launcher(total, hidden, False, has_w, has_b, dtype, index, stream)
     ln_res = layer_norm.forward_launcher(total, hidden, True, has_w, has_b, dtype, index, stream)
     if ln is None or ln_res is None:
@@ -319,13 +326,13 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
 
     def norm(m: nn.Module):
         # (weight, bias, eps) pointers of a norm shaped as the launchers expect (an absent one: any valid pointer)
-        w, b = _ptr(m.weight, dtype, hidden), _ptr(getattr(m, "bias", None), dtype, hidden)
+        w, b = _ptr(param(m, "weight"), dtype, hidden), _ptr(param(m, "bias", None), dtype, hidden)
         if w == -1 or b == -1 or (w is not None) != has_w or (b is not None) != has_b:
             return None
         return (x if w is None else w), (x if b is None else b), m.eps
 
-    e = F.embedding(batch.input_ids, table, emb.tok_embeddings.padding_idx)
-    args = norm(emb.norm)
+    e = F.embedding(batch.input_ids, table, tokens.padding_idx)
+    args = norm(emb_norm)
     if args is None:
         return None
     ln(e.data_ptr(), x, args[0], args[1], x, x, args[2])
@@ -334,25 +341,28 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
         return None
     max_seqlen, scale = batch.max_seqlen, params.scaling
     pending = False
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(sub(model, "layers")):
         step = steps[i]
-        attn, mlp = layer.attn, layer.mlp
-        if attn.training and params.attention_dropout_of(attn) or _dropout_active(attn.out_drop) \
-                or _dropout_active(mlp.drop):
+        attn, mlp = sub(layer, "attn"), sub(layer, "mlp")
+        if attn.training and params.attention_dropout_of(attn) or _dropout_active(sub(attn, "out_drop")) \
+                or _dropout_active(sub(mlp, "drop")):
             return None
-        wqkv, wo, wi, wo2 = attn.Wqkv.weight, attn.Wo.weight, mlp.Wi.weight, mlp.Wo.weight
-        bqkv, bo, bi, bo2 = attn.Wqkv.bias, attn.Wo.bias, mlp.Wi.bias, mlp.Wo.bias
+        lqkv, lo, li, lo2 = sub(attn, "Wqkv"), sub(attn, "Wo"), sub(mlp, "Wi"), sub(mlp, "Wo")
+        wqkv, wo, wi, wo2 = param(lqkv, "weight"), param(lo, "weight"), param(li, "weight"), param(lo2, "weight")
+        bqkv, bo, bi, bo2 = (param(lqkv, "bias", None), param(lo, "bias", None), param(li, "bias", None),
+                             param(lo2, "bias", None))
         checked = (_ptr(wqkv, dtype, 3 * hidden * hidden), _ptr(bqkv, dtype, 3 * hidden),
                    _ptr(wo, dtype, hidden * hidden), _ptr(bo, dtype, hidden), _ptr(wi, dtype, 2 * inner * hidden),
                    _ptr(bi, dtype, 2 * inner), _ptr(wo2, dtype, hidden * inner), _ptr(bo2, dtype, hidden))
         if -1 in checked or (bqkv is not None, bo is not None, bi is not None, bo2 is not None) != biases:
             return None
-        if isinstance(layer.attn_norm, nn.Identity):
+        attn_norm = sub(layer, "attn_norm")
+        if isinstance(attn_norm, nn.Identity):
             if pending:  # (ModernBERT's first layer only: nothing to add yet)
                 return None
             src = x
         else:
-            args = norm(layer.attn_norm)
+            args = norm(attn_norm)
             if args is None:
                 return None
             if pending:
@@ -371,7 +381,7 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
             a = att
         project(a, wo, bo, delta, 1)
         a = None
-        args = norm(layer.mlp_norm)
+        args = norm(sub(layer, "mlp_norm"))
         if args is None:
             return None
         ln_res(x, delta, args[0], args[1], x, normed, args[2])
@@ -384,7 +394,7 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
         project(gated, wo2, bo2, delta, 3)
         pending = True
     out = torch.empty((total, hidden), dtype=dtype, device=device)
-    args = norm(model.final_norm)
+    args = norm(sub(model, "final_norm"))
     if args is None:
         return None
     if pending:
