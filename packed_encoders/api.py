@@ -49,7 +49,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         padded_outputs: what the output holds at padded positions. ``"zeros"``; ``"all"``: trailing masked
             positions (after each row's last real token) get HF's values, computed as query-only tokens;
             an int ``N``: the same for calls of padded width ``<= N``; ``"auto"``: ``"zeros"``, ``"all"`` for
-            question-answering heads (their loss reads padded positions), or the query length of a ColBERT target
+            question-answering heads (their loss reads padded positions; a loss call with padding before real
+            tokens runs the stock forward), or the query length of a ColBERT target
             using masked query expansion (PyLate, sentence-transformers v6); and a token-classification or
             masked-LM head called with ``labels`` that count at padded positions (not -100) gets stock's values
             there: trailing ones computed, other padding by the stock forward for that call

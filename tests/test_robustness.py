@@ -185,17 +185,31 @@ def test_data_parallel_replicas_run_their_own_weights():
     assert "_replicate_for_data_parallel" not in model.__dict__
 
 
-def test_question_answering_loss_matches_stock():
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_question_answering_loss_matches_stock(side):
+    """The span loss's softmax reads every position: right padding is computed as stock computes it (trailing
+    positions), a loss call with left padding runs the stock forward (warned, counted by ``describe()``); the
+    logits of a call without labels stay packed, equal to stock's on real tokens."""
     model = make_model("base_like", cls=transformers.ModernBertForQuestionAnswering)
-    ids, mask = padded_batch([5, 9, 3])
+    ids, mask = padded_batch([5, 9, 3], side=side)
     kw = dict(input_ids=ids, attention_mask=mask, start_positions=torch.tensor([0, 1, 2]),
               end_positions=torch.tensor([2, 3, 2]))
     with torch.no_grad():
-        ref = model(**kw).loss
+        ref = model(**kw)
         pe.pack(model)
         assert "computed" in pe.describe(model)["encoders"][0]["padded_outputs"]
-        out = model(**kw).loss
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        if side == "left":
+            with pytest.warns(RuntimeWarning, match="question-answering loss"):
+                out = model(**kw)
+        else:
+            out = model(**kw)
+        calls = pe.describe(model)["encoders"][0].get("stock_forward_calls") or {}
+        assert bool(calls) == (side == "left"), calls
+        torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
+        logits = model(input_ids=ids, attention_mask=mask).start_logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], ref.start_logits[real], atol=1e-5, rtol=1e-5)
+    assert (pe.describe(model)["encoders"][0].get("stock_forward_calls") or {}) == calls
 
 
 def test_clean_calls_do_not_warn():

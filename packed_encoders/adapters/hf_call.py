@@ -31,7 +31,7 @@ from ..call import empty_output, packed_route, padded_route, raise_earlier_error
 from ..errors import PackedEncodersError, StockOnlyInput
 from .stock_calls import mask_holes_reason, stock_call_reason
 from .structure import structure_check
-from .token_labels import STOCK, STOCK_REASON, TRAILING, take_request
+from .token_labels import SPAN_STOCK_REASON, STOCK, STOCK_REASON, TRAILING, take_request
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
@@ -98,13 +98,13 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     """Drop-in for ``type(model).forward(model, *args, **kwargs)`` running the packed path."""
     state = model._packed_encoders
     raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
-    request = take_request()  # a token head's labels reach padded positions (adapters.token_labels)
+    request = take_request()  # a head's loss reads padded positions (adapters.token_labels)
     problem = structure_check(model, state)
     names = _positional_names(type(model))
     if problem is None:
         problem = stock_call_reason(model, names, args, kwargs)
-    if problem is None and request == STOCK:
-        return _stock_fallback(model, state, STOCK_REASON, args, kwargs)
+    if problem is None and request in (STOCK, SPAN_STOCK_REASON):
+        return _stock_fallback(model, state, STOCK_REASON if request == STOCK else request, args, kwargs)
     if problem is not None:
         return _stock_fallback(model, state, padded_route(model, state, structure=problem).reason, args, kwargs)
     call = dict(kwargs)  # as given: a mask with holes, found after the sync, runs stock with them

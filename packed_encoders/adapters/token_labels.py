@@ -1,4 +1,4 @@
-"""Token-level heads called with labels at padded positions: those calls get stock's encoder output there.
+"""Heads whose loss reads padded positions: those calls get stock's encoder output there.
 
 The packed encoder's output is zero at padded positions. HF's token-classification and masked-LM heads compute
 their loss over every position whose label is not the ignore index (-100): HF's collators give padded positions
@@ -12,6 +12,12 @@ after their row's last real token, the encoder call computes those trailing posi
 ``padded_outputs="all"``); otherwise (padding before real tokens) the encoder call runs the stock forward, counted in
 ``describe()["encoders"][i]["stock_forward_calls"]``. The request is handed to the encoder call the head makes next
 on this thread (:func:`take_request`) and cleared when the head returns.
+
+Question-answering heads take their span loss's softmax over every position of the row, padded ones included, so
+``pack(target)`` computes trailing padded positions as stock does for every call of an encoder inside one
+(``configure.trailing_max_len``); a call passing ``start_positions`` or ``end_positions`` with padding before a
+row's last real token (left padding) runs the stock forward, counted as above, since the packed path has no
+values for those positions.
 """
 
 from __future__ import annotations
@@ -23,8 +29,12 @@ from torch import nn
 
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
 HEAD_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")
+SPAN_SUFFIX = "ForQuestionAnswering"
 STOCK_REASON = ("labels at padded positions before a row's last real token (the loss reads the encoder's output "
                 "there, which the packed path leaves at zero)")
+SPAN_STOCK_REASON = ("a question-answering loss (start_positions / end_positions) with padding before a row's last "
+                     "real token: its softmax reads the encoder's output at every position, and the packed path "
+                     "computes only trailing padded positions as stock does")
 TRAILING = "trailing"
 STOCK = "stock"
 _REQUEST = threading.local()
@@ -46,8 +56,26 @@ def request_for(labels, attention_mask) -> str | None:
     return STOCK if inner else TRAILING
 
 
+def span_request_for(start_positions, end_positions, attention_mask) -> str | None:
+    """:data:`SPAN_STOCK_REASON` when a question-answering call asks for its loss (``start_positions`` or
+    ``end_positions`` given) and ``attention_mask`` ``[B, S]`` has padding before a row's last real token (one
+    device-to-host read), else ``None``."""
+    if start_positions is None and end_positions is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return None
+    real = attention_mask != 0
+    before_last = ~real & (real.flip(1).cumsum(1).flip(1) > 0)  # padded, with a real token after it
+    return SPAN_STOCK_REASON if bool(before_last.any()) else None
+
+
 def _pre_hook(module, args, kwargs):
     _REQUEST.what = request_for(kwargs.get("labels"), kwargs.get("attention_mask"))
+
+
+def _span_pre_hook(module, args, kwargs):
+    _REQUEST.what = span_request_for(kwargs.get("start_positions"), kwargs.get("end_positions"),
+                                     kwargs.get("attention_mask"))
 
 
 def _post_hook(module, args, kwargs, output):
@@ -55,26 +83,30 @@ def _post_hook(module, args, kwargs, output):
 
 
 def take_request() -> str | None:
-    """The request of the token head now calling the encoder on this thread (cleared: one encoder call takes it)."""
+    """The request of the head now calling the encoder on this thread (cleared: one encoder call takes it):
+    ``None``, :data:`TRAILING`, :data:`STOCK` (a token head's, reason :data:`STOCK_REASON`) or
+    :data:`SPAN_STOCK_REASON`."""
     what = getattr(_REQUEST, "what", None)
     _REQUEST.what = None
     return what
 
 
 def token_heads(target: nn.Module) -> list[nn.Module]:
-    """The token-classification and masked-LM heads inside ``target`` (by class name, as HF names them)."""
-    return [m for m in target.modules() if type(m).__name__.endswith(HEAD_SUFFIXES)]
+    """The token-classification, masked-LM and question-answering heads inside ``target`` (by class name, as HF
+    names them)."""
+    return [m for m in target.modules() if type(m).__name__.endswith((*HEAD_SUFFIXES, SPAN_SUFFIX))]
 
 
 def _ours(hooks: dict) -> list:
-    return [key for key, fn in hooks.items() if fn is _pre_hook or fn is _post_hook]
+    return [key for key, fn in hooks.items() if fn in (_pre_hook, _span_pre_hook, _post_hook)]
 
 
 def watch(target: nn.Module) -> None:
-    """Hook every token head inside ``target`` (once; :func:`unwatch` removes the hooks)."""
+    """Hook every such head inside ``target`` (once; :func:`unwatch` removes the hooks)."""
     for head in token_heads(target):
         if not _ours(head._forward_pre_hooks):
-            head.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+            span = type(head).__name__.endswith(SPAN_SUFFIX)
+            head.register_forward_pre_hook(_span_pre_hook if span else _pre_hook, with_kwargs=True)
             head.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
 
 
