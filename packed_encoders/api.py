@@ -15,7 +15,7 @@ from .adapters.state import PackOptions, get_state, restore
 from .adapters.structure import check_at_pack, structure_check
 from .batch import from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
-from .configure import make_state
+from .configure import make_state, params_of
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .graph_check import check_graph_path
 from .graphs.config import normalize as normalize_graph_option
@@ -84,7 +84,10 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     for path, model in encoders:
         current = get_state(model)
         tuning = read_tuning(_device(model))
-        if current is not None and current.options == options and same_switches(current.tuning, tuning):
+        # the same options, switches and config: nothing to re-read (a config edited since, e.g. a new
+        # local_attention, makes a new state; the packed path otherwise runs stock for the unexpected geometry)
+        if (current is not None and current.options == options and same_switches(current.tuning, tuning)
+                and current.params == params_of(model)):
             continue
         state = make_state(model, options, target, tuning)
         problem = check_at_pack(model, state.params)

@@ -75,12 +75,12 @@ def test_sliding_window_changed_after_pack_is_not_skipped():
     with pytest.raises(pe.PackedEncodersError, match="sliding_window"):
         pe.packed_forward(model, None, ids[1, :12], torch.tensor([0, 12], dtype=torch.int32), 12)
 
-    pe.unpack(model)
-    pe.pack(model)  # packs the new window
+    pe.pack(model)  # packing again (same options) re-reads the config: the new window
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         real = mask.bool()
         torch.testing.assert_close(_out(model, ids, mask)[real], ref[real], atol=1e-5, rtol=1e-5)
+    assert not pe.describe(model)["encoders"][0]["stock_forward_calls"]  # the packed path, not stock again
     model.config.local_attention = packed_with  # back to a window the packed state does not hold
     with pytest.warns(RuntimeWarning, match="stock forward"):
         _out(model, ids, mask)

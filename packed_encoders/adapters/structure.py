@@ -206,8 +206,8 @@ def config_problem(model: nn.Module, params) -> str | None:
     if local is None or local == params.local_attention:
         return None
     return (f"config.local_attention is {local} (sliding_window {local // 2}) but the model was packed with "
-            f"{params.local_attention} (sliding_window {params.local_attention // 2}); pe.unpack(model) then "
-            "pe.pack(model) packs the new window")
+            f"{params.local_attention} (sliding_window {params.local_attention // 2}); pe.pack(model) again packs "
+            "the new window")
 
 
 def _global_hooks_problem() -> str | None:
