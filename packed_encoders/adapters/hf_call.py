@@ -31,7 +31,7 @@ from ..call import empty_output, packed_route, padded_route, raise_earlier_error
 from ..errors import PackedEncodersError, StockOnlyInput
 from .stock_calls import mask_holes_reason, stock_call_reason
 from .structure import structure_check
-from .token_labels import SPAN_STOCK_REASON, STOCK, STOCK_REASON, TRAILING, take_request
+from .token_labels import TRAILING, take_request
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
@@ -103,8 +103,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     names = _positional_names(type(model))
     if problem is None:
         problem = stock_call_reason(model, names, args, kwargs)
-    if problem is None and request in (STOCK, SPAN_STOCK_REASON):
-        return _stock_fallback(model, state, STOCK_REASON if request == STOCK else request, args, kwargs)
+    if problem is None and request not in (None, TRAILING):  # why this head's loss needs the stock forward
+        return _stock_fallback(model, state, request, args, kwargs)
     if problem is not None:
         return _stock_fallback(model, state, padded_route(model, state, structure=problem).reason, args, kwargs)
     call = dict(kwargs)  # as given: a mask with holes, found after the sync, runs stock with them

@@ -36,13 +36,12 @@ SPAN_STOCK_REASON = ("a question-answering loss (start_positions / end_positions
                      "real token: its softmax reads the encoder's output at every position, and the packed path "
                      "computes only trailing padded positions as stock does")
 TRAILING = "trailing"
-STOCK = "stock"
 _REQUEST = threading.local()
 
 
 def request_for(labels, attention_mask) -> str | None:
     """``None`` (no label at a padded position counts), :data:`TRAILING` (all of them after their row's last real
-    token) or :data:`STOCK`, for ``labels`` and ``attention_mask`` of one shape ``[B, S]``; anything else ``None``."""
+    token) or :data:`STOCK_REASON` (the call must run the stock forward), for ``labels`` and ``attention_mask`` of one shape ``[B, S]``; anything else ``None``."""
     if not (isinstance(labels, torch.Tensor) and isinstance(attention_mask, torch.Tensor)):
         return None
     if labels.dim() != 2 or labels.shape != attention_mask.shape or labels.device != attention_mask.device:
@@ -53,7 +52,7 @@ def request_for(labels, attention_mask) -> str | None:
     any_counted, inner = torch.stack((counted.any(), (counted & ~after_last).any())).tolist()
     if not any_counted:
         return None
-    return STOCK if inner else TRAILING
+    return STOCK_REASON if inner else TRAILING
 
 
 def span_request_for(start_positions, end_positions, attention_mask) -> str | None:
@@ -84,8 +83,8 @@ def _post_hook(module, args, kwargs, output):
 
 def take_request() -> str | None:
     """The request of the head now calling the encoder on this thread (cleared: one encoder call takes it):
-    ``None``, :data:`TRAILING`, :data:`STOCK` (a token head's, reason :data:`STOCK_REASON`) or
-    :data:`SPAN_STOCK_REASON`."""
+    ``None``, :data:`TRAILING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
+    :data:`SPAN_STOCK_REASON`)."""
     what = getattr(_REQUEST, "what", None)
     _REQUEST.what = None
     return what
