@@ -1,0 +1,98 @@
+"""The eager raw-pointer run's bookkeeping (model/pointers.py ``_enqueue``), on CPU with recording launchers that do
+nothing: every launch gets integer pointers, each layer makes its launches once, the cuBLASLt projections read each
+layer's own live weights (a module replaced after a call is read at the next), and the output is ``[T, H]``. The
+maths is checked on the H200 against the tensor path (``tests/gpu/test_lean.py``)."""
+
+from __future__ import annotations
+
+import types
+from collections import Counter
+
+import torch
+from torch import nn
+
+import packed_encoders.model.pointers as pointers
+from packed_encoders.model.params import ModernBertParams
+
+
+def _aligned(t: torch.Tensor) -> nn.Parameter:
+    """``t``'s values in a 256-byte aligned tensor (what the cuBLASLt route asks of its operands)."""
+    buf = torch.empty(t.numel() + 256, dtype=t.dtype)
+    at = (-buf.data_ptr() % 256) // t.element_size()
+    return nn.Parameter(buf[at:at + t.numel()].view_as(t).copy_(t), requires_grad=False)
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    lin = nn.Linear(n_in, n_out, bias=False, dtype=torch.bfloat16)
+    lin.weight = _aligned(lin.weight.data)
+    return lin
+
+
+def test_pointer_run_launches_read_each_layers_live_weights(monkeypatch):
+    from transformers import ModernBertConfig, ModernBertModel
+
+    from packed_encoders.attention import triton_short
+    from packed_encoders.ops import cublaslt
+    from packed_encoders.ops.triton import layer_norm, small_gemm
+
+    cfg = ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                           vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                           sep_token_id=2)
+    model = ModernBertModel(cfg).to(torch.bfloat16).eval()
+    for layer in model.layers:
+        for parent, name in ((layer.attn, "Wqkv"), (layer.attn, "Wo"), (layer.mlp, "Wi"), (layer.mlp, "Wo")):
+            old = getattr(parent, name)
+            setattr(parent, name, _linear(old.in_features, old.out_features))
+    params = ModernBertParams.from_hf_config(cfg)
+    h, inner, n = 64, 96, params.num_hidden_layers
+    calls: list = []
+
+    def recorder(name):
+        def launch(*args):
+            assert all(type(a) in (int, float) for a in args), (name, args)
+            calls.append((name, args))
+        return launch
+
+    monkeypatch.setattr(layer_norm, "forward_launcher",
+                        lambda t, hidden, delta, *a: recorder("ln_res" if delta else "ln"))
+    monkeypatch.setattr(small_gemm, "launcher", lambda *a: recorder("wi_glu"))
+    monkeypatch.setattr(triton_short, "launcher", lambda *a: recorder("attention"))
+    monkeypatch.setattr(cublaslt, "linear",
+                        lambda t, n_out, k, dtype, device: types.SimpleNamespace(call=recorder(f"lt{n_out}x{k}")))
+    lengths = (10, 27)
+    t = sum(lengths)
+    batch = types.SimpleNamespace(input_ids=torch.randint(3, 100, (t,)), total_tokens=t, num_seqs=2,
+                                  cu_seqlens=torch.tensor([0, 10, t], dtype=torch.int32), max_seqlen=27,
+                                  device=torch.device("cpu"))
+    table = {g: (torch.zeros(t, 8), torch.zeros(t, 8), torch.arange(t, dtype=torch.int32)) for g in (True, False)}
+    plan = types.SimpleNamespace(layers=tuple(types.SimpleNamespace(backend="triton", window=None if g else 64)
+                                              for g in params.layer_is_global),
+                                 linear_route="F.linear", glu="small_gemm")
+    widths = pointers._widths(h, inner, False)
+
+    def run():
+        calls.clear()
+        size = pointers._workspace_bytes(t, widths, 2, cublaslt.WORKSPACE_BYTES)
+        ws = torch.empty(size, dtype=torch.uint8)
+        out = pointers._enqueue(model, params, batch, plan, lambda *a: table, ws, widths, torch.bfloat16, 0, 0,
+                                True)
+        assert out is not None and out.shape == (t, h) and out.dtype is torch.bfloat16
+        return [(name, args) for name, args in calls]
+
+    made = run()
+    counts = Counter(name for name, _ in made)
+    assert counts == Counter({"ln": 1, "ln_res": 2 * n, "attention": n, "wi_glu": n, f"lt{3 * h}x{h}": n,
+                              f"lt{h}x{h}": n, f"lt{h}x{inner}": n}), counts
+    # each projection call's weight (its first argument) is that layer's, layer by layer
+    qkv = [args[0] for name, args in made if name == f"lt{3 * h}x{h}"]
+    assert qkv == [layer.attn.Wqkv.weight.data_ptr() for layer in model.layers]
+    out_proj = [args[0] for name, args in made if name == f"lt{h}x{h}"]
+    assert out_proj == [layer.attn.Wo.weight.data_ptr() for layer in model.layers]
+    mlp_out = [args[0] for name, args in made if name == f"lt{h}x{inner}"]
+    assert mlp_out == [layer.mlp.Wo.weight.data_ptr() for layer in model.layers]
+    wi = [args[1] for name, args in made if name == "wi_glu"]
+    assert wi == [layer.mlp.Wi.weight.data_ptr() for layer in model.layers]
+
+    model.layers[2].attn.Wo = _linear(h, h)  # replaced after a call: the next call reads it
+    again = [args[0] for name, args in run() if name == f"lt{h}x{h}"]
+    assert again[2] == model.layers[2].attn.Wo.weight.data_ptr() != out_proj[2]
