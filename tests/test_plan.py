@@ -275,19 +275,27 @@ def test_pointer_runs_need_every_op_on_a_pointer_kernel(fused):
 
 
 def test_pointer_workspace_buffers_are_aligned_and_disjoint():
-    from packed_encoders.model.pointers import _ALIGN, _offsets, _widths, _workspace_bytes
+    from packed_encoders.model import workspace
+    from packed_encoders.model.pointers import _ALIGN, _layout, _widths
+    from packed_encoders.ops import cublaslt
 
     hidden, inner, size = 96, 160, 2
     for pre in (False, True):
         widths = _widths(hidden, inner, pre)
         assert len(widths) == 6 + pre
-        for base in (0, 16, 4096 + 48):
+        for lt in (False, True):
             for tokens in (1, 37, 64):
-                offs = _offsets(base, tokens, widths, size)
-                assert all(o % _ALIGN == 0 and o >= base for o in offs)
+                nbytes, offs, lt_at = _layout(tokens, widths, size, lt)
+                assert all(o % _ALIGN == 0 and o >= 0 for o in offs)
                 ends = [o + tokens * w * size for o, w in zip(offs, widths)]
                 assert all(e <= o for e, o in zip(ends, offs[1:]))
-                assert ends[-1] <= base + _workspace_bytes(tokens, widths, size)  # what _run allocates
+                assert (lt_at is not None) == lt
+                last = ends[-1] if lt_at is None else lt_at + cublaslt.WORKSPACE_BYTES
+                assert lt_at is None or (lt_at % _ALIGN == 0 and lt_at >= ends[-1])
+                assert last <= nbytes  # what _run allocates, from an aligned base
+                for base in (0, 16, 4096 + 48):  # workspace.empty's buffer holds nbytes from its aligned base
+                    aligned = -(-base // workspace.ALIGN) * workspace.ALIGN
+                    assert aligned % _ALIGN == 0 and aligned + nbytes <= base + workspace.size_class(nbytes + _ALIGN)
 
 
 def test_first_pointer_run_of_a_launch_class_is_checked(monkeypatch):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import packed_encoders.model.pointers as pointers
+from packed_encoders.model import workspace
 from packed_encoders.model.params import ModernBertParams
 
 
@@ -72,11 +73,13 @@ def test_pointer_run_launches_read_each_layers_live_weights(monkeypatch):
 
     def run():
         calls.clear()
-        size = pointers._workspace_bytes(t, widths, 2, cublaslt.WORKSPACE_BYTES)
-        ws = torch.empty(size, dtype=torch.uint8)
-        out = pointers._enqueue(model, params, batch, plan, lambda *a: table, ws, widths, torch.bfloat16, 0, 0,
-                                True)
+        nbytes, offsets, lt_at = pointers._layout(t, widths, 2, True)
+        ws, base = workspace.empty(nbytes, torch.device("cpu"))
+        out = pointers._enqueue(model, params, batch, plan, lambda *a: table, ws, tuple(base + a for a in offsets),
+                                widths, torch.bfloat16, 0, 0, base + lt_at)
         assert out is not None and out.shape == (t, h) and out.dtype is torch.bfloat16
+        assert all(args[3] == base + lt_at for name, args in calls if name.startswith("lt"))  # its workspace
+        assert all(base + a + t * w * 2 <= base + lt_at for a, w in zip(offsets, widths))  # past the buffers
         return [(name, args) for name, args in calls]
 
     made = run()

@@ -73,18 +73,14 @@ def _widths(hidden: int, inner: int, pre: bool) -> tuple[int, ...]:
     return (hidden, hidden, 3 * hidden, hidden, hidden, inner) + ((2 * inner,) if pre else ())
 
 
-def _offsets(base: int, tokens: int, widths: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    """Each buffer's address in a workspace at ``base`` for ``tokens`` rows, every one ``_ALIGN``-aligned."""
-    out = []
-    at = -(-base // _ALIGN) * _ALIGN
-    for width in widths:
-        out.append(at)
-        at += -(-tokens * width * itemsize // _ALIGN) * _ALIGN
-    return tuple(out)
-
-
-def _workspace_bytes(tokens: int, widths: tuple[int, ...], itemsize: int, extra: int = 0) -> int:
-    return tokens * sum(widths) * itemsize + (len(widths) + 1) * _ALIGN + extra
+def _layout(tokens: int, widths: tuple[int, ...], itemsize: int, lt: bool) -> tuple[int, tuple[int, ...], int | None]:
+    """The workspace for ``tokens`` rows: ``(bytes, each buffer's offset, the cuBLASLt workspace's offset or None)``,
+    offsets from an ``_ALIGN``-aligned base (:func:`.workspace.empty`), each ``_ALIGN``-aligned; the cuBLASLt
+    workspace only when the projections go through cuBLASLt (``lt``)."""
+    arena = workspace.Arena()
+    offsets = tuple(arena.add(tokens * width * itemsize) for width in widths)
+    lt_at = arena.add(cublaslt.WORKSPACE_BYTES) if lt else None
+    return arena.size, offsets, lt_at
 
 
 def _ptr(t: torch.Tensor | None, dtype: torch.dtype, numel: int) -> int | None:
@@ -138,8 +134,10 @@ def _agrees(out: torch.Tensor, ref: torch.Tensor, exact: bool) -> bool:
     calls; with cuBLASLt projections (whose algorithm may sum in another order than ``torch.mm``'s cuBLAS call),
     every row's cosine at least 0.999 and every finite entry where the tensor path's is (a wrong pointer or stride
     shows as whole rows of another token's or buffer's values, far below that)."""
-    if exact or torch.equal(out, ref):
-        return torch.equal(out, ref)
+    if torch.equal(out, ref):
+        return True
+    if exact:
+        return False
     a, b = out.float(), ref.float()
     if not torch.equal(a.isfinite(), b.isfinite()):
         return False
@@ -187,12 +185,10 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     # nothing stays reserved for this path alone
     dtype = table.dtype
     widths = _widths(params.hidden_size, params.intermediate_size, plan.glu == "split")
-    lt = _lt_projections(plan, model)
-    extra = cublaslt.WORKSPACE_BYTES if lt else 0
-    ws = torch.empty(workspace.size_class(_workspace_bytes(batch.total_tokens, widths, dtype.itemsize, extra)),
-                     dtype=torch.uint8, device=device)
-    return _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index,
-                    torch._C._cuda_getCurrentRawStream(index), lt)
+    nbytes, offsets, lt_at = _layout(batch.total_tokens, widths, dtype.itemsize, _lt_projections(plan, model))
+    ws, base = workspace.empty(nbytes, device)
+    return _enqueue(model, params, batch, plan, rope_inputs, ws, tuple(base + at for at in offsets), widths, dtype,
+                    index, torch._C._cuda_getCurrentRawStream(index), None if lt_at is None else base + lt_at)
 
 
 def _lt_projections(plan, model: nn.Module) -> bool:
@@ -211,10 +207,12 @@ def _biases(model: nn.Module) -> tuple[bool, bool, bool, bool]:
                  for m, name in ((attn, "Wqkv"), (attn, "Wo"), (mlp, "Wi"), (mlp, "Wo")))
 
 
-def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, stream,
-             lt: bool) -> torch.Tensor | None:
+def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype, index, stream,
+             lt_ws: int | None) -> torch.Tensor | None:
     """:func:`_run`'s launches on the workspace ``ws``: every launcher resolved once (one per kernel and launch
-    shape), then the layers. ``lt``: the projections through cuBLASLt (:func:`_lt_projections`)."""
+    shape), then the layers. ``offsets``: the addresses of its buffers (of ``widths`` columns, :func:`_layout`);
+    ``lt_ws``: the cuBLASLt workspace's address when the projections go through cuBLASLt
+    (:func:`_lt_projections`), else ``None``."""
     from ..attention import triton_short
     from ..ops.triton import glu as glu_kernel
     from ..ops.triton import layer_norm, small_gemm
@@ -229,7 +227,6 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
     hidden, heads, head_dim = params.hidden_size, params.num_attention_heads, params.head_dim
     inner = params.intermediate_size
     act = ACTIVATIONS[params.activation]
-    offsets = _offsets(ws.data_ptr(), total, widths, dtype.itemsize)
     x, normed, qkv, att, delta, gated = offsets[:6]
     pre = offsets[6] if len(offsets) > 6 else None
     steps = plan.layers
@@ -297,15 +294,13 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, widths, dtype, index, 
             else:
                 torch.addmm(bias, src, weight.t(), out=tensors[dst])
 
-        if lt:
-            # the workspace's tail, past the buffers (_workspace_bytes' extra)
-            lt_ws = -(-(offsets[-1] + total * widths[-1] * dtype.itemsize) // _ALIGN) * _ALIGN
+        if lt_ws is not None:
             shapes = ((3 * hidden, hidden), (hidden, hidden), (2 * inner, hidden), (hidden, inner))
             lt = tuple(cublaslt.linear(total, n, k, dtype, index).call for n, k in shapes)
 
             def project(src, weight: torch.Tensor, bias: torch.Tensor | None, dst: int, which: int) -> None:
                 a, w = (src if type(src) is int else src.data_ptr()), weight.data_ptr()
-                if (a | w) & 255:  # cuBLASLt's algorithms assume 256-byte aligned operands
+                if (a | w) & (_ALIGN - 1):  # cuBLASLt's algorithms assume 256-byte aligned operands
                     mm(src, weight, bias, dst)
                 else:
                     lt[which](w, a, dst, lt_ws, stream)
