@@ -39,16 +39,22 @@ TRAILING = "trailing"
 _REQUEST = threading.local()
 
 
+def _after_last(real: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: no real token at or after the position (``real``: the mask's real positions)."""
+    return real.flip(1).cumsum(1).flip(1) == 0
+
+
 def request_for(labels, attention_mask) -> str | None:
     """``None`` (no label at a padded position counts), :data:`TRAILING` (all of them after their row's last real
-    token) or :data:`STOCK_REASON` (the call must run the stock forward), for ``labels`` and ``attention_mask`` of one shape ``[B, S]``; anything else ``None``."""
+    token) or :data:`STOCK_REASON` (the call must run the stock forward), for ``labels`` and ``attention_mask`` of
+    one shape ``[B, S]``; anything else ``None``."""
     if not (isinstance(labels, torch.Tensor) and isinstance(attention_mask, torch.Tensor)):
         return None
     if labels.dim() != 2 or labels.shape != attention_mask.shape or labels.device != attention_mask.device:
         return None
     real = attention_mask != 0
     counted = ~real & (labels != IGNORE_INDEX)
-    after_last = real.flip(1).cumsum(1).flip(1) == 0  # no real token at or after the position
+    after_last = _after_last(real)
     any_counted, inner = torch.stack((counted.any(), (counted & ~after_last).any())).tolist()
     if not any_counted:
         return None
@@ -64,7 +70,7 @@ def span_request_for(start_positions, end_positions, attention_mask) -> str | No
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         return None
     real = attention_mask != 0
-    before_last = ~real & (real.flip(1).cumsum(1).flip(1) > 0)  # padded, with a real token after it
+    before_last = ~real & ~_after_last(real)  # padded, with a real token after it
     return SPAN_STOCK_REASON if bool(before_last.any()) else None
 
 
