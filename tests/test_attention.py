@@ -318,15 +318,16 @@ def test_shipped_policies_and_card_matching(tmp_path):
     assert h200.match.get("device_name") == "NVIDIA H200"
     assert h200.order(_w()) [0] == "triton"
     assert h200.order(_w(grad=True))[0] != "triton"
-    # 8 documents: eager calls keep varlen (FA4's host time per call), graph captures take FA4 (GPU time)
+    # 8 documents: eager calls and graph captures take FA4 (its direct calls cost FlashAttention-2's host time)
     docs = dict(max_seqlen=1884, total_tokens=7600)
-    assert h200.order(_w(**docs))[0] == "varlen" and h200.order(_w(graph=True, **docs))[0] == "fa4"
+    assert h200.order(_w(**docs))[0] == "fa4" and h200.order(_w(graph=True, **docs))[0] == "fa4"
     assert h200.order(_w(graph=True, window=64, **docs))[0] == "triton"
-    # training: eager steps up to 32k tokens take varlen (host-bound), training graphs and longer calls FA4
+    # training: eager steps and training graphs take FA4; many short queries FlashAttention-2
     step = dict(grad=True, max_seqlen=1884, total_tokens=15000)
     for window in (None, 64):
-        assert h200.order(_w(window=window, **step))[0] == "varlen"
+        assert h200.order(_w(window=window, **step))[0] == "fa4"
         assert h200.order(_w(window=window, graph=True, **step))[0] == "fa4"
+        assert h200.order(_w(window=window, grad=True, max_seqlen=100, total_tokens=8000))[0] == "varlen"
         assert h200.order(_w(window=window, grad=True, max_seqlen=8192, total_tokens=40000))[0] == "fa4"
     h100 = select_policy("NVIDIA H100 80GB HBM3", (9, 0), user_dir=tmp_path)
     assert h100.match == {"capability_major": 9}
@@ -366,9 +367,11 @@ def test_cache_paths(monkeypatch, tmp_path):
 
 @pytest.fixture
 def all_available(monkeypatch):
-    """Pretend every backend is installed (availability only: envelopes stay real)."""
+    """Pretend every backend is installed (availability only: envelopes stay real), FlashAttention-4 in a release
+    whose compiled kernels ``fa4_direct`` calls."""
     for name, b in list(BACKENDS.items()):
         monkeypatch.setitem(BACKENDS, name, dataclasses.replace(b, availability=lambda: None))
+    monkeypatch.setattr(dispatch.fa4_direct, "version_status", lambda: None)
 
 
 def test_resolve_explicit_raises_and_auto_reports(all_available, monkeypatch):

@@ -43,20 +43,36 @@ def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
         fwd=tuple(recorder(f"fwd{i}") for i in range(4)), dx=tuple(recorder(f"dx{i}") for i in range(4)),
         weight_grad=lambda n, k, dtype: recorder("dw"), two=two, stream=0, device=0)
 
-    def flash_forward(q, k, v, *args, **kwargs):
-        # q, k, v: views of the qkv buffer the projection wrote (Wqkv's launch: call(w, y, qkv, workspace, stream))
-        qkv_p = last_args["fwd0"][2]
-        assert [u.data_ptr() for u in (q, k, v)] == [qkv_p + j * h * q.element_size() for j in range(3)]
-        assert q.stride() == (3 * h, h // 4, 1) and q.shape == (t, 4, h // 4)
-        return torch.zeros(q.shape, dtype=q.dtype), torch.zeros(4), torch.zeros(2), torch.zeros(2), None
+    served = []
 
-    def flash_backward(da, q, k, v, *args, **kwargs):
-        return tuple(torch.zeros(q.shape, dtype=q.dtype) for _ in range(3))
+    def attention_forward(name, serve=lambda window: True):
+        def forward(q, k, v, cu, max_seqlen, *, window, scale):
+            # q, k, v: views of the qkv buffer the projection wrote (Wqkv's launch: call(w, y, qkv, workspace, stream))
+            qkv_p = last_args["fwd0"][2]
+            assert [u.data_ptr() for u in (q, k, v)] == [qkv_p + j * h * q.element_size() for j in range(3)]
+            assert q.stride() == (3 * h, h // 4, 1) and q.shape == (t, 4, h // 4)
+            if not serve(window):
+                return None
+            served.append((name, window))
+            return torch.zeros(q.shape, dtype=q.dtype), (name, q)
+        return forward
 
-    monkeypatch.setattr(sp, "_FLASH_FORWARD", flash_forward)
-    monkeypatch.setattr(sp, "_FLASH_BACKWARD", flash_backward)
+    def attention_backward(name):
+        def backward(da, saved):
+            assert saved[0] == name  # each layer's backward is its forward's backend's
+            calls.append(name + "_bwd")
+            return tuple(torch.zeros(saved[1].shape, dtype=saved[1].dtype) for _ in range(3))
+        return backward
+
+    # FlashAttention-4 on the local layers, its direct calls serving window 64 only: the global fa4 layer (index
+    # 3) falls back to FlashAttention-2
+    monkeypatch.setattr(sp, "torch_varlen_forward_saving", attention_forward("fa2"))
+    monkeypatch.setattr(sp, "torch_varlen_backward", attention_backward("fa2"))
+    monkeypatch.setattr(sp, "fa4_forward_saving", attention_forward("fa4", serve=lambda window: window is not None))
+    monkeypatch.setattr(sp, "fa4_backward", attention_backward("fa4"))
     monkeypatch.setattr(sp, "_launchers_here", lambda call: call.launch)
-    layers = [types.SimpleNamespace(window=None if i % 3 == 0 else 64, backend="varlen") for i in range(4)]
+    layers = [types.SimpleNamespace(window=None if i % 3 == 0 else 64, backend="fa4" if i else "varlen")
+              for i in range(4)]
     plan = types.SimpleNamespace(layers=layers, kernels=types.SimpleNamespace(name="triton"))
     cdt = torch.bfloat16
     args = tuple(layer_args(layer, params, plan.kernels, cdt) for layer in model.layers)
@@ -76,10 +92,11 @@ def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
     forward = Counter(calls)
     n = params.num_hidden_layers
     assert forward == Counter({"ln_res": 2 * n - 1, "rope": n, "glu": n, **{f"fwd{i}": n for i in range(4)}})
+    assert served == [("fa2", None), ("fa4", 64), ("fa4", 64), ("fa2", None)]
     calls.clear()
     (out.float().sum() + pending.float().sum()).backward()
     assert Counter(calls) == Counter({"ln_bwd": 2 * n - 1, "glu_bwd": n, "rope_bwd": n, "dw": 4 * n,
-                                      **{f"dx{i}": n for i in range(4)}})
+                                      "fa4_bwd": 2, "fa2_bwd": 2, **{f"dx{i}": n for i in range(4)}})
     assert x.grad is not None and x.grad.shape == x.shape
     for name, p in model.layers.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name

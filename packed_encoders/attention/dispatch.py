@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import PackedEncodersError
+from . import fa4_direct
 from .backends import BACKENDS, Workload
 
 CHOICES = ("auto", "flash", "sdpa", "varlen", "fa4", "triton")
@@ -375,6 +376,13 @@ def resolve(requested: str, w: Workload, policy: Policy | None = None) -> Decisi
         order = tuple(n for n in order if n not in BACKENDS or BACKENDS[n].has_backward)
     if requested == "flash":
         order = tuple(n for n in order if n in FLASH_FAMILY) + tuple(n for n in FLASH_FAMILY if n not in order)
+    if not w.graph and "fa4" in order and "varlen" in order[order.index("fa4"):] \
+            and fa4_direct.workload_status(w.num_seqs, w.max_seqlen) is not None:
+        # the eager tables rank FlashAttention-4 by its direct calls' host cost; through its public entry point
+        # (hundreds of us of planning per call) it goes after FlashAttention-2
+        order = tuple(n for n in order if n != "fa4")
+        at = order.index("varlen") + 1
+        order = order[:at] + ("fa4",) + order[at:]
     reasons = []
     for name in order:
         backend = BACKENDS.get(name)

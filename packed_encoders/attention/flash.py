@@ -9,6 +9,9 @@ import functools
 import inspect
 
 import torch
+from torch.autograd.function import once_differentiable
+
+from . import fa4_direct
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,13 +110,58 @@ def fa4_varlen_finite_v(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | N
                         dropout_p: float = 0.0) -> torch.Tensor:
     """:func:`fa4_varlen` for a ``v`` whose non-finite entries the caller has zeroed already (the in-place Triton
     RoPE does, :func:`packed_encoders.ops.triton.rope.forward`): no cleaning pass, and no cleaned copy of ``v``
-    for a backward to keep."""
-    from flash_attn.cute import flash_attn_varlen_func
-
+    for a backward to keep. The compiled kernels are called directly where :mod:`.fa4_direct` serves the call
+    (the same kernels as the public entry point, without its per-call planning), else through
+    ``flash_attn_varlen_func``."""
     if dropout_p:
         raise ValueError("FlashAttention-4 has no attention dropout")
+    if not torch.compiler.is_compiling():
+        if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+            got = fa4_direct.forward(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale)
+            if got is not None:
+                return got[0]
+        elif all(fa4_direct.aligned(t) for t in (q, k, v)) and \
+                fa4_direct.kernels(q, window, scale, max_seqlen, cu_seqlens.shape[0] - 1, True) is not None:
+            return _FA4Direct.apply(q, k, v, cu_seqlens, max_seqlen, window, scale)
+    from flash_attn.cute import flash_attn_varlen_func
+
     ws = (None, None) if window is None else (int(window), int(window))
     out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
                                  max_seqlen_q=int(max_seqlen), max_seqlen_k=int(max_seqlen),
                                  softmax_scale=scale, causal=False, window_size=ws)
     return out[0] if isinstance(out, tuple) else out
+
+
+def fa4_forward_saving(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None,
+                       scale: float) -> tuple[torch.Tensor, tuple] | None:
+    """:func:`fa4_varlen_finite_v` outside autograd, for a caller that runs the backward itself (the training
+    stack): ``(out [T, heads, head_dim], saved)`` for :func:`fa4_backward`, or ``None`` where :mod:`.fa4_direct`
+    does not serve the call (the caller takes another backend)."""
+    got = fa4_direct.forward(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale, backward=True)
+    if got is None:
+        return None
+    return got[0], (q, k, v, got[0], got[1], cu_seqlens, max_seqlen, window, scale)
+
+
+def fa4_backward(dout: torch.Tensor, saved: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`fa4_forward_saving` for the output gradient ``dout``."""
+    q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale = saved
+    return fa4_direct.backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, window=window, scale=scale)
+
+
+class _FA4Direct(torch.autograd.Function):
+    """FlashAttention-4 forward and backward through :mod:`.fa4_direct` (the caller checked it serves the call)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, window, scale):
+        out, saved = fa4_forward_saving(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale)
+        ctx.save_for_backward(q, k, v, out, saved[4], cu_seqlens)
+        ctx.args = (max_seqlen, window, scale)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv = fa4_backward(dout, (q, k, v, out, lse, cu_seqlens, *ctx.args))
+        return dq, dk, dv, None, None, None, None

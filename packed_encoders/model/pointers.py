@@ -4,13 +4,14 @@ An eager ModernBERT-base forward of a batch of a few thousand tokens or fewer is
 per launch a ``torch.empty`` for the output, the wrapper's reads of shapes, strides and dtypes, and the launch.
 For a plan whose ops this module can launch (see :func:`plan_runs_pointers`: the op set's Triton kernels that
 take raw pointers, the LayerNorms, GLU and RoPE; the projections on the small Triton GEMM or cuBLAS; attention in
-the RoPE-fused Triton kernel or FlashAttention-2), it runs the layers on integers instead: the activations live
+the RoPE-fused Triton kernel or FlashAttention-2 / -4), it runs the layers on integers instead: the activations live
 in one workspace, allocated once per call from the caching allocator (in :mod:`.workspace`'s size classes), each
 Triton op launches its already-compiled kernel through the signature a tensor launch bound
 (``ops.triton._runtime.Bound``), cuBLAS projections without biases run through cuBLASLt on pointers
 (:mod:`..ops.cublaslt`; ``torch.mm`` / ``torch.addmm`` on workspace views where a projection has a bias or an
-operand is not 256-byte aligned), and FlashAttention-2 (``aten::_flash_attention_forward``) reads and writes tensor
-views of the workspace made once per call. The maths, the kernels and their launch shapes are the tensor path's
+operand is not 256-byte aligned), and FlashAttention-2 (``aten::_flash_attention_forward``) or FlashAttention-4
+(its compiled kernels, :mod:`..attention.fa4_direct`) reads and writes tensor views of the workspace made once per
+call. The maths, the kernels and their launch shapes are the tensor path's
 (:func:`..model.forward.encoder_forward`): results are bit-identical, except that cuBLASLt's algorithm for a
 projection may sum in another order than ``torch.mm``'s.
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import fa4_direct
 from ..batch import PackedBatch
 from ..ops import cublaslt
 from . import workspace
@@ -47,6 +49,7 @@ _STATE: dict = {"off": None}  # why raw-pointer runs are off for this process (a
 _LOCAL = threading.local()  # .declined: the tensor path is running for a check (no raw-pointer run inside it)
 _LINEAR_ROUTES = ("small_gemm", "F.linear")
 _GLU_ROUTES = ("small_gemm", "split")
+_FLASH = ("varlen", "fa4")  # attention on tensor views of the workspace, after the RoPE kernel
 
 
 def off_reason() -> str | None:
@@ -58,11 +61,11 @@ def plan_runs_pointers(plan) -> bool:
     """Whether a :class:`..model.plan.Plan` can run here: unchecked Triton ops (``ops.pointers``), the projections
     on the small Triton GEMM or ``F.linear`` (cuBLAS), ``Wi`` + GLU fused in the Triton GEMM or ``F.linear`` then the
     GLU kernel, and every layer's attention in the Triton kernel with RoPE fused or in FlashAttention-2 (torch
-    ``varlen``) after the RoPE kernel."""
+    ``varlen``) or -4 after the RoPE kernel."""
     return (plan.direct and getattr(plan.ops, "pointers", False) and plan.linear_route in _LINEAR_ROUTES
             and plan.glu in _GLU_ROUTES and (plan.glu != "split" or plan.linear_route == "F.linear")
             and all(not step.rope_linear and (step.rope_in_attention if step.backend == "triton"
-                                              else step.backend == "varlen" and not step.rope_in_attention)
+                                              else step.backend in _FLASH and not step.rope_in_attention)
                     for step in plan.layers))
 
 
@@ -148,8 +151,8 @@ def _agrees(out: torch.Tensor, ref: torch.Tensor, exact: bool) -> bool:
 def _launch_class(params: ModernBertParams, batch: PackedBatch, plan, dtype: torch.dtype,
                   device: torch.device) -> tuple:
     """What selects the kernels and launch shapes of a run: geometry, dtype, device, the routes, and the size
-    classes (the LayerNorm tile, the four GEMMs' configs, the attention tiles of the windows in reach; cuBLAS and
-    FlashAttention-2 are the tensor path's own calls)."""
+    classes (the LayerNorm tile, the four GEMMs' configs, the attention tiles of the windows in reach,
+    FlashAttention-4's ``max_seqlen`` span; cuBLAS and FlashAttention-2 are the tensor path's own calls)."""
     from ..attention import triton_short
     from ..ops.triton import layer_norm, small_gemm
 
@@ -161,7 +164,8 @@ def _launch_class(params: ModernBertParams, batch: PackedBatch, plan, dtype: tor
             layer_norm._forward_shape(t, h, dtype.itemsize), config(t, 3 * h, h), config(t, h, h),
             config(t, 2 * i, h, glu=True), config(t, h, i), windows,
             triton_short.tile_config(batch.max_seqlen, params.head_dim, False),
-            triton_short.tile_config(batch.max_seqlen, params.head_dim, True))
+            triton_short.tile_config(batch.max_seqlen, params.head_dim, True),
+            fa4_direct.span_of(batch.max_seqlen) if any(step.backend == "fa4" for step in plan.layers) else None)
 
 
 def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, rope_inputs) -> torch.Tensor | None:
@@ -230,7 +234,7 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype
     x, normed, qkv, att, delta, gated = offsets[:6]
     pre = offsets[6] if len(offsets) > 6 else None
     steps = plan.layers
-    varlen = any(step.backend == "varlen" for step in steps)
+    varlen = any(step.backend in _FLASH for step in steps)
     cublas = plan.linear_route == "F.linear"
 
     # what every norm and projection must look like for the launchers below (checked again on each module)
@@ -257,7 +261,7 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype
         if key not in launchers:
             launchers[key] = (
                 rope_kernel.forward_launcher(total, heads, head_dim, rows_dtype, dtype, index, stream)
-                if step.backend == "varlen" else
+                if step.backend in _FLASH else
                 triton_short.launcher(batch.num_seqs, total, batch.max_seqlen, heads, head_dim, step.window,
                                       params.scaling, rows_dtype, dtype, index, stream))
         if launchers[key] is None:
@@ -279,8 +283,9 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype
             strides = (cols, 1) if len(shape) == 2 else (cols, shape[2] * shape[3], shape[3], 1)
             return typed.as_strided(shape, strides, (at - base) // dtype.itemsize)
 
-    if varlen:  # the views FlashAttention-2 reads, rotated in place by the RoPE kernel
+    if varlen:  # the views FlashAttention reads, rotated in place by the RoPE kernel; FlashAttention-4's output
         q, k, v = view(qkv, total, 3, heads, head_dim).unbind(1)
+        att_view = typed.as_strided((total, heads, head_dim), (hidden, head_dim, 1), (att - base) // dtype.itemsize)
     if cublas:
         tensors: dict = {}  # the buffers' views, made at the first torch.mm of the call
 
@@ -367,10 +372,14 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype
             src = normed
         project(src, wqkv, bqkv, qkv, 0)
         cos, sin, rows, _ = rope[params.layer_is_global[i]]
-        if step.backend == "varlen":
+        if step.backend in _FLASH:
             attend[i](qkv, cos, sin, rows)
-            a = step.attention(q, k, v, batch.cu_seqlens, max_seqlen, window=step.window, scale=scale)
-            a = a.view(total, hidden) if cublas else a
+            if step.backend == "fa4" and fa4_direct.forward(q, k, v, batch.cu_seqlens, max_seqlen, window=step.window,
+                                                            scale=scale, out=att_view) is not None:
+                a = att
+            else:
+                a = step.attention(q, k, v, batch.cu_seqlens, max_seqlen, window=step.window, scale=scale)
+                a = a.view(total, hidden) if cublas else a
         else:
             attend[i](qkv, att, cu, cos, sin, rows)
             a = att

@@ -6,8 +6,9 @@ saved variables) and again in backward (the engine's call into Python); ModernBE
 :class:`EncoderStack` runs the same block functions (:func:`.blocks.attn_in_fwd`, :func:`.blocks.out_mlp_fwd` and
 their backwards, so the maths and the kernels are the per-block path's) for every layer inside one node, the
 attention included: torch varlen's FlashAttention-2 forward and backward ops are called directly
-(``aten::_flash_attention_forward`` / ``_backward``, the pair aten's own autograd node runs), any other backend
-runs under a local autograd graph that the stack's backward differentiates.
+(``aten::_flash_attention_forward`` / ``_backward``, the pair aten's own autograd node runs), so are
+FlashAttention-4's compiled kernels where :mod:`..attention.fa4_direct` serves the call; any other backend runs
+under a local autograd graph that the stack's backward differentiates.
 
 The backward walks the layers in reverse and drops each layer's activations once its gradients are made (the
 per-block path frees them node by node; a stack holding them all would add every weight gradient to the peak),
@@ -28,7 +29,7 @@ import threading
 import torch
 from torch import nn
 
-from ..attention.flash import torch_varlen_backward, torch_varlen_forward_saving
+from ..attention.flash import fa4_backward, fa4_forward_saving, torch_varlen_backward, torch_varlen_forward_saving
 from ..batch import PackedBatch
 from ..ops.weight_cast import cast_group
 from .blocks import NORM_SLOTS as _NORMS
@@ -89,21 +90,26 @@ def _attend(call: _Call, index: int, q, k, v):
     step = call.plan.layers[index]
     batch, params = call.batch, call.params
     attn_p = params.attention_dropout_of(call.model.layers[index].attn)  # read per call, as stock HF does
-    if step.backend == "varlen" and not attn_p and not torch.compiler.is_compiling():
-        a, saved = torch_varlen_forward_saving(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window,
-                                               scale=params.scaling)
-        return a, (True, saved)
+    if step.backend in ("varlen", "fa4") and not attn_p and not torch.compiler.is_compiling():
+        if step.backend == "varlen":
+            a, saved = torch_varlen_forward_saving(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window,
+                                                   scale=params.scaling)
+            return a, (torch_varlen_backward, saved)
+        got = fa4_forward_saving(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window,
+                                 scale=params.scaling)
+        if got is not None:  # (else FlashAttention-4's public entry point, under autograd below)
+            return got[0], (fa4_backward, got[1])
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=params.scaling,
                            dropout_p=attn_p)
-    return a.detach(), (False, (q, k, v, a))
+    return a.detach(), (None, (q, k, v, a))
 
 
 def _attend_bwd(saved, da, keep: bool):
     direct, saved = saved
-    if direct:
-        return torch_varlen_backward(da, saved)
+    if direct is not None:  # the backward of a forward run outside autograd
+        return direct(da, saved)
     q, k, v, a = saved
     return torch.autograd.grad(a, (q, k, v), da, retain_graph=keep)
 

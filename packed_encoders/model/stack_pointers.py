@@ -6,26 +6,29 @@ hosts against ~7 us for the bound launch itself) and each ``torch.mm`` (~14-24 u
 algorithm lookup). Here a call resolves its launchers once (:func:`prepare`): the op family's Triton kernels bound by
 earlier tensor launches (``ops.triton._runtime.Bound``) and one cuBLASLt plan per GEMM shape
 (:mod:`..ops.cublaslt`); then every layer runs on pointers. The forward allocates one buffer per layer for what its
-backward reads (the norms' inputs, statistics and outputs, the MLP's input, ``qkv``) beside FlashAttention-2's
+backward reads (the norms' inputs, statistics and outputs, the MLP's input, ``qkv``) beside the attention's
 outputs; the backward reuses one buffer per call for its transients (sizes in :mod:`.workspace`'s classes).
-FlashAttention-2 is aten's own forward and backward pair on tensor views (as :mod:`.stack`). The maths, the Triton
-kernels and their launch shapes are the tensor form's; the GEMMs are cuBLAS kernels that cuBLASLt's heuristic picks
-(not necessarily ``torch.mm``'s), so results agree with the tensor form to GEMM rounding, not bit for bit.
+Attention runs on tensor views of ``qkv``: FlashAttention-4's compiled kernels where the plan chose it and
+:mod:`..attention.fa4_direct` serves the call, else FlashAttention-2, aten's own forward and backward pair (as
+:mod:`.stack`). The maths, the Triton kernels and their launch shapes are the tensor form's; the GEMMs are cuBLAS
+kernels that cuBLASLt's heuristic picks (not necessarily ``torch.mm``'s), so results agree with the tensor form to
+GEMM rounding, not bit for bit.
 
 :func:`prepare` returns why (the tensor form runs) for a call it cannot run: not CUDA, cuBLASLt or the bound
 launcher unavailable (``PACKED_ENCODERS_TRITON_FAST_LAUNCH=0``, a profiler's launch hooks), a kernel signature no
 tensor launch has bound yet (the first step of a new dtype combination runs the tensor form and binds it), another
-attention backend than FlashAttention-2, dropout, projection biases, fp32 GEMMs, a layer after the first without
+attention backend than FlashAttention-2 / -4, dropout, projection biases, fp32 GEMMs, a layer after the first without
 an ``attn_norm``, a weight of another dtype, non-contiguous or misaligned. GEMM operands are 256-byte aligned
 (what cuBLASLt's heuristic assumes by default): the buffers by construction, the weights checked, the incoming
-gradients and FlashAttention-2's output copied where they are not.
+gradients and the attention's output copied where they are not.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention.flash import _FLASH_BACKWARD, _FLASH_FORWARD
+from ..attention.flash import (fa4_backward, fa4_forward_saving, torch_varlen_backward, torch_varlen_forward_saving,
+                               torch_varlen_status)
 from ..ops import cublaslt
 from . import workspace
 from .blocks import SLOTS_PER_LAYER as _PER_LAYER
@@ -130,8 +133,11 @@ def prepare(model, params, batch, plan, x: torch.Tensor, args, tables: dict, pre
     device = x.device.index
     if device != torch._C._cuda_getDevice():
         return "the input is not on the current CUDA device"
-    if any(step.backend != "varlen" for step in plan.layers):
-        return "a layer's attention is not FlashAttention-2 (torch varlen)"
+    if any(step.backend not in ("varlen", "fa4") for step in plan.layers):
+        return "a layer's attention is not FlashAttention-2 (torch varlen) or FlashAttention-4"
+    if any(step.backend == "fa4" for step in plan.layers) and torch_varlen_status() is not None:
+        # (FlashAttention-2 runs a layer whose FlashAttention-4 call fa4_direct does not serve)
+        return f"FlashAttention-4 layers without FlashAttention-2 beside them ({torch_varlen_status()})"
     wdt = cdt
     first_w = compute[2]
     if wdt is None:
@@ -280,11 +286,15 @@ class PointerStack(torch.autograd.Function):
             cos, sin, rows = call.tables[params.layer_is_global[index]]
             launch.rope(qkv_p, cos, sin, rows)
             q, k, v = qkv.view(t, 3, heads, head_dim).unbind(1)  # (views at qkv's own offset in buf)
-            window = call.plan.layers[index].window
-            wsz = -1 if window is None else int(window)
-            a, lse, seed, offset, _ = _FLASH_FORWARD(q, k, v, cu, cu, max_seqlen, max_seqlen, 0.0, False, False,
-                                                     scale=scale, window_size_left=wsz, window_size_right=wsz)
-            a = _aligned(a)  # (FlashAttention-2 allocates it contiguous: a check)
+            step = call.plan.layers[index]
+            got = fa4_forward_saving(q, k, v, cu, max_seqlen, window=step.window, scale=scale) \
+                if step.backend == "fa4" else None
+            if got is not None:
+                a, att = got[0], (fa4_backward, got[1])
+            else:
+                a, saved = torch_varlen_forward_saving(q, k, v, cu, max_seqlen, window=step.window, scale=scale)
+                att = (torch_varlen_backward, saved)
+            a = _aligned(a)  # (both allocate it contiguous: a check)
             a_p = a.data_ptr()
             fwd_o(wo.data_ptr(), a_p, o_p, ws, stream)
             if index == last:  # outputs of the node: tensors of their own
@@ -299,8 +309,7 @@ class PointerStack(torch.autograd.Function):
             fwd_2(w2.data_ptr(), g_p, pend_p if index < last else pend_out.data_ptr(), ws, stream)
             read = tuple((w_, w_._version) for w_ in (ln_w, m_w, wqkv, wo, wi, w2) if w_ is not None)
             x_keep = x_out.detach() if index == last else None  # (an output held by ctx would be a cycle)
-            layers.append((buf, keep, x_keep, (s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p), qkv, (q, k, v, a, lse,
-                           seed, offset, wsz), read))
+            layers.append((buf, keep, x_keep, (s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p), qkv, (*att, a), read))
             x_p, pending = xo_p, True
         ctx.call, ctx.layers = call, layers
         del tmp  # (stream-ordered: the caching allocator reuses it only for work queued after these launches)
@@ -311,7 +320,7 @@ class PointerStack(torch.autograd.Function):
     def backward(ctx, dx, dpending):
         call = ctx.call
         layers, keep_graph = take_layers(ctx)
-        params, batch, cdt, res_dt = call.params, call.batch, call.cdt, call.res_dt
+        params, cdt, res_dt = call.params, call.cdt, call.res_dt
         launch = _launchers_here(call)
         t, h = dx.shape
         inner = params.intermediate_size
@@ -328,7 +337,7 @@ class PointerStack(torch.autograd.Function):
         # one call's transients. Across layers: the residual's gradient ds (the norms' backward adds into it in
         # place: each program reads its rows' incoming gradient before it writes them) and, with two dtypes, the
         # branch's (do, then the next layer's dpending). Within a layer the MLP's (dg, dh, g; dy2 in dg once the GLU
-        # backward read it) and then the attention's (da, dqkv; dy1 in da once FlashAttention-2's backward read it).
+        # backward read it) and then the attention's (da, dqkv; dy1 in da once the attention's backward read it).
         two = launch.two
         scratch = _Arena()
         at_ds = scratch.add(t * h * rsz)
@@ -381,19 +390,17 @@ class PointerStack(torch.autograd.Function):
             launch.ln_bwd(dy2_p, xo_p, m_w.data_ptr() if m_w is not None else xo_p, m2, r2, dx_p, ds_p, do_p,
                           parts + part_stride, parts + 3 * part_stride if call.has_b else m2)
             # attention output: o = Wo a
-            q, k, v, a, lse, seed, offset, wsz = att
+            attention_bwd, saved, a = att
             dx_o(wo.data_ptr(), do_p, da_p, ws, stream)
             if needs[slot + 4]:
                 grads[slot + 4] = _weight_grad(dw_of, h, h, out_params[0], a.data_ptr(), do_p, ws, stream)
-            dq, dk, dv = _FLASH_BACKWARD(da, q, k, v, a, lse, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen,
-                                         batch.max_seqlen, 0.0, False, seed, offset, scale=params.scaling,
-                                         window_size_left=wsz, window_size_right=wsz)
-            att = q = k = v = a = lse = None
+            dq, dk, dv = attention_bwd(da, saved)
+            att = saved = a = None
             cos, sin, rows = call.tables[params.layer_is_global[index]]
             if all(g.is_contiguous() and not g.data_ptr() & 15 for g in (dq, dk, dv)):
                 launch.rope_bwd(dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), cos, sin, rows, dqkv_p)
                 dqkv_at = dqkv_p
-            else:  # (FlashAttention-2 writes contiguous gradients; should that change, the tensor launch)
+            else:  # (both attentions write contiguous gradients; should that change, the tensor launch)
                 dqkv_t = call.plan.kernels.rope_bwd(dq, dk, dv, *call.tensor_tables[params.layer_is_global[index]],
                                                     heads, head_dim, cdt)
                 dqkv_at = dqkv_t.data_ptr()
