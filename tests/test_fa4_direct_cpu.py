@@ -151,3 +151,17 @@ def test_workload_status_names_batches_and_lengths_it_does_not_serve(monkeypatch
     assert fa4_direct.workload_status(8, 1000) is None
     assert "sequences" in fa4_direct.workload_status(fa4_direct.MAX_BATCH + 1, 10)
     assert "span" in fa4_direct.workload_status(1, fa4_direct.SPANS[-1] + 1)
+
+
+def test_the_backward_copies_an_output_gradient_the_kernels_cannot_take(monkeypatch):
+    seen = []
+    calls = (fa4_direct._Call(lambda *a: seen.append(a[0]), (None,), ((0, fa4_direct._INDEX["dout"]),)),)
+    q = torch.zeros(7, 12, 64, dtype=torch.bfloat16)
+    kernels = fa4_direct._Kernels(calls, calls, 128, 64)
+    monkeypatch.setattr(fa4_direct, "kernels", lambda *args: kernels)
+    cu = torch.tensor([0, 7], dtype=torch.int32)
+    flat = torch.randn(7 * 12 * 64 + 1).to(torch.bfloat16)
+    for dout in (flat[1:].view(7, 12, 64), torch.randn(1, 12, 64).to(torch.bfloat16).expand(7, 12, 64)):
+        assert not fa4_direct.aligned(dout)
+        fa4_direct.backward(dout, q, q, q, q, torch.zeros(12, 7), cu, 7, window=None, scale=0.125)
+        assert seen[-1] is not dout and fa4_direct.aligned(seen[-1]) and torch.equal(seen[-1], dout)

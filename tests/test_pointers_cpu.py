@@ -99,3 +99,86 @@ def test_pointer_run_launches_read_each_layers_live_weights(monkeypatch):
     model.layers[2].attn.Wo = _linear(h, h)  # replaced after a call: the next call reads it
     again = [args[0] for name, args in run() if name == f"lt{h}x{h}"]
     assert again[2] == model.layers[2].attn.Wo.weight.data_ptr() != out_proj[2]
+
+
+def test_flash_attention_layers_read_the_rotated_qkv_and_write_the_attention_buffer(monkeypatch):
+    """Global layers on FlashAttention-4 (``fa4_direct`` writing into the workspace's attention buffer; where it does
+    not serve, the backend's own function and its output tensor) and FlashAttention-2, after the in-place RoPE."""
+    from transformers import ModernBertConfig, ModernBertModel
+
+    from packed_encoders.attention import triton_short
+    from packed_encoders.ops import cublaslt
+    from packed_encoders.ops.triton import layer_norm, small_gemm
+    from packed_encoders.ops.triton import rope as rope_kernel
+
+    cfg = ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=9, num_attention_heads=4,
+                           vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                           sep_token_id=2)
+    model = ModernBertModel(cfg).to(torch.bfloat16).eval()
+    for layer in model.layers:
+        for parent, name in ((layer.attn, "Wqkv"), (layer.attn, "Wo"), (layer.mlp, "Wi"), (layer.mlp, "Wo")):
+            old = getattr(parent, name)
+            setattr(parent, name, _linear(old.in_features, old.out_features))
+    params = ModernBertParams.from_hf_config(cfg)
+    h, inner = 64, 96
+    calls: list = []
+
+    def recorder(name):
+        def launch(*args):
+            calls.append((name, args))
+        return launch
+
+    monkeypatch.setattr(layer_norm, "forward_launcher",
+                        lambda t, hidden, delta, *a: recorder("ln_res" if delta else "ln"))
+    monkeypatch.setattr(small_gemm, "launcher", lambda *a: recorder("wi_glu"))
+    monkeypatch.setattr(triton_short, "launcher", lambda *a: recorder("attention"))
+    monkeypatch.setattr(rope_kernel, "forward_launcher", lambda *a: recorder("rope"))
+    monkeypatch.setattr(cublaslt, "linear",
+                        lambda t, n_out, k, dtype, device: types.SimpleNamespace(call=recorder(f"lt{n_out}x{k}")))
+    served = iter([True, False])  # the two FlashAttention-4 layers: served directly, then not
+
+    def fa4_forward(q, k, v, cu, max_seqlen, *, window, scale, out):
+        calls.append(("fa4", (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), out.shape, out.stride())))
+        return (out, None) if next(served) else None
+
+    returned = []
+
+    def own_attention(q, k, v, cu, max_seqlen, *, window, scale):
+        calls.append(("own", (q.data_ptr(), k.data_ptr(), v.data_ptr())))
+        returned.append(_aligned(torch.zeros(q.shape, dtype=q.dtype)).data)  # (aligned: the cuBLASLt route)
+        return returned[-1]
+
+    monkeypatch.setattr(pointers.fa4_direct, "forward", fa4_forward)
+    lengths = (10, 27)
+    t = sum(lengths)
+    batch = types.SimpleNamespace(input_ids=torch.randint(3, 100, (t,)), total_tokens=t, num_seqs=2,
+                                  cu_seqlens=torch.tensor([0, 10, t], dtype=torch.int32), max_seqlen=27,
+                                  device=torch.device("cpu"))
+    table = {g: (torch.zeros(t, 8), torch.zeros(t, 8), torch.arange(t, dtype=torch.int32)) for g in (True, False)}
+    backends = iter(["varlen", "fa4", "fa4"])  # the global layers 0, 3, 6
+    layers = []
+    for g in params.layer_is_global:
+        backend = next(backends) if g else "triton"
+        layers.append(types.SimpleNamespace(backend=backend, window=None if g else 64, attention=own_attention))
+    plan = types.SimpleNamespace(layers=tuple(layers), linear_route="F.linear", glu="small_gemm")
+    widths = pointers._widths(h, inner, False)
+    nbytes, offsets, lt_at = pointers._layout(t, widths, 2, True)
+    ws, base = workspace.empty(nbytes, torch.device("cpu"))
+    at = tuple(base + a for a in offsets)
+    out = pointers._enqueue(model, params, batch, plan, lambda *a: table, ws, at, widths, torch.bfloat16, 0, 0,
+                            base + lt_at)
+    assert out is not None and out.shape == (t, h)
+    qkv, att = at[2], at[3]
+    globals_ = [i for i, g in enumerate(params.layer_is_global) if g]
+    assert [layers[i].backend for i in globals_] == ["varlen", "fa4", "fa4"]
+    flash = [(name, args) for name, args in calls if name in ("fa4", "own")]
+    # layer 0 (varlen): its own function; layer 3 (fa4): served into the attention buffer; layer 6 (fa4, not
+    # served): the backend's own function
+    assert [name for name, _ in flash] == ["own", "fa4", "fa4", "own"]
+    for name, args in flash:
+        assert args[:3] == (qkv, qkv + h * 2, qkv + 2 * h * 2)  # q, k, v: views of the rotated qkv buffer
+    assert flash[1][1][3:] == (att, (t, 4, 16), (h, 16, 1))
+    # the Wo projection reads what the attention wrote; one RoPE launch per global layer
+    wo = [args[1] for name, args in calls if name == f"lt{h}x{h}"]
+    assert [wo[i] for i in globals_] == [returned[0].data_ptr(), att, returned[1].data_ptr()]
+    assert [name for name, _ in calls].count("rope") == len(globals_)

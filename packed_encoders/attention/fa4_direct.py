@@ -150,26 +150,27 @@ def kernels(q: torch.Tensor, window: int | None, scale: float, max_seqlen: int, 
     return found if isinstance(found, _Kernels) else None
 
 
+def _size_status(num_seqs: int, max_seqlen: int) -> str | None:
+    if span_of(max_seqlen) is None:
+        return f"max_seqlen {max_seqlen} is past the last recorded span ({SPANS[-1]})"
+    if num_seqs > MAX_BATCH:
+        return f"more than {MAX_BATCH} sequences"
+    return None
+
+
 def workload_status(num_seqs: int, max_seqlen: int) -> str | None:
     """Why calls of this size take the public entry point, from what is known before any call (the release,
     ``max_seqlen``'s span, the batch size), or ``None``: how the attention policy weighs FlashAttention-4's host
     cost for eager calls (``dispatch.resolve``)."""
-    why = version_status()
-    if why is None and span_of(int(max_seqlen)) is None:
-        why = f"max_seqlen {max_seqlen} is past the last recorded span ({SPANS[-1]})"
-    if why is None and num_seqs > MAX_BATCH:
-        why = f"more than {MAX_BATCH} sequences"
-    return why
+    return version_status() or _size_status(num_seqs, max_seqlen)
 
 
 def class_status(q: torch.Tensor, window: int | None, scale: float, max_seqlen: int, batch: int) -> str | None:
     """Why calls like these take the public entry point (``None``: they are served directly, or not met yet)."""
-    span = span_of(int(max_seqlen))
-    if span is None:
-        return f"max_seqlen {max_seqlen} is past the last recorded span ({SPANS[-1]})"
-    if batch > MAX_BATCH:
-        return f"more than {MAX_BATCH} sequences"
-    found = _classes.get(_key(q, window, scale, span))
+    why = _size_status(batch, max_seqlen)
+    if why is not None:
+        return why
+    found = _classes.get(_key(q, window, scale, span_of(max_seqlen)))
     return found if isinstance(found, str) else None
 
 
@@ -193,8 +194,8 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, *, window: in
     got = kernels(q, window, scale, max_seqlen, cu_seqlens.shape[0] - 1, True)
     if got is None or got.backward is None:
         raise RuntimeError("FlashAttention-4 direct backward of a call whose forward was not served directly")
-    if not aligned(dout):
-        dout = dout.contiguous()
+    if not aligned(dout):  # (a contiguous but misaligned one too)
+        dout = dout.clone(memory_format=torch.contiguous_format)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     got.run_backward(dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv)
     return dq, dk, dv

@@ -234,7 +234,7 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype
     x, normed, qkv, att, delta, gated = offsets[:6]
     pre = offsets[6] if len(offsets) > 6 else None
     steps = plan.layers
-    varlen = any(step.backend in _FLASH for step in steps)
+    flash = any(step.backend in _FLASH for step in steps)
     cublas = plan.linear_route == "F.linear"
 
     # what every norm and projection must look like for the launchers below (checked again on each module)
@@ -273,7 +273,7 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype
     if (glu or wi_glu) is None:
         return None
 
-    if cublas or varlen:
+    if cublas or flash:
         typed = ws.view(dtype)
         base = ws.data_ptr()
 
@@ -283,7 +283,7 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype
             strides = (cols, 1) if len(shape) == 2 else (cols, shape[2] * shape[3], shape[3], 1)
             return typed.as_strided(shape, strides, (at - base) // dtype.itemsize)
 
-    if varlen:  # the views FlashAttention reads, rotated in place by the RoPE kernel; FlashAttention-4's output
+    if flash:  # the views FlashAttention reads, rotated in place by the RoPE kernel; FlashAttention-4's output
         q, k, v = view(qkv, total, 3, heads, head_dim).unbind(1)
         att_view = typed.as_strided((total, heads, head_dim), (hidden, head_dim, 1), (att - base) // dtype.itemsize)
     if cublas:
