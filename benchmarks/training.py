@@ -60,7 +60,7 @@ the loss of every step. Then ``--profile-steps`` more steps under ``torch.profil
 * ``host_timer_ms_median``: the same span measured without the profiler, over the timed steps (host timers,
   median): no profiler overhead, but any wait on the GPU inside the step counts (e.g. a padded call's length
   read, which waits for the work queued before it).
-* ``top_device_ms_per_step`` (in ``profile``): the 15 kernels with the most device time, ms and calls per step.
+* ``top_device_ms_per_step`` (in ``profile``): the 40 kernels with the most device time, ms and calls per step.
 
     python -m benchmarks.training --workloads single --config modernbert-base      # one workload, all variants
     python -m benchmarks.training --quick                                           # 12 steps, a few minutes
@@ -424,7 +424,7 @@ def _profile_summary(prof, host_s: list[float], cuda: bool) -> dict:
             "top_device_ms_per_step": _top_device(device_events, n) if cuda else None}
 
 
-def _top_device(device_events, n: int, top: int = 15) -> list[dict]:
+def _top_device(device_events, n: int, top: int = 40) -> list[dict]:
     """The ``top`` kernels (memcpys, memsets) by device time: ``{name (first 120 characters), ms, calls}`` per
     step, where the GPU time of a step goes."""
     totals: dict[str, list] = {}
