@@ -1,6 +1,7 @@
 """FlashAttention backends: torch's ``varlen_attn`` (FlashAttention-2 inside torch >= 2.10) and
-FlashAttention-4 (``flash_attn.cute.flash_attn_varlen_func``). Both prune key tiles outside
-``window_size=(w, w)`` on local layers; both have a backward.
+FlashAttention-4 (its compiled kernels through :mod:`.fa4_direct` where that serves a call, else
+``flash_attn.cute.flash_attn_varlen_func``). Both prune key tiles outside ``window_size=(w, w)`` on local layers;
+both have a backward.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ forward then calls the chosen implementations directly:
 - ``kernels``: with gradients, one ``autograd.Function`` per layer block (:mod:`.blocks`) instead of one per op;
   ``stack``: one for every layer of the encoder (:mod:`.stack`), where the call allows it.
 - ``pointers``: every op is one :mod:`.pointers` can launch (Triton kernels on raw pointers, cuBLAS and
-  FlashAttention-2 on views), so the forward may run a call of at most :attr:`Rules.pointer_max_tokens` tokens over
+  FlashAttention-2 / -4 on views), so the forward may run a call of at most :attr:`Rules.pointer_max_tokens` tokens over
   one workspace (no per-op allocation, shape reads or launch keys).
 
 Route choices count host time: quack's CuteDSL GEMMs cost ~10-20 us more host time per launch than cuBLAS, so an
