@@ -363,6 +363,9 @@ def test_cache_paths(monkeypatch, tmp_path):
     path = dispatch.user_policy_path("NVIDIA H200", (9, 0))
     assert path == tmp_path / "policies" / "nvidia-h200-sm90.json"
     assert dispatch.load_policy("cpu") is DEFAULT_POLICY
+    # a policy file named for a CPU model is not read, and the policy's name (describe()) says so
+    named = dispatch.load_policy("cpu", policy_file=str(tmp_path / "missing.json"))
+    assert named.tables == DEFAULT_POLICY.tables and "missing.json not read" in named.name
 
 
 @pytest.fixture

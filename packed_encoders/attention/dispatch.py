@@ -16,7 +16,7 @@ import json
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -298,11 +298,12 @@ def load_policy(device: torch.device | str | None = None, *, policy_file: str | 
     not per batch.
     """
     device = torch.device(device) if device is not None else None
-    if device is None:
-        if not torch.cuda.is_available():
-            return DEFAULT_POLICY
+    if device is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    if device.type != "cuda":
+    if device is None or device.type != "cuda":
+        if policy_file:  # (describe() shows the policy's name: the file named is not silently dropped)
+            return replace(DEFAULT_POLICY, name=f"{DEFAULT_POLICY.name}; {POLICY_ENV}={policy_file} not read: "
+                                                f"the policies serve CUDA devices")
         return DEFAULT_POLICY
     name, cap = torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device))
     explicit = policy_file or None
