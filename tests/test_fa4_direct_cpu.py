@@ -144,6 +144,8 @@ def test_eager_calls_put_fa4_after_fa2_where_its_direct_calls_do_not_serve(monke
     monkeypatch.setattr(fa4_direct, "workload_status", lambda num_seqs, max_seqlen: "another release")
     assert dispatch.resolve("auto", _workload(False), policy).backend == "varlen"
     assert dispatch.resolve("auto", _workload(True), policy).backend == "fa4"  # a graph replays without host cost
+    big = _workload(False, num_seqs=64, max_seqlen=dispatch.FA4_PUBLIC_MIN_TOKENS // 32)
+    assert dispatch.resolve("auto", big, policy).backend == "fa4"  # GPU-bound: the planning is paid back
 
 
 def test_workload_status_names_batches_and_lengths_it_does_not_serve(monkeypatch):
