@@ -319,8 +319,10 @@ def _record(q: torch.Tensor, window: int | None, scale: float, span: tuple[int, 
     major, minor = torch.cuda.get_device_capability(q.device)
     if major != 9:
         return f"sm_{major}{minor}: the direct calls were checked on sm_90 only"
-    cfg = interface._tile_size_bwd_sm90(q.shape[2], q.shape[2], False, window is not None)
-    geometry = (cfg.m_block_size, -(-q.shape[2] // (64 if cfg.dKV_swapAB else 32)) * (64 if cfg.dKV_swapAB else 32))
+    head_dim = q.shape[2]
+    cfg = interface._tile_size_bwd_sm90(head_dim, head_dim, False, window is not None)
+    multiple = 64 if cfg.dKV_swapAB else 32  # the interface's hdim_multiple_of on sm_90
+    geometry = (cfg.m_block_size, -(-head_dim // multiple) * multiple)
     with torch.cuda.device(q.device), torch.no_grad():
         ends = [_record_one(q, length, window, scale, backward, geometry) for length in span]
     (fwd, bwd), (fwd2, bwd2) = ends
@@ -341,5 +343,4 @@ def _eq(a: tuple, b: tuple) -> bool:
 
 
 __all__ = ["MAX_BATCH", "SPANS", "VERIFIED", "aligned", "backward", "class_status", "forward", "kernels", "span_of",
-           "version_status",
-           "workload_status"]
+           "version_status", "workload_status"]
