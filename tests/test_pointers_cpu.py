@@ -29,14 +29,12 @@ def _linear(n_in: int, n_out: int) -> nn.Linear:
     return lin
 
 
-def test_pointer_run_launches_read_each_layers_live_weights(monkeypatch):
+def _model(layers: int):
+    """A bf16 ModernBERT of ``layers`` layers (hidden 64, inner 96, 4 heads) whose projections are bias-free and
+    256-byte aligned, and its params."""
     from transformers import ModernBertConfig, ModernBertModel
 
-    from packed_encoders.attention import triton_short
-    from packed_encoders.ops import cublaslt
-    from packed_encoders.ops.triton import layer_norm, small_gemm
-
-    cfg = ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    cfg = ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
                            vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
                            sep_token_id=2)
     model = ModernBertModel(cfg).to(torch.bfloat16).eval()
@@ -44,9 +42,16 @@ def test_pointer_run_launches_read_each_layers_live_weights(monkeypatch):
         for parent, name in ((layer.attn, "Wqkv"), (layer.attn, "Wo"), (layer.mlp, "Wi"), (layer.mlp, "Wo")):
             old = getattr(parent, name)
             setattr(parent, name, _linear(old.in_features, old.out_features))
-    params = ModernBertParams.from_hf_config(cfg)
-    h, inner, n = 64, 96, params.num_hidden_layers
-    calls: list = []
+    return model, ModernBertParams.from_hf_config(cfg)
+
+
+def _record_launches(monkeypatch, calls: list) -> None:
+    """Every launcher the run resolves (LayerNorms, ``Wi`` + GLU, Triton attention, RoPE, cuBLASLt) replaced by
+    one that appends ``(name, args)`` to ``calls``, its arguments all integers or floats."""
+    from packed_encoders.attention import triton_short
+    from packed_encoders.ops import cublaslt
+    from packed_encoders.ops.triton import layer_norm, small_gemm
+    from packed_encoders.ops.triton import rope as rope_kernel
 
     def recorder(name):
         def launch(*args):
@@ -58,14 +63,28 @@ def test_pointer_run_launches_read_each_layers_live_weights(monkeypatch):
                         lambda t, hidden, delta, *a: recorder("ln_res" if delta else "ln"))
     monkeypatch.setattr(small_gemm, "launcher", lambda *a: recorder("wi_glu"))
     monkeypatch.setattr(triton_short, "launcher", lambda *a: recorder("attention"))
+    monkeypatch.setattr(rope_kernel, "forward_launcher", lambda *a: recorder("rope"))
     monkeypatch.setattr(cublaslt, "linear",
                         lambda t, n_out, k, dtype, device: types.SimpleNamespace(call=recorder(f"lt{n_out}x{k}")))
-    lengths = (10, 27)
+
+
+def _batch_and_tables(lengths=(10, 27)):
+    """A CPU stand-in for a packed batch of ``lengths`` and its RoPE tables (both layer kinds)."""
     t = sum(lengths)
-    batch = types.SimpleNamespace(input_ids=torch.randint(3, 100, (t,)), total_tokens=t, num_seqs=2,
-                                  cu_seqlens=torch.tensor([0, 10, t], dtype=torch.int32), max_seqlen=27,
-                                  device=torch.device("cpu"))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    batch = types.SimpleNamespace(input_ids=torch.randint(3, 100, (t,)), total_tokens=t, num_seqs=len(lengths),
+                                  cu_seqlens=cu, max_seqlen=max(lengths), device=torch.device("cpu"))
     table = {g: (torch.zeros(t, 8), torch.zeros(t, 8), torch.arange(t, dtype=torch.int32)) for g in (True, False)}
+    return batch, table
+
+
+def test_pointer_run_launches_read_each_layers_live_weights(monkeypatch):
+    model, params = _model(4)
+    h, inner, n = 64, 96, params.num_hidden_layers
+    calls: list = []
+    _record_launches(monkeypatch, calls)
+    batch, table = _batch_and_tables()
+    t = batch.total_tokens
     plan = types.SimpleNamespace(layers=tuple(types.SimpleNamespace(backend="triton", window=None if g else 64)
                                               for g in params.layer_is_global),
                                  linear_route="F.linear", glu="small_gemm")
@@ -104,37 +123,10 @@ def test_pointer_run_launches_read_each_layers_live_weights(monkeypatch):
 def test_flash_attention_layers_read_the_rotated_qkv_and_write_the_attention_buffer(monkeypatch):
     """Global layers on FlashAttention-4 (``fa4_direct`` writing into the workspace's attention buffer; where it does
     not serve, the backend's own function and its output tensor) and FlashAttention-2, after the in-place RoPE."""
-    from transformers import ModernBertConfig, ModernBertModel
-
-    from packed_encoders.attention import triton_short
-    from packed_encoders.ops import cublaslt
-    from packed_encoders.ops.triton import layer_norm, small_gemm
-    from packed_encoders.ops.triton import rope as rope_kernel
-
-    cfg = ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=9, num_attention_heads=4,
-                           vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
-                           sep_token_id=2)
-    model = ModernBertModel(cfg).to(torch.bfloat16).eval()
-    for layer in model.layers:
-        for parent, name in ((layer.attn, "Wqkv"), (layer.attn, "Wo"), (layer.mlp, "Wi"), (layer.mlp, "Wo")):
-            old = getattr(parent, name)
-            setattr(parent, name, _linear(old.in_features, old.out_features))
-    params = ModernBertParams.from_hf_config(cfg)
+    model, params = _model(9)
     h, inner = 64, 96
     calls: list = []
-
-    def recorder(name):
-        def launch(*args):
-            calls.append((name, args))
-        return launch
-
-    monkeypatch.setattr(layer_norm, "forward_launcher",
-                        lambda t, hidden, delta, *a: recorder("ln_res" if delta else "ln"))
-    monkeypatch.setattr(small_gemm, "launcher", lambda *a: recorder("wi_glu"))
-    monkeypatch.setattr(triton_short, "launcher", lambda *a: recorder("attention"))
-    monkeypatch.setattr(rope_kernel, "forward_launcher", lambda *a: recorder("rope"))
-    monkeypatch.setattr(cublaslt, "linear",
-                        lambda t, n_out, k, dtype, device: types.SimpleNamespace(call=recorder(f"lt{n_out}x{k}")))
+    _record_launches(monkeypatch, calls)
     served = iter([True, False])  # the two FlashAttention-4 layers: served directly, then not
 
     def fa4_forward(q, k, v, cu, max_seqlen, *, window, scale, out):
@@ -149,12 +141,8 @@ def test_flash_attention_layers_read_the_rotated_qkv_and_write_the_attention_buf
         return returned[-1]
 
     monkeypatch.setattr(pointers.fa4_direct, "forward", fa4_forward)
-    lengths = (10, 27)
-    t = sum(lengths)
-    batch = types.SimpleNamespace(input_ids=torch.randint(3, 100, (t,)), total_tokens=t, num_seqs=2,
-                                  cu_seqlens=torch.tensor([0, 10, t], dtype=torch.int32), max_seqlen=27,
-                                  device=torch.device("cpu"))
-    table = {g: (torch.zeros(t, 8), torch.zeros(t, 8), torch.arange(t, dtype=torch.int32)) for g in (True, False)}
+    batch, table = _batch_and_tables()
+    t = batch.total_tokens
     backends = iter(["varlen", "fa4", "fa4"])  # the global layers 0, 3, 6
     layers = []
     for g in params.layer_is_global:
