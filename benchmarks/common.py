@@ -378,14 +378,16 @@ def read_rows(paths) -> list[dict]:
 
 
 def run_child(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, float]:
-    """Run ``python -m <argv>`` from the repository root; returns ``(returncode, output tail, seconds)``."""
+    """Run ``python -m <argv>`` from the repository root; returns ``(returncode, output, seconds)``: the child's
+    whole stdout (where children print their result lines) followed by the last 4,000 characters of its stderr
+    (compilers' warnings there can be long enough to push a result line out of a shared tail)."""
     t0 = time.perf_counter()
     try:
         p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True,
                            timeout=timeout, env={**os.environ, **(env or {})})
-        out, rc = (p.stdout + p.stderr), p.returncode
+        out, rc = p.stdout + "\n" + p.stderr[-4000:], p.returncode
     except subprocess.TimeoutExpired as exc:
         out = ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or ""))
         out += f"\n[timeout after {timeout:.0f} s]"
         rc = 124
-    return rc, out[-4000:], time.perf_counter() - t0
+    return rc, out, time.perf_counter() - t0
