@@ -101,3 +101,29 @@ def test_token_head_labels_at_padding_get_the_stock_loss(head, side):
     assert twin._forward_pre_hooks and twin._forward_hooks
     pe.unpack(twin)
     assert not twin._forward_pre_hooks and not twin._forward_hooks
+
+
+@pytest.mark.parametrize("head", ["ModernBertForTokenClassification", "ModernBertForMaskedLM"])
+def test_labels_in_a_row_without_real_tokens_or_flattened_get_the_stock_loss(head):
+    """Two label layouts HF's heads accept: labels counted in a row that is all padding (stock's output there attends
+    over the padding: the call runs the stock forward, counted), and labels of ``B * S`` entries in another shape
+    (``[B * S]``, ``[B, S, 1]``: HF flattens them, so they reach padded positions as ``[B, S]`` ones do)."""
+    import copy
+
+    cls = getattr(transformers, head)
+    stock = make_model("base_like", cls=cls, num_labels=4).eval()
+    packed = copy.deepcopy(stock)
+    pe.pack(packed)
+    ids, mask = padded_batch([5, 12, 9])
+    g = torch.Generator().manual_seed(5)
+    labels = ids.clone() if head.endswith("MaskedLM") else torch.randint(0, 4, ids.shape, generator=g)
+    empty_ids, empty_mask = ids.clone(), mask.clone()
+    empty_mask[1] = 0  # the second row: padding only
+    for i, m, lab in ((empty_ids, empty_mask, labels), (ids, mask, labels.flatten()), (ids, mask, labels[..., None])):
+        before = sum((pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}).values())
+        with torch.no_grad():
+            got = packed(input_ids=i, attention_mask=m, labels=lab).loss
+            ref = stock(input_ids=i, attention_mask=m, labels=lab).loss
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        after = sum((pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}).values())
+        assert after == before + (m is empty_mask)  # (trailing padding elsewhere: the packed path computes it)

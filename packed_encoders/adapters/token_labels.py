@@ -9,7 +9,8 @@ positions, and there stock's encoder output (attention of the padded query over 
 passing ``labels`` and ``attention_mask`` (keywords, as HF's ``Trainer`` passes them) is checked, with one
 device-to-host read: when no label at a padded position counts, nothing changes; when the counted ones all sit
 after their row's last real token, the encoder call computes those trailing positions as stock does (the path of
-``padded_outputs="all"``); otherwise (padding before real tokens) the encoder call runs the stock forward, counted in
+``padded_outputs="all"``); otherwise (padding before real tokens, or a row without real tokens, where stock attends
+over the padding) the encoder call runs the stock forward, counted in
 ``describe()["encoders"][i]["stock_forward_calls"]``. The request is handed to the encoder call the head makes next
 on this thread (:func:`take_request`) and cleared when the head returns.
 
@@ -32,6 +33,8 @@ HEAD_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")
 SPAN_SUFFIX = "ForQuestionAnswering"
 STOCK_REASON = ("labels at padded positions before a row's last real token (the loss reads the encoder's output "
                 "there, which the packed path leaves at zero)")
+EMPTY_ROW_REASON = ("labels at positions of a row without real tokens (stock's encoder output there attends over "
+                    "the row's padding, which the packed path does not compute)")
 SPAN_STOCK_REASON = ("a question-answering loss (start_positions / end_positions) with padding before a row's last "
                      "real token: its softmax reads the encoder's output at every position, and the packed path "
                      "computes only trailing padded positions as stock does")
@@ -46,18 +49,24 @@ def _after_last(real: torch.Tensor) -> torch.Tensor:
 
 def request_for(labels, attention_mask) -> str | None:
     """``None`` (no label at a padded position counts), :data:`TRAILING` (all of them after their row's last real
-    token) or :data:`STOCK_REASON` (the call must run the stock forward), for ``labels`` and ``attention_mask`` of
-    one shape ``[B, S]``; anything else ``None``."""
+    token) or why the call must run the stock forward (:data:`STOCK_REASON`; :data:`EMPTY_ROW_REASON`: a counted
+    label in a row without real tokens), for ``attention_mask`` ``[B, S]`` and ``labels`` of ``B * S`` entries
+    (HF's heads flatten them: ``[B, S]``, ``[B * S]`` and ``[B, S, 1]`` count alike); anything else ``None``."""
     if not (isinstance(labels, torch.Tensor) and isinstance(attention_mask, torch.Tensor)):
         return None
-    if labels.dim() != 2 or labels.shape != attention_mask.shape or labels.device != attention_mask.device:
+    if attention_mask.dim() != 2 or labels.numel() != attention_mask.numel() or labels.device != attention_mask.device:
         return None
+    labels = labels.reshape(attention_mask.shape)
     real = attention_mask != 0
     counted = ~real & (labels != IGNORE_INDEX)
     after_last = _after_last(real)
-    any_counted, inner = torch.stack((counted.any(), (counted & ~after_last).any())).tolist()
+    empty = ~real.any(1, keepdim=True)
+    any_counted, inner, in_empty = torch.stack((counted.any(), (counted & ~after_last).any(),
+                                                (counted & empty).any())).tolist()
     if not any_counted:
         return None
+    if in_empty:
+        return EMPTY_ROW_REASON
     return STOCK_REASON if inner else TRAILING
 
 
@@ -90,7 +99,7 @@ def _post_hook(module, args, kwargs, output):
 def take_request() -> str | None:
     """The request of the head now calling the encoder on this thread (cleared: one encoder call takes it):
     ``None``, :data:`TRAILING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
-    :data:`SPAN_STOCK_REASON`)."""
+    :data:`EMPTY_ROW_REASON`, :data:`SPAN_STOCK_REASON`)."""
     what = getattr(_REQUEST, "what", None)
     _REQUEST.what = None
     return what
