@@ -15,6 +15,7 @@ Imports nothing from the package but the switch parsing rule, so every layer may
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import asdict, dataclass
 
 from .errors import PackedEncodersError
@@ -33,6 +34,10 @@ LEAN_ENV = "PACKED_ENCODERS_LEAN"                  # =0: the per-op checked path
 POLICY_ENV = "PACKED_ENCODERS_POLICY"                # an attention policy file, instead of the matched one
 CACHE_ENV = "PACKED_ENCODERS_CACHE"                  # where calibrated policies live
 GRAPH_MEMORY_ENV = "PACKED_ENCODERS_GRAPH_MEMORY"    # fraction of free GPU memory the graphs may hold
+
+SWITCHES = (GRAPH_ENV, PRESTAGE_ENV, FUSED_UNPAD_ENV, QUACK_GEMM_ENV, QUACK_ROPE_ENV, FAST_LAUNCH_ENV, FUSED_ROPE_ENV,
+            FUSED_GLU_ENV, LEAN_ENV)
+KNOWN = (*SWITCHES, POLICY_ENV, CACHE_ENV, GRAPH_MEMORY_ENV)
 
 DEFAULT_GRAPH_MEMORY_FRACTION = 0.1
 
@@ -100,32 +105,54 @@ def _fraction(value: str | None) -> float:
     return fraction
 
 
+def _policy_file(value: str | None) -> str | None:
+    if not value:
+        return None
+    if not os.path.isfile(value):
+        raise PackedEncodersError(f"{POLICY_ENV}={value!r}: no such file (an attention policy written by "
+                                  "python -m packed_encoders.calibrate)")
+    return value
+
+
 def read_tuning(device=None) -> Tuning:
-    """Read every switch now; with a CUDA ``device``, measure its free memory (one ``cudaMemGetInfo``).
+    """Read every switch now; with a CUDA ``device``, measure its free memory (one ``cudaMemGetInfo``). A
+    ``PACKED_ENCODERS_*`` variable that names none of the switches (a misspelling) is warned about.
 
     Raises:
-        PackedEncodersError: ``PACKED_ENCODERS_GRAPH_MEMORY`` is not a fraction in (0, 1].
+        PackedEncodersError: a switch set to something other than an off or on value (``switches``),
+            ``PACKED_ENCODERS_GRAPH_MEMORY`` not a fraction in (0, 1], ``PACKED_ENCODERS_POLICY`` not a file.
     """
+    try:
+        switches = {name: not switched_off(name) for name in SWITCHES}
+    except ValueError as exc:
+        raise PackedEncodersError(str(exc)) from None
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX)))
+    unknown = [k for k, _ in env if k not in KNOWN]
+    if unknown:
+        warnings.warn(f"packed_encoders: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not among its "
+                      f"environment variables ({', '.join(KNOWN)}): ignored", UserWarning, stacklevel=3)
+    policy_file = _policy_file(os.environ.get(POLICY_ENV))
+    fraction = _fraction(os.environ.get(GRAPH_MEMORY_ENV))
     free = None
     if device is not None and getattr(device, "type", None) == "cuda":
         import torch
 
         free = int(torch.cuda.mem_get_info(device)[0])
     return Tuning(
-        graphs=not switched_off(GRAPH_ENV),
-        prestage=not switched_off(PRESTAGE_ENV),
-        fused_unpad=not switched_off(FUSED_UNPAD_ENV),
-        quack_gemm=not switched_off(QUACK_GEMM_ENV),
-        quack_rope=not switched_off(QUACK_ROPE_ENV),
-        triton_fast_launch=not switched_off(FAST_LAUNCH_ENV),
-        fused_rope=not switched_off(FUSED_ROPE_ENV),
-        fused_glu_gemm=not switched_off(FUSED_GLU_ENV),
-        lean=not switched_off(LEAN_ENV),
-        policy_file=os.environ.get(POLICY_ENV) or None,
+        graphs=switches[GRAPH_ENV],
+        prestage=switches[PRESTAGE_ENV],
+        fused_unpad=switches[FUSED_UNPAD_ENV],
+        quack_gemm=switches[QUACK_GEMM_ENV],
+        quack_rope=switches[QUACK_ROPE_ENV],
+        triton_fast_launch=switches[FAST_LAUNCH_ENV],
+        fused_rope=switches[FUSED_ROPE_ENV],
+        fused_glu_gemm=switches[FUSED_GLU_ENV],
+        lean=switches[LEAN_ENV],
+        policy_file=policy_file,
         cache_dir=os.environ.get(CACHE_ENV) or None,
-        graph_memory_fraction=_fraction(os.environ.get(GRAPH_MEMORY_ENV)),
+        graph_memory_fraction=fraction,
         free_memory_bytes=free,
-        env=tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX))),
+        env=env,
     )
 
 

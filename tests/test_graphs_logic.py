@@ -195,11 +195,30 @@ def test_admission_order_and_bounds():
 def test_kill_switch_values(monkeypatch):
     from packed_encoders.tuning import read_tuning
 
-    for value, off in (("0", True), ("false", True), (" OFF ", True), ("no", True), ("1", False), ("", False)):
+    for value, off in (("0", True), ("false", True), (" OFF ", True), ("no", True), ("1", False), ("", False),
+                       ("Yes", False), (" on", False), ("true", False)):
         monkeypatch.setenv("PACKED_ENCODERS_GRAPH", value)
         assert read_tuning().graphs is not off, value
+    for value in ("disable", "n", "00", "0.0", "none"):  # never taken for on or off: an error naming the switch
+        monkeypatch.setenv("PACKED_ENCODERS_GRAPH", value)
+        with pytest.raises(pe.PackedEncodersError, match=f"PACKED_ENCODERS_GRAPH={value!r}"):
+            read_tuning()
     monkeypatch.delenv("PACKED_ENCODERS_GRAPH")
     assert read_tuning().graphs is True
+
+
+def test_unknown_variables_and_a_missing_policy_file_are_not_ignored(monkeypatch, tmp_path):
+    from packed_encoders.tuning import read_tuning
+
+    monkeypatch.setenv("PACKED_ENCODERS_GRAPHS", "0")  # (the switch is PACKED_ENCODERS_GRAPH)
+    with pytest.warns(UserWarning, match="PACKED_ENCODERS_GRAPHS is not among"):
+        assert read_tuning().graphs is True
+    monkeypatch.delenv("PACKED_ENCODERS_GRAPHS")
+    monkeypatch.setenv("PACKED_ENCODERS_POLICY", str(tmp_path / "missing.json"))
+    with pytest.raises(pe.PackedEncodersError, match="PACKED_ENCODERS_POLICY=.*no such file"):
+        read_tuning()
+    (tmp_path / "missing.json").write_text("{}")
+    assert read_tuning().policy_file == str(tmp_path / "missing.json")
 
 
 # --------------------------------------------------------------------------------------------- LRU
