@@ -40,17 +40,24 @@ def _build_model(path: str | None, device: torch.device, dtype: torch.dtype):
     return model.to(device).eval(), source
 
 
-def _texts_to_ids(sample: dict, path: str | None, key: str) -> list[list[int]]:
-    items = sample[key]
-    if path:
-        try:
-            from transformers import AutoTokenizer
+def _tokenizer(path: str | None):
+    """The checkpoint's tokenizer, or ``None`` (no checkpoint, or none loadable there: the sample's own ids)."""
+    if not path:
+        return None
+    try:
+        from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(path)
-            limit = sample["max_tokens"][key]
-            return [tok(x["text"], truncation=True, max_length=limit)["input_ids"] for x in items]
-        except Exception as exc:  # a checkpoint without a tokenizer still runs on the sample's ids
-            print(f"(no tokenizer at {path}: {exc.__class__.__name__}; using the sample's OLMo token ids)")
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # a checkpoint without a tokenizer still runs on the sample's ids
+        print(f"(no tokenizer at {path}: {exc.__class__.__name__}; using the sample's OLMo token ids)")
+        return None
+
+
+def _texts_to_ids(sample: dict, tok, key: str) -> list[list[int]]:
+    items = sample[key]
+    if tok is not None:
+        limit = sample["max_tokens"][key]
+        return [tok(x["text"], truncation=True, max_length=limit)["input_ids"] for x in items]
     return [x["ids"] for x in items]
 
 
@@ -149,8 +156,9 @@ def main(argv=None) -> int:
         args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     repeats = args.repeats or (5 if device.type == "cuda" else 1)
     sample = load_sample()
-    queries = _texts_to_ids(sample, args.model, "queries")
-    documents = _texts_to_ids(sample, args.model, "documents")
+    tok = _tokenizer(args.model)
+    queries = _texts_to_ids(sample, tok, "queries")
+    documents = _texts_to_ids(sample, tok, "documents")
     on_gpu = device.type == "cuda"
     queries = queries[:args.queries or (len(queries) if on_gpu else 32)]
     n_docs = args.documents or (len(documents) if on_gpu else 4)
@@ -161,6 +169,14 @@ def main(argv=None) -> int:
         documents = [documents[int(i * step + step / 2)] for i in range(n_docs)]
 
     model, source = _build_model(args.model, device, dtype)
+    vocab = model.config.vocab_size
+    top = max(max(ids) for ids in (*queries, *documents) if ids)
+    if top >= vocab:
+        print(f"--model {args.model}: token id {top} is past its vocabulary ({vocab} entries)"
+              + ("" if tok is not None else ": without a tokenizer there the demo feeds the sample's OLMo token ids "
+                 "(ModernBERT's vocabulary); save the checkpoint's tokenizer beside it"),
+              file=sys.stderr)
+        return 2
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else PAD_ID
     print(f"model: {source} | {str(dtype).replace('torch.', '')} on {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))

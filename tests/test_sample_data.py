@@ -55,3 +55,17 @@ def test_demo_refuses_bad_options_by_name(argv, match, capsys):
     with pytest.raises(SystemExit) as exit_:
         demo.main(argv)
     assert exit_.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_demo_names_a_vocabulary_too_small_for_the_sample_ids(tmp_path, capsys):
+    from transformers import ModernBertConfig, ModernBertModel
+
+    from packed_encoders import demo
+
+    cfg = ModernBertConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                           sep_token_id=2)
+    ModernBertModel(cfg).save_pretrained(tmp_path)  # no tokenizer beside it: the sample's own ids
+    assert demo.main(["--model", str(tmp_path), "--device", "cpu", "--documents", "1", "--queries", "2"]) == 2
+    out = capsys.readouterr()
+    assert "past its vocabulary (1000 entries)" in out.err and out.out.count("no tokenizer") == 1
