@@ -61,22 +61,35 @@ def _dist():
     return None, 0, 1
 
 
-def scan_corpus(path: str) -> tuple[list[int], list[int], list]:
+def scan_corpus(path: str, vocab_size: int | None = None) -> tuple[list[int], list[int], list]:
     """``(offsets, lengths, ids)`` of every line of a JSONL corpus (byte offset, token count, item id).
 
     Raises:
-        PackedEncodersError: a line without ``id`` / ``input_ids``, an empty item, or a duplicate id.
+        PackedEncodersError: naming the file and line: a line that is not a JSON object, one without ``id`` /
+            ``input_ids``, an empty item, ``input_ids`` that are not integers or (``vocab_size`` given) outside
+            ``[0, vocab_size)``, or a duplicate id.
     """
     offsets, lengths, ids, seen = [], [], [], set()
     with open(path, "rb") as f:
         offset = 0
         for number, line in enumerate(f, 1):
             if line.strip():
-                item = json.loads(line)
-                if "id" not in item or "input_ids" not in item:
+                try:
+                    item = json.loads(line)
+                except ValueError as exc:  # (json.JSONDecodeError, UnicodeDecodeError)
+                    raise PackedEncodersError(f"{path}:{number}: not a JSON line ({exc})") from None
+                if not isinstance(item, dict) or "id" not in item or "input_ids" not in item:
                     raise PackedEncodersError(f"{path}:{number}: each line needs 'id' and 'input_ids'")
-                if not item["input_ids"]:
+                tokens = item["input_ids"]
+                if not tokens:
                     raise PackedEncodersError(f"{path}:{number}: item {item['id']!r} has no tokens")
+                if not isinstance(tokens, list) or not all(type(t) is int for t in (min(tokens), max(tokens))):
+                    raise PackedEncodersError(f"{path}:{number}: item {item['id']!r}: input_ids must be a list of "
+                                              "integers")
+                if min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size):
+                    bad = min(tokens) if min(tokens) < 0 else max(tokens)
+                    raise PackedEncodersError(f"{path}:{number}: item {item['id']!r}: token id {bad} is outside the "
+                                              f"model's vocabulary [0, {vocab_size})")
                 if item["id"] in seen:
                     raise PackedEncodersError(f"{path}:{number}: duplicate id {item['id']!r}")
                 seen.add(item["id"])
@@ -220,8 +233,19 @@ def model_fingerprint(model) -> dict:
             "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sum": f"{total:.9g}"}
 
 
-def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int, settings: dict) -> dict:
-    offsets, lengths, ids = scan_corpus(corpus)
+def _vocab_size(model) -> int | None:
+    """The vocabulary size of the (first) ModernBERT encoder inside ``model``, or ``None`` where there is none."""
+    from .adapters.locate import find_encoders
+
+    try:
+        return int(find_encoders(model)[0][1].config.vocab_size)
+    except Exception:  # noqa: BLE001 - no encoder found here: the forward's own check names the problem
+        return None
+
+
+def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int, settings: dict,
+                vocab_size: int | None) -> dict:
+    offsets, lengths, ids = scan_corpus(corpus, vocab_size)
     chunks = plan_chunks(lengths, chunk_tokens, world)
     st = os.stat(corpus)
     plan = {"corpus": os.path.abspath(corpus), "corpus_bytes": st.st_size, "corpus_mtime_ns": st.st_mtime_ns,
@@ -295,7 +319,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
                     "model": model_fingerprint(model)}
         try:
             plan = (_load_plan(out_dir, corpus, chunk_tokens, output, settings)
-                    or _write_plan(out_dir, corpus, chunk_tokens, output, world, settings))
+                    or _write_plan(out_dir, corpus, chunk_tokens, output, world, settings, _vocab_size(model)))
         except PackedEncodersError as exc:
             problem = [str(exc)]
     if dist is not None:

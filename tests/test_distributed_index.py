@@ -29,6 +29,25 @@ def test_plan_balances_tokens_not_items():
     assert [c.rank for c in chunks] == sorted(c.rank for c in chunks)  # contiguous runs
 
 
+def test_corpus_lines_that_cannot_be_encoded_are_named_by_file_and_line(tmp_path):
+    import packed_encoders as pe
+    from packed_encoders.index import scan_corpus
+
+    good = json.dumps({"id": "a", "input_ids": [1, 5, 2]})
+    cases = (('{"id": "b", "input_ids": [1, 2', "not a JSON line"), ('[1, 2]', "needs 'id' and 'input_ids'"),
+             (json.dumps({"id": "b", "input_ids": [1, 2.5]}), "'b': input_ids must be a list of integers"),
+             (json.dumps({"id": "b", "input_ids": [1, 99, 2]}), "'b': token id 99 is outside the model's vocabulary"),
+             (json.dumps({"id": "b", "input_ids": [-3, 2]}), "'b': token id -3 is outside"))
+    for line, message in cases:
+        path = tmp_path / "corpus.jsonl"
+        path.write_text(good + "\n" + line + "\n")
+        with pytest.raises(pe.PackedEncodersError) as info:
+            scan_corpus(str(path), vocab_size=50)
+        assert f"{path}:2: " in str(info.value) and message in str(info.value), str(info.value)
+    path.write_text(good + "\n" + json.dumps({"id": "b", "input_ids": [1, 99, 2]}) + "\n")
+    assert scan_corpus(str(path))[1] == [3, 3]  # no vocabulary given: any non-negative ids
+
+
 def test_token_batches_respect_the_budget():
     lengths = [5, 90, 33, 200, 7, 64, 64]
     batches = token_batches(lengths, 128)
