@@ -101,7 +101,7 @@ LR, INFONCE_SCALE, COLBERT_DIM = 1e-4, 20.0, 128
 class Workload:
     """``queries`` + ``docs`` texts per step (``docs_per_query`` documents each), pooled by ``pooling``;
     ``chunk``: GradCache chunk size (``None``: one forward per side with grad); ``max_doc_tokens`` / ``concat``:
-    documents are ``concat`` (lo, hi) cached documents joined and cut at ``max_doc_tokens``."""
+    documents are ``concat`` (lo, hi) cached documents joined, their last ``max_doc_tokens`` kept."""
 
     name: str
     queries: int
@@ -167,7 +167,9 @@ def step_texts(corpus, wl: Workload, steps: int, seed: int) -> list[tuple[list, 
     for c in counts:
         parts = [np.asarray(d_set[int(i)][1:-1], dtype=np.int64) for i in di[at:at + c]]
         at += c
-        body = np.concatenate(parts)[: wl.max_doc_tokens - 2]
+        # the end of a longer body: BoolQ 5-shot prompts open with the same few-shot examples (~800 tokens), so cut
+        # at their start the documents of a small max_doc_tokens would all be one text
+        body = np.concatenate(parts)[-(wl.max_doc_tokens - 2):]
         docs.append(np.concatenate([[cls_id], body, [sep_id]]).astype(np.int64))
     queries = [np.asarray(q_set[int(i)], dtype=np.int64) for i in qi]
     return [(queries[s * wl.queries:(s + 1) * wl.queries], docs[s * wl.docs:(s + 1) * wl.docs])
