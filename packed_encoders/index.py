@@ -14,7 +14,8 @@ Output in ``DIR``:
                                    pooling, dtype, pad id, a fingerprint of the model), chunk boundaries
     chunks/chunk-000012.pt         per chunk: ``{"ids": [...], "embeddings": [n, D]}`` (pooled) or
                                    ``{"ids": [...], "embeddings": [T, D], "cu_seqlens": int64 [n + 1]}`` (tokens)
-    chunks/chunk-000012.done       completion marker (written after the chunk file is in place)
+    chunks/chunk-000012.done       completion marker (written after the chunk file is in place, with its size: a
+                                   resumed run encodes a chunk whose file is missing or changed again)
     manifest.json                  written by rank 0 when every chunk is done: chunks, rows, tokens, dim, dtype
 Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
@@ -80,6 +81,8 @@ def scan_corpus(path: str, vocab_size: int | None = None) -> tuple[list[int], li
                     raise PackedEncodersError(f"{path}:{number}: not a JSON line ({exc})") from None
                 if not isinstance(item, dict) or "id" not in item or "input_ids" not in item:
                     raise PackedEncodersError(f"{path}:{number}: each line needs 'id' and 'input_ids'")
+                if type(item["id"]) not in (str, int):
+                    raise PackedEncodersError(f"{path}:{number}: the id {item['id']!r} is not a string or an integer")
                 tokens = item["input_ids"]
                 if not tokens:
                     raise PackedEncodersError(f"{path}:{number}: item {item['id']!r} has no tokens")
@@ -97,6 +100,8 @@ def scan_corpus(path: str, vocab_size: int | None = None) -> tuple[list[int], li
                 lengths.append(len(item["input_ids"]))
                 ids.append(item["id"])
             offset += len(line)
+    if not ids:
+        raise PackedEncodersError(f"{path}: no items (an index of nothing)")
     return offsets, lengths, ids
 
 
@@ -123,6 +128,18 @@ def plan_chunks(lengths: list[int], chunk_tokens: int, world: int) -> list[Chunk
 
 def _chunk_path(out_dir: str, index: int, suffix: str) -> str:
     return os.path.join(out_dir, "chunks", f"chunk-{index:06d}.{suffix}")
+
+
+def _chunk_done(out_dir: str, index: int) -> bool:
+    """Whether chunk ``index`` is finished: its completion marker is in place and its file has the size the marker
+    recorded (a file truncated, replaced or deleted since is encoded again)."""
+    try:
+        with open(_chunk_path(out_dir, index, "done")) as f:
+            marker = json.load(f)
+        size = os.path.getsize(_chunk_path(out_dir, index, "pt"))
+    except (OSError, ValueError):
+        return False
+    return marker.get("bytes", size) == size
 
 
 def _read_items(corpus: str, offsets: list[int], start: int, stop: int) -> list[list[int]]:
@@ -308,9 +325,15 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         The manifest (a dict) on rank 0, ``None`` on the others.
 
     Raises:
-        PackedEncodersError: a malformed corpus, or ``out_dir`` holding an index of another corpus or settings
+        PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, or
+            ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings
             (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`).
     """
+    for name, value in (("batch_tokens", batch_tokens), ("chunk_tokens", chunk_tokens)):
+        if type(value) is not int or value < 1:
+            raise PackedEncodersError(f"{name}={value!r}: expected a positive number of tokens")
+    if not os.path.isfile(corpus):
+        raise PackedEncodersError(f"{corpus}: no such corpus file (JSON lines of pre-tokenized items)")
     dist, rank, world = _dist()
     os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)
     problem = [None]
@@ -331,7 +354,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     lengths = plan["lengths"]
     # owners are dealt for this run's world size: a resumed run may use another number of ranks
     chunks = plan_chunks(lengths, chunk_tokens, world)
-    mine = [c for c in chunks if c.rank == rank and not os.path.exists(_chunk_path(out_dir, c.index, "done"))]
+    mine = [c for c in chunks if c.rank == rank and not _chunk_done(out_dir, c.index)]
     encoder = Encoder(model, output, pooling, pad_id)
     bar = None
     if progress and rank == 0:
@@ -346,13 +369,14 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         data["ids"] = plan["ids"][c.start:c.stop]
         tmp = _chunk_path(out_dir, c.index, f"pt.{rank}.tmp")
         torch.save(data, tmp)
+        size = os.path.getsize(tmp)
         os.replace(tmp, _chunk_path(out_dir, c.index, "pt"))
         seconds = time.perf_counter() - started
         # The marker too is renamed into place: a rank stopped mid-write (another rank's failure ends the whole
         # job) must not leave an empty marker that a resumed run takes for a finished chunk.
         marker = _chunk_path(out_dir, c.index, f"done.{rank}.tmp")
         with open(marker, "w") as f:
-            json.dump({"rows": c.stop - c.start, "tokens": c.tokens, "rank": rank, "world": world,
+            json.dump({"rows": c.stop - c.start, "tokens": c.tokens, "bytes": size, "rank": rank, "world": world,
                        "seconds": seconds}, f)
         os.replace(marker, _chunk_path(out_dir, c.index, "done"))
         if bar is not None:
@@ -369,10 +393,11 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 
 
 def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, out_dtype: torch.dtype) -> dict:
-    missing = [c.index for c in chunks if not os.path.exists(_chunk_path(out_dir, c.index, "done"))]
+    missing = [c.index for c in chunks if not _chunk_done(out_dir, c.index)]
     if missing:
-        raise PackedEncodersError(f"chunks {missing[:10]} have no completion marker; run the command again")
-    first = torch.load(_chunk_path(out_dir, chunks[0].index, "pt"), weights_only=True) if chunks else None
+        raise PackedEncodersError(f"chunks {missing[:10]} are not finished (no completion marker, or a chunk file "
+                                  "changed since); run the command again")
+    first = _load_chunk(out_dir, _chunk_path(out_dir, chunks[0].index, "pt")) if chunks else None
     manifest = {"corpus": plan["corpus"], "output": output, "items": plan["items"], "tokens": plan["tokens"],
                 "dim": None if first is None else int(first["embeddings"].shape[-1]),
                 "dtype": str(out_dtype).replace("torch.", ""),
@@ -385,12 +410,21 @@ def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, 
     return manifest
 
 
+def _load_chunk(out_dir: str, path: str) -> dict:
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a truncated, corrupted or deleted file: name it and the way out
+        raise PackedEncodersError(f"{path}: unreadable ({exc.__class__.__name__}); run the indexing command on "
+                                  f"{out_dir} again, which encodes a changed or missing chunk again") from None
+
+
 def load_index(out_dir: str) -> dict:
     """Read a finished index: ``{"ids": [...], "embeddings": tensor, "cu_seqlens": tensor (tokens output)}``, rows
     in corpus order.
 
     Raises:
-        PackedEncodersError: no manifest (the run did not finish), or ids missing / duplicated against the plan.
+        PackedEncodersError: no manifest (the run did not finish), a chunk file that cannot be read, or ids
+            missing / duplicated against the plan.
     """
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
@@ -401,7 +435,7 @@ def load_index(out_dir: str) -> dict:
         expected = json.load(f)["ids"]
     ids, embeddings, lens = [], [], []
     for entry in manifest["chunks"]:
-        data = torch.load(os.path.join(out_dir, entry["file"]), weights_only=True)
+        data = _load_chunk(out_dir, os.path.join(out_dir, entry["file"]))
         ids.extend(data["ids"])
         embeddings.append(data["embeddings"])
         if "cu_seqlens" in data:
@@ -444,6 +478,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dtype", choices=("bfloat16", "float16", "float32"), default="float32")
     ap.add_argument("--pad-id", type=int, default=None, help="padding id (default: the model config's)")
     args = ap.parse_args(argv)
+    for name in ("batch_tokens", "chunk_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1 (got {getattr(args, name)})")
+    if not os.path.isfile(args.corpus):
+        ap.error(f"--corpus {args.corpus}: no such file")
+    if not os.path.isdir(args.model):
+        ap.error(f"--model {args.model}: no such directory (a local checkpoint folder; nothing is downloaded)")
 
     import torch.distributed as dist
 

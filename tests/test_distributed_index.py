@@ -238,3 +238,46 @@ def test_encoder_reads_sentence_transformer_outputs(setup):
         torch.testing.assert_close(pooled[i], out["sentence_embedding"][0], atol=1e-5, rtol=1e-4)
         start = sum(map(len, items[:i]))
         torch.testing.assert_close(flat[start:start + len(item)], out["token_embeddings"][0], atol=1e-5, rtol=1e-4)
+
+
+def test_empty_corpus_bad_ids_and_sizes_are_refused(tmp_path):
+    import packed_encoders as pe
+    from packed_encoders.index import index_corpus, scan_corpus
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(pe.PackedEncodersError, match="no items"):
+        scan_corpus(str(empty))
+    for bad in ([1], None, True):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps({"id": bad, "input_ids": [5]}) + "\n")
+        with pytest.raises(pe.PackedEncodersError, match="bad.jsonl:1: the id .* is not a string or an integer"):
+            scan_corpus(str(path))
+    out = tmp_path / "out"
+    for kwargs in ({"batch_tokens": 0}, {"chunk_tokens": -5}):
+        with pytest.raises(pe.PackedEncodersError, match=next(iter(kwargs))):
+            index_corpus(torch.nn.Linear(1, 1), str(empty), str(out), **kwargs)
+    with pytest.raises(pe.PackedEncodersError, match="no such corpus file"):
+        index_corpus(torch.nn.Linear(1, 1), str(tmp_path / "missing.jsonl"), str(out))
+    assert not out.exists()  # refused before anything was made
+
+
+def test_a_damaged_chunk_is_encoded_again_on_resume(setup, tmp_path):
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    out = str(tmp_path / "out")
+    _single(model_dir, corpus, out, "pooled")
+    want = load_index(out)
+    chunk = os.path.join(out, "chunks", "chunk-000001.pt")
+    data = open(chunk, "rb").read()
+    with open(chunk, "wb") as f:
+        f.write(data[:100])  # truncated after the run finished
+    with pytest.raises(pe.PackedEncodersError, match="chunk-000001.pt: unreadable"):
+        load_index(out)
+    _single(model_dir, corpus, out, "pooled")  # the resume finds the changed file and encodes the chunk again
+    got = load_index(out)
+    assert got["ids"] == want["ids"] and torch.equal(got["embeddings"], want["embeddings"])
+    os.remove(chunk)
+    _single(model_dir, corpus, out, "pooled")
+    assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
