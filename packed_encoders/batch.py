@@ -281,8 +281,8 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
     ``arange`` within each sequence. ``max_seqlen`` is checked against ``cu_seqlens`` when given.
 
     Raises:
-        PackedEncodersError: inconsistent shapes, ``cu_seqlens`` not starting at 0 / not non-decreasing /
-            not ending at ``T``, a wrong ``max_seqlen``, ids outside the vocabulary, non-zero
+        PackedEncodersError: inconsistent shapes, ``cu_seqlens`` not a 1-D int32 / int64 tensor, not starting at
+            0 / not non-decreasing / not ending at ``T``, a wrong ``max_seqlen``, ids outside the vocabulary, non-zero
             ``token_type_ids``, negative positions.
     """
     if max_seqlen is not None and not is_int_like(max_seqlen):
@@ -314,7 +314,12 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
         host_cu = starts + [total] if total else [0, 0]
         cu = torch.tensor(host_cu, dtype=torch.int32, device=device)
     else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int32).reshape(-1)
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (
+                torch.int32, torch.int64):
+            what = (f"a {cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}"
+                    if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
+            raise PackedEncodersError(f"cu_seqlens must be a 1-D int32 or int64 tensor [N + 1]; got {what}")
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)
         if cu.numel() < 2:
             raise PackedEncodersError("cu_seqlens needs at least 2 entries ([0, T])")
         host = torch.cat([cu.long(), checks]).tolist()  # the one sync

@@ -72,6 +72,11 @@ def test_from_packed_checks():
         with pytest.raises(PackedEncodersError, match=match):
             from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=torch.tensor(cu), max_seqlen=mx,
                         position_ids=None, vocab_size=50)
+    for cu in (torch.tensor([0, 4.5, 10]), torch.tensor([[0, 4, 10]]), [0, 4, 10], torch.tensor([0, 4, 10],
+                                                                                             dtype=torch.int16)):
+        with pytest.raises(PackedEncodersError, match="cu_seqlens must be a 1-D int32 or int64 tensor"):
+            from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=6, position_ids=None,
+                        vocab_size=50)
     derived = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=None, max_seqlen=None,
                           position_ids=torch.tensor([0, 1, 2, 0, 1, 0, 1, 2, 3, 4]), vocab_size=50)
     assert derived.cu_seqlens.tolist() == [0, 3, 5, 10] and derived.max_seqlen == 5
