@@ -71,7 +71,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
 
     Raises:
         UnsupportedTargetError: no ModernBERT encoder inside ``target``, or a config the path cannot run.
-        PackedEncodersError: an unknown option value.
+        PackedEncodersError: an unknown option value, a named ``attention_backend`` that cannot run on the model's
+            device, or an environment switch that cannot be read (:mod:`packed_encoders.tuning`).
         ValidationError: the selected path disagrees with stock HF; the model is left as it was.
     """
     if not isinstance(validate, bool):
@@ -135,6 +136,9 @@ def unpack(target):
     """Restore the stock forward of every packed ModernBertModel inside ``target``; returns ``target``.
 
     Afterwards no instance attribute set by ``pack`` remains and ``type(model).forward`` runs again.
+
+    Raises:
+        UnsupportedTargetError: no ModernBERT encoder inside ``target``.
     """
     for _, model in find_encoders(target):
         restore(model)
@@ -143,7 +147,11 @@ def unpack(target):
 
 
 def is_packed(target) -> bool:
-    """True when every ModernBERT encoder inside ``target`` is packed."""
+    """True when every ModernBERT encoder inside ``target`` is packed.
+
+    Raises:
+        UnsupportedTargetError: no ModernBERT encoder inside ``target`` (nothing to be packed or not).
+    """
     return all(get_state(m) is not None for _, m in find_encoders(target))
 
 
@@ -159,6 +167,9 @@ def describe(target) -> dict:
     ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``, ``stack_pointers``,
     ``stack_pointers_off``, ``dropout``; see :func:`_plan_facts`), ``cuda_graph``, ``tuning`` (the switches read at
     ``pack()``), ``padded_outputs`` and ``validated``.
+
+    Raises:
+        UnsupportedTargetError: no ModernBERT encoder inside ``target``.
     """
     out = []
     for path, model in find_encoders(target):

@@ -77,12 +77,15 @@ def set_cuda_graph(model, enabled: bool, config: GraphConfig | None = None):
     (re-listing the parameters). ``enabled=False`` frees them.
 
     Raises:
-        PackedEncodersError: ``model`` has no packed encoder, or ``config`` given with ``enabled=False``.
+        PackedEncodersError: ``model`` has no packed encoder, ``enabled`` not a bool, ``config`` not a
+            :class:`GraphConfig`, or given with ``enabled=False``.
     """
     if not isinstance(enabled, bool):
         raise PackedEncodersError(f"set_cuda_graph(enabled={enabled!r}): expected a bool")
     if config is not None and not enabled:
         raise PackedEncodersError("set_cuda_graph(enabled=False) takes no config")
+    if config is not None and not isinstance(config, GraphConfig):
+        raise PackedEncodersError(f"set_cuda_graph(config={config!r}): expected a packed_encoders.GraphConfig")
     pairs = _packed_states(model)
     if not pairs:
         raise PackedEncodersError("set_cuda_graph: no packed ModernBERT encoder inside the model; call pe.pack first")

@@ -301,7 +301,18 @@ def validate(target, *, lengths=None, attention_backend: str | None = None, kern
             the module docstring).
         attention_backend, kernels: check these options instead of the packed ones (or the defaults).
         raise_on_failure: raise :class:`ValidationError` (with the numbers) instead of returning a failed report.
+
+    Returns:
+        A :class:`ValidationReport` (``passed``, ``summary()``, one report per encoder).
+
+    Raises:
+        UnsupportedTargetError: no ModernBERT encoder inside ``target``.
+        PackedEncodersError: ``lengths`` not a list of positive ints, or past ``max_position_embeddings``; an unknown
+            ``attention_backend`` / ``kernels``; ``raise_on_failure`` not a bool.
+        ValidationError: with ``raise_on_failure``, a failed check.
     """
+    if not isinstance(raise_on_failure, bool):
+        raise PackedEncodersError(f"raise_on_failure={raise_on_failure!r} must be True or False")
     reports = []
     for path, model, state in encoder_states(target, attention_backend=attention_backend, kernels=kernels):
         reports.append(check_encoder(model, state, path, lengths))

@@ -863,3 +863,11 @@ def test_a_weights_change_waits_for_the_last_replay_stream_before_freeing_buffer
     mgr.last_stream = Stream()  # a replay ran since
     mgr.outputs[("k",)] = torch.empty(4)
     assert mgr.check_fingerprint(("fp", 2)) and Stream.synced == 1 and mgr.outputs == {}
+
+
+def test_control_arguments_of_the_wrong_kind_are_refused():
+    model = pe.pack(tiny_model(), validate=False)
+    with pytest.raises(pe.PackedEncodersError, match="expected a packed_encoders.GraphConfig"):
+        pe.set_cuda_graph(model, True, True)
+    with pytest.raises(pe.PackedEncodersError, match="raise_on_failure='yes' must be True or False"):
+        pe.validate(model, raise_on_failure="yes")
