@@ -547,8 +547,14 @@ def main(argv: list[str] | None = None) -> int:
 
     out = args.out
     if args.from_sweep:
-        with open(args.from_sweep) as f:
-            data = json.load(f)
+        try:
+            with open(args.from_sweep) as f:
+                data = json.load(f)
+            if not isinstance(data, dict) or data.get("format") != SWEEP_FORMAT:
+                raise ValueError(f"not an attention sweep this module wrote (format {SWEEP_FORMAT!r})")
+        except (OSError, ValueError) as exc:
+            print(f"calibrate: --from-sweep {args.from_sweep}: {exc}", file=sys.stderr)
+            return 2
         base = None
     else:
         if not torch.cuda.is_available():

@@ -69,3 +69,13 @@ def test_demo_names_a_vocabulary_too_small_for_the_sample_ids(tmp_path, capsys):
     assert demo.main(["--model", str(tmp_path), "--device", "cpu", "--documents", "1", "--queries", "2"]) == 2
     out = capsys.readouterr()
     assert "past its vocabulary (1000 entries)" in out.err and out.out.count("no tokenizer") == 1
+
+
+def test_calibrate_from_a_file_that_is_no_sweep_exits_with_a_message(tmp_path, capsys):
+    from packed_encoders import calibrate
+
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "text.json").write_text("not json")
+    for name in ("missing.json", "list.json", "text.json"):
+        assert calibrate.main(["--from-sweep", str(tmp_path / name), "--out", str(tmp_path / "p.json")]) == 2
+        assert f"--from-sweep {tmp_path / name}: " in capsys.readouterr().err
