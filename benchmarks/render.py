@@ -450,8 +450,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     files = []
     for p in map(Path, args.inputs):
+        if not p.exists():
+            ap.error(f"{p}: no such file or folder")
         files += sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    if args.png_dir:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            ap.error("--png-dir needs matplotlib (pip install -e \".[bench]\")")
     rows = read_rows(files)
+    if not rows:
+        ap.error(f"no result rows in {', '.join(args.inputs)} (JSON lines the benchmark runners wrote)")
     if args.readme:
         path = Path(args.readme)
         path.write_text(replace_readme_block(path.read_text(encoding="utf-8"), readme_block(rows)), encoding="utf-8")

@@ -52,3 +52,16 @@ def test_readme_block_matches_the_committed_rows():
     start, end = readme.index(README_BEGIN), readme.index(README_END) + len(README_END)
     assert readme[start:end] == readme_block(rows), \
         "README results block is stale: python -m benchmarks.render benchmarks/results/h200 --readme README.md"
+
+
+def test_render_names_inputs_it_cannot_use(tmp_path, capsys):
+    import pytest
+
+    from benchmarks.render import main
+
+    (tmp_path / "empty").mkdir()
+    for args, message in (([str(tmp_path / "absent")], "no such file or folder"),
+                          ([str(tmp_path / "empty")], "no result rows")):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2 and message in capsys.readouterr().err
