@@ -92,13 +92,16 @@ def maxsim(q: torch.Tensor, q_cu_seqlens: torch.Tensor, d: torch.Tensor, d_cu_se
         fp32 ``[Nq, Nd]``.
 
     Raises:
-        PackedEncodersError: as :func:`mean_pool` for each input, or ``q`` and ``d`` of different widths / devices.
+        PackedEncodersError: as :func:`mean_pool` for each input, or ``q`` and ``d`` of different widths / devices
+            (or dtypes, outside autocast).
     """
     _check(q, q_cu_seqlens, "q")
     _check(d, d_cu_seqlens, "d")
     if q.shape[1] != d.shape[1] or q.device != d.device:
         raise PackedEncodersError(f"q [.., {q.shape[1]}] on {q.device} and d [.., {d.shape[1]}] on {d.device} must "
                                   "have the same width and device")
+    if q.dtype != d.dtype and not torch.is_autocast_enabled(q.device.type):
+        raise PackedEncodersError(f"q ({q.dtype}) and d ({d.dtype}) must have the same dtype outside autocast")
     n_q, n_d = q_cu_seqlens.numel() - 1, d_cu_seqlens.numel() - 1
     sim = torch.matmul(q, d.t()).float()  # [Tq, Td]
     doc_of = sequence_ids(d_cu_seqlens, d.shape[0]).expand_as(sim)
