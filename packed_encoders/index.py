@@ -337,8 +337,11 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     dist, rank, world = _dist()
     os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)
     problem = [None]
+    encoder = Encoder(model, output, pooling, pad_id)
     if rank == 0:
-        settings = {"pooling": pooling, "out_dtype": str(out_dtype).replace("torch.", ""), "pad_id": int(pad_id),
+        # pooling shapes the vectors only where this module pools (a bare encoder's pooled output)
+        used = pooling if encoder.bare and output == "pooled" else None
+        settings = {"pooling": used, "out_dtype": str(out_dtype).replace("torch.", ""), "pad_id": int(pad_id),
                     "model": model_fingerprint(model)}
         try:
             plan = (_load_plan(out_dir, corpus, chunk_tokens, output, settings)
@@ -355,7 +358,6 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     # owners are dealt for this run's world size: a resumed run may use another number of ranks
     chunks = plan_chunks(lengths, chunk_tokens, world)
     mine = [c for c in chunks if c.rank == rank and not _chunk_done(out_dir, c.index)]
-    encoder = Encoder(model, output, pooling, pad_id)
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm

@@ -281,3 +281,17 @@ def test_a_damaged_chunk_is_encoded_again_on_resume(setup, tmp_path):
     os.remove(chunk)
     _single(model_dir, corpus, out, "pooled")
     assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
+
+
+def test_pooling_counts_only_where_it_shapes_the_vectors(setup, tmp_path):
+    """Token vectors are not pooled: another ``pooling`` resumes such an index (for pooled vectors it is refused,
+    above)."""
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    out = str(tmp_path / "out")
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    kw = dict(output="tokens", chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    index_corpus(model, corpus, out, **kw)
+    assert json.load(open(os.path.join(out, "plan.json")))["settings"]["pooling"] is None
+    index_corpus(model, corpus, out, pooling="cls", **kw)  # accepted: nothing to redo
