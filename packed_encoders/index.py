@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -507,9 +508,15 @@ def main(argv=None) -> int:
         from .adapters.locate import find_encoders
 
         pad_id = getattr(find_encoders(model)[0][1].config, "pad_token_id", None) or 0
-    manifest = index_corpus(model, args.corpus, args.out, output=args.output, pooling=args.pooling,
-                            batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
-                            out_dtype=getattr(torch, args.out_dtype), pad_id=pad_id)
+    try:
+        manifest = index_corpus(model, args.corpus, args.out, output=args.output, pooling=args.pooling,
+                                batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
+                                out_dtype=getattr(torch, args.out_dtype), pad_id=pad_id)
+    except PackedEncodersError as exc:  # (every rank raises rank 0's: all exit alike)
+        print(f"packed_encoders.index: {exc}", file=sys.stderr)
+        if distributed:
+            dist.destroy_process_group()
+        return 2
     if manifest is not None:
         print(f"{manifest['items']} items, {manifest['tokens']} tokens, {len(manifest['chunks'])} chunks -> {args.out}")
     if distributed:

@@ -295,3 +295,16 @@ def test_pooling_counts_only_where_it_shapes_the_vectors(setup, tmp_path):
     index_corpus(model, corpus, out, **kw)
     assert json.load(open(os.path.join(out, "plan.json")))["settings"]["pooling"] is None
     index_corpus(model, corpus, out, pooling="cls", **kw)  # accepted: nothing to redo
+
+
+def test_command_line_errors_exit_2_with_a_message(setup, tmp_path, capsys):
+    from packed_encoders.index import main
+
+    tmp, model_dir, corpus = setup
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["--model", model_dir, "--corpus", str(empty), "--out", str(tmp_path / "out")]) == 2
+    assert "no items" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", model_dir, "--corpus", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o2")])
+    assert "no such file" in capsys.readouterr().err and not (tmp_path / "o2").exists()
