@@ -87,13 +87,13 @@ def scan_corpus(path: str, vocab_size: int | None = None) -> tuple[list[int], li
                 tokens = item["input_ids"]
                 if not tokens:
                     raise PackedEncodersError(f"{path}:{number}: item {item['id']!r} has no tokens")
-                if not isinstance(tokens, list) or not all(type(t) is int for t in (min(tokens), max(tokens))):
+                if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
                     raise PackedEncodersError(f"{path}:{number}: item {item['id']!r}: input_ids must be a list of "
                                               "integers")
-                if min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size):
-                    bad = min(tokens) if min(tokens) < 0 else max(tokens)
-                    raise PackedEncodersError(f"{path}:{number}: item {item['id']!r}: token id {bad} is outside the "
-                                              f"model's vocabulary [0, {vocab_size})")
+                lo, hi = min(tokens), max(tokens)
+                if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+                    raise PackedEncodersError(f"{path}:{number}: item {item['id']!r}: token id {lo if lo < 0 else hi} "
+                                              f"is outside the model's vocabulary [0, {vocab_size or 'vocab_size'})")
                 if item["id"] in seen:
                     raise PackedEncodersError(f"{path}:{number}: duplicate id {item['id']!r}")
                 seen.add(item["id"])
