@@ -64,7 +64,7 @@ class _Kernels:
     """The recorded calls of one class: ``forward`` (one call) and ``backward`` (preprocess, kernel, postprocess;
     ``None`` until a backward of the class was recorded). ``m_block`` / ``hdim_rounded``: the backward scratch
     buffers' geometry (``dpsum``, ``lse_log2``: ``[heads, padded]``; ``dq_accum``: ``[heads, padded * hdim_rounded]``
-    fp32, ``padded`` = ``total + (batch + 1) * m_block - 1`` rounded down to a multiple of ``m_block``)."""
+    fp32, ``padded``: :func:`_padded_rows`)."""
 
     forward: tuple[_Call, ...]
     backward: tuple[_Call, ...] | None
@@ -78,8 +78,7 @@ class _Kernels:
 
     def run_backward(self, dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv) -> None:
         total, heads, _ = q.shape
-        m = self.m_block
-        padded = (total + cu_seqlens.shape[0] * m - 1) // m * m
+        padded = _padded_rows(total, cu_seqlens.shape[0] - 1, self.m_block)
         device = q.device
         tensors = [q, k, v, out, lse, cu_seqlens, dout, dq, dk, dv,
                    torch.empty((heads, padded), dtype=torch.float32, device=device),
@@ -87,6 +86,12 @@ class _Kernels:
                    torch.empty((heads, padded * self.hdim_rounded), dtype=torch.float32, device=device)]
         for call in self.backward:
             call(tensors)
+
+
+def _padded_rows(total: int, batch: int, m_block: int) -> int:
+    """Rows of the backward's scratch buffers for ``total`` tokens in ``batch`` sequences (the interface's: ``total +
+    (batch + 1) * m_block - 1`` rounded down to a multiple of ``m_block``)."""
+    return (total + (batch + 1) * m_block - 1) // m_block * m_block
 
 
 @functools.lru_cache(maxsize=None)
@@ -299,7 +304,7 @@ def _record_one(q_like: torch.Tensor, length: int, window: int | None, scale: fl
                                   max_seqlen_k=length, dq=dq, dk=dk, dv=dv)
     # the scratch buffers: identified by shape and place, then checked against the geometry this module allocates
     m, hdim_rounded = geometry
-    padded = (length + 2 * m - 1) // m * m
+    padded = _padded_rows(length, 1, m)
     expected = {"dpsum": (heads, padded), "lse_log2": (heads, padded), "dq_accum": (heads, padded * hdim_rounded)}
     pre = rec.calls[0][1] if rec.calls else ()
     if len(pre) < 6:
