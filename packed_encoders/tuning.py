@@ -35,8 +35,10 @@ POLICY_ENV = "PACKED_ENCODERS_POLICY"                # an attention policy file,
 CACHE_ENV = "PACKED_ENCODERS_CACHE"                  # where calibrated policies live
 GRAPH_MEMORY_ENV = "PACKED_ENCODERS_GRAPH_MEMORY"    # fraction of free GPU memory the graphs may hold
 
-SWITCHES = (GRAPH_ENV, PRESTAGE_ENV, FUSED_UNPAD_ENV, QUACK_GEMM_ENV, QUACK_ROPE_ENV, FAST_LAUNCH_ENV, FUSED_ROPE_ENV,
-            FUSED_GLU_ENV, LEAN_ENV)
+# each on / off switch and the Tuning field it sets
+SWITCHES = {GRAPH_ENV: "graphs", PRESTAGE_ENV: "prestage", FUSED_UNPAD_ENV: "fused_unpad", QUACK_GEMM_ENV: "quack_gemm",
+            QUACK_ROPE_ENV: "quack_rope", FAST_LAUNCH_ENV: "triton_fast_launch", FUSED_ROPE_ENV: "fused_rope",
+            FUSED_GLU_ENV: "fused_glu_gemm", LEAN_ENV: "lean"}
 KNOWN = (*SWITCHES, POLICY_ENV, CACHE_ENV, GRAPH_MEMORY_ENV)
 
 DEFAULT_GRAPH_MEMORY_FRACTION = 0.1
@@ -123,7 +125,7 @@ def read_tuning(device=None) -> Tuning:
             ``PACKED_ENCODERS_GRAPH_MEMORY`` not a fraction in (0, 1], ``PACKED_ENCODERS_POLICY`` not a file.
     """
     try:
-        switches = {name: not switched_off(name) for name in SWITCHES}
+        switches = {field: not switched_off(name) for name, field in SWITCHES.items()}
     except ValueError as exc:
         raise PackedEncodersError(str(exc)) from None
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX)))
@@ -139,15 +141,7 @@ def read_tuning(device=None) -> Tuning:
 
         free = int(torch.cuda.mem_get_info(device)[0])
     return Tuning(
-        graphs=switches[GRAPH_ENV],
-        prestage=switches[PRESTAGE_ENV],
-        fused_unpad=switches[FUSED_UNPAD_ENV],
-        quack_gemm=switches[QUACK_GEMM_ENV],
-        quack_rope=switches[QUACK_ROPE_ENV],
-        triton_fast_launch=switches[FAST_LAUNCH_ENV],
-        fused_rope=switches[FUSED_ROPE_ENV],
-        fused_glu_gemm=switches[FUSED_GLU_ENV],
-        lean=switches[LEAN_ENV],
+        **switches,
         policy_file=policy_file,
         cache_dir=os.environ.get(CACHE_ENV) or None,
         graph_memory_fraction=fraction,
