@@ -190,6 +190,7 @@ class Encoder:
         self.model = encoders[0][1] if self.bare else model
         self.output, self.pooling, self.pad_id = output, pooling, pad_id
         self.device = encoders[0][1].embeddings.tok_embeddings.weight.device
+        self.vocab_size = int(encoders[0][1].config.vocab_size)
 
     @torch.inference_mode()
     def __call__(self, items: list[list[int]]) -> torch.Tensor:
@@ -249,16 +250,6 @@ def model_fingerprint(model) -> dict:
         total = sum(float(p.detach().sum(dtype=torch.float64)) for p in params)
     return {"class": type(model).__name__, "parameters": sum(p.numel() for p in params),
             "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sum": f"{total:.9g}"}
-
-
-def _vocab_size(model) -> int | None:
-    """The vocabulary size of the (first) ModernBERT encoder inside ``model``, or ``None`` where there is none."""
-    from .adapters.locate import find_encoders
-
-    try:
-        return int(find_encoders(model)[0][1].config.vocab_size)
-    except Exception:  # noqa: BLE001 - no encoder found here: the forward's own check names the problem
-        return None
 
 
 def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int, settings: dict,
@@ -346,7 +337,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
                     "model": model_fingerprint(model)}
         try:
             plan = (_load_plan(out_dir, corpus, chunk_tokens, output, settings)
-                    or _write_plan(out_dir, corpus, chunk_tokens, output, world, settings, _vocab_size(model)))
+                    or _write_plan(out_dir, corpus, chunk_tokens, output, world, settings, encoder.vocab_size))
         except PackedEncodersError as exc:
             problem = [str(exc)]
     if dist is not None:
