@@ -127,6 +127,41 @@ def test_unsupported_targets():
     assert isinstance(pe.UnsupportedTargetError("x"), pe.PackedEncodersError)
 
 
+class _Delegating(nn.Module):
+    """A wrapper that forwards attribute lookups to the model it holds, as peft's PeftModel / LoraModel do."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+    def forward(self, **kwargs):
+        return self.model(**kwargs)
+
+
+@pytest.mark.parametrize("wrap", ["delegating", "torch.compile"])
+def test_a_wrapper_that_delegates_attributes_is_not_an_encoder(wrap):
+    # such a wrapper has the encoder's config, embeddings, layers and final_norm as attributes: it was taken for
+    # an encoder itself (pack() of torch.compile(model) failed in validation with "_forward_unimplemented() got an
+    # unexpected keyword argument", and unpack() of a PeftModel left the model inside it packed)
+    model = make_model("base_like")
+    wrapper = _Delegating(model) if wrap == "delegating" else torch.compile(model)
+    ids, mask = padded_batch([5, 9])
+    before = _out(model, ids, mask)
+    assert [e["path"] for e in pe.describe(wrapper)["encoders"]] == ["model" if wrap == "delegating" else "_orig_mod"]
+    pe.pack(wrapper)
+    assert pe.is_packed(model) and "forward" in model.__dict__ and STATE_ATTR not in wrapper.__dict__
+    if wrap == "delegating":
+        torch.testing.assert_close(_out(wrapper, ids, mask)[mask.bool()], before[mask.bool()], atol=1e-5, rtol=1e-5)
+    pe.unpack(wrapper)
+    assert not pe.is_packed(model) and "forward" not in model.__dict__
+
+
 def test_bad_options():
     model = make_model("base_like")
     with pytest.raises(pe.PackedEncodersError, match="attention_backend"):

@@ -16,13 +16,16 @@ _REQUIRED = ("embeddings", "layers", "final_norm")
 
 
 def is_modernbert(module: object) -> bool:
-    """True for a HF ``ModernBertModel`` (or a class of the same structure and model type)."""
+    """True for a HF ``ModernBertModel`` (or a class of the same structure and model type): ``embeddings``,
+    ``layers`` and ``final_norm`` are its own submodules."""
     if not isinstance(module, nn.Module):
         return False
     config = getattr(module, "config", None)
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
-    return all(hasattr(module, name) for name in _REQUIRED)
+    # its own submodules, not attributes: wrappers that forward attribute lookups to the model they hold (peft's
+    # PeftModel / LoraModel, torch.compile's OptimizedModule) are not encoders; the model inside them is
+    return all(name in module._modules for name in _REQUIRED)
 
 
 def find_encoders(target: object) -> list[tuple[str, nn.Module]]:
