@@ -232,8 +232,27 @@ def test_global_module_hooks_run_stock(kind):
         handle.remove()
 
 
+@pytest.mark.parametrize("option, value, grad", [("max_norm", 1.0, False), ("scale_grad_by_freq", True, True),
+                                                ("sparse", True, True)])
+@pytest.mark.parametrize("how", ["attribute", "new_module"])
+def test_token_embedding_options_the_lookup_skips_run_stock(option, value, grad, how):
+    # the packed lookup is F.embedding(ids, weight, padding_idx): it ignored these silently (scale_grad_by_freq gave
+    # other gradients, sparse a dense one, max_norm did not renormalise the rows)
+    model = _packed_and_called()
+    old = model.embeddings.tok_embeddings
+    if how == "attribute":
+        setattr(old, option, value)
+    else:
+        new = nn.Embedding(old.num_embeddings, old.embedding_dim, padding_idx=old.padding_idx, **{option: value})
+        new.load_state_dict(old.state_dict())
+        model.embeddings.tok_embeddings = new
+    _assert_runs_stock(model, f"embeddings.tok_embeddings has {option}=", grad=grad)
+    setattr(model.embeddings.tok_embeddings, option, {"max_norm": None}.get(option, False))
+    _assert_stays_packed(model)  # the option switched off again: packed again
+
+
 @pytest.mark.parametrize("change", ["swap_layers", "subclass", "activation", "backward_hook", "rotary_hook",
-                                    "instance_forward"])
+                                    "instance_forward", "embedding_option"])
 @pytest.mark.parametrize("validate", [False, True])
 def test_pack_refuses_what_it_would_skip_whatever_validate_is(change, validate):
     model = _model(num_hidden_layers=3)
@@ -247,6 +266,8 @@ def test_pack_refuses_what_it_would_skip_whatever_validate_is(change, validate):
         model.layers[1].attn.register_full_backward_hook(lambda m, gi, go: None)
     elif change == "rotary_hook":
         model.rotary_emb.register_forward_hook(lambda m, i, o: None)
+    elif change == "embedding_option":
+        model.embeddings.tok_embeddings.scale_grad_by_freq = True
     else:
         model.layers[1].mlp.forward = model.layers[1].mlp.forward
     with pytest.raises(pe.UnsupportedTargetError, match="cannot pack"):

@@ -5,7 +5,8 @@ would run in stock HF's forward but not in the packed one is found here: a modul
 quantised Linear, a container such as ``ModernBertMLP`` replaced by a subclass with its own ``forward``, FSDP2
 sharding a module inside the encoder: ``adapters.fsdp``), a ``forward`` set on a module instance, a hook of any kind (forward, forward-pre, backward,
 backward-pre; per module or global) on a module the packed path skips (the rotary embedding included), layers
-reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, and a
+reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, token
+embedding options the packed lookup does not apply (``max_norm``, ``scale_grad_by_freq``, ``sparse``), and a
 config value that transformers reads on every call (the sliding window). :func:`structure_problem` finds those;
 the patched forward then runs the stock forward instead and says so (a one-time warning and ``describe()``);
 ``packed_forward`` raises; ``pack()`` refuses them (whatever ``validate`` is).
@@ -100,6 +101,22 @@ def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
     return None
 
 
+# nn.Embedding options its forward applies and the packed lookup (F.embedding with padding_idx, real tokens only)
+# does not: max_norm renormalises the looked-up rows in place, scale_grad_by_freq scales gradients by the batch's id
+# counts (padding included), sparse makes a sparse gradient. Their "off" values.
+_EMBEDDING_OPTIONS = {"max_norm": None, "scale_grad_by_freq": False, "sparse": False}
+
+
+def _embedding_problem(path: str, m: nn.Module) -> str | None:
+    if not isinstance(m, nn.Embedding):
+        return None
+    on = [f"{name}={vars(m).get(name)!r}" for name, off in _EMBEDDING_OPTIONS.items() if vars(m).get(name, off) != off]
+    if on:
+        return (f"{path} has {', '.join(on)}, which the packed embedding lookup does not apply (it reads the weight "
+                "at real tokens only)")
+    return None
+
+
 def _hooks_problem(path: str, m: nn.Module) -> str | None:
     if m._backward_hooks or m._backward_pre_hooks:
         return f"{path} has backward hooks, which fire only when its forward runs"
@@ -112,8 +129,14 @@ def _hooks_problem(path: str, m: nn.Module) -> str | None:
 
 def _layer_facts(model: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """The per-layer attribute stock HF reads on every call to choose a layer's attention (its mask and RoPE):
-    ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``."""
+    ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``; and
+    the token embedding's options (:data:`_EMBEDDING_OPTIONS`), which its forward reads on every call."""
     dicts, names = [], []
+    tokens = model.embeddings.tok_embeddings
+    if isinstance(tokens, nn.Embedding):
+        for name in _EMBEDDING_OPTIONS:
+            dicts.append(vars(tokens))
+            names.append(name)
     for layer in model.layers:
         for owner, name in ((layer, "attention_type"), (layer.attn, "local_attention")):
             if name in vars(owner):
@@ -240,7 +263,7 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
         return problem, False
     hf = _hf_module(model)
     for path, m, kind in _expected(model):
-        problem = _kind_problem(path, m, kind, hf, params) or _hooks_problem(path, m)
+        problem = _kind_problem(path, m, kind, hf, params) or _embedding_problem(path, m) or _hooks_problem(path, m)
         if problem is not None:
             return problem, False
     return _layer_type_problem(model, params), False
