@@ -10,8 +10,8 @@ from torch import nn
 from .adapters import token_labels
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
-from .adapters.patch import install
-from .adapters.state import PackOptions, get_state, restore
+from .adapters.patch import install, restore
+from .adapters.state import PackOptions, get_state
 from .adapters.structure import check_at_pack, structure_check
 from .batch import from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch

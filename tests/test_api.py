@@ -56,6 +56,44 @@ def test_previous_instance_forward_is_restored():
     assert model.forward is sentinel
 
 
+def test_a_forward_wrapped_after_pack_survives_unpack_and_repack():
+    # e.g. accelerate's add_hook_to_module after pack(): it sets model.forward to a wrapper of the packed forward.
+    # unpack() used to pop that wrapper (the hook silently gone) and leave the wrapped PackedForward, kept by the
+    # wrapper (accelerate's _old_forward), failing with "no attribute '_packed_encoders'" once called
+    model = make_model("base_like")
+    ids, mask = padded_batch([5, 9])
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state.detach()
+    pe.pack(model)
+    packed = model.forward
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return packed(*args, **kwargs)
+
+    model.forward = wrapper
+    pe.pack(model, attention_backend="sdpa")  # reconfigured: the wrapper stays, its packed forward reads the new state
+    assert model.forward is wrapper
+    pe.unpack(model)
+    assert model.forward is wrapper and not pe.is_packed(model)
+    torch.testing.assert_close(_out(model, ids, mask), ref, atol=0, rtol=0)  # the wrapper, then the stock forward
+    torch.testing.assert_close(packed(input_ids=ids, attention_mask=mask).last_hidden_state.detach(), ref,
+                               atol=0, rtol=0)
+    assert len(calls) == 1
+    pe.pack(model)  # packing again: the instance forward is replaced and restored by unpack, as before pack()
+    out = _out(model, ids, mask)
+    assert pe.describe(model)["encoders"][0]["last_attention"]
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+    pe.unpack(model)
+    assert model.forward is wrapper
+    model.forward = packed  # the wrapper taken off (as accelerate's remove_hook_from_module does): stock again
+    torch.testing.assert_close(_out(model, ids, mask), ref, atol=0, rtol=0)
+    pe.pack(model)
+    assert pe.is_packed(model) and model.forward is not packed
+    pe.unpack(model)
+    assert "forward" not in model.__dict__  # the stale packed forward is not taken for a forward of the user's
+
+
 def test_state_dict_and_weights_untouched():
     model = make_model("base_like")
     before = {k: (v.data_ptr(), v.clone()) for k, v in model.state_dict().items()}

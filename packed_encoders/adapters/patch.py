@@ -1,4 +1,5 @@
-"""Installing the packed forward on a ModernBertModel instance (see :mod:`.state` for the record it keeps)."""
+"""Installing the packed forward on a ModernBertModel instance and taking it off again (see :mod:`.state` for the
+record it keeps)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,22 @@ def _outside_dynamo():
 
 
 class PackedForward:
-    """The instance-level ``forward`` of a packed ModernBertModel (picklable, deepcopy-safe)."""
+    """The instance-level ``forward`` of a packed ModernBertModel (picklable, deepcopy-safe).
 
-    def __init__(self, module: nn.Module):
+    Something may still call it after ``unpack()``: a wrapper set as ``forward`` after ``pack()`` (accelerate's
+    hooks keep the forward they wrap), or a reference taken before. It then runs what ``unpack()`` restored:
+    ``previous`` (the instance forward ``pack()`` replaced), or the class forward."""
+
+    def __init__(self, module: nn.Module, previous=_NO_FORWARD):
         self.module = module
+        self.previous = previous
 
     def __call__(self, *args, **kwargs):
+        if STATE_ATTR not in self.module.__dict__:  # unpacked
+            previous = getattr(self, "previous", _NO_FORWARD)  # (pickled before this attribute existed)
+            if isinstance(previous, str):
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return previous(*args, **kwargs)
         if torch.compiler.is_dynamo_compiling():
             return _outside_dynamo()(self.module, *args, **kwargs)
         return hf_forward(self.module, *args, **kwargs)
@@ -83,10 +94,32 @@ class PackedReplicator:
 def install(model: nn.Module, state: PackState) -> None:
     _outside_dynamo()
     existing = get_state(model)
+    current = model.__dict__.get("forward", _NO_FORWARD)
     if existing is None:
-        state.previous_forward = model.__dict__.get("forward", _NO_FORWARD)
+        if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
+            current = getattr(current, "previous", _NO_FORWARD)
+        state.previous_forward = current
     else:
         state.previous_forward = existing.previous_forward
     model.__dict__[STATE_ATTR] = state
-    model.__dict__["forward"] = PackedForward(model)
+    if existing is None or isinstance(current, PackedForward):
+        model.__dict__["forward"] = PackedForward(model, state.previous_forward)
+    # else: a forward set over the packed one after pack() (a wrapper such as accelerate's hooks, which calls the
+    # PackedForward it wrapped, reading this new state) is kept
     model.__dict__["_replicate_for_data_parallel"] = PackedReplicator(model)
+
+
+def restore(model: nn.Module) -> bool:
+    """Remove our attributes; returns False when ``model`` was not packed."""
+    state = model.__dict__.pop(STATE_ATTR, None)
+    if state is None:
+        return False
+    model.__dict__.pop("_replicate_for_data_parallel", None)
+    if not isinstance(model.__dict__.get("forward"), PackedForward):
+        # a forward set over the packed one after pack(), e.g. accelerate's hook wrapper: it stays, and the
+        # PackedForward it calls runs the previous or class forward from now on
+        return True
+    model.__dict__.pop("forward")
+    if state.previous_forward is not _NO_FORWARD and not isinstance(state.previous_forward, str):
+        model.__dict__["forward"] = state.previous_forward
+    return True

@@ -71,15 +71,3 @@ class PackState:
 
 def get_state(model: nn.Module) -> PackState | None:
     return model.__dict__.get(STATE_ATTR)
-
-
-def restore(model: nn.Module) -> bool:
-    """Remove our attributes; returns False when ``model`` was not packed."""
-    state = model.__dict__.pop(STATE_ATTR, None)
-    if state is None:
-        return False
-    model.__dict__.pop("forward", None)
-    model.__dict__.pop("_replicate_for_data_parallel", None)
-    if state.previous_forward is not _NO_FORWARD and not isinstance(state.previous_forward, str):
-        model.__dict__["forward"] = state.previous_forward
-    return True
