@@ -251,6 +251,29 @@ def test_token_embedding_options_the_lookup_skips_run_stock(option, value, grad,
     _assert_stays_packed(model)  # the option switched off again: packed again
 
 
+def _prune_heads(model, layer: int, keep: int) -> None:
+    """Replace a layer's Wqkv / Wo by Linears of its first ``keep`` heads (stock HF runs fewer heads then)."""
+    attn, h = model.layers[layer].attn, model.config.hidden_size
+    rows = torch.arange(keep * attn.head_dim)
+    wqkv, wo = nn.Linear(h, 3 * len(rows), bias=False), nn.Linear(len(rows), h, bias=False)
+    with torch.no_grad():
+        wqkv.weight.copy_(torch.cat([attn.Wqkv.weight[j * h + rows] for j in range(3)]))
+        wo.weight.copy_(attn.Wo.weight[:, rows])
+    attn.Wqkv, attn.Wo = wqkv, wo
+
+
+def test_pruned_attention_heads_run_stock():
+    # the packed attention split Wqkv's output into config.num_attention_heads: a call failed with "shape '[T, 3,
+    # 2, 16]' is invalid for input of size ..." after pack(), and with validate=False pack() accepted the model
+    model = _packed_and_called()
+    _prune_heads(model, 1, 1)
+    _assert_runs_stock(model, r"layers.1.attn.Wqkv.weight has shape \(48, 32\), not \(96, 32\)", grad=True)
+    model = _model()
+    _prune_heads(model, 0, 1)
+    with pytest.raises(pe.UnsupportedTargetError, match="attention heads pruned"):
+        pe.pack(model, validate=False)
+
+
 @pytest.mark.parametrize("change", ["swap_layers", "subclass", "activation", "backward_hook", "rotary_hook",
                                     "instance_forward", "embedding_option"])
 @pytest.mark.parametrize("validate", [False, True])

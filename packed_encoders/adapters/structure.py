@@ -5,9 +5,9 @@ would run in stock HF's forward but not in the packed one is found here: a modul
 quantised Linear, a container such as ``ModernBertMLP`` replaced by a subclass with its own ``forward``, FSDP2
 sharding a module inside the encoder: ``adapters.fsdp``), a ``forward`` set on a module instance, a hook of any kind (forward, forward-pre, backward,
 backward-pre; per module or global) on a module the packed path skips (the rotary embedding included), layers
-reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, token
-embedding options the packed lookup does not apply (``max_norm``, ``scale_grad_by_freq``, ``sparse``), and a
-config value that transformers reads on every call (the sliding window). :func:`structure_problem` finds those;
+reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, attention
+projections of another shape (pruned heads), token embedding options the packed lookup does not apply (``max_norm``,
+``scale_grad_by_freq``, ``sparse``), and a config value that transformers reads on every call (the sliding window). :func:`structure_problem` finds those;
 the patched forward then runs the stock forward instead and says so (a one-time warning and ``describe()``);
 ``packed_forward`` raises; ``pack()`` refuses them (whatever ``validate`` is).
 """
@@ -115,6 +115,18 @@ def _embedding_problem(path: str, m: nn.Module) -> str | None:
         return (f"{path} has {', '.join(on)}, which the packed embedding lookup does not apply (it reads the weight "
                 "at real tokens only)")
     return None
+
+
+def _attention_shape_problem(path: str, m: nn.Module, params) -> str | None:
+    """An attention projection of another shape than the config's (heads pruned: stock HF views ``Wqkv``'s output
+    by ``head_dim`` and runs fewer heads; the packed path splits it into ``config.num_attention_heads``)."""
+    h = params.hidden_size
+    want = {".attn.Wqkv": (3 * h, h), ".attn.Wo": (h, h)}.get(path[path.find(".", len("layers.")):])
+    weight = getattr(m, "weight", None)
+    if want is None or not isinstance(weight, nn.Parameter) or tuple(weight.shape) == want:
+        return None
+    return (f"{path}.weight has shape {tuple(weight.shape)}, not {want}: the packed attention runs the config's "
+            f"{params.num_attention_heads} heads (attention heads pruned?)")
 
 
 def _hooks_problem(path: str, m: nn.Module) -> str | None:
@@ -263,7 +275,8 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
         return problem, False
     hf = _hf_module(model)
     for path, m, kind in _expected(model):
-        problem = _kind_problem(path, m, kind, hf, params) or _embedding_problem(path, m) or _hooks_problem(path, m)
+        problem = (_kind_problem(path, m, kind, hf, params) or _embedding_problem(path, m)
+                   or _attention_shape_problem(path, m, params) or _hooks_problem(path, m))
         if problem is not None:
             return problem, False
     return _layer_type_problem(model, params), False
