@@ -10,7 +10,7 @@ from torch import nn
 from .adapters import token_labels
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
-from .adapters.patch import install, restore
+from .adapters.patch import install, replaced_forward, restore
 from .adapters.state import PackOptions, get_state
 from .adapters.structure import check_at_pack, structure_check
 from .batch import from_packed
@@ -112,6 +112,12 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
                                       "unchanged:\n" + result.summary(), result)
         planned.append((model, state))
     for model, state in planned:
+        previous = replaced_forward(model)
+        if previous is not None:
+            warnings.warn(f"packed_encoders: {type(model).__name__}.forward is set on the instance ({previous!r}); "
+                          "the packed forward replaces it while the model is packed, so it does not run "
+                          "(pe.unpack restores it); a wrapper set after pack() calls the packed forward",
+                          RuntimeWarning, stacklevel=2)
         install(model, state)
     if options.padded_outputs == "auto":
         token_labels.watch(target)

@@ -51,7 +51,8 @@ def test_previous_instance_forward_is_restored():
     model = make_model("base_like")
     sentinel = lambda *a, **k: "hooked"  # noqa: E731 - e.g. an accelerate hook
     model.forward = sentinel
-    pe.pack(model)
+    with pytest.warns(RuntimeWarning, match="forward is set on the instance.*does not run"):  # not silently
+        pe.pack(model)
     pe.unpack(model)
     assert model.forward is sentinel
 
@@ -80,7 +81,8 @@ def test_a_forward_wrapped_after_pack_survives_unpack_and_repack():
     torch.testing.assert_close(packed(input_ids=ids, attention_mask=mask).last_hidden_state.detach(), ref,
                                atol=0, rtol=0)
     assert len(calls) == 1
-    pe.pack(model)  # packing again: the instance forward is replaced and restored by unpack, as before pack()
+    with pytest.warns(RuntimeWarning, match="forward is set on the instance"):
+        pe.pack(model)  # packing again: the instance forward is replaced and restored by unpack, as before pack()
     out = _out(model, ids, mask)
     assert pe.describe(model)["encoders"][0]["last_attention"]
     torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)

@@ -91,6 +91,17 @@ class PackedReplicator:
         return replica
 
 
+def replaced_forward(model: nn.Module):
+    """The instance ``forward`` (not the packed one) that :func:`install` would replace on a model not packed yet,
+    or ``None``: the packed forward runs instead of it until ``unpack()`` restores it."""
+    if get_state(model) is not None:
+        return None
+    current = model.__dict__.get("forward")
+    if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
+        current = getattr(current, "previous", None)
+    return None if current is None or isinstance(current, str) else current
+
+
 def install(model: nn.Module, state: PackState) -> None:
     _outside_dynamo()
     existing = get_state(model)
