@@ -384,3 +384,29 @@ def test_autocast_forward_sees_in_place_weight_changes(grad):
         torch.optim.SGD(model.parameters(), lr=1.0).step()
         third = fwd()
         assert (third.float() - second.float()).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rules", [LEAN, BLOCKS, PER_OP], ids=["stack", "blocks", "per_op"])
+def test_autocast_forwards_see_data_updates_after_a_training_step(rules):
+    """A hand-written update through ``.data`` after a training step (``p.data.add_(...)``: no version bump, no
+    optimizer step) is read by the next forward under autocast, with and without gradients, as stock HF's casts
+    read it; the cached bf16 copies were once handed out again, stale, and the loop trained and evaluated on the
+    old weights."""
+    model, params, batch, _, _ = _setup("base_like")
+    model.train()
+
+    def fwd(grad):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            return encoder_forward(model, params, batch, attention_backend="sdpa", ops=TORCH_OPS, rules=rules)
+
+    first = fwd(False)  # an evaluation call: its copies are cached
+    fwd(True).float().square().mean().backward()
+    for p in model.parameters():  # manual SGD through .data
+        p.data.add_(p.grad, alpha=-0.5)
+        p.grad = None
+    second, second_grad = fwd(False), fwd(True)
+    weight_cast.clear()
+    fresh, fresh_grad = fwd(False), fwd(True)
+    assert (fresh.float() - first.float()).abs().max() > 1e-2  # the update matters
+    torch.testing.assert_close(second, fresh, atol=0, rtol=0)
+    torch.testing.assert_close(second_grad, fresh_grad, atol=0, rtol=0)

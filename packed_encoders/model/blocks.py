@@ -38,7 +38,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..errors import SECOND_DERIVATIVE
-from ..ops.weight_cast import cast
+from ..ops.weight_cast import cast, expire
 from .live import param, sub
 from .params import ModernBertParams
 
@@ -291,6 +291,7 @@ class AttentionIn(torch.autograd.Function):
     @staticmethod
     @first_order  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, ds, dq, dk, dv):
+        expire()  # the next forward casts the weights again (a hand-written update may come first)
         grads = attn_in_bwd(ctx.saved_tensors, ctx.facts, ctx.meta, ctx.params, ctx.needs_input_grad[2:6],
                             ds, dq, dk, dv)
         return (*grads, None, None, None, None)
@@ -311,6 +312,7 @@ class AttentionOutMlp(torch.autograd.Function):
     @staticmethod
     @first_order
     def backward(ctx, dx, dpending):
+        expire()
         grads = out_mlp_bwd(ctx.saved_tensors, ctx.facts, ctx.meta, ctx.params, ctx.needs_input_grad[2:10],
                             dx, dpending)
         return (*grads, None)

@@ -22,7 +22,7 @@ from ..attention.dispatch import Decision, Policy, resolve
 from ..batch import PackedBatch
 from ..ops import TORCH_OPS, OpSet, rope_tables
 from ..ops.rope import cached_pair_freq_table
-from ..ops.weight_cast import cast
+from ..ops.weight_cast import cast, expire
 from .blocks import compute_dtype, run_layer_blocks
 from .dropout import applies_attention_dropout, dropout_modules
 from .params import ModernBertParams
@@ -245,6 +245,8 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         # CUDA autocast, as F.layer_norm's) is cast once for the projection, which autocast would do inside
         # F.linear: the GEMM routes (quack, the Triton Wi + GLU) then see the operands a bf16 model gives them
         wdt = compute_dtype(device.type) if not grad else None
+        if grad:  # a training step whose backward is autograd's own: copies cached before it are not reused
+            expire()
 
         def to_wdt(t: torch.Tensor) -> torch.Tensor:
             return t if wdt is None or t.dtype is wdt else t.to(wdt)

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..attention.flash import fa4_backward, fa4_forward_saving, torch_varlen_backward, torch_varlen_forward_saving
 from ..batch import PackedBatch
-from ..ops.weight_cast import cast_group
+from ..ops.weight_cast import cast_group, expire
 from .blocks import NORM_SLOTS as _NORMS
 from .blocks import PROJECTION_SLOTS as _PROJECTIONS
 from .blocks import SLOTS_PER_LAYER as _PER_LAYER
@@ -149,6 +149,7 @@ class EncoderStack(torch.autograd.Function):
     @staticmethod
     @first_order  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, dx, dpending):
+        expire()  # the next forward casts the weights again (a hand-written update may come first)
         call = ctx.call
         layers, keep = take_layers(ctx)
         needs = slot_needs(call.present, ctx.needs_input_grad[2:], len(call.args))

@@ -30,6 +30,7 @@ import torch
 from ..attention.flash import (fa4_backward, fa4_forward_saving, torch_varlen_backward, torch_varlen_forward_saving,
                                torch_varlen_status)
 from ..ops import cublaslt
+from ..ops.weight_cast import expire
 from . import workspace
 from .blocks import SLOTS_PER_LAYER as _PER_LAYER
 from .blocks import as_dtype, check_versions, first_order, slot_needs, take_layers
@@ -318,6 +319,7 @@ class PointerStack(torch.autograd.Function):
     @staticmethod
     @first_order  # raw kernels: a double backward raises rather than returning wrong second derivatives
     def backward(ctx, dx, dpending):
+        expire()  # the next forward casts the weights again (a hand-written update may come first)
         call = ctx.call
         layers, keep_graph = take_layers(ctx)
         params, cdt, res_dt = call.params, call.cdt, call.res_dt

@@ -8,13 +8,18 @@ keeps one copy per (parameter, dtype) and hands it out while the parameter is un
   optimizer step, ``param.copy_()``, ``param.mul_()``),
 - its storage address (``param.data = other`` swaps it), dtype and device,
 - a generation counter bumped after every ``torch.optim`` optimizer step (a global step hook, installed on first
-  use): fused optimizers (``AdamW(fused=True)``) update parameters in place without bumping their version.
+  use): fused optimizers (``AdamW(fused=True)``) update parameters in place without bumping their version,
+- a counter bumped by every training step of the encoder (:func:`expire`: the backward of each of its autograd
+  functions, or the forward of a call with gradients on the per-op path, whose backward is autograd's own): a
+  hand-written update after it (``p.data.add_(p.grad, alpha=-lr)``, which bumps no version counter) is read by the
+  next forward, as stock HF's casts would read it.
 
 :func:`cast_group` does the same for a group of tensors (an encoder's projection weights) with one entry: one
 lookup while none changed, one multi-tensor copy when any did.
 
 Not seen: an in-place edit through ``param.data`` (``param.data.copy_(...)``, e.g. a hand-written EMA update)
-outside an optimizer step, since ``.data`` has a version counter of its own. Call :func:`clear` after such edits.
+with neither an optimizer step nor a training step of the encoder since the copy was made, since ``.data`` has a
+version counter of its own. Call :func:`clear` after such edits.
 
 The copy is made without gradient tracking: callers that need the gradient to reach the fp32 parameter (the
 block autograd functions of :mod:`packed_encoders.model.blocks`) compute the weight gradient themselves and return
@@ -40,7 +45,7 @@ from torch._utils import _unflatten_dense_tensors
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
-_STATE = {"generation": 0, "hooked": False}
+_STATE = {"generation": 0, "backwards": 0, "hooked": False}
 _LOCAL = threading.local()
 
 
@@ -55,6 +60,13 @@ def _install_hook() -> None:
 
             register_optimizer_step_post_hook(_bump)
             _STATE["hooked"] = True
+
+
+def expire() -> None:
+    """Copies made before this call are not handed out again: called by each training step of the encoder, after
+    which a weight may be updated through ``.data`` before the next forward. :class:`StaticCopies` ignore it (a
+    training graph's copies change only at a replay)."""
+    _STATE["backwards"] += 1
 
 
 def clear() -> None:
@@ -93,7 +105,7 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
     if not _STATE["hooked"]:
         _install_hook()
     key = (id(t), dtype)
-    stamp = (_STATE["generation"], t._version, t.data_ptr(), t.device)
+    stamp = (_STATE["generation"], _STATE["backwards"], t._version, t.data_ptr(), t.device)
     hit = _CACHE.get(key)
     if hit is not None and hit[1] == stamp and hit[0]() is t:
         return hit[2]
@@ -127,7 +139,8 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
     if not _STATE["hooked"]:
         _install_hook()
     key = (tuple(map(id, tensors)), dtype)
-    stamp = (_STATE["generation"], tuple(map(_VERSION, tensors)), tuple(t.data_ptr() for t in tensors))
+    stamp = (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
+             tuple(t.data_ptr() for t in tensors))
     hit = _GROUPS.get(key)
     if hit is not None and hit[1] == stamp and all(r() is t for r, t in zip(hit[0], tensors)):
         return hit[2]
