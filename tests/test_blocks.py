@@ -355,6 +355,14 @@ def test_static_copies_are_served_in_place_and_refreshed_only_after_a_change():
     assert copies.refresh() == 3 and torch.equal(copies.copies[1], b.detach().to(torch.bfloat16))
     assert [c.data_ptr() for c in copies.copies] == addresses  # refreshed in place (a graph reads them)
     assert copies.nbytes() == (32 + 8) * 2
+    weight_cast.expire()  # the encoder trained; a hand-written update through .data follows (no version bump)
+    w.data.add_(1.0)
+    # cast again, the epoch kept (a pending training graph's backward reads copies of unchanged weights)
+    assert copies.refresh() == 3 and torch.equal(copies.copies[0], w.detach().to(torch.bfloat16))
+    w.data.add_(1.0)  # no training step, no optimizer step since: not seen (weight_cast.clear() makes it seen)
+    assert copies.refresh() == 3 and not torch.equal(copies.copies[0], w.detach().to(torch.bfloat16))
+    weight_cast.clear()
+    assert copies.refresh() == 4 and torch.equal(copies.copies[0], w.detach().to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("grad", [False, True])

@@ -259,9 +259,16 @@ def test_autocast_graphs_read_weight_copies_that_follow_the_optimizer(monkeypatc
     assert not torch.allclose(out0.detach(), out1.detach())
     torch.testing.assert_close(out1.detach().float(), eager(), atol=2e-2, rtol=2e-2)
     loss_of(out1.float(), 1).backward()
+    del out0, out1
+    for p in model.parameters():  # a hand-written step through .data (no version bump, no optimizer step)
+        p.data.add_(p.grad, alpha=-0.05)
+    out2 = forward()  # the copies are cast again after a backward: the update is read
+    torch.testing.assert_close(out2.detach().float(), eager(), atol=2e-2, rtol=2e-2)
+    del out2
     with torch.no_grad():
-        torch._foreach_zero_(list(copies.copies))  # the forward reads the copies (the weights unchanged: no recast)
+        torch._foreach_zero_(list(copies.copies))  # the forward reads the copies (no change since: no recast)
     assert not torch.allclose(forward().detach().float(), eager(), atol=2e-2, rtol=2e-2)
+    gc.collect()
     pending = forward()  # slot 0
     opt.step()
     forward()  # slot 1: recasts the copies slot 0's backward would read

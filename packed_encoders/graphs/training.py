@@ -178,6 +178,7 @@ class _Replay(torch.autograd.Function):
                                       "in place between the forward and its backward (a training graph's backward "
                                       "would read the new values); run the optimizer step after the backward")
         handle.done = True
+        weight_cast.expire()  # (the stack's own backward, which expires them, ran at the capture only)
         grads = handle.runner.backward_replay(grad_out, handle.total)
         # The node outlives its backward while the caller holds any tensor of the step (a loop's `loss` until
         # the next step reassigns it): it must not keep the runner, whose graphs and pool a restart or an

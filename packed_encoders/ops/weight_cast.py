@@ -30,7 +30,7 @@ not cached. Entries go with their parameter (weak references).
 CUDA graphs read weights by address, so a graph captured under autocast would cast every weight again at each
 replay. :class:`StaticCopies` keeps copies at fixed addresses instead: within :meth:`StaticCopies.serving`
 :func:`cast` hands them out (a capture records reads of them), and :meth:`StaticCopies.refresh`, called before
-each replay, casts them again when a source parameter changed (by the same version and optimizer-step tests).
+each replay, casts them again when a source parameter changed or the encoder trained since (the same tests).
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def _install_hook() -> None:
 
 def expire() -> None:
     """Copies made before this call are not handed out again: called by each training step of the encoder, after
-    which a weight may be updated through ``.data`` before the next forward. :class:`StaticCopies` ignore it (a
-    training graph's copies change only at a replay)."""
+    which a weight may be updated through ``.data`` before the next forward. :class:`StaticCopies` cast again at
+    their next :meth:`~StaticCopies.refresh` (a CUDA graph's copies change only there, before a replay)."""
     _STATE["backwards"] += 1
 
 
@@ -171,8 +171,10 @@ class StaticCopies:
             copies, when a parameter's address changes).
         dtype: the copies' dtype (the autocast dtype the graphs are captured under).
 
-    ``epoch`` counts the casts :meth:`refresh` has made: a training graph's backward reads the copies its forward
-    read, so it compares the epoch of its forward with the current one.
+    ``epoch`` counts the casts :meth:`refresh` made because a parameter's version or the optimizer-step generation
+    moved: a training graph's backward reads the copies its forward read, so it compares the epoch of its forward
+    with the current one. A cast made only because the encoder trained since the last one (:func:`expire`: a
+    hand-written update through ``.data`` may have followed, which moves neither) leaves ``epoch`` as it is.
     """
 
     def __init__(self, params, dtype: torch.dtype):
@@ -184,6 +186,7 @@ class StaticCopies:
             self.copies = tuple(torch.empty_like(p, dtype=dtype) for p in self.params)
         self._by_address = {(p.data_ptr(), dtype): c for p, c in zip(self.params, self.copies)}
         self._stamp = None
+        self._backwards = None
         self.epoch = 0
 
     def nbytes(self) -> int:
@@ -193,11 +196,13 @@ class StaticCopies:
         """Cast the parameters into the copies (on the current stream) unless none changed since the last cast;
         returns :attr:`epoch`."""
         stamp = (_STATE["generation"], *map(_VERSION, self.params))
-        if stamp != self._stamp:
+        backwards = _STATE["backwards"]
+        if stamp != self._stamp or backwards != self._backwards:
             with torch.no_grad(), torch.inference_mode(False):
                 torch._foreach_copy_(self.copies, self.params)
-            self._stamp = stamp
-            self.epoch += 1
+            if stamp != self._stamp:
+                self.epoch += 1
+            self._stamp, self._backwards = stamp, backwards
         return self.epoch
 
     @contextlib.contextmanager
