@@ -97,13 +97,16 @@ def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
-          trailing_query_only: bool = False, before_sync=None, fused: bool = True) -> PackedBatch:
+          trailing_query_only: bool = False, leading_stock: bool = False, before_sync=None,
+          fused: bool = True) -> PackedBatch:
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
     token unless ``position_ids`` ``[B, S]`` (or ``[1, S]``, broadcast) is given, which is then read
     at the real tokens. With ``trailing_query_only``, the padded positions after each non-empty row's last
-    real token join its sequence as query-only tokens (see ``PackedBatch.key_lens``), positions continuing.
+    real token join its sequence as query-only tokens (see ``PackedBatch.key_lens``), positions continuing;
+    padding before a row's real tokens stays zeros, or with ``leading_stock`` raises ``StockOnlyInput`` (ColBERT
+    query expansion scores the leading expansion positions of left-padded queries, which stock computes).
     ``before_sync(ids, positions, cu_seqlens, key_lens)``, when given, is called just before the sync with the
     device buffers the batch will be sliced from (``ids`` / ``positions`` hold ``B * S + 1`` rows, the first
     ``cu_seqlens[-1]`` of them the batch's; ``ids`` is ``None`` for ``inputs_embeds``); it must not sync.
@@ -111,7 +114,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     ``fused_unpad``: ``PACKED_ENCODERS_FUSED_UNPAD`` as read at ``pack()``).
 
     Raises:
-        StockOnlyInput: a mask with holes inside a sequence (the patched forward runs stock HF for it).
+        StockOnlyInput: a mask with holes inside a sequence, or padding before a sequence's real tokens with
+            ``trailing_query_only`` and ``leading_stock`` (the patched forward runs stock HF for it).
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
             ids outside ``[0, vocab_size)`` at real tokens, non-zero ``token_type_ids`` at real tokens, or
             negative ``position_ids``.
@@ -163,6 +167,11 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} entries that are neither)")
     _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): the packed path needs contiguous real "
                        "tokens (padding on the left and/or right only)", StockOnlyInput)
+    if trailing_query_only and leading_stock:  # each row's segment runs from its first real token to the end
+        _raise_if(sum(0 < n < s for n in host_lens),
+                  "attention_mask has padding before the real tokens of {count} sequence(s): the packed path "
+                  "computes masked positions as stock does (ColBERT query expansion) only after a row's real "
+                  "tokens (right padding)", StockOnlyInput)
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
     _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
     _raise_if(n_negpos, "position_ids has {count} negative entries")

@@ -32,11 +32,15 @@ def device_of(model: nn.Module) -> torch.device:
     return model.embeddings.tok_embeddings.weight.device
 
 
+def _has_span_head(target: nn.Module) -> bool:
+    return any(type(m).__name__.endswith("ForQuestionAnswering") for m in target.modules())
+
+
 def trailing_max_len(padded_outputs, target) -> int | None:
     if padded_outputs == "auto":
         if target is None:
             return None
-        if any(type(m).__name__.endswith("ForQuestionAnswering") for m in target.modules()):
+        if _has_span_head(target):
             return ALWAYS  # HF's span loss takes its softmax over padded positions too
         return query_expansion_length(target)
     if padded_outputs == "zeros":
@@ -66,7 +70,7 @@ def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuni
     policy = load_policy(device, policy_file=tuning.policy_file, cache=tuning.cache_dir)
     state = PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=policy,
                       trailing_max_len=trailing_max_len(options.padded_outputs, target), tuning=tuning)
-    if options.padded_outputs == "auto" and target is not None and state.trailing_max_len != ALWAYS:
+    if options.padded_outputs == "auto" and target is not None and not _has_span_head(target):
         watch = ExpansionWatch(target)  # query expansion set, changed or cleared after pack() is seen per call
         if watch:
             state.runtime["expansion"] = watch

@@ -113,3 +113,35 @@ def test_query_expansion_changed_after_pack_is_honoured(model_dir):
     assert pe.describe(model)["encoders"][0]["padded_outputs"] == "zeros"  # the original keeps its own setting
     same(ref, twin, 12)
 
+
+
+@pytest.mark.parametrize("strategy", ["fixed", "min"])
+def test_query_expansion_with_left_padding_matches_stock(model_dir, strategy):
+    """A left-padding tokenizer puts the scored [MASK] expansion positions before the real tokens, where the packed
+    layout has no values (it computes trailing masked positions only): such a call runs the stock forward, warned
+    and counted, instead of returning zeros there."""
+    import copy
+
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    transformer = Transformer(model_dir)
+    transformer.query_expansion = {"strategy": strategy, "length": 12, "attend": False}
+    dense = Dense(transformer.get_embedding_dimension(), 16, bias=False, activation_function=torch.nn.Identity(),
+                  module_input_name="token_embeddings", module_output_name="token_embeddings")
+    ref = MultiVectorEncoder(modules=[transformer, dense, MultiVectorMask()], device="cpu")
+    ref.tokenizer.padding_side = "left"
+    model = pe.pack(copy.deepcopy(ref))
+    queries = TEXTS[:5]
+    with pytest.warns(RuntimeWarning, match="padding before the real tokens"):
+        out = model.encode_query(queries, batch_size=5)
+    for a, b in zip(out, ref.encode_query(queries, batch_size=5)):
+        assert a.shape == b.shape and a.shape[0] >= 12
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
+    assert any("padding before" in r for r in pe.describe(model)["encoders"][0]["stock_forward_calls"])
+    model.tokenizer.padding_side = ref.tokenizer.padding_side = "right"  # right padding stays on the packed path
+    for a, b in zip(model.encode_query(queries, batch_size=5), ref.encode_query(queries, batch_size=5)):
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
+    assert sum(pe.describe(model)["encoders"][0]["stock_forward_calls"].values()) == 1

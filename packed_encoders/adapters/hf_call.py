@@ -181,12 +181,15 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         state.trailing_max_len = watch.length()
     trailing = attention_mask is not None and (request == TRAILING or state.trailing_max_len is not None
                                                and width <= state.trailing_max_len)
+    # a query-expansion call: left padding puts scored [MASK] positions before the real tokens (stock computes them)
+    leading_stock = trailing and watch is not None and state.trailing_max_len is not None \
+        and width <= state.trailing_max_len
     padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)
     route = padded_route(model, state, hidden_states=output_hidden_states, **padded)
     try:
         last, hidden_t = serve_padded(model, state, route, hidden_states=output_hidden_states,
-                                      hidden_pre_norm_last=pre_norm_last, **padded)
+                                      hidden_pre_norm_last=pre_norm_last, leading_stock=leading_stock, **padded)
     except StockOnlyInput as error:  # raised by unpad at the call's one sync, before any layer ran
         return _stock_fallback(model, state, mask_holes_reason(error), args, call)
     return _output(model, last, hidden_t, return_dict)

@@ -5,7 +5,8 @@ Named before the call: attention probabilities (``output_attentions=True``), HF'
 mapping (a dict ``attention_mask``), a mask per query and key (a 3-D / 4-D tensor ``attention_mask``),
 layer-selecting ``output_hidden_states`` (a list or tuple), tracing by ``torch.export`` (the exported program
 is the stock graph: the packed forward syncs the host on the lengths), and calls inside a ``torch.func`` transform.
-Found while unpacking: a mask with holes inside a row (:class:`~packed_encoders.errors.StockOnlyInput`).
+Found while unpacking: a mask with holes inside a row, or padding before a row's real tokens where trailing padded
+positions are computed (:class:`~packed_encoders.errors.StockOnlyInput`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
 
 
 def mask_holes_reason(error: Exception) -> str:
+    if "padding before" in str(error):  # query expansion with left padding: stock computes the leading positions
+        return f"{error}; stock HF computes every position"
     return f"{error} (stock HF attends around the holes, with positions counted from the row's first column)"
 
 
