@@ -145,3 +145,34 @@ def test_query_expansion_with_left_padding_matches_stock(model_dir, strategy):
     for a, b in zip(model.encode_query(queries, batch_size=5), ref.encode_query(queries, batch_size=5)):
         torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
     assert sum(pe.describe(model)["encoders"][0]["stock_forward_calls"].values()) == 1
+
+
+def test_query_expansion_is_followed_after_pickling(model_dir):
+    """A pickled target (torch.save, the workers of start_multi_process_pool) keeps following its query expansion:
+    expansion switched on after pack() and before pickling, or resized after unpickling, gives stock's outputs."""
+    import copy
+    import pickle
+
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    transformer = Transformer(model_dir)
+    dense = Dense(transformer.get_embedding_dimension(), 16, bias=False, activation_function=torch.nn.Identity(),
+                  module_input_name="token_embeddings", module_output_name="token_embeddings")
+    ref = MultiVectorEncoder(modules=[transformer, dense, MultiVectorMask()], device="cpu")
+    packed = pe.pack(copy.deepcopy(ref))  # packed with expansion off
+    queries = TEXTS[:5]
+    for setting in ({"strategy": "fixed", "length": 12, "attend": False},
+                    {"strategy": "fixed", "length": 20, "attend": False}):
+        ref[0].query_expansion = packed[0].query_expansion = setting
+        model = pickle.loads(pickle.dumps(packed))
+        assert f"{setting['length']} wide" in pe.describe(model)["encoders"][0]["padded_outputs"]
+        for a, b in zip(model.encode_query(queries, batch_size=5), ref.encode_query(queries, batch_size=5)):
+            assert a.shape == b.shape and a.shape[0] == setting["length"]
+            torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
+    ref[0].query_expansion = model[0].query_expansion = {"strategy": "fixed", "length": 32, "attend": False}
+    for a, b in zip(model.encode_query(queries, batch_size=5), ref.encode_query(queries, batch_size=5)):
+        assert a.shape == b.shape and a.shape[0] == 32
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)

@@ -61,6 +61,10 @@ def _copy(value):
     return dict(value) if isinstance(value, dict) else value
 
 
+def _GONE():  # a source that was gone when its watch was pickled
+    return None
+
+
 class ExpansionWatch:
     """The query-expansion settings of a packed target as they are now: a call reads :meth:`length`, which reads
     the sources' attributes (a few ``getattr``) and recomputes only when they changed since the last call, so
@@ -88,8 +92,19 @@ class ExpansionWatch:
         new._seen, new._length = self._seen, self._length
         return new
 
+    def __getstate__(self) -> dict:
+        # pickled with the sources themselves: a pickled target (torch.save, a multi-process pool's workers) holds
+        # them already, so the unpickled watch follows the unpickled target's settings
+        return {"sources": [r() for r in self._refs], "seen": self._seen, "length": self._length}
+
+    def __setstate__(self, state: dict) -> None:
+        self._refs = tuple(_GONE if s is None else weakref.ref(s) for s in state["sources"])
+        self._seen, self._length = state["seen"], state["length"]
+
     def length(self) -> int | None:
-        sources = [s for s in (r() for r in self._refs) if s is not None]
+        sources = [r() for r in self._refs]
+        if any(s is None for s in sources):  # gone (an encoder unpickled without its target): the last length holds
+            return self._length
         now = _settings(sources)
         if now != self._seen:
             self._seen, self._length = now, expansion_length(sources)

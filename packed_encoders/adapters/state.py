@@ -4,7 +4,8 @@ Three instance attributes are set by :func:`.patch.install`: ``forward`` (a ``Pa
 object holding the module), ``_packed_encoders`` (a :class:`PackState`) and ``_replicate_for_data_parallel`` (so
 ``nn.DataParallel`` replicas run their own weights). No class is touched. The record
 survives ``copy.deepcopy`` (the copy's forward runs the copy's weights) and pickling; transient runtime
-objects (CUDA graphs) are dropped from copies and rebuilt on demand.
+objects (CUDA graphs) are dropped from copies and rebuilt on demand, while the query-expansion watch follows the
+copied or unpickled target.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class PackState:
 
     def __getstate__(self):
         d = dict(self.__dict__)
-        d["runtime"] = {}
+        watch = self.runtime.get("expansion")  # the query-expansion watch follows a pickled target
+        d["runtime"] = {} if watch is None else {"expansion": watch}
         return d
 
     def __deepcopy__(self, memo):
