@@ -77,6 +77,8 @@ def _token_coords(cu: torch.Tensor, total: int):
 
 def _raise_if(count: int, message: str, error: type = PackedEncodersError) -> None:
     if count:
+        if error is StockOnlyInput:  # its reason must not vary with the count: one warning, one describe() entry
+            raise error(message.format(count=count), reason=message.format(count="some"))
         raise error(message.format(count=count))
 
 

@@ -13,7 +13,13 @@ class PackedEncodersError(RuntimeError):
 
 class StockOnlyInput(PackedEncodersError):
     """A call stock Hugging Face serves and the packed path does not (a mask with holes inside a row): the patched
-    ``forward`` runs the stock forward for it; ``packed_forward`` and other direct entry points raise it."""
+    ``forward`` runs the stock forward for it; ``packed_forward`` and other direct entry points raise it.
+
+    ``reason``: the message without the call's counts, for the fallback's one warning and ``describe()`` entry."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 class UnsupportedTargetError(PackedEncodersError, TypeError):

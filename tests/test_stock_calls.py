@@ -163,3 +163,21 @@ def test_torch_compile_of_a_packed_model_runs_the_packed_forward_outside_the_gra
     assert not pe.describe(head)["encoders"][0]["stock_forward_calls"]
     for (name, p), q in zip(head.named_parameters(), stock_head.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_mask_holes_in_another_number_of_rows_are_one_reason():
+    """The fallback's reason does not carry the call's count of rows with holes: calls with holes in one row and
+    in two rows warn once and share one ``stock_forward_calls`` entry."""
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12, 9])
+    one, two = mask.clone(), mask.clone()
+    one[1, 2] = 0
+    two[1:, 2] = 0
+    with torch.no_grad():
+        with pytest.warns(RuntimeWarning, match="holes inside some sequence"):
+            model(input_ids=ids, attention_mask=one)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="packed_encoders")
+            model(input_ids=ids, attention_mask=two)
+    calls = pe.describe(model)["encoders"][0]["stock_forward_calls"]
+    assert len(calls) == 1 and list(calls.values()) == [2], calls

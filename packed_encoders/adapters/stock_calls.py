@@ -17,6 +17,8 @@ import inspect
 import torch
 from torch import nn
 
+from ..errors import StockOnlyInput
+
 EXPORT = ("torch.export traces the stock forward (the packed forward reads the batch's lengths on the host, which "
           "an exported graph cannot)")
 
@@ -55,10 +57,10 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
     return None
 
 
-def mask_holes_reason(error: Exception) -> str:
-    if "padding before" in str(error):  # query expansion with left padding: stock computes the leading positions
-        return f"{error}; stock HF computes every position"
-    return f"{error} (stock HF attends around the holes, with positions counted from the row's first column)"
+def mask_holes_reason(error: StockOnlyInput) -> str:
+    if "padding before" in error.reason:  # query expansion with left padding: stock computes the leading positions
+        return f"{error.reason}; stock HF computes every position"
+    return f"{error.reason} (stock HF attends around the holes, with positions counted from the row's first column)"
 
 
 @functools.lru_cache(maxsize=None)
