@@ -330,11 +330,12 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
             what = (f"a {cu_seqlens.dtype} tensor of shape {tuple(cu_seqlens.shape)}"
                     if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
             raise PackedEncodersError(f"cu_seqlens must be a 1-D int32 or int64 tensor [N + 1]; got {what}")
-        cu = cu_seqlens.to(device=device, dtype=torch.int32)
-        if cu.numel() < 2:
+        if cu_seqlens.numel() < 2:
             raise PackedEncodersError("cu_seqlens needs at least 2 entries ([0, T])")
-        host = torch.cat([cu.long(), checks]).tolist()  # the one sync
+        # checked as given: narrowing int64 first would wrap values past int32 into a valid-looking cu_seqlens
+        host = torch.cat([cu_seqlens.to(device=device, dtype=torch.int64), checks]).tolist()  # the one sync
         host_cu = host[:-4]
+        cu = cu_seqlens.to(device=device, dtype=torch.int32)  # in [0, T] once checked below
     n_oov, n_tt, n_neg, max_pos = host[-4:]
     host_lens = [b - a for a, b in zip(host_cu[:-1], host_cu[1:])]
     if host_cu[0] != 0 or host_cu[-1] != total or min(host_lens) < 0:

@@ -105,3 +105,11 @@ def test_float_and_bool_ids_are_refused(dtype):
     with pytest.raises(PackedEncodersError, match="integer tensor"):
         from_packed(input_ids=ids.reshape(-1).to(dtype), inputs_embeds=None, cu_seqlens=None, max_seqlen=None,
                     position_ids=None, vocab_size=211)
+
+
+@pytest.mark.parametrize("cu", [[0, 2**32 + 4, 10], [0, 4 - 2**32, 10], [0, 4, 2**32 + 10]])
+def test_int64_cu_seqlens_are_checked_before_narrowing(cu):
+    """int64 entries past int32 must not wrap into a valid-looking cu_seqlens ([0, 4, 10] here) and be accepted."""
+    with pytest.raises(PackedEncodersError, match="cu_seqlens must start at 0"):
+        from_packed(input_ids=torch.arange(3, 13), inputs_embeds=None, cu_seqlens=torch.tensor(cu, dtype=torch.int64),
+                    max_seqlen=None, position_ids=None, vocab_size=50)
