@@ -249,7 +249,8 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         model: a ``ModernBertModel`` or anything holding exactly one (packed or not).
         params: ``ModernBertParams.from_hf_config(model.config)``; ``None`` reads it from the model.
         packed_ids: int ``[T]``, the sequences concatenated with no padding.
-        cu_seqlens: int32 ``[N + 1]`` cumulative lengths, starting at 0 and ending at ``T``.
+        cu_seqlens: int32 / int64 ``[N + 1]`` cumulative lengths, starting at 0 and ending at ``T``, ``N >= 1``
+            (an empty call: ``[0, 0]``).
         max_seqlen: host int, the longest sequence (checked).
         position_ids: int ``[T]``; ``None`` means ``arange`` within each sequence.
         backend: attention backend for this call (default: the model's pack option, else ``"auto"``).

@@ -331,7 +331,7 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
                     if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__)
             raise PackedEncodersError(f"cu_seqlens must be a 1-D int32 or int64 tensor [N + 1]; got {what}")
         if cu_seqlens.numel() < 2:
-            raise PackedEncodersError("cu_seqlens needs at least 2 entries ([0, T])")
+            raise PackedEncodersError("cu_seqlens needs at least 2 entries ([0, T]; an empty call is [0, 0])")
         # checked as given: narrowing int64 first would wrap values past int32 into a valid-looking cu_seqlens
         host = torch.cat([cu_seqlens.to(device=device, dtype=torch.int64), checks]).tolist()  # the one sync
         host_cu = host[:-4]
