@@ -21,7 +21,7 @@ Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
 A run killed at any point resumes by running the same command again (any number of ranks): chunks with a marker
 are kept, the rest are encoded; a chunk written halfway is written again. A run with another corpus, chunking,
-output, pooling, output dtype, pad id or model (other weights, dtype or class) is refused rather than mixing two
+output, pooling, output dtype, pad id or model (other weights, dtype, class or module pipeline) is refused rather than mixing two
 indexes in one directory. :func:`load_index` reads the result
 back and checks every corpus id appears exactly once.
 """
@@ -243,19 +243,30 @@ def _encode_chunk(encoder: Encoder, items: list[list[int]], batch_tokens: int, o
 
 
 def model_fingerprint(model) -> dict:
-    """The model's class, parameter count and dtype, and the sum of its parameters (fp64, 9 significant digits):
-    equal for the same weights loaded again, different for other weights or another dtype."""
+    """The model's class, parameter count and dtype, the sum of its parameters (fp64, 9 significant digits) and its
+    top-level modules (name, class and, where a module has one, ``get_config_dict()``: a sentence-transformers
+    Pooling mode or a Normalize module): equal for the same model loaded again, different for other weights,
+    another dtype or another module pipeline."""
     params = list(model.parameters())
     with torch.no_grad():
         total = sum(float(p.detach().sum(dtype=torch.float64)) for p in params)
+    # The pipeline around the encoder: parameter-free modules (a sentence-transformers Pooling mode, Normalize)
+    # change the vectors without changing the weights. JSON round trip: the plan stores it as JSON.
+    modules = [[name, type(m).__name__, m.get_config_dict() if callable(getattr(m, "get_config_dict", None)) else None]
+               for name, m in model.named_children()]
     return {"class": type(model).__name__, "parameters": sum(p.numel() for p in params),
-            "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sum": f"{total:.9g}"}
+            "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sum": f"{total:.9g}",
+            "modules": json.loads(json.dumps(modules, default=str))}
 
 
 def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int, settings: dict,
                 vocab_size: int | None) -> dict:
     offsets, lengths, ids = scan_corpus(corpus, vocab_size)
     chunks = plan_chunks(lengths, chunk_tokens, world)
+    try:  # only now that the corpus is known to be good: a refused run leaves nothing behind
+        os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)
+    except OSError as exc:
+        raise PackedEncodersError(f"{out_dir}: cannot make the output directory ({exc})") from None
     st = os.stat(corpus)
     plan = {"corpus": os.path.abspath(corpus), "corpus_bytes": st.st_size, "corpus_mtime_ns": st.st_mtime_ns,
             "chunk_tokens": chunk_tokens, "output": output, "settings": settings,
@@ -327,7 +338,6 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     if not os.path.isfile(corpus):
         raise PackedEncodersError(f"{corpus}: no such corpus file (JSON lines of pre-tokenized items)")
     dist, rank, world = _dist()
-    os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)
     problem = [None]
     encoder = Encoder(model, output, pooling, pad_id)
     if rank == 0:
@@ -344,6 +354,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         dist.broadcast_object_list(problem, src=0)  # every rank raises rank 0's error instead of waiting for it
     if problem[0] is not None:
         raise PackedEncodersError(problem[0])
+    os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)  # rank 0 made it (after the checks); others see it
     if rank != 0:
         plan = _load_plan(out_dir, corpus, chunk_tokens, output, None)
     lengths = plan["lengths"]
@@ -358,7 +369,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
                    desc=f"rank 0 of {world}, {len(mine)} chunks")
     for c in mine:
         started = time.perf_counter()
-        items = _read_items(plan["corpus"], plan["offsets"], c.start, c.stop)
+        items = _read_items(corpus, plan["offsets"], c.start, c.stop)  # the file whose size and mtime were checked
+        # (plan["corpus"] is where it was first: a renamed corpus may have another file in its place)
         data = _encode_chunk(encoder, items, batch_tokens, out_dtype)
         data["ids"] = plan["ids"][c.start:c.stop]
         tmp = _chunk_path(out_dir, c.index, f"pt.{rank}.tmp")

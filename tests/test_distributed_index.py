@@ -308,3 +308,77 @@ def test_command_line_errors_exit_2_with_a_message(setup, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model", model_dir, "--corpus", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o2")])
     assert "no such file" in capsys.readouterr().err and not (tmp_path / "o2").exists()
+
+
+def _stop_after_chunk(stop_at):
+    def stop(index, rows, tokens):
+        if index == stop_at:
+            raise KeyboardInterrupt  # the run stopped here (its finished chunks are kept)
+    return stop
+
+
+def test_resume_reads_the_corpus_it_was_given_not_the_first_path(setup, tmp_path):
+    """A corpus renamed between a stopped run and its resume (same size and mtime: the check passes) is read from
+    the path given now; the old path, which may hold another file, is not read (it gave silently wrong vectors)."""
+    import shutil
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    first, renamed, out = tmp_path / "corpus.jsonl", tmp_path / "corpus_v1.jsonl", str(tmp_path / "out")
+    shutil.copy2(corpus, first)
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    kw = dict(chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        index_corpus(model, str(first), out, on_chunk=_stop_after_chunk(0), **kw)
+    os.rename(first, renamed)
+    first.write_text(renamed.read_text().translate(str.maketrans("56", "65")))  # same layout, other tokens
+    index_corpus(model, str(renamed), out, **kw)
+    got, ref = load_index(out), _single(model_dir, corpus, str(tmp_path / "ref"), "pooled")
+    assert got["ids"] == ref["ids"]
+    torch.testing.assert_close(got["embeddings"], ref["embeddings"], atol=1e-5, rtol=1e-5)
+
+
+def test_resume_refuses_another_sentence_transformers_pipeline(setup, tmp_path):
+    """Pooling and Normalize modules have no weights: a resume with another pipeline (Normalize added, another
+    pooling mode) is refused instead of mixing normalised and raw vectors in one index."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    import packed_encoders as pe
+
+    _, model_dir, corpus = setup
+
+    def st(mode, normalize=False):
+        transformer = Transformer(model_dir)
+        modules = [transformer, Pooling(transformer.get_embedding_dimension(), mode)]
+        return pe.pack(SentenceTransformer(modules=modules + ([Normalize()] if normalize else []), device="cpu"))
+
+    out = str(tmp_path / "out")
+    kw = dict(chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        index_corpus(st("mean"), corpus, out, on_chunk=_stop_after_chunk(0), **kw)
+    for other in (st("mean", normalize=True), st("cls")):
+        with pytest.raises(pe.PackedEncodersError, match="other settings.*'model'"):
+            index_corpus(other, corpus, out, **kw)
+    index_corpus(st("mean"), corpus, out, **kw)  # the same pipeline resumes
+    assert len(load_index(out)["ids"]) == 60
+
+
+def test_a_refused_corpus_or_output_path_writes_nothing(setup, tmp_path, capsys):
+    import packed_encoders as pe
+    from packed_encoders.index import main
+
+    _, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    bad = tmp_path / "dup.jsonl"
+    bad.write_text(json.dumps({"id": 1, "input_ids": [1, 5]}) + "\n" + json.dumps({"id": 1, "input_ids": [6]}) + "\n")
+    with pytest.raises(pe.PackedEncodersError, match="duplicate id 1"):
+        index_corpus(model, str(bad), str(tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(pe.PackedEncodersError, match="cannot make the output directory"):
+        index_corpus(model, corpus, str(afile), progress=False)
+    assert main(["--model", model_dir, "--corpus", corpus, "--out", str(afile)]) == 2
+    assert "cannot make the output directory" in capsys.readouterr().err
