@@ -144,10 +144,12 @@ def _chunk_done(out_dir: str, index: int) -> bool:
 
 
 def _read_items(corpus: str, offsets: list[int], start: int, stop: int) -> list[list[int]]:
+    """The ``input_ids`` of items ``start:stop``, each read at its own offset (blank lines, which
+    :func:`scan_corpus` skips, may lie between two items)."""
     out = []
     with open(corpus, "rb") as f:
-        f.seek(offsets[start])
-        for _ in range(start, stop):
+        for i in range(start, stop):
+            f.seek(offsets[i])
             out.append(json.loads(f.readline())["input_ids"])
     return out
 
@@ -371,6 +373,11 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         started = time.perf_counter()
         items = _read_items(corpus, plan["offsets"], c.start, c.stop)  # the file whose size and mtime were checked
         # (plan["corpus"] is where it was first: a renamed corpus may have another file in its place)
+        st = os.stat(corpus)  # after the read: an edit before or while reading is seen here
+        if (st.st_size, st.st_mtime_ns) != (plan["corpus_bytes"], plan["corpus_mtime_ns"]):
+            raise PackedEncodersError(f"{corpus} changed while it was being indexed (its size or modification time "
+                                      f"differ from the plan's): the chunks in {out_dir} would mix two versions; "
+                                      "use a new --out directory or delete it")
         data = _encode_chunk(encoder, items, batch_tokens, out_dtype)
         data["ids"] = plan["ids"][c.start:c.stop]
         tmp = _chunk_path(out_dir, c.index, f"pt.{rank}.tmp")

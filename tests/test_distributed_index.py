@@ -382,3 +382,39 @@ def test_a_refused_corpus_or_output_path_writes_nothing(setup, tmp_path, capsys)
         index_corpus(model, corpus, str(afile), progress=False)
     assert main(["--model", model_dir, "--corpus", corpus, "--out", str(afile)]) == 2
     assert "cannot make the output directory" in capsys.readouterr().err
+
+
+def test_blank_lines_between_items_are_skipped_when_encoding(setup, tmp_path):
+    """scan_corpus skips blank lines; the chunk reader read consecutive lines from the chunk's first offset and
+    so hit a blank line inside a chunk (JSONDecodeError after the plan was written)."""
+    tmp, model_dir, corpus = setup
+    spaced = tmp_path / "spaced.jsonl"
+    spaced.write_text("\r\n   \n".join(open(corpus).read().splitlines()) + "\n\n")
+    got = _single(model_dir, str(spaced), str(tmp_path / "out"), "pooled")
+    ref = _single(model_dir, corpus, str(tmp_path / "ref"), "pooled")
+    assert got["ids"] == ref["ids"]
+    torch.testing.assert_close(got["embeddings"], ref["embeddings"], atol=1e-5, rtol=1e-5)
+
+
+def test_a_corpus_edited_during_the_run_is_refused(setup, tmp_path):
+    """An edit after the plan was made (tokens changed in place, same layout) used to be encoded into the later
+    chunks silently, next to chunks of the first version, and the run finished with a manifest."""
+    import shutil
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    copy = tmp_path / "corpus.jsonl"
+    shutil.copy2(corpus, copy)
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+
+    def edit(index, rows, tokens):
+        if index == 0:
+            copy.write_text(copy.read_text().translate(str.maketrans("56", "65")))
+            st = os.stat(copy)
+            os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a coarse-mtime file system sees it too
+
+    with pytest.raises(pe.PackedEncodersError, match="changed while it was being indexed"):
+        index_corpus(model, str(copy), str(tmp_path / "out"), chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS,
+                     progress=False, on_chunk=edit)
+    assert not (tmp_path / "out" / "manifest.json").exists()
