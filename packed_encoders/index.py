@@ -44,6 +44,10 @@ PLAN = "plan.json"
 MANIFEST = "manifest.json"
 OUTPUTS = ("pooled", "tokens")
 POOLINGS = ("mean", "cls")
+# config fields that change a ModernBERT's vectors for the same weights (model_fingerprint records them)
+FORWARD_CONFIG = ("hidden_activation", "norm_eps", "norm_bias", "attention_bias", "mlp_bias", "num_attention_heads",
+                  "local_attention", "global_attn_every_n_layers", "global_rope_theta", "local_rope_theta",
+                  "layer_types", "rope_parameters", "rope_scaling")
 
 
 @dataclass(frozen=True)
@@ -247,8 +251,9 @@ def _encode_chunk(encoder: Encoder, items: list[list[int]], batch_tokens: int, o
 def model_fingerprint(model) -> dict:
     """The model's class, parameter count and dtype, the sum of its parameters (fp64, 9 significant digits) and its
     top-level modules (name, class and, where a module has one, ``get_config_dict()``: a sentence-transformers
-    Pooling mode or a Normalize module): equal for the same model loaded again, different for other weights,
-    another dtype or another module pipeline."""
+    Pooling mode or a Normalize module) and the encoder config's :data:`FORWARD_CONFIG` fields: equal for the same
+    model loaded again, different for other weights, another dtype, module pipeline or attention / RoPE /
+    activation config."""
     params = list(model.parameters())
     with torch.no_grad():
         total = sum(float(p.detach().sum(dtype=torch.float64)) for p in params)
@@ -256,9 +261,14 @@ def model_fingerprint(model) -> dict:
     # change the vectors without changing the weights. JSON round trip: the plan stores it as JSON.
     modules = [[name, type(m).__name__, m.get_config_dict() if callable(getattr(m, "get_config_dict", None)) else None]
                for name, m in model.named_children()]
+    # The encoder's config fields that shape its forward without being weights (an edited config.json with the
+    # same weights gives other vectors: another window, RoPE base, activation, norm epsilon, head split).
+    config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")), None)
+    forward = {k: getattr(config, k, None) for k in FORWARD_CONFIG} if config is not None else None
     return {"class": type(model).__name__, "parameters": sum(p.numel() for p in params),
             "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sum": f"{total:.9g}",
-            "modules": json.loads(json.dumps(modules, default=str))}
+            "modules": json.loads(json.dumps(modules, default=str)),
+            "config": json.loads(json.dumps(forward, default=str))}
 
 
 def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int, settings: dict,

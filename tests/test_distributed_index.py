@@ -418,3 +418,25 @@ def test_a_corpus_edited_during_the_run_is_refused(setup, tmp_path):
         index_corpus(model, str(copy), str(tmp_path / "out"), chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS,
                      progress=False, on_chunk=edit)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_resume_refuses_the_same_weights_with_another_config(setup, tmp_path):
+    """Same weights, another sliding window in config.json: other vectors, and the fingerprint (weights only) was
+    equal, so a resume mixed the two."""
+    import shutil
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    edited = tmp_path / "model"
+    shutil.copytree(model_dir, edited)
+    config = json.load(open(edited / "config.json"))
+    config["local_attention"] = 2 * config["local_attention"]
+    json.dump(config, open(edited / "config.json", "w"))
+    out = str(tmp_path / "out")
+    kw = dict(chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        index_corpus(pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32)), corpus, out,
+                     on_chunk=_stop_after_chunk(0), **kw)
+    with pytest.raises(pe.PackedEncodersError, match="other settings.*'model'.*local_attention"):
+        index_corpus(pe.pack(load_model(str(edited), torch.device("cpu"), torch.float32)), corpus, out, **kw)
