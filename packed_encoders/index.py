@@ -21,9 +21,9 @@ Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
 A run killed at any point resumes by running the same command again (any number of ranks): chunks with a marker
 are kept, the rest are encoded; a chunk written halfway is written again. A run with another corpus, chunking,
-output, pooling, output dtype, pad id or model (other weights, dtype, class or module pipeline) is refused rather than mixing two
-indexes in one directory. :func:`load_index` reads the result
-back and checks every corpus id appears exactly once.
+output, pooling, output dtype, pad id or model (other weights, dtype, class, module pipeline or forward-shaping
+config) is refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused
+too. :func:`load_index` reads the result back and checks every corpus id appears exactly once.
 """
 
 from __future__ import annotations
