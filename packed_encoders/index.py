@@ -29,6 +29,7 @@ too. :func:`load_index` reads the result back and checks every corpus id appears
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -133,6 +134,16 @@ def plan_chunks(lengths: list[int], chunk_tokens: int, world: int) -> list[Chunk
 
 def _chunk_path(out_dir: str, index: int, suffix: str) -> str:
     return os.path.join(out_dir, "chunks", f"chunk-{index:06d}.{suffix}")
+
+
+def _remove_partial_writes(out_dir: str) -> None:
+    """Delete the temporary files a killed run left (a chunk or the manifest written halfway, before its rename).
+    Rank 0 calls it before it broadcasts the plan, which every other rank waits for: no rank of this run is writing."""
+    chunks = os.path.join(out_dir, "chunks")
+    names = [os.path.join(chunks, n) for n in os.listdir(chunks) if n.endswith(".tmp")] if os.path.isdir(chunks) else []
+    for path in names + [os.path.join(out_dir, MANIFEST + ".tmp")]:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
 
 
 def _chunk_done(out_dir: str, index: int) -> bool:
@@ -360,6 +371,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         try:
             plan = (_load_plan(out_dir, corpus, chunk_tokens, output, settings)
                     or _write_plan(out_dir, corpus, chunk_tokens, output, world, settings, encoder.vocab_size))
+            _remove_partial_writes(out_dir)
         except PackedEncodersError as exc:
             problem = [str(exc)]
     if dist is not None:

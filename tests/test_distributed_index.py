@@ -283,6 +283,23 @@ def test_a_damaged_chunk_is_encoded_again_on_resume(setup, tmp_path):
     assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
 
 
+def test_a_resume_removes_the_partial_writes_of_a_killed_run(setup, tmp_path):
+    tmp, model_dir, corpus = setup
+    out = str(tmp_path / "out")
+    _single(model_dir, corpus, out, "pooled")
+    want = load_index(out)
+    chunk = os.path.join(out, "chunks", "chunk-000001")
+    os.remove(chunk + ".pt")  # killed while rank 1 wrote it: the file not renamed yet, nor the manifest
+    leftovers = [chunk + ".pt.1.tmp", os.path.join(out, "manifest.json.tmp")]
+    for path in leftovers:
+        with open(path, "wb") as f:
+            f.write(b"partial")
+    _single(model_dir, corpus, out, "pooled")
+    assert not any(os.path.exists(p) for p in leftovers)
+    assert not [n for n in os.listdir(os.path.join(out, "chunks")) if n.endswith(".tmp")]
+    assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
+
+
 def test_pooling_counts_only_where_it_shapes_the_vectors(setup, tmp_path):
     """Token vectors are not pooled: another ``pooling`` resumes such an index (for pooled vectors it is refused,
     above)."""
