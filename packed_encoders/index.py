@@ -303,6 +303,12 @@ def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world
     return plan
 
 
+def _corpus_changed(corpus: str, plan: dict) -> bool:
+    """Whether ``corpus``'s size or modification time differ from those the plan recorded."""
+    st = os.stat(corpus)
+    return (st.st_size, st.st_mtime_ns) != (plan["corpus_bytes"], plan["corpus_mtime_ns"])
+
+
 def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settings: dict | None) -> dict | None:
     """The plan in ``out_dir``, or ``None``; raises when it is another corpus's or settings' (``settings``:
     compared when given; rank 0 checks them for every rank)."""
@@ -311,9 +317,7 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settin
         return None
     with open(path) as f:
         plan = json.load(f)
-    st = os.stat(corpus)
-    same = (plan["corpus_bytes"], plan["corpus_mtime_ns"], plan["chunk_tokens"], plan["output"]) == \
-        (st.st_size, st.st_mtime_ns, chunk_tokens, output)
+    same = (plan["chunk_tokens"], plan["output"]) == (chunk_tokens, output) and not _corpus_changed(corpus, plan)
     if not same:
         raise PackedEncodersError(f"{out_dir} holds an index of another corpus or settings ({plan['corpus']}, "
                                   f"chunk_tokens={plan['chunk_tokens']}, output={plan['output']}); use a new --out "
@@ -395,8 +399,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         started = time.perf_counter()
         items = _read_items(corpus, plan["offsets"], c.start, c.stop)  # the file whose size and mtime were checked
         # (plan["corpus"] is where it was first: a renamed corpus may have another file in its place)
-        st = os.stat(corpus)  # after the read: an edit before or while reading is seen here
-        if (st.st_size, st.st_mtime_ns) != (plan["corpus_bytes"], plan["corpus_mtime_ns"]):
+        if _corpus_changed(corpus, plan):  # after the read: an edit before or while reading is seen here
             raise PackedEncodersError(f"{corpus} changed while it was being indexed (its size or modification time "
                                       f"differ from the plan's): the chunks in {out_dir} would mix two versions; "
                                       "use a new --out directory or delete it")

@@ -179,11 +179,10 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     watch = state.runtime.get("expansion")
     if watch is not None:
         state.trailing_max_len = watch.length()
-    trailing = attention_mask is not None and (request == TRAILING or state.trailing_max_len is not None
-                                               and width <= state.trailing_max_len)
+    within = state.trailing_max_len is not None and width <= state.trailing_max_len
+    trailing = attention_mask is not None and (request == TRAILING or within)
     # a query-expansion call: left padding puts scored [MASK] positions before the real tokens (stock computes them)
-    leading_stock = trailing and watch is not None and state.trailing_max_len is not None \
-        and width <= state.trailing_max_len
+    leading_stock = trailing and watch is not None and within
     padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)
     route = padded_route(model, state, hidden_states=output_hidden_states, **padded)
