@@ -167,3 +167,37 @@ def test_the_backward_copies_an_output_gradient_the_kernels_cannot_take(monkeypa
         assert not fa4_direct.aligned(dout)
         fa4_direct.backward(dout, q, q, q, q, torch.zeros(12, 7), cu, 7, window=None, scale=0.125)
         assert seen[-1] is not dout and fa4_direct.aligned(seen[-1]) and torch.equal(seen[-1], dout)
+
+
+def test_callers_buffers_are_written_and_scratch_is_kept_per_geometry(monkeypatch):
+    log: list = []
+    iface = _fake_interface(log)
+    q = torch.zeros(1, 12, 64)
+    fwd, bwd = fa4_direct._record_one(q, 64, None, 0.125, True, (128, 64), interface=iface)
+    kernels = fa4_direct._Kernels(fwd, bwd, 128, 64)
+    monkeypatch.setattr(fa4_direct, "kernels", lambda *args: kernels)
+    total = 40
+    cu = torch.tensor([0, 15, total], dtype=torch.int32)
+    qq, kk, vv = (torch.randn(total, 12, 64) for _ in range(3))
+    out, lse = torch.empty(total, 12, 64), torch.empty(12, total)
+    log.clear()
+    assert fa4_direct.forward(qq, kk, vv, cu, 64, window=None, scale=0.125, out=out, lse=lse) == (out, lse)
+    assert log[0][1][3] is out and log[0][1][4] is lse
+    with pytest.raises(ValueError, match="lse"):
+        fa4_direct.forward(qq, kk, vv, cu, 64, window=None, scale=0.125, lse=torch.empty(total, 12))
+    grads, scratch = tuple(torch.empty(total, 12, 64) for _ in range(3)), {}
+    seen = []
+    for _ in range(2):
+        log.clear()
+        got = fa4_direct.backward(torch.randn(total, 12, 64), qq, kk, vv, out, lse, cu, 64, window=None,
+                                  scale=0.125, grads=grads, scratch=scratch)
+        (_, pargs), (_, margs), (_, targs) = log
+        assert got is grads and targs[1] is grads[0] and margs[7] is grads[1] and margs[8] is grads[2]
+        seen.append((pargs[2], pargs[4], pargs[5]))
+    assert len(scratch) == 1 and all(a is b for a, b in zip(*seen))  # the second call reused the first's scratch
+    log.clear()
+    fa4_direct.backward(torch.randn(total, 12, 64), qq, kk, vv, out, lse, cu, 64, window=None, scale=0.125)
+    assert not any(log[0][1][2] is t for t in seen[0])  # without a dict: buffers of its own
+    with pytest.raises(ValueError, match="grads"):
+        fa4_direct.backward(torch.randn(total, 12, 64), qq, kk, vv, out, lse, cu, 64, window=None, scale=0.125,
+                            grads=(grads[0], grads[1], torch.empty(total, 12, 32)))

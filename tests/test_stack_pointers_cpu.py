@@ -46,22 +46,42 @@ def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
     served = []
 
     def attention_forward(name, serve=lambda window: True):
-        def forward(q, k, v, cu, max_seqlen, *, window, scale):
+        def forward(q, k, v, cu, max_seqlen, *, window, scale, **buffers):
             # q, k, v: views of the qkv buffer the projection wrote (Wqkv's launch: call(w, y, qkv, workspace, stream))
             qkv_p = last_args["fwd0"][2]
             assert [u.data_ptr() for u in (q, k, v)] == [qkv_p + j * h * q.element_size() for j in range(3)]
             assert q.stride() == (3 * h, h // 4, 1) and q.shape == (t, 4, h // 4)
+            # FlashAttention-4 writes its output and log-sum-exp into the layer's buffer, after qkv
+            assert sorted(buffers) == (["lse", "out"] if name == "fa4" else [])
             if not serve(window):
                 return None
             served.append((name, window))
-            return torch.zeros(q.shape, dtype=q.dtype), (name, q)
+            if name == "fa2":
+                return torch.zeros(q.shape, dtype=q.dtype), (name, q)
+            out, lse = buffers["out"], buffers["lse"]
+            assert out.shape == q.shape and out.is_contiguous() and out.dtype == q.dtype
+            assert lse.shape == (4, t) and lse.is_contiguous() and lse.dtype == torch.float32
+            assert out.data_ptr() >= qkv_p + 3 * h * t * q.element_size() and lse.data_ptr() >= out.data_ptr() + out.nbytes
+            assert out.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()  # (one buffer per layer)
+            out.zero_()
+            return out, (name, q)
         return forward
 
+    fa4_buffers = []
+
     def attention_backward(name):
-        def backward(da, saved):
+        def backward(da, saved, *buffers):
             assert saved[0] == name  # each layer's backward is its forward's backend's
             calls.append(name + "_bwd")
-            return tuple(torch.zeros(saved[1].shape, dtype=saved[1].dtype) for _ in range(3))
+            if name == "fa2":
+                assert not buffers
+                return tuple(torch.zeros(saved[1].shape, dtype=saved[1].dtype) for _ in range(3))
+            grads, scratch = buffers  # FlashAttention-4's: one set of gradients and scratch for every layer
+            assert isinstance(scratch, dict) and all(g.shape == saved[1].shape and g.is_contiguous() for g in grads)
+            fa4_buffers.append((tuple(g.data_ptr() for g in grads), id(scratch)))
+            for g in grads:
+                g.zero_()
+            return grads
         return backward
 
     # FlashAttention-4 on the local layers, its direct calls serving window 64 only: the global fa4 layer (index
@@ -100,3 +120,30 @@ def test_pointer_stack_launches_and_gradients(monkeypatch, x_dtype):
     assert x.grad is not None and x.grad.shape == x.shape
     for name, p in model.layers.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == p.dtype, name
+    assert len(fa4_buffers) == 2 and fa4_buffers[0] == fa4_buffers[1]
+    # each layer's four projection gradients (fp32 masters): views of one buffer, 256 bytes apart at least (CUDA's
+    # allocator aligns the buffer itself)
+    storages = []
+    for layer in model.layers:
+        grads = [m.weight.grad for m in (layer.attn.Wqkv, layer.attn.Wo, layer.mlp.Wi, layer.mlp.Wo)]
+        assert len({g.untyped_storage().data_ptr() for g in grads}) == 1
+        assert all(g.is_contiguous() and not (g.data_ptr() - g.untyped_storage().data_ptr()) % 256 for g in grads)
+        assert len({g.data_ptr() for g in grads}) == 4
+        storages.append(grads[0].untyped_storage().data_ptr())
+    assert len(set(storages)) == len(storages)
+
+
+def test_weight_gradients_share_a_buffer_only_within_one_dtype():
+    shapes = ((8, 12), (24, 8), (8, 8), (24, 8))
+    f32 = [torch.zeros(s) for s in shapes]
+    got = sp._weight_grads(f32, (True, False, True, True), shapes, "cpu")
+    assert got[1] is None and [g.shape for g in (got[0], got[2], got[3])] == [shapes[0], shapes[2], shapes[3]]
+    base = got[0].untyped_storage().data_ptr()
+    assert {g.untyped_storage().data_ptr() for g in (got[0], got[2], got[3])} == {base}
+    ends = sorted((g.data_ptr(), g.data_ptr() + g.nbytes) for g in (got[0], got[2], got[3]))
+    assert all(a[1] <= b[0] and not (b[0] - base) % 256 for a, b in zip(ends, ends[1:]))  # apart, aligned
+    mixed = [f32[0], f32[1].to(torch.bfloat16), f32[2], f32[3].to(torch.float64)]
+    got = sp._weight_grads(mixed, (True, True, True, True), shapes, "cpu")
+    assert [g.dtype for g in got] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]  # fp64: fp32
+    assert len({g.untyped_storage().data_ptr() for g in got}) == 4  # one tensor each
+    assert sp._weight_grads(f32, (False,) * 4, shapes, "cpu") == [None] * 4

@@ -76,14 +76,25 @@ class _Kernels:
         for call in self.forward:
             call(tensors)
 
-    def run_backward(self, dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv) -> None:
+    def scratch(self, total: int, heads: int, batch: int, device, cache: dict | None = None) -> tuple:
+        """``(dpsum, lse_log2, dq_accum)`` for a backward of ``total`` tokens in ``batch`` sequences; from ``cache``
+        (filled on a miss) when given: one set serves every backward of that geometry queued on one stream (the
+        preprocess kernel writes all three before the others read them)."""
+        padded = _padded_rows(total, batch, self.m_block)
+        key = (padded, heads, self.hdim_rounded)
+        found = None if cache is None else cache.get(key)
+        if found is None:
+            found = (torch.empty((heads, padded), dtype=torch.float32, device=device),
+                     torch.empty((heads, padded), dtype=torch.float32, device=device),
+                     torch.empty((heads, padded * self.hdim_rounded), dtype=torch.float32, device=device))
+            if cache is not None:
+                cache[key] = found
+        return found
+
+    def run_backward(self, dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv, scratch: dict | None = None) -> None:
         total, heads, _ = q.shape
-        padded = _padded_rows(total, cu_seqlens.shape[0] - 1, self.m_block)
-        device = q.device
         tensors = [q, k, v, out, lse, cu_seqlens, dout, dq, dk, dv,
-                   torch.empty((heads, padded), dtype=torch.float32, device=device),
-                   torch.empty((heads, padded), dtype=torch.float32, device=device),
-                   torch.empty((heads, padded * self.hdim_rounded), dtype=torch.float32, device=device)]
+                   *self.scratch(total, heads, cu_seqlens.shape[0] - 1, q.device, scratch)]
         for call in self.backward:
             call(tensors)
 
@@ -180,30 +191,44 @@ def class_status(q: torch.Tensor, window: int | None, scale: float, max_seqlen: 
 
 
 def forward(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
-            backward: bool = False, out: torch.Tensor | None = None):
+            backward: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """``(out [total, heads, head_dim], lse [heads, total] fp32)`` of the recorded forward, or ``None`` when the
-    public entry point must run. ``backward``: record the class's backward too (before any graph capture)."""
+    public entry point must run. ``backward``: record the class's backward too (before any graph capture).
+    ``out`` / ``lse``: where to write them (``out`` as :func:`aligned` requires, ``lse`` contiguous and 16-byte
+    aligned; a caller's workspace views), else new tensors."""
     got = kernels(q, window, scale, max_seqlen, cu_seqlens.shape[0] - 1, backward)
     if got is None or not (aligned(q) and aligned(k) and aligned(v) and (out is None or aligned(out))):
         return None
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    if lse is None:
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    elif lse.shape != (q.shape[1], q.shape[0]) or lse.dtype != torch.float32 or not lse.is_contiguous() \
+            or lse.data_ptr() & 15:
+        raise ValueError(f"lse must be a contiguous, 16-byte aligned fp32 [{q.shape[1]}, {q.shape[0]}] tensor")
     got.run_forward(q, k, v, out, lse, cu_seqlens)
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float):
-    """``(dq, dk, dv)`` (new contiguous tensors) of :func:`forward`'s call (``backward=True``) for the output
-    gradient ``dout``. Raises ``RuntimeError`` when the class's backward was not recorded."""
+def backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
+             grads: tuple | None = None, scratch: dict | None = None):
+    """``(dq, dk, dv)`` of :func:`forward`'s call (``backward=True``) for the output gradient ``dout``: new
+    contiguous tensors, or ``grads`` (three contiguous tensors shaped as ``q, k, v``, e.g. one set a caller reuses
+    for every layer's backward on one stream). ``scratch``: a dict that keeps the backward's scratch buffers for
+    later calls of the same geometry (see :meth:`_Kernels.scratch`). Raises ``RuntimeError`` when the class's
+    backward was not recorded."""
     got = kernels(q, window, scale, max_seqlen, cu_seqlens.shape[0] - 1, True)
     if got is None or got.backward is None:
         raise RuntimeError("FlashAttention-4 direct backward of a call whose forward was not served directly")
     if not aligned(dout):  # (a contiguous but misaligned one too)
         dout = dout.clone(memory_format=torch.contiguous_format)
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    got.run_backward(dout, q, k, v, out, lse, cu_seqlens, dq, dk, dv)
-    return dq, dk, dv
+    if grads is None:
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    elif any(g.shape != t.shape or g.dtype != t.dtype or not g.is_contiguous() or g.data_ptr() & 15
+             for g, t in zip(grads, (q, k, v))):
+        raise ValueError("grads must be three contiguous, 16-byte aligned tensors shaped as q, k, v")
+    got.run_backward(dout, q, k, v, out, lse, cu_seqlens, *grads, scratch=scratch)
+    return grads
 
 
 class _Recorder:

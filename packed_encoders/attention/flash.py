@@ -133,21 +133,27 @@ def fa4_varlen_finite_v(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | N
     return out[0] if isinstance(out, tuple) else out
 
 
-def fa4_forward_saving(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None,
-                       scale: float) -> tuple[torch.Tensor, tuple] | None:
+def fa4_forward_saving(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
+                       out: torch.Tensor | None = None,
+                       lse: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple] | None:
     """:func:`fa4_varlen_finite_v` outside autograd, for a caller that runs the backward itself (the training
     stack): ``(out [T, heads, head_dim], saved)`` for :func:`fa4_backward`, or ``None`` where :mod:`.fa4_direct`
-    does not serve the call (the caller takes another backend)."""
-    got = fa4_direct.forward(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale, backward=True)
+    does not serve the call (the caller takes another backend). ``out`` / ``lse``: buffers to write into
+    (:func:`.fa4_direct.forward`)."""
+    got = fa4_direct.forward(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale, backward=True, out=out,
+                             lse=lse)
     if got is None:
         return None
     return got[0], (q, k, v, got[0], got[1], cu_seqlens, max_seqlen, window, scale)
 
 
-def fa4_backward(dout: torch.Tensor, saved: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`fa4_forward_saving` for the output gradient ``dout``."""
+def fa4_backward(dout: torch.Tensor, saved: tuple, grads: tuple | None = None,
+                 scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`fa4_forward_saving` for the output gradient ``dout`` (``grads``, ``scratch``: as
+    :func:`.fa4_direct.backward` takes them)."""
     q, k, v, out, lse, cu_seqlens, max_seqlen, window, scale = saved
-    return fa4_direct.backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, window=window, scale=scale)
+    return fa4_direct.backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen, window=window, scale=scale,
+                               grads=grads, scratch=scratch)
 
 
 class _FA4Direct(torch.autograd.Function):

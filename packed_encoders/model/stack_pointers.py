@@ -233,16 +233,20 @@ class PointerStack(torch.autograd.Function):
         last = len(call.args) - 1
         # what one layer's backward reads, in one buffer per layer: s (a first layer's is x), y (a first layer
         # without attn_norm: a cast of x), the first norm's statistics, x (the last layer's is the node's output),
-        # y2, the second norm's statistics, h, qkv
+        # y2, the second norm's statistics, h, qkv and, in a FlashAttention-4 layer, the attention's output and
+        # log-sum-exp (FlashAttention-2 allocates its own)
         arenas = {}
-        for first, final in ((True, False), (False, False), (False, True), (True, True)):
+
+        def layout(first: bool, final: bool, fa4: bool) -> tuple[int, tuple[int, ...]]:
             arena = _Arena()
             own = not first or call.args[0][1][2]
             at = (0 if first else arena.add(t * h * rsz), arena.add(t * h * isz) if own else 0,
                   arena.add(4 * t), arena.add(4 * t), 0 if final else arena.add(t * h * rsz),
                   arena.add(t * h * isz), arena.add(4 * t), arena.add(4 * t), arena.add(t * 2 * inner * isz),
-                  arena.add(t * 3 * h * isz))
-            arenas[first, final] = (arena.size, at)
+                  arena.add(t * 3 * h * isz), arena.add(t * h * isz) if fa4 else 0,
+                  arena.add(4 * heads * t) if fa4 else 0)
+            arenas[first, final, fa4] = found = (arena.size, at)
+            return found
         # one call's transients: the attention projection and pending (one buffer: a layer reads pending in its first
         # norm, before it writes the projection, and writes pending after its second norm read the projection), the
         # GLU output, the cuBLASLt workspace
@@ -264,9 +268,11 @@ class PointerStack(torch.autograd.Function):
         for index, (in_params, in_meta, out_params, out_meta) in enumerate(call.args):
             slot = index * _PER_LAYER
             wqkv, wo, wi, w2 = compute[slot + 2], compute[slot + 4], compute[slot + 8], compute[slot + 10]
-            size, at = arenas[index == 0, index == last]
+            step = call.plan.layers[index]
+            fa4 = step.backend == "fa4"
+            size, at = arenas.get((index == 0, index == last, fa4)) or layout(index == 0, index == last, fa4)
             buf, base = workspace.empty(size, device)
-            s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p, qkv_p = (base + a for a in at)
+            s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p, qkv_p, att_p, lse_p = (base + a for a in at)
             keep = None  # tensors of a layer without attn_norm (its input, the input in the compute dtype)
             ln_w, ln_b = in_params[0], in_params[1]
             if in_meta[2]:
@@ -287,9 +293,11 @@ class PointerStack(torch.autograd.Function):
             cos, sin, rows = call.tables[params.layer_is_global[index]]
             launch.rope(qkv_p, cos, sin, rows)
             q, k, v = qkv.view(t, 3, heads, head_dim).unbind(1)  # (views at qkv's own offset in buf)
-            step = call.plan.layers[index]
-            got = fa4_forward_saving(q, k, v, cu, max_seqlen, window=step.window, scale=scale) \
-                if step.backend == "fa4" else None
+            got = None
+            if fa4:
+                got = fa4_forward_saving(q, k, v, cu, max_seqlen, window=step.window, scale=scale,
+                                         out=_view(buf, att_p, cdt, (t, heads, head_dim), (h, head_dim, 1)),
+                                         lse=_view(buf, lse_p, _F32, (heads, t), (t, 1)))
             if got is not None:
                 a, att = got[0], (fa4_backward, got[1])
             else:
@@ -356,6 +364,10 @@ class PointerStack(torch.autograd.Function):
         # runs (the activations of the layers above are freed by then) and reduced once after the layers
         norm_rows = 4 if call.has_b else 2
         partials = []
+        # FlashAttention-4's input gradients and scratch buffers: one set for every layer (each layer's RoPE backward
+        # reads dq, dk, dv before the next layer's attention backward, queued after it on this stream, writes them)
+        fa4_grads = None
+        fa4_scratch: dict = {}
         at_ws = scratch.add(cublaslt.WORKSPACE_BYTES)
         tmp, base = workspace.empty(scratch.size, device)
         dg_p, dh_p, g_p, dy2_p, dy1_p = base + at_dg, base + at_dh, base + at_g, base + at_dy2, base + at_dy1
@@ -379,14 +391,18 @@ class PointerStack(torch.autograd.Function):
             part = torch.empty((norm_rows, programs, h), dtype=_F32, device=device)
             partials.append(part)
             parts = part.data_ptr()
+            dw2, dwi, dwo, dwqkv = _weight_grads(
+                (out_params[6], out_params[4], out_params[0], in_params[2]),
+                (needs[slot + 10], needs[slot + 8], needs[slot + 4], needs[slot + 2]),
+                ((h, inner), (2 * inner, h), (h, h), (3 * h, h)), device)
             # MLP: pending = W2 glu(Wi y2)
             dx_2(w2.data_ptr(), dp_p, dg_p, ws, stream)
             launch.glu_bwd(dg_p, h_p, dh_p, g_p)
-            if needs[slot + 10]:
-                grads[slot + 10] = _weight_grad(dw_of, h, inner, out_params[6], g_p, dp_p, ws, stream)
+            if dw2 is not None:
+                grads[slot + 10] = _weight_grad(dw_of, dw2, out_params[6], g_p, dp_p, ws, stream)
             dx_i(wi.data_ptr(), dh_p, dy2_p, ws, stream)
-            if needs[slot + 8]:
-                grads[slot + 8] = _weight_grad(dw_of, 2 * inner, h, out_params[4], y2_p, dh_p, ws, stream)
+            if dwi is not None:
+                grads[slot + 8] = _weight_grad(dw_of, dwi, out_params[4], y2_p, dh_p, ws, stream)
             # mlp_norm (residual): x = s + o
             m_w = out_params[2]
             launch.ln_bwd(dy2_p, xo_p, m_w.data_ptr() if m_w is not None else xo_p, m2, r2, dx_p, ds_p, do_p,
@@ -394,9 +410,14 @@ class PointerStack(torch.autograd.Function):
             # attention output: o = Wo a
             attention_bwd, saved, a = att
             dx_o(wo.data_ptr(), do_p, da_p, ws, stream)
-            if needs[slot + 4]:
-                grads[slot + 4] = _weight_grad(dw_of, h, h, out_params[0], a.data_ptr(), do_p, ws, stream)
-            dq, dk, dv = attention_bwd(da, saved)
+            if dwo is not None:
+                grads[slot + 4] = _weight_grad(dw_of, dwo, out_params[0], a.data_ptr(), do_p, ws, stream)
+            if attention_bwd is fa4_backward:
+                if fa4_grads is None:
+                    fa4_grads = torch.empty((3, t, heads, head_dim), dtype=cdt, device=device).unbind(0)
+                dq, dk, dv = attention_bwd(da, saved, fa4_grads, fa4_scratch)
+            else:
+                dq, dk, dv = attention_bwd(da, saved)
             att = saved = a = None
             cos, sin, rows = call.tables[params.layer_is_global[index]]
             if all(g.is_contiguous() and not g.data_ptr() & 15 for g in (dq, dk, dv)):
@@ -407,8 +428,8 @@ class PointerStack(torch.autograd.Function):
                                                     heads, head_dim, cdt)
                 dqkv_at = dqkv_t.data_ptr()
             dx_qkv(wqkv.data_ptr(), dqkv_at, dy1_p, ws, stream)
-            if needs[slot + 2]:
-                grads[slot + 2] = _weight_grad(dw_of, 3 * h, h, in_params[2], y_p, dqkv_at, ws, stream)
+            if dwqkv is not None:
+                grads[slot + 2] = _weight_grad(dw_of, dwqkv, in_params[2], y_p, dqkv_at, ws, stream)
             dq = dk = dv = None
             if in_meta[2]:  # attn_norm: s = x + pending (or x alone in a first layer); ds joins as the residual's
                 ln_w = in_params[0]
@@ -423,18 +444,43 @@ class PointerStack(torch.autograd.Function):
                 ds_t = tmp.view(res_dt).as_strided((t, h), (h, 1), (ds_p - tmp.data_ptr()) // rsz)
                 dx_in = as_dtype(dy_t, res_dt) + ds_t  # (as the tensor form: the input's dtype, then the sum)
             del buf, keep, qkv  # (this layer's activations go as soon as its gradients are made)
-        del tmp, typed, da
+        del tmp, typed, da, fa4_grads, fa4_scratch
         partials.reverse()  # (made from the last layer down)
         _norm_grads(call, grads, needs, torch.cat(partials))
         return (dx_in, None, *(grads[slot] for slot in call.present))
 
 
-def _weight_grad(dw_of, n: int, k: int, param: torch.Tensor, x_p: int, dy_p: int, ws: int, stream: int):
-    """``dW [n, k]`` in ``param``'s dtype where it is fp32 or the compute dtype (the GEMM writes it from its fp32
-    accumulator), else computed in fp32 and cast."""
-    out_dtype = param.dtype if param.dtype in (_F32, *_LOW) else _F32
-    dw = torch.empty((n, k), dtype=out_dtype, device=param.device)
-    dw_of(n, k, out_dtype)(x_p, dy_p, dw.data_ptr(), ws, stream)
+def _view(buf: torch.Tensor, p: int, dtype: torch.dtype, shape: tuple, strides: tuple) -> torch.Tensor:
+    """A ``dtype`` tensor over the byte buffer ``buf`` at address ``p``."""
+    return buf.view(dtype).as_strided(shape, strides, (p - buf.data_ptr()) // dtype.itemsize)
+
+
+def _weight_grads(params: tuple, needs: tuple, shapes: tuple, device) -> list:
+    """The tensors one layer's projection weight gradients (``shapes``: ``(n, k)``) are written into, ``None`` where
+    ``needs`` says none is wanted: in each parameter's dtype where it is fp32 or a low-precision one (the GEMM writes
+    it from its fp32 accumulator), else fp32 (then cast). Views of one buffer (each ``_ALIGN``-aligned) where they
+    share a dtype, as with fp32 master weights: one allocation per layer instead of four. Autograd hands them on as
+    they are, so the ``.grad`` of a layer's four projections may share that buffer's storage."""
+    dtypes = [(p.dtype if p.dtype in (_F32, *_LOW) else _F32) if need else None for p, need in zip(params, needs)]
+    wanted = {d for d in dtypes if d is not None}
+    if len(wanted) != 1:
+        return [None if d is None else torch.empty(shape, dtype=d, device=device) for d, shape in zip(dtypes, shapes)]
+    dtype = wanted.pop()
+    per = _ALIGN // dtype.itemsize
+    offsets, end = [], 0
+    for (n, k), d in zip(shapes, dtypes):
+        offsets.append(end)
+        if d is not None:
+            end += -(-n * k // per) * per
+    flat = torch.empty(end, dtype=dtype, device=device)
+    return [None if d is None else flat.as_strided((n, k), (k, 1), at)
+            for (n, k), d, at in zip(shapes, dtypes, offsets)]
+
+
+def _weight_grad(dw_of, dw: torch.Tensor, param: torch.Tensor, x_p: int, dy_p: int, ws: int, stream: int):
+    """``dw [n, k] = dy.T @ x`` written into ``dw`` (from :func:`_weight_grads`), in ``param``'s dtype."""
+    n, k = dw.shape
+    dw_of(n, k, dw.dtype)(x_p, dy_p, dw.data_ptr(), ws, stream)
     return as_dtype(dw, param.dtype)
 
 
