@@ -288,16 +288,18 @@ class PointerStack(torch.autograd.Function):
                 y_c = as_dtype(x_t, cdt)
                 keep = (x_t, y_c)
                 s_p, y_p = x_p, y_c.data_ptr()
-            qkv = buf.narrow(0, qkv_p - buf.data_ptr(), t * 3 * h * isz).view(cdt).view(t, 3 * h)
             fwd_qkv(wqkv.data_ptr(), y_p, qkv_p, ws, stream)
             cos, sin, rows = call.tables[params.layer_is_global[index]]
             launch.rope(qkv_p, cos, sin, rows)
-            q, k, v = qkv.view(t, 3, heads, head_dim).unbind(1)  # (views at qkv's own offset in buf)
+            typed, at_buf = buf.view(cdt), buf.data_ptr()
+            q, k, v = (typed.as_strided((t, heads, head_dim), (3 * h, head_dim, 1), (qkv_p - at_buf) // isz + j * h)
+                       for j in range(3))  # (views of qkv in buf)
             got = None
             if fa4:
-                got = fa4_forward_saving(q, k, v, cu, max_seqlen, window=step.window, scale=scale,
-                                         out=_view(buf, att_p, cdt, (t, heads, head_dim), (h, head_dim, 1)),
-                                         lse=_view(buf, lse_p, _F32, (heads, t), (t, 1)))
+                out = typed.as_strided((t, heads, head_dim), (h, head_dim, 1), (att_p - at_buf) // isz)
+                lse = buf.view(_F32).as_strided((heads, t), (t, 1), (lse_p - at_buf) // 4)
+                got = fa4_forward_saving(q, k, v, cu, max_seqlen, window=step.window, scale=scale, out=out, lse=lse)
+                out = lse = None
             if got is not None:
                 a, att = got[0], (fa4_backward, got[1])
             else:
@@ -318,7 +320,7 @@ class PointerStack(torch.autograd.Function):
             fwd_2(w2.data_ptr(), g_p, pend_p if index < last else pend_out.data_ptr(), ws, stream)
             read = tuple((w_, w_._version) for w_ in (ln_w, m_w, wqkv, wo, wi, w2) if w_ is not None)
             x_keep = x_out.detach() if index == last else None  # (an output held by ctx would be a cycle)
-            layers.append((buf, keep, x_keep, (s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p), qkv, (*att, a), read))
+            layers.append((buf, keep, x_keep, (s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p), (*att, a), read))
             x_p, pending = xo_p, True
         ctx.call, ctx.layers = call, layers
         del tmp  # (stream-ordered: the caching allocator reuses it only for work queued after these launches)
@@ -381,7 +383,7 @@ class PointerStack(torch.autograd.Function):
         dx_in = None  # the gradient of the node's input, from the first layer
         for index in range(n_layers - 1, -1, -1):
             in_params, in_meta, out_params, out_meta = call.args[index]
-            buf, keep, x_keep, (s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p), qkv, att, read = layers[index]
+            buf, keep, x_keep, (s_p, y_p, m1, r1, xo_p, y2_p, m2, r2, h_p), att, read = layers[index]
             check_versions(read, index)
             if not keep_graph:
                 layers[index] = None
@@ -443,16 +445,11 @@ class PointerStack(torch.autograd.Function):
                 dy_t = typed.as_strided((t, h), (h, 1), (dy1_p - tmp.data_ptr()) // isz)
                 ds_t = tmp.view(res_dt).as_strided((t, h), (h, 1), (ds_p - tmp.data_ptr()) // rsz)
                 dx_in = as_dtype(dy_t, res_dt) + ds_t  # (as the tensor form: the input's dtype, then the sum)
-            del buf, keep, qkv  # (this layer's activations go as soon as its gradients are made)
+            del buf, keep  # (this layer's activations go as soon as its gradients are made)
         del tmp, typed, da, fa4_grads, fa4_scratch
         partials.reverse()  # (made from the last layer down)
         _norm_grads(call, grads, needs, torch.cat(partials))
         return (dx_in, None, *(grads[slot] for slot in call.present))
-
-
-def _view(buf: torch.Tensor, p: int, dtype: torch.dtype, shape: tuple, strides: tuple) -> torch.Tensor:
-    """A ``dtype`` tensor over the byte buffer ``buf`` at address ``p``."""
-    return buf.view(dtype).as_strided(shape, strides, (p - buf.data_ptr()) // dtype.itemsize)
 
 
 def _weight_grads(params: tuple, needs: tuple, shapes: tuple, device) -> list:
