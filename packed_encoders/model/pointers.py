@@ -160,11 +160,14 @@ def _launch_class(params: ModernBertParams, batch: PackedBatch, plan, dtype: tor
     config = small_gemm.default_config
     windows = tuple(params.layer_window(n) is not None and params.layer_window(n) < batch.max_seqlen - 1
                     for n in range(params.num_hidden_layers))
+    # the Triton attention kernel's tiles exist only for its head dims; other geometries never launch it
+    short = params.head_dim in triton_short.HEAD_DIMS
+    tiles = triton_short.tile_config(batch.max_seqlen, params.head_dim, False) if short else None
+    tiles_local = triton_short.tile_config(batch.max_seqlen, params.head_dim, True) if short else None
     return (params, dtype, device, plan.linear_route, plan.glu, tuple(step.backend for step in plan.layers),
             layer_norm._forward_shape(t, h, dtype.itemsize), config(t, 3 * h, h), config(t, h, h),
             config(t, 2 * i, h, glu=True), config(t, h, i), windows,
-            triton_short.tile_config(batch.max_seqlen, params.head_dim, False),
-            triton_short.tile_config(batch.max_seqlen, params.head_dim, True),
+            tiles, tiles_local,
             fa4_direct.span_of(batch.max_seqlen) if any(step.backend == "fa4" for step in plan.layers) else None)
 
 
