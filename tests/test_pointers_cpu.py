@@ -170,3 +170,24 @@ def test_flash_attention_layers_read_the_rotated_qkv_and_write_the_attention_buf
     wo = [args[1] for name, args in calls if name == f"lt{h}x{h}"]
     assert [wo[i] for i in globals_] == [returned[0].data_ptr(), att, returned[1].data_ptr()]
     assert [name for name, _ in calls].count("rope") == len(globals_)
+
+
+def test_launch_class_of_geometries_the_triton_attention_kernel_has_no_tiles_for():
+    """The launch class names the Triton attention tiles only where that kernel exists for the head dim: head_dim 32
+    (2 heads of 64) runs FlashAttention / varlen layers and used to raise ``ValueError`` from ``tile_config``."""
+    from packed_encoders.attention import triton_short
+    from transformers import ModernBertConfig
+
+    batch, _ = _batch_and_tables()
+    plan = types.SimpleNamespace(layers=(types.SimpleNamespace(backend="varlen"),) * 2, linear_route="F.linear",
+                                 glu="small_gemm")
+    keys = {}
+    for heads in (2, 1):  # head_dim 32 (no tile table) and 64
+        cfg = ModernBertConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=heads,
+                               vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                               sep_token_id=2)
+        params = ModernBertParams.from_hf_config(cfg)
+        keys[params.head_dim] = pointers._launch_class(params, batch, plan, torch.bfloat16, torch.device("cpu"))
+    assert 32 not in triton_short.HEAD_DIMS and 64 in triton_short.HEAD_DIMS
+    assert triton_short.tile_config(batch.max_seqlen, 64, False) in keys[64]
+    assert keys[32] != keys[64] and hash(keys[32]) is not None
