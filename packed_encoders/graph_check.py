@@ -21,7 +21,7 @@ from .graphs.buckets import CallFacts, admit, admit_rect, round_seqs
 from .graphs.route import (deferred_checks, graph_forward, graph_keys, note_eager, prepare, release_check_graphs,
                            sync_free_forward)
 from .router import Facts
-from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, rel_err
+from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, module_modes, rel_err, restore_modes
 
 
 def check_lengths(config, window: int, top: int | None = None) -> list[int]:
@@ -80,7 +80,7 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
 
 
 def _check(model, state, config, params, weight, lengths, ids, mask, report, seed: int) -> None:
-    was_training = model.training
+    modes = module_modes(model)
     model.eval()
     try:
         with torch.no_grad():
@@ -97,7 +97,7 @@ def _check(model, state, config, params, weight, lengths, ids, mask, report, see
                 r_eager = run_packed(model, state, r_batch)
                 rect = _sync_free(model, state, config, r_ids, r_mask)
     finally:
-        model.train(was_training)
+        restore_modes(modes)
 
     def why():
         facts = CallFacts(num_seqs=batch.num_seqs, total_tokens=batch.total_tokens, max_seqlen=batch.max_seqlen)

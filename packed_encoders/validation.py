@@ -168,6 +168,18 @@ def check_structure(model: nn.Module, params) -> list[str]:
     return problems
 
 
+def module_modes(model: nn.Module) -> list:
+    """Every submodule's train / eval mode, for :func:`restore_modes` after running ``model`` in eval mode:
+    ``model.train(was)`` would set them all alike, switching off Monte-Carlo dropout (an eval model with its dropout
+    modules in train mode) or switching on dropout in a part the caller keeps in eval."""
+    return [(m, m.training) for m in model.modules()]
+
+
+def restore_modes(modes: list) -> None:
+    for m, training in modes:
+        m.training = training
+
+
 def _stock_forward(model: nn.Module, **kwargs):
     return type(model).forward(model, **kwargs)
 
@@ -233,7 +245,7 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     ids, mask = check_batch(lengths, params.vocab_size, device, seed)
     b, s = ids.shape
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    was_training = model.training
+    modes = module_modes(model)
     model.eval()
     try:
         stock = _stock_forward(model, input_ids=ids, attention_mask=mask, position_ids=positions,
@@ -256,7 +268,7 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
         report.failures.append(f"packed path raised: {exc}")
         return report
     finally:
-        model.train(was_training)
+        restore_modes(modes)
     report.attention = dict(state.last_plan)
     real = mask.bool()
     r = stock[real].float()

@@ -432,3 +432,30 @@ def test_describe_says_whether_the_last_eager_call_applied_dropout():
     assert plan["dropout"] is True
     if plan["stack"]:  # the raw-pointer stack is CUDA only, and says why not
         assert plan["stack_pointers"] is False and plan["stack_pointers_off"], plan
+
+
+@pytest.mark.parametrize("setup", ["mc_dropout", "frozen_part_in_eval"])
+def test_pack_and_validate_keep_every_module_mode(setup):
+    # validation runs the model in eval mode; putting it back with model.train(was_training) would reset every
+    # submodule: Monte-Carlo dropout (an eval model with its dropout modules in train mode) silently switched off,
+    # a part kept in eval inside a training model (no dropout there) silently switched to train
+    model = make_model("tiny", mlp_dropout=1.0)  # p = 1: the MLP output is dropped whole, a deterministic check
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        if setup == "mc_dropout":
+            m.eval()
+            for layer in m.layers:
+                layer.mlp.drop.train()
+        else:
+            m.train()
+            for layer in m.layers:
+                layer.mlp.eval()
+    modes = {name: m.training for name, m in model.named_modules()}
+    pe.validate(model)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    pe.pack(model)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    ids, mask = padded_batch([9, 4, 20])
+    expected = stock(twin, input_ids=ids, attention_mask=mask,
+                     position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+    torch.testing.assert_close(_out(model, ids, mask)[mask.bool()], expected[mask.bool()], atol=1e-4, rtol=1e-4)
