@@ -161,6 +161,13 @@ def is_packed(target) -> bool:
     return all(get_state(m) is not None for _, m in find_encoders(target))
 
 
+def _validated(report, dtype: str, device: str) -> bool | None:
+    # a check in fp32 says nothing of the bf16 kernels a later .to(torch.bfloat16) runs
+    if report is None or report.dtype != dtype or report.device != device:
+        return None
+    return report.passed
+
+
 def describe(target) -> dict:
     """What is active for each encoder: backend requested and last chosen, kernels, device, validation.
 
@@ -172,7 +179,9 @@ def describe(target) -> dict:
     ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided: ``direct``, ``why_checked``,
     ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``, ``stack_pointers``,
     ``stack_pointers_off``, ``dropout``; see :func:`_plan_facts`), ``cuda_graph``, ``tuning`` (the switches read at
-    ``pack()``), ``padded_outputs`` and ``validated``.
+    ``pack()``), ``padded_outputs``, ``validated`` (``True`` / ``False``: what ``pack()``'s check against stock found;
+    ``None``: not validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype
+    and device it was checked in).
 
     Raises:
         UnsupportedTargetError: no ModernBERT encoder inside ``target``.
@@ -207,7 +216,8 @@ def describe(target) -> dict:
                 "padded_outputs": ("zeros" if trailing is None else
                                    "trailing masked positions computed" + (
                                        "" if trailing >= ALWAYS else f" for calls <= {trailing} wide")),
-                "validated": None if state.report is None else state.report.passed,
+                "validated": _validated(state.report, entry["dtype"], entry["device"]),
+                "validated_as": None if state.report is None else f"{state.report.dtype} on {state.report.device}",
             })
         out.append(entry)
     return {"encoders": out}

@@ -315,6 +315,7 @@ def test_describe_and_validate_report():
     pe.pack(model)
     d = pe.describe(model)["encoders"][0]
     assert d["packed"] and d["attention_backend"] == "auto" and d["kernels"] == "torch" and d["validated"]
+    assert d["validated_as"] == f"{d['dtype']} on {d['device']}"
     assert set(d["last_attention"].values()) == {"sdpa"}
     assert any("CUDA" in r for r in d["attention_fallbacks"])
     report = pe.validate(model)
@@ -459,3 +460,15 @@ def test_pack_and_validate_keep_every_module_mode(setup):
     expected = stock(twin, input_ids=ids, attention_mask=mask,
                      position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
     torch.testing.assert_close(_out(model, ids, mask)[mask.bool()], expected[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_describe_validated_only_for_the_dtype_it_was_checked_in():
+    """A check in one dtype says nothing of another's kernels: after ``.to(dtype)`` ``validated`` is ``None``, and
+    ``validated_as`` names what was checked; back in the checked dtype it reads the check's result again."""
+    model = pe.pack(make_model("base_like"))
+    assert pe.describe(model)["encoders"][0]["validated"] is True
+    model.to(torch.float64)
+    d = pe.describe(model)["encoders"][0]
+    assert d["dtype"] == "float64" and d["validated"] is None and d["validated_as"] == "float32 on cpu"
+    model.to(torch.float32)
+    assert pe.describe(model)["encoders"][0]["validated"] is True
