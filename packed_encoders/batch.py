@@ -63,9 +63,12 @@ class PackedBatch:
         if self.indices is None or self.padded_shape is None:
             raise PackedEncodersError("this batch was built packed; it has no padded layout to scatter to")
         b, s = self.padded_shape
-        out = packed.new_zeros((b * s, *packed.shape[1:]))
-        out = out.index_copy(0, self.indices, packed)
-        return out.view(b, s, *packed.shape[1:])
+        out = packed.new_zeros((b, s, *packed.shape[1:]))
+        # Written through a view, returned as the base: a returned view would make an in-place op on the output
+        # drop the backward hooks FSDP2 puts on it (it then skips the all-gather; backward fails), which stock's
+        # output, not a view, allows.
+        out.view(b * s, *packed.shape[1:]).index_copy_(0, self.indices, packed)
+        return out
 
 
 def _token_coords(cu: torch.Tensor, total: int):

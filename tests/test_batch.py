@@ -29,6 +29,20 @@ def test_unpad_exact(side):
     assert torch.equal(padded, torch.where(mask.bool(), ids, 0).float())
 
 
+def test_pad_returns_a_tensor_of_its_own_not_a_view():
+    """Stock's output is no view; FSDP2 warns about a returned view, and an in-place op on it drops the hook that
+    all-gathers the weights before the backward (tests/test_distributed.py: the backward failed)."""
+    ids, mask = padded_batch([3, 5], side="left", pad_to=6)
+    b = _unpad(ids, mask)
+    packed = torch.randn(b.total_tokens, 4, requires_grad=True)
+    out = b.pad(packed)
+    assert out._base is None and out.shape == (2, 6, 4)
+    torch.testing.assert_close(out[mask.bool()], packed)
+    assert not out[~mask.bool()].any()
+    out.mul_(2).sum().backward()
+    torch.testing.assert_close(packed.grad, torch.full_like(packed, 2.0))
+
+
 def test_user_position_ids_are_gathered():
     ids, mask = padded_batch([2, 4], side="left")
     pos = torch.arange(4)[None].expand(2, 4) * 10

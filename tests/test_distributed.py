@@ -229,6 +229,19 @@ def _fsdp_check(rank, world, ref):
     _mse(o, mask[rows], target[rows], int(mask.sum()), world).backward()
     out["root_rel"] = _rel_diff(_grads(model), ref)
     out["root_packed"] = _packed_ran(model)
+    # the encoder its own unit under a parent's, and an in-place op on its output: a returned view would drop
+    # FSDP2's pre-backward all-gather (warned at each call; the backward failed)
+    parent = torch.nn.Module()
+    parent.encoder = pe.pack(_model())
+    fully_shard(parent.encoder)
+    fully_shard(parent)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o = parent.encoder(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
+    o.mul_(1.0)
+    _mse(o, mask[rows], target[rows], int(mask.sum()), world).backward()
+    out["inplace_rel"] = _rel_diff(_grads(parent.encoder), ref)
+    out["inplace_warnings"] = [str(w.message) for w in caught]
     # per-layer units, sharded after pack(): the stock forward runs, said in a warning and in describe()
     model = pe.pack(_model())
     for layer in model.layers:
@@ -332,6 +345,7 @@ def test_st_cached_loss_under_ddp(results):
 def test_fsdp2(results):
     entry = _get(results, "fsdp2")
     assert entry["root_packed"] and entry["root_rel"] < results["tolerance"], entry
+    assert entry["inplace_rel"] < results["tolerance"] and not entry["inplace_warnings"], entry
     assert entry["layers_rel"] < results["tolerance"], entry
     assert entry["layers_warning"] and "FSDP2" in entry["layers_warning"][0]
     assert any("FSDP2" in f and "layers.0" in f for f in entry["layers_describe"])
