@@ -9,6 +9,7 @@ from torch import nn
 
 from .adapters import token_labels
 from .adapters.late_interaction import ALWAYS
+from .adapters.fsdp import gathered
 from .adapters.locate import find_encoders
 from .adapters.patch import install, replaced_forward, restore
 from .adapters.state import PackOptions, get_state
@@ -98,12 +99,13 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             raise PackedEncodersError(f"cannot validate {path or type(model).__name__}: its weights are on the meta "
                                       "device (no values to compare); load them first, or pack with validate=False")
         if validate:
-            report = check_encoder(model, state, path, validation_lengths)
-            if report.passed and options.graph_auto and options.cuda_graph is not None:
-                report.checks.append("cuda_graph: automatic, captured lazily; each capture is checked against "
-                                     "its eager warm-up")
-            elif report.passed:
-                check_graph_path(model, state, report)  # captures the check batch's bucket on CUDA
+            with gathered(target, path, model):
+                report = check_encoder(model, state, path, validation_lengths)
+                if report.passed and options.graph_auto and options.cuda_graph is not None:
+                    report.checks.append("cuda_graph: automatic, captured lazily; each capture is checked "
+                                         "against its eager warm-up")
+                elif report.passed:
+                    check_graph_path(model, state, report)  # captures the check batch's bucket on CUDA
             state.report = report
             if not report.passed:
                 result = ValidationReport([report])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .adapters.fsdp import gathered
 from .adapters.structure import structure_check
 from .batch import unpad
 from .call import run_packed
@@ -327,7 +328,8 @@ def validate(target, *, lengths=None, attention_backend: str | None = None, kern
         raise PackedEncodersError(f"raise_on_failure={raise_on_failure!r} must be True or False")
     reports = []
     for path, model, state in encoder_states(target, attention_backend=attention_backend, kernels=kernels):
-        reports.append(check_encoder(model, state, path, lengths))
+        with gathered(target, path, model):
+            reports.append(check_encoder(model, state, path, lengths))
     result = ValidationReport(reports)
     if raise_on_failure and not result.passed:
         raise ValidationError("validation against stock Hugging Face failed:\n" + result.summary(), result)

@@ -242,6 +242,24 @@ def _fsdp_check(rank, world, ref):
     _mse(o, mask[rows], target[rows], int(mask.sum()), world).backward()
     out["inplace_rel"] = _rel_diff(_grads(parent.encoder), ref)
     out["inplace_warnings"] = [str(w.message) for w in caught]
+    # sharded before pack(): validation gathers the weights itself (it calls the forwards outside FSDP2's hooks)
+    model = _model()
+    fully_shard(model)
+    pe.pack(model)
+    o = model(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state
+    _mse(o, mask[rows], target[rows], int(mask.sum()), world).backward()
+    out["sharded_first_rel"] = _rel_diff(_grads(model), ref)
+    out["sharded_first_packed"] = _packed_ran(model)
+    # the unit above the pack() target: its weights cannot be gathered from here, said instead of torch's
+    # "mixed torch.Tensor and DTensor"
+    parent = torch.nn.Module()
+    parent.encoder = _model()
+    fully_shard(parent)
+    try:
+        pe.pack(parent.encoder)
+        out["outside_error"] = None
+    except pe.PackedEncodersError as exc:
+        out["outside_error"] = str(exc)
     # per-layer units, sharded after pack(): the stock forward runs, said in a warning and in describe()
     model = pe.pack(_model())
     for layer in model.layers:
@@ -346,6 +364,8 @@ def test_fsdp2(results):
     entry = _get(results, "fsdp2")
     assert entry["root_packed"] and entry["root_rel"] < results["tolerance"], entry
     assert entry["inplace_rel"] < results["tolerance"] and not entry["inplace_warnings"], entry
+    assert entry["sharded_first_packed"] and entry["sharded_first_rel"] < results["tolerance"], entry
+    assert entry["outside_error"] and "sharded" in entry["outside_error"] and "validate=False" in entry["outside_error"]
     assert entry["layers_rel"] < results["tolerance"], entry
     assert entry["layers_warning"] and "FSDP2" in entry["layers_warning"][0]
     assert any("FSDP2" in f and "layers.0" in f for f in entry["layers_describe"])

@@ -9,7 +9,12 @@ that module gather every encoder weight before the packed forward runs and reduc
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from torch import nn
+
+from ..errors import PackedEncodersError
 
 
 def _fsdp_module_type():
@@ -35,3 +40,45 @@ def fsdp_problem(model: nn.Module) -> str | None:
                     "encoder as one unit instead (fully_shard on the ModernBertModel or a module above it), or "
                     "pe.unpack the model")
     return None
+
+
+def _sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed support
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@contextmanager
+def gathered(target: nn.Module, path: str, model: nn.Module) -> Iterator[None]:
+    """Hold the weights of ``model`` (the encoder at ``path`` inside ``target``) unsharded for the block.
+
+    Validation calls the encoder's stock and packed forwards directly, outside the FSDP2 hooks that gather its
+    weights in a call through ``target``: after ``fully_shard``, they would see shards (torch's error mixes
+    ``Tensor`` and ``DTensor`` without saying why). The FSDP2 unit holding the encoder's weights (the encoder
+    itself or the nearest module above it inside ``target``) is unsharded around the block, then resharded; every
+    rank calls ``pack`` (the all-gather is collective), as every rank calls the model.
+
+    Raises:
+        PackedEncodersError: sharded weights whose FSDP2 unit is not inside ``target`` (or sharded by something
+            else, such as tensor parallelism).
+    """
+    if not _sharded(model):
+        yield
+        return
+    fsdp = _fsdp_module_type()
+    # named_modules lists a module before those inside it: the last match is the nearest unit above the encoder
+    owner = None
+    for name, module in target.named_modules():
+        if isinstance(module, fsdp) and (not name or path == name or path.startswith(name + ".")):
+            owner = module
+    if owner is None:
+        raise PackedEncodersError(f"cannot validate {path or type(model).__name__}: its weights are sharded "
+                                  "(DTensor) by something outside the pack() target; pack the module that "
+                                  "fully_shard was applied to, pack before sharding, or pack with validate=False")
+    owner.unshard()
+    try:
+        yield
+    finally:
+        owner.reshard()
