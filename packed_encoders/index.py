@@ -23,7 +23,7 @@ A run killed at any point resumes by running the same command again (any number 
 are kept, the rest are encoded; a chunk written halfway is written again. A run with another corpus, chunking,
 output, pooling, output dtype, pad id or model (other weights, dtype, class, module pipeline or forward-shaping
 config) is refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused
-too. :func:`load_index` reads the result back and checks every corpus id appears exactly once.
+too, and so are ranks started with different corpora, models or options (every rank raises, naming the difference). :func:`load_index` reads the result back and checks every corpus id appears exactly once.
 """
 
 from __future__ import annotations
@@ -332,6 +332,14 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settin
     return plan
 
 
+def _difference(a: dict, b: dict) -> tuple[dict, dict]:
+    """The entries of ``a`` and ``b`` that differ, nested dicts (the model fingerprint) narrowed the same way."""
+    keys = [k for k in a if a[k] != b.get(k)]
+    pairs = {k: _difference(a[k], b[k]) if isinstance(a[k], dict) and isinstance(b.get(k), dict) else (a[k], b.get(k))
+             for k in keys}
+    return {k: x for k, (x, _) in pairs.items()}, {k: y for k, (_, y) in pairs.items()}
+
+
 def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", pooling: str = "mean",
                  batch_tokens: int = 16384, chunk_tokens: int = 1 << 20, out_dtype: torch.dtype = torch.float32,
                  pad_id: int = 0, progress: bool = True,
@@ -357,7 +365,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     Raises:
         PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, or
             ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings
-            (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`).
+            (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`), or ranks
+            called with different ones (or corpus files of different size or modification time).
     """
     for name, value in (("batch_tokens", batch_tokens), ("chunk_tokens", chunk_tokens)):
         if type(value) is not int or value < 1:
@@ -367,17 +376,33 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     dist, rank, world = _dist()
     problem = [None]
     encoder = Encoder(model, output, pooling, pad_id)
+    # pooling shapes the vectors only where this module pools (a bare encoder's pooled output)
+    used = pooling if encoder.bare and output == "pooled" else None
+    settings = {"pooling": used, "out_dtype": str(out_dtype).replace("torch.", ""), "pad_id": int(pad_id),
+                "model": model_fingerprint(model)}
+    # Every rank's, not rank 0's alone: the plan records rank 0's, and a rank run with another model, pooling or
+    # output dtype wrote its chunks into the same index unnoticed (another chunking or output hung rank 0).
+    st = os.stat(corpus)
+    run = {"corpus_bytes": st.st_size, "corpus_mtime_ns": st.st_mtime_ns, "chunk_tokens": chunk_tokens,
+           "output": output, **settings}
+    runs = [run]
+    if dist is not None:
+        runs = [None] * world
+        dist.all_gather_object(runs, run)
     if rank == 0:
-        # pooling shapes the vectors only where this module pools (a bare encoder's pooled output)
-        used = pooling if encoder.bare and output == "pooled" else None
-        settings = {"pooling": used, "out_dtype": str(out_dtype).replace("torch.", ""), "pad_id": int(pad_id),
-                    "model": model_fingerprint(model)}
-        try:
-            plan = (_load_plan(out_dir, corpus, chunk_tokens, output, settings)
-                    or _write_plan(out_dir, corpus, chunk_tokens, output, world, settings, encoder.vocab_size))
-            _remove_partial_writes(out_dir)
-        except PackedEncodersError as exc:
-            problem = [str(exc)]
+        differ = [r for r, theirs in enumerate(runs) if theirs != run]
+        if differ:
+            theirs, ours = _difference(runs[differ[0]], run)
+            problem = [f"the ranks were not given the same indexing run: rank {differ[0]} has {theirs}, rank 0 "
+                       f"{ours} (ranks {differ} differ from rank 0); start every rank with the same model, corpus "
+                       "and options"]
+        else:
+            try:
+                plan = (_load_plan(out_dir, corpus, chunk_tokens, output, settings)
+                        or _write_plan(out_dir, corpus, chunk_tokens, output, world, settings, encoder.vocab_size))
+                _remove_partial_writes(out_dir)
+            except PackedEncodersError as exc:
+                problem = [str(exc)]
     if dist is not None:
         dist.broadcast_object_list(problem, src=0)  # every rank raises rank 0's error instead of waiting for it
     if problem[0] is not None:

@@ -136,6 +136,44 @@ def test_two_ranks_equal_one_process_after_a_kill(setup):
     check_sharded_run(*setup, world=2, backend="gloo")
 
 
+def _disagree_worker(rank, world, rendezvous, model_dir, corpus, out_root):
+    import torch.distributed as dist
+
+    import packed_encoders as pe
+
+    init(rank, world, rendezvous)
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    other = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    with torch.no_grad():
+        other.layers[0].mlp.Wo.weight.mul_(1.01)
+    errors = {}
+    for name, theirs in (("pooling", dict(pooling="cls")), ("out_dtype", dict(out_dtype=torch.bfloat16)),
+                         ("model", dict(model=other)), ("chunk_tokens", dict(chunk_tokens=CHUNK_TOKENS // 2))):
+        kw = dict(model=model, output="pooled", chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+        kw.update(theirs if rank == world - 1 else {})
+        try:
+            index_corpus(corpus=corpus, out_dir=os.path.join(out_root, name), **kw)
+            errors[name] = None
+        except pe.PackedEncodersError as exc:
+            errors[name] = str(exc)
+    with open(os.path.join(out_root, f"errors-{rank}.json"), "w") as f:
+        json.dump(errors, f)
+    dist.destroy_process_group()
+
+
+def test_ranks_given_other_settings_are_refused(setup, tmp_path):
+    """A rank started with another model, pooling, output dtype or chunking wrote its chunks into rank 0's index
+    (mixed vectors, no error) or left rank 0 waiting: every rank now raises one error naming the difference, and
+    nothing is written."""
+    _, model_dir, corpus = setup
+    spawn(_disagree_worker, 2, tmp_path, model_dir, corpus, str(tmp_path))
+    for rank in range(2):
+        errors = json.load(open(tmp_path / f"errors-{rank}.json"))
+        for name, message in errors.items():
+            assert message and "not given the same indexing run" in message and f"'{name}'" in message, (name, message)
+            assert not (tmp_path / name).exists()
+
+
 def test_single_process_matches_stock_model(setup):
     """The index holds the stock model's mean-pooled vectors (the packed path is checked against HF elsewhere;
     this checks the batching, sorting and pooling around it)."""
