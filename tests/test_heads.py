@@ -127,3 +127,28 @@ def test_labels_in_a_row_without_real_tokens_or_flattened_get_the_stock_loss(hea
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
         after = sum((pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}).values())
         assert after == before + (m is empty_mask)  # (trailing padding elsewhere: the packed path computes it)
+
+
+@pytest.mark.parametrize("head", ["ModernBertForTokenClassification", "ModernBertForMaskedLM",
+                                  "ModernBertForQuestionAnswering"])
+def test_loss_arguments_passed_positionally_get_the_stock_loss(head):
+    """``head(ids, mask, labels=...)`` / ``head(ids, mask, None, None, labels)``: the mask and the labels (span
+    positions) are read by position too, so a loss reading padded positions is stock's as with keywords."""
+    import copy
+
+    cls = getattr(transformers, head)
+    stock = make_model("tiny", cls=cls, num_labels=2 if head.endswith("QuestionAnswering") else 4)
+    packed = copy.deepcopy(stock)
+    pe.pack(packed)
+    side = "mixed" if head.endswith("QuestionAnswering") else "right"
+    ids, mask = padded_batch([5, 3, 7], side=side)
+    if head.endswith("QuestionAnswering"):
+        span = (torch.tensor([0, 1, 2]), torch.tensor([6, 6, 6]))
+        calls = [lambda m: m(ids, mask, None, *span), lambda m: m(ids, mask, start_positions=span[0],
+                                                                   end_positions=span[1])]
+    else:
+        labels = ids.clone() if head.endswith("MaskedLM") else ids % 4
+        calls = [lambda m: m(ids, mask, labels=labels), lambda m: m(ids, mask, None, None, labels)]
+    with torch.no_grad():
+        for call in calls:
+            torch.testing.assert_close(call(packed).loss, call(stock).loss, atol=1e-5, rtol=1e-5)

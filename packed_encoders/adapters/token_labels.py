@@ -6,7 +6,7 @@ their loss over every position whose label is not the ignore index (-100): HF's 
 positions, and there stock's encoder output (attention of the padded query over the real keys) enters the loss.
 
 ``pack(target)`` with ``padded_outputs="auto"`` puts a forward pre-hook on each such head inside ``target``. A call
-passing ``labels`` and ``attention_mask`` (keywords, as HF's ``Trainer`` passes them) is checked, with one
+passing ``labels`` and ``attention_mask`` (by keyword or position) is checked, with one
 device-to-host read: when no label at a padded position counts, nothing changes; when the counted ones all sit
 after their row's last real token, the encoder call computes those trailing positions as stock does (the path of
 ``padded_outputs="all"``); otherwise (padding before real tokens, or a row without real tokens, where stock attends
@@ -23,6 +23,8 @@ values for those positions.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 
 import torch
@@ -83,13 +85,28 @@ def span_request_for(start_positions, end_positions, attention_mask) -> str | No
     return SPAN_STOCK_REASON if bool(before_last.any()) else None
 
 
+@functools.lru_cache(maxsize=None)
+def _positional_names(cls: type) -> tuple[str, ...]:
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]  # drop self
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _arguments(module, args, kwargs, *names):
+    """``names``' values in this call, keyword or positional: ``head(ids, mask, labels=...)`` is as common as the
+    Trainer's all-keyword call, and a mask missed here would leave the loss reading the packed path's zeros."""
+    if not args:
+        return tuple(kwargs.get(name) for name in names)
+    positional = dict(zip(_positional_names(type(module)), args))
+    return tuple(kwargs[name] if name in kwargs else positional.get(name) for name in names)
+
+
 def _pre_hook(module, args, kwargs):
-    _REQUEST.what = request_for(kwargs.get("labels"), kwargs.get("attention_mask"))
+    _REQUEST.what = request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"))
 
 
 def _span_pre_hook(module, args, kwargs):
-    _REQUEST.what = span_request_for(kwargs.get("start_positions"), kwargs.get("end_positions"),
-                                     kwargs.get("attention_mask"))
+    _REQUEST.what = span_request_for(*_arguments(module, args, kwargs, "start_positions", "end_positions",
+                                                 "attention_mask"))
 
 
 def _post_hook(module, args, kwargs, output):
