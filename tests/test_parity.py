@@ -92,6 +92,26 @@ def test_output_hidden_states_match_stock():
         assert a[~mask.bool()].abs().max() == 0
 
 
+
+@pytest.mark.parametrize("tie", [False, True, None])
+def test_untied_last_hidden_state_matches_stock(tie):
+    """``config.tie_last_hidden_states = False`` (a ``PretrainedConfig`` option): where this transformers honours it,
+    stock's last ``hidden_states`` entry is the last layer's output before ``final_norm``, and so is the packed one
+    (padded and packed calls)."""
+    model = make_model("tiny")
+    model.config.tie_last_hidden_states = tie
+    ids, mask = padded_batch([4, 9, 7], side="mixed")
+    kw = dict(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    with torch.no_grad():
+        ref = stock(model, position_ids=stock_positions(mask), **kw).hidden_states
+        pe.pack(model)
+        out = model(**kw).hidden_states
+        flat = model(input_ids=ids[mask.bool()][None], position_ids=stock_positions(mask)[mask.bool()][None],
+                     output_hidden_states=True).hidden_states
+    for a, b, c in zip(out, ref, flat):
+        assert_close_real(a, b, mask)
+        torch.testing.assert_close(c[0], b[mask.bool()], atol=1e-4, rtol=1e-4)
+
 def test_explicit_position_ids_are_honoured():
     model = make_model("base_like")
     ids, mask = padded_batch([9, 14])

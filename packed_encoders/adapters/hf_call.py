@@ -60,6 +60,33 @@ def _transformers_major() -> int:
         return 5
 
 
+@functools.lru_cache(maxsize=None)
+def _config_can_untie() -> bool:
+    """Whether this transformers reads ``config.tie_last_hidden_states`` (its ``capture_outputs`` looks the name up on
+    the config; earlier 5.x releases take only the decorator's argument, and their stock ties whatever the config
+    says). Read from the compiled code, so an install without sources answers too."""
+    try:
+        from transformers.utils.output_capturing import capture_outputs
+    except ImportError:
+        return False
+    codes = [capture_outputs.__code__]
+    while codes:
+        code = codes.pop()
+        if "tie_last_hidden_states" in code.co_consts:
+            return True
+        codes.extend(c for c in code.co_consts if inspect.iscode(c))
+    return False
+
+
+def _hidden_pre_norm_last(config) -> bool:
+    """Whether stock's last ``hidden_states`` entry is the last layer's output before ``final_norm``: always in
+    transformers v4; in v5 when ``config.tie_last_hidden_states`` is set false (a ``PretrainedConfig`` option)."""
+    if _transformers_major() < 5:
+        return True
+    tie = getattr(config, "tie_last_hidden_states", None)
+    return tie is not None and not tie and _config_can_untie()
+
+
 def _output(model, last, hidden, return_dict):
     from transformers.modeling_outputs import BaseModelOutput
 
@@ -161,7 +188,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     src = input_ids if input_ids is not None else inputs_embeds
     packed = bool(packed_kw) or (position_ids is not None and attention_mask is None and src.shape[0] == 1
                                  and src.dim() == (2 if input_ids is not None else 3))
-    pre_norm_last = _transformers_major() < 5
+    pre_norm_last = output_hidden_states and _hidden_pre_norm_last(config)
     if packed or src.dim() == (1 if input_ids is not None else 2):
         batch, squeeze = _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids,
                                        token_type_ids, packed_kw)
