@@ -56,9 +56,10 @@ def request_for(labels, attention_mask) -> str | None:
     (HF's heads flatten them: ``[B, S]``, ``[B * S]`` and ``[B, S, 1]`` count alike); anything else ``None``."""
     if not (isinstance(labels, torch.Tensor) and isinstance(attention_mask, torch.Tensor)):
         return None
-    if attention_mask.dim() != 2 or labels.numel() != attention_mask.numel() or labels.device != attention_mask.device:
+    if attention_mask.dim() != 2 or labels.numel() != attention_mask.numel():
         return None
-    labels = labels.reshape(attention_mask.shape)
+    # HF's heads move labels to the logits' device for the loss: CPU labels of a CUDA call count all the same
+    labels = labels.to(attention_mask.device, non_blocking=True).reshape(attention_mask.shape)
     real = attention_mask != 0
     counted = ~real & (labels != IGNORE_INDEX)
     after_last = _after_last(real)

@@ -123,3 +123,21 @@ def test_gradients_bf16_autocast_vs_stock(model):
     finally:
         pe.unpack(master)
         master.to(torch.bfloat16).eval()
+
+
+def test_cpu_labels_of_a_cuda_call_get_the_stock_loss():
+    """Labels on the CPU with a CUDA mask (stock's heads move them to the logits' device): the label check reads
+    them all the same, so labels at trailing padded positions get the computed positions, and stock's loss."""
+    import copy
+
+    import transformers
+
+    stock = make_model("tiny", cls=transformers.ModernBertForMaskedLM, device=DEV)
+    packed = copy.deepcopy(stock)
+    pe.pack(packed)
+    ids, mask = padded_batch([5, 3, 7], "right", vocab_size=stock.config.vocab_size, device=DEV)
+    labels = ids.clone().cpu()  # every position counted, trailing padding included
+    with torch.no_grad():
+        torch.testing.assert_close(packed(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                                   stock(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                                   atol=1e-4, rtol=1e-4)
