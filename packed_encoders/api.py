@@ -71,7 +71,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         ``target`` itself.
 
     Raises:
-        UnsupportedTargetError: no ModernBERT encoder inside ``target``, or a config the path cannot run.
+        UnsupportedTargetError: no ModernBERT encoder inside ``target``, a config the path cannot run, or a module
+            the packed forward would skip (hooks, wrapped or swapped submodules, pruned heads, ...).
         PackedEncodersError: an unknown option value, a named ``attention_backend`` that cannot run on the model's
             device, or an environment switch that cannot be read (:mod:`packed_encoders.tuning`).
         ValidationError: the selected path disagrees with stock HF; the model is left as it was.

@@ -23,7 +23,9 @@ class StockOnlyInput(PackedEncodersError):
 
 
 class UnsupportedTargetError(PackedEncodersError, TypeError):
-    """`pack()` found no ModernBERT encoder inside the object it was given."""
+    """`pack()` cannot pack the object it was given: no ModernBERT encoder inside it, a config the packed path
+    cannot run (e.g. ``rope_scaling``), or a module the packed forward would skip (a hook, a wrapped or swapped
+    submodule, FSDP2 sharding inside the encoder; see the README's "Module changes")."""
 
 
 class ValidationError(PackedEncodersError):
