@@ -18,8 +18,8 @@ call removes that floor. Design, and why:
   only), unpads on the device inside the graph (each row's real tokens then a dummy sequence of its padding),
   and checks the inputs there; the check counts reach the host through pinned memory and an event and are
   raised by the next call (:mod:`.deferred`), with the offending call's output NaN. It computes every padded
-  row, so it is meant for host-bound calls. **Unmeasured on a GPU** (capture, sync count and speed are the
-  next session's tests and ``benchmarks/graphs.py --variants graphs,graphs_sync_free``).
+  row, so it is meant for host-bound calls (measured against the packed graphs by shape in
+  ``docs/architecture.md``; ``tests/gpu/test_graphs.py`` checks capture and the absence of a host sync).
 - **One pool per encoder** shared by its graphs, packed and rectangular (replays are serialised by a lock
   and, across streams, by a stream wait), warm-up on a side stream, static input buffers, outputs copied for
   the caller. A call copies its batch into the encoder's fixed-address inbox before its host sync, and each
