@@ -175,7 +175,8 @@ def describe(target) -> dict:
     """What is active for each encoder: backend requested and last chosen, kernels, device, validation.
 
     Returns ``{"encoders": [ {...}, ... ]}``, one JSON-serialisable dict per ModernBERT encoder, with ``path``,
-    ``packed``, ``device``, ``dtype`` and, once packed: ``attention_backend`` (as requested), ``last_attention`` (the
+    ``packed``, ``device``, ``dtype`` (on CUDA also ``gpu``, the device name, and ``capability``, e.g. ``"sm_90"``)
+    and, once packed: ``attention_backend`` (as requested), ``last_attention`` (the
     last call's backend per layer kind: ``"global"`` and ``"window N"``, ``N`` the half window, keys within
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
     reason), ``attention_policy``, ``kernels`` / ``kernels_reason``, ``gemm``, ``kernel_fallbacks``,
