@@ -36,7 +36,7 @@ def find_encoders(target: object) -> list[tuple[str, nn.Module]]:
     """
     if not isinstance(target, nn.Module):
         raise UnsupportedTargetError(
-            f"pack() needs a torch.nn.Module holding a ModernBertModel; got {type(target).__module__}."
+            f"expected a torch.nn.Module holding a ModernBertModel; got {type(target).__module__}."
             f"{type(target).__qualname__}")
     found: list[tuple[str, nn.Module]] = []
     seen_types: set[str] = set()
