@@ -23,7 +23,8 @@ A run killed at any point resumes by running the same command again (any number 
 are kept, the rest are encoded; a chunk written halfway is written again. A run with another corpus, chunking,
 output, pooling, output dtype, pad id or model (other weights, dtype, class, module pipeline or forward-shaping
 config) is refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused
-too, and so are ranks started with different corpora, models or options (every rank raises, naming the difference). :func:`load_index` reads the result back and checks every corpus id appears exactly once.
+too, and so are ranks started with different corpora, models or options (every rank raises, naming the
+difference). :func:`load_index` reads the result back and checks every corpus id appears exactly once.
 """
 
 from __future__ import annotations
