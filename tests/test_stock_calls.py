@@ -181,3 +181,18 @@ def test_mask_holes_in_another_number_of_rows_are_one_reason():
             model(input_ids=ids, attention_mask=two)
     calls = pe.describe(model)["encoders"][0]["stock_forward_calls"]
     assert len(calls) == 1 and list(calls.values()) == [2], calls
+
+
+def test_a_4d_mask_reason_does_not_vary_with_the_batch_shape():
+    """A service passing 4-D masks of many shapes: one warning and one describe() entry counting every call, not one
+    per shape (the per-model counts and the warnings registry would grow with every new width)."""
+    model = pe.pack(make_model("tiny"))
+    widths = (3, 5, 8, 13)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for s in widths:
+            ids, mask = padded_batch([s, 2])
+            model(input_ids=ids, attention_mask=mask[:, None, None, :].expand(2, 1, s, s).bool())
+    said = [w for w in caught if "packed_encoders" in str(w.message)]
+    assert len(said) == 1 and "4-D tensor" in str(said[0].message)
+    assert list(pe.describe(model)["encoders"][0]["stock_forward_calls"].values()) == [len(widths)]

@@ -43,7 +43,9 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
         return ("attention_mask is a dict of per-layer-type masks (HF's precomputed mask mapping); the packed path "
                 "reads a [batch, seq_len] padding mask")
     if isinstance(mask, torch.Tensor) and mask.dim() > 2:
-        return (f"attention_mask is a {mask.dim()}-D tensor of shape {tuple(mask.shape)} (a mask per query and key); "
+        # no shape in the reason: it keys the per-model counts and the once-per-reason warning, which would grow
+        # with every batch shape a service sees
+        return (f"attention_mask is a {mask.dim()}-D tensor (a mask per query and key); "
                 "the packed path reads a [batch, seq_len] padding mask")
     attentions = kwargs.get("output_attentions")
     if attentions is None:
