@@ -247,6 +247,8 @@ class Matmul:
                 raise RuntimeError(f"cuBLASLt cublasLtMatmul failed (cublasStatus_t {code})")
             own = shape.own.get(t)
             if own is None:
+                if len(shape.own) >= 256:  # a long-running service meets many token counts: keep this bounded
+                    shape.own.clear()
                 own = shape.own[t] = make_own()
             h, dsc, oa, ob, od, oalgo = (_VP(v) for v in own.args)
             again = mm(h, dsc, alpha, a, oa, b, ob, beta, d, od, d, od, oalgo, workspace, size, stream)
