@@ -21,7 +21,7 @@ from .graphs.buckets import CallFacts, admit, admit_rect, round_seqs
 from .graphs.route import (deferred_checks, graph_forward, graph_keys, note_eager, prepare, release_check_graphs,
                            sync_free_forward)
 from .router import Facts
-from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, module_modes, rel_err, restore_modes
+from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, eval_mode, rel_err
 
 
 def check_lengths(config, window: int, top: int | None = None) -> list[int]:
@@ -80,24 +80,19 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
 
 
 def _check(model, state, config, params, weight, lengths, ids, mask, report, seed: int) -> None:
-    modes = module_modes(model)
-    model.eval()
-    try:
-        with torch.no_grad():
-            batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
-                          token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
-            eager = run_packed(model, state, batch)
-            graph = graph_forward(model, state, batch, torch.clone, prepared=prepare(model, state))
-            rect = None
-            if config.sync_free:
-                rect_lengths = rect_check_lengths(config, lengths)
-                r_ids, r_mask = check_batch(rect_lengths, params.vocab_size, weight.device, seed)
-                r_batch = unpad(input_ids=r_ids, inputs_embeds=None, attention_mask=r_mask, position_ids=None,
-                                token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
-                r_eager = run_packed(model, state, r_batch)
-                rect = _sync_free(model, state, config, r_ids, r_mask)
-    finally:
-        restore_modes(modes)
+    with eval_mode(model), torch.no_grad():
+        batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                      token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
+        eager = run_packed(model, state, batch)
+        graph = graph_forward(model, state, batch, torch.clone, prepared=prepare(model, state))
+        rect = None
+        if config.sync_free:
+            rect_lengths = rect_check_lengths(config, lengths)
+            r_ids, r_mask = check_batch(rect_lengths, params.vocab_size, weight.device, seed)
+            r_batch = unpad(input_ids=r_ids, inputs_embeds=None, attention_mask=r_mask, position_ids=None,
+                            token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
+            r_eager = run_packed(model, state, r_batch)
+            rect = _sync_free(model, state, config, r_ids, r_mask)
 
     def why():
         facts = CallFacts(num_seqs=batch.num_seqs, total_tokens=batch.total_tokens, max_seqlen=batch.max_seqlen)

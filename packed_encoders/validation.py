@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -169,16 +170,18 @@ def check_structure(model: nn.Module, params) -> list[str]:
     return problems
 
 
-def module_modes(model: nn.Module) -> list:
-    """Every submodule's train / eval mode, for :func:`restore_modes` after running ``model`` in eval mode:
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block, then every submodule back in its own train / eval mode:
     ``model.train(was)`` would set them all alike, switching off Monte-Carlo dropout (an eval model with its dropout
     modules in train mode) or switching on dropout in a part the caller keeps in eval."""
-    return [(m, m.training) for m in model.modules()]
-
-
-def restore_modes(modes: list) -> None:
-    for m, training in modes:
-        m.training = training
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _stock_forward(model: nn.Module, **kwargs):
@@ -246,30 +249,28 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     ids, mask = check_batch(lengths, params.vocab_size, device, seed)
     b, s = ids.shape
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    modes = module_modes(model)
-    model.eval()
-    try:
-        stock = _stock_forward(model, input_ids=ids, attention_mask=mask, position_ids=positions,
-                               return_dict=True).last_hidden_state
-        batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
-                      token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
-        fast = batch.pad(run_packed(model, state, batch))
-        # quack GEMMs engage from thousands of tokens and the check batch is short: check it again with them
-        # forced on, so both the path short calls take and the one long calls take are held to the bars below
-        forced = None
-        if state.ops.gemm == "quack" and dtype != torch.float32:  # fp32 never takes quack
-            from .ops.quack_gemm import forced as quack_forced
+    with eval_mode(model):
+        try:
+            stock = _stock_forward(model, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                   return_dict=True).last_hidden_state
+            batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                          token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
+            fast = batch.pad(run_packed(model, state, batch))
+            # quack GEMMs engage from thousands of tokens and the check batch is short: check it again with them
+            # forced on, so both the path short calls take and the one long calls take are held to the bars below
+            forced = None
+            if state.ops.gemm == "quack" and dtype != torch.float32:  # fp32 never takes quack
+                from .ops.quack_gemm import forced as quack_forced
 
-            with quack_forced():
-                forced = batch.pad(run_packed(model, state, batch))
-        fp64_err = None
-        if dtype == torch.float32 and rel_err(fast[mask.bool()].float(), stock[mask.bool()].float()) > FP32_MAX_REL:
-            fp64_err = _fp64_yardstick(model, ids, mask, positions, fast, stock)
-    except PackedEncodersError as exc:
-        report.failures.append(f"packed path raised: {exc}")
-        return report
-    finally:
-        restore_modes(modes)
+                with quack_forced():
+                    forced = batch.pad(run_packed(model, state, batch))
+            fp64_err = None
+            if dtype == torch.float32 and rel_err(fast[mask.bool()].float(),
+                                                  stock[mask.bool()].float()) > FP32_MAX_REL:
+                fp64_err = _fp64_yardstick(model, ids, mask, positions, fast, stock)
+        except PackedEncodersError as exc:
+            report.failures.append(f"packed path raised: {exc}")
+            return report
     report.attention = dict(state.last_plan)
     real = mask.bool()
     r = stock[real].float()
