@@ -50,14 +50,11 @@ def _positional_names(cls: type) -> tuple[str, ...]:
     return tuple(names[1:])  # drop self
 
 
-@functools.lru_cache(maxsize=None)
-def _transformers_major() -> int:
-    try:
-        import transformers
-
-        return int(transformers.__version__.split(".")[0])
-    except Exception:  # pragma: no cover
-        return 5
+def _forward_reads_flags(cls: type) -> bool:
+    """Whether stock's ``forward`` takes ``return_dict`` and ``output_hidden_states`` as arguments and collects the
+    hidden states itself (transformers v4 and 5.0); from 5.1 a decorator (``check_model_inputs``, then
+    ``capture_outputs``) reads them from ``**kwargs`` and records the hidden states."""
+    return "return_dict" in _positional_names(cls)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,20 +75,57 @@ def _config_can_untie() -> bool:
     return False
 
 
-def _hidden_pre_norm_last(config) -> bool:
-    """Whether stock's last ``hidden_states`` entry is the last layer's output before ``final_norm``: always in
-    transformers v4; in v5 when ``config.tie_last_hidden_states`` is set false (a ``PretrainedConfig`` option)."""
-    if _transformers_major() < 5:
+def _hidden_pre_norm_last(model) -> bool:
+    """Whether stock's last ``hidden_states`` entry is the last layer's output before ``final_norm``: always where
+    the forward collects them itself; under the decorators when ``config.tie_last_hidden_states`` is set false (a
+    ``PretrainedConfig`` option)."""
+    config = model.config
+    if _forward_reads_flags(type(model)):
         return True
     tie = getattr(config, "tie_last_hidden_states", None)
     return tie is not None and not tie and _config_can_untie()
 
 
-def _output(model, last, hidden, return_dict):
+_UNSET = object()  # an argument not passed, which stock may read differently from None
+
+
+@functools.lru_cache(maxsize=None)
+def _none_return_dict_is_unset() -> bool:
+    """Whether ``return_dict=None`` reads as not passed where a decorator resolves it: so under transformers 5.1's
+    ``check_model_inputs``; ``capture_outputs`` (5.2 on, which brought ``utils.output_capturing``) keeps the None,
+    and None is not False, so the call returns a ``ModelOutput`` whatever the config says."""
+    try:
+        import transformers.utils.output_capturing  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def _stock_flags(model, return_dict, output_hidden_states) -> tuple[bool, bool]:
+    """``(tuple output, hidden states)`` as stock ``ModernBertModel.forward`` reads its ``return_dict`` and
+    ``output_hidden_states`` (``_UNSET``: not passed). Where the forward names them (transformers v4 and 5.0), None
+    means the config's value and any falsy ``return_dict`` gives a tuple. From 5.1 a decorator reads them from
+    ``**kwargs``: the config's value only when not passed, and a tuple only for ``return_dict is False`` (0 and, from
+    5.2, None give a ``ModelOutput``; a head's ``can_return_tuple`` applies its own rule to its output)."""
+    config = model.config
+    if _forward_reads_flags(type(model)):
+        if return_dict is _UNSET or return_dict is None:
+            return_dict = getattr(config, "use_return_dict", getattr(config, "return_dict", True))
+        if output_hidden_states is _UNSET or output_hidden_states is None:
+            output_hidden_states = getattr(config, "output_hidden_states", False)
+        return not return_dict, bool(output_hidden_states)
+    if return_dict is _UNSET or (return_dict is None and _none_return_dict_is_unset()):
+        return_dict = getattr(config, "return_dict", True)
+    if output_hidden_states is _UNSET:
+        output_hidden_states = getattr(config, "output_hidden_states", False)
+    return return_dict is False, bool(output_hidden_states)
+
+
+def _output(model, last, hidden, as_tuple):
     from transformers.modeling_outputs import BaseModelOutput
 
     out = BaseModelOutput(last_hidden_state=last, hidden_states=hidden, attentions=None)
-    return out if return_dict else out.to_tuple()
+    return out.to_tuple() if as_tuple else out
 
 
 # packed_encoders/ and torch/ (nn.Module.__call__): frames a warning about a user's call should skip
@@ -141,17 +175,13 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         if name in kwargs:
             raise PackedEncodersError(f"forward got multiple values for argument {name!r}")
         kwargs[name] = value
-    config = model.config
     input_ids = kwargs.pop("input_ids", None)
     inputs_embeds = kwargs.pop("inputs_embeds", None)
     attention_mask = kwargs.pop("attention_mask", None)
     position_ids = kwargs.pop("position_ids", None)
     token_type_ids = kwargs.pop("token_type_ids", None)
-    return_dict = kwargs.pop("return_dict", None)
-    return_dict = getattr(config, "return_dict", True) if return_dict is None else return_dict
-    output_hidden_states = kwargs.pop("output_hidden_states", None)
-    if output_hidden_states is None:
-        output_hidden_states = getattr(config, "output_hidden_states", False)
+    as_tuple, output_hidden_states = _stock_flags(model, kwargs.pop("return_dict", _UNSET),
+                                                  kwargs.pop("output_hidden_states", _UNSET))
     kwargs.pop("output_attentions", None)  # True runs stock (stock_call_reason)
     packed_kw = {k: kwargs.pop(k) for k in _PACKED if kwargs.get(k) is not None}
     for k in _PACKED:
@@ -188,7 +218,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     src = input_ids if input_ids is not None else inputs_embeds
     packed = bool(packed_kw) or (position_ids is not None and attention_mask is None and src.shape[0] == 1
                                  and src.dim() == (2 if input_ids is not None else 3))
-    pre_norm_last = output_hidden_states and _hidden_pre_norm_last(config)
+    pre_norm_last = output_hidden_states and _hidden_pre_norm_last(model)
     if packed or src.dim() == (1 if input_ids is not None else 2):
         batch, squeeze = _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids,
                                        token_type_ids, packed_kw)
@@ -201,7 +231,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
             route = packed_route(model, state, batch, hidden_states=output_hidden_states)
             out = serve_batch(model, state, route, batch, hidden_states=hidden, hidden_pre_norm_last=pre_norm_last)
         hidden_t = None if hidden is None else tuple(squeeze(h) for h in hidden)
-        return _output(model, squeeze(out), hidden_t, return_dict)
+        return _output(model, squeeze(out), hidden_t, as_tuple)
     width = src.shape[1]
     watch = state.runtime.get("expansion")
     if watch is not None:
@@ -218,7 +248,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
                                       hidden_pre_norm_last=pre_norm_last, leading_stock=leading_stock, **padded)
     except StockOnlyInput as error:  # raised by unpad at the call's one sync, before any layer ran
         return _stock_fallback(model, state, mask_holes_reason(error), args, call)
-    return _output(model, last, hidden_t, return_dict)
+    return _output(model, last, hidden_t, as_tuple)
 
 
 def _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, packed_kw):
