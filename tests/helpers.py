@@ -10,6 +10,9 @@ Comparison on real tokens only: :func:`assert_close_real`, :func:`token_cosines`
 
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import torch
 
 VOCAB = 211  # vocab_size of the tiny configs; ids are drawn from [3, VOCAB) (0..2: pad, cls/bos, sep/eos)
@@ -167,3 +170,20 @@ def cosine_stats(a, b, mask) -> tuple[float, float]:
     """``(min, mean)`` of :func:`token_cosines` (report both: one flattened cosine hides a bad token)."""
     cos = token_cosines(a, b, mask)
     return float(cos.min()), float(cos.mean())
+
+
+@contextlib.contextmanager
+def measured_peak(device):
+    """``with measured_peak(device) as peak: ...``; then ``peak()``: the most bytes allocated on ``device`` within
+    the block beyond what was allocated at its start. Earlier tests' garbage is collected first and the collector
+    is off within the block: a collection mid-block would free memory counted in the base and lower the peak."""
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    gc.disable()
+    try:
+        yield lambda: torch.cuda.max_memory_allocated(device) - base
+    finally:
+        gc.enable()
+    torch.cuda.synchronize(device)

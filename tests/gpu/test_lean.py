@@ -20,6 +20,7 @@ from packed_encoders.model import plan as plan_mod  # noqa: E402
 from packed_encoders.model.forward import encoder_forward, plan_attention  # noqa: E402
 from packed_encoders.model.params import ModernBertParams  # noqa: E402
 from packed_encoders.ops.select import select_ops  # noqa: E402
+from tests.helpers import measured_peak  # noqa: E402
 
 DEV = torch.device("cuda")
 LEAN, PER_OP = plan_mod.Rules(lean=True), plan_mod.Rules(lean=False)
@@ -342,10 +343,12 @@ def test_pointer_runs_with_flash_attention_and_cublas_match_the_tensor_path(back
 def test_training_stack_matches_the_per_block_path(backend, monkeypatch):
     """One autograd node for every layer (model/stack.py and its raw-pointer form: torch varlen's and FA4's forward
     / backward kernels called directly) against one node per block: the same output, the same gradients, and no higher
-    peak memory (the stack frees each layer's activations as its backward passes; its raw-pointer buffers counted
-    at their exact sizes, not model/workspace.py's size classes)."""
+    peak memory than the per-block path's plus the stack's call-wide backward transients (the stack frees each
+    layer's activations as its backward passes; its raw-pointer buffers counted at their exact sizes, not
+    model/workspace.py's size classes)."""
     from packed_encoders.attention import flash
     from packed_encoders.model import workspace
+    from packed_encoders.ops import cublaslt
 
     monkeypatch.setattr(workspace, "size_class", lambda nbytes: nbytes)
 
@@ -360,16 +363,13 @@ def test_training_stack_matches_the_per_block_path(backend, monkeypatch):
 
     def run(rules):
         model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()  # the other run's gradients, held by the test
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules)
-        plan = plan_mod.last_plan()
-        out.float().square().mean().backward()
-        torch.cuda.synchronize()
+        with measured_peak(DEV) as peak:  # (beyond the other run's gradients, held by the test)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules)
+            plan = plan_mod.last_plan()
+            out.float().square().mean().backward()
         return (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, plan,
-                torch.cuda.max_memory_allocated() - base)
+                peak())
 
     # once each first: a FlashAttention-4 class's first call records its kernels on synthetic inputs
     # (attention/fa4_direct.py), a one-time allocation that is not the path's own
@@ -381,8 +381,16 @@ def test_training_stack_matches_the_per_block_path(backend, monkeypatch):
     assert set(g_s) == set(g_b) and len(g_s) == len(list(model.parameters()))
     worst = min((float(torch.nn.functional.cosine_similarity(g_s[n].flatten(), g_b[n].flatten(), dim=0)), n)
                 for n in g_b)
-    print(backend, "worst gradient cosine stack / blocks", worst, "peak MB", peak_s / 2**20, peak_b / 2**20)
+    print(backend, "worst gradient cosine stack / blocks", worst, "peak MB", peak_s / 1e6, peak_b / 1e6)
     assert worst[0] > 0.99999, worst
-    # steady state (both paths run once before): the stack's backward holds one call-wide transient buffer from
-    # its start, ~2.3 % of this batch's peak on the H200 (1689 against 1651 MB, FlashAttention-2)
-    assert peak_s <= peak_b * 1.03 + 2**20, (peak_s, peak_b)
+    # steady state (both paths run once before): beyond the per-block path, the stack's backward holds its
+    # call-wide transients from its start (model/stack_pointers.py): the scratch arena (the residual's gradient in
+    # fp32 and the branch's in bf16, then the larger of the MLP's dg, dh, g and the attention's da, dqkv), the
+    # attention's input gradients, the incoming branch gradient and cuBLASLt's workspace. On the H200: 61.1 MB
+    # (FlashAttention-2) and 64.3 MB (FlashAttention-4) above the per-block path's 1,628 / 1,617 MB, against 73.6 MB
+    # of transients for this batch
+    h, inner = model.config.hidden_size, model.config.intermediate_size
+    arena = 4 * h + 2 * h + 2 * max(max(inner, h) + 3 * inner, 4 * h)
+    per_token = arena + 2 * 3 * h + 2 * h
+    transients = batch.total_tokens * per_token + cublaslt.WORKSPACE_BYTES
+    assert peak_s <= peak_b + transients + 2**20, (peak_s, peak_b, transients)

@@ -22,6 +22,7 @@ from packed_encoders.model.forward import encoder_forward, plan_attention  # noq
 from packed_encoders.model.params import ModernBertParams  # noqa: E402
 from packed_encoders.ops import cublaslt  # noqa: E402
 from packed_encoders.ops.select import select_ops  # noqa: E402
+from tests.helpers import measured_peak  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -115,19 +116,16 @@ def _run(model, batch, autocast: bool, tensor_form: bool, monkeypatch, retain=Fa
         if tensor_form:
             m.setattr(stack_mod, "prepare", lambda *a: "the test asks for the tensor form")
         model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = encoder_forward(model, params, batch, attention=attention, ops=ops, rules=plan_mod.Rules())
-        off = stack_mod.last_pointers_off()
-        loss = out.float().square().mean()
-        loss.backward(retain_graph=retain)
-        if retain:
-            loss.backward()
-        torch.cuda.synchronize()
+        with measured_peak(DEV) as peak:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                out = encoder_forward(model, params, batch, attention=attention, ops=ops, rules=plan_mod.Rules())
+            off = stack_mod.last_pointers_off()
+            loss = out.float().square().mean()
+            loss.backward(retain_graph=retain)
+            if retain:
+                loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return out.detach(), grads, off, torch.cuda.max_memory_allocated() - base
+    return out.detach(), grads, off, peak()
 
 
 def _worst(ref, got):
