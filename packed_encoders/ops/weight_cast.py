@@ -89,6 +89,12 @@ def off():
         _LOCAL.off = before
 
 
+def may_cache(device: torch.device) -> bool:
+    """Whether a tensor made now on ``device`` may be kept for later calls: not within :func:`off`, not while the
+    current stream is being captured into a CUDA graph (tensors made there belong to the graph's pool)."""
+    return not getattr(_LOCAL, "off", False) and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     """``t`` in ``dtype`` (``t`` itself when it already is, or when either is ``None``), from the cache while ``t``
     is unchanged. The result carries no autograd history."""
@@ -99,7 +105,7 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
         hit = static.get((t.data_ptr(), dtype))
         if hit is not None:
             return hit
-    if t.is_inference() or getattr(_LOCAL, "off", False) or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if t.is_inference() or not may_cache(t.device):
         with torch.no_grad():
             return t.to(dtype)
     if not _STATE["hooked"]:
