@@ -1,6 +1,7 @@
-"""RoPE tables of eager calls (model/forward.py ``rope_inputs``): cached over positions while HF's ``inv_freq``
-buffer is unchanged, equal to the per-token angles HF computes, rebuilt when the buffer is edited in place,
-reassigned or replaced, and never cached while a call is captured into a CUDA graph."""
+"""RoPE tables of eager calls (model/forward.py ``rope_inputs``, ops/rope.py ``cached_position_tables``): cached
+over positions while HF's ``inv_freq`` buffer is unchanged, equal to the per-token angles HF computes, rebuilt
+when the buffer is edited in place, reassigned or replaced, and never cached while a call is captured into a CUDA
+graph or within a training graph's warm-ups."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import packed_encoders as pe
 from packed_encoders.batch import unpad
 from packed_encoders.model import forward as fwd
 from packed_encoders.model.params import ModernBertParams
+from packed_encoders.ops import rope
 from tests.helpers import assert_close_real, padded_batch, stock_forward, tiny_model
 
 
@@ -24,7 +26,7 @@ def test_tables_match_per_token_angles_and_are_reused():
     model = tiny_model().eval()
     params = ModernBertParams.from_hf_config(model.config)
     batch, _, _ = _batch(model)
-    fwd._POSITION_TABLES.clear()
+    rope._POSITION_TABLES.clear()
     with torch.inference_mode():
         first = fwd.rope_inputs(model, params, batch)
     again = fwd.rope_inputs(model, params, batch)
@@ -70,16 +72,16 @@ def test_no_table_is_cached_for_a_capture(monkeypatch):
     params = ModernBertParams.from_hf_config(model.config)
     batch, _, _ = _batch(model)
     inv, _ = fwd.live_inv_freq(model, True, params)
-    fwd._POSITION_TABLES.clear()
+    rope._POSITION_TABLES.clear()
     from packed_encoders.ops import weight_cast
 
     with weight_cast.off():  # a training graph's warm-ups: tensors made there belong to the graph's pool
-        assert fwd._position_tables(inv, 1.0, torch.float32, 64, torch.device("cpu")) is None
+        assert rope.cached_position_tables(inv, 1.0, torch.float32, 64, torch.device("cpu")) is None
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert fwd._position_tables(inv, 1.0, torch.float32, 64, torch.device("cuda")) is None
-    assert not fwd._POSITION_TABLES
-    real = fwd._position_tables
-    monkeypatch.setattr(fwd, "_position_tables", lambda inv, scaling, compute, n, device:
+    assert rope.cached_position_tables(inv, 1.0, torch.float32, 64, torch.device("cuda")) is None
+    assert not rope._POSITION_TABLES
+    real = rope.cached_position_tables
+    monkeypatch.setattr(fwd, "cached_position_tables", lambda inv, scaling, compute, n, device:
                         real(inv, scaling, compute, n, torch.device("cuda")))  # this CPU batch, seen as captured
     tables = fwd.rope_inputs(model, params, batch)
     for cos, _, rows in tables.values():

@@ -10,7 +10,6 @@ Weights are read from the live HF modules on every call; nothing is copied.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Mapping, Sequence
 
 import torch
@@ -22,8 +21,8 @@ from ..attention.backends import Workload
 from ..attention.dispatch import Decision, Policy, resolve
 from ..batch import PackedBatch
 from ..ops import TORCH_OPS, OpSet, rope_tables
-from ..ops.rope import cached_pair_freq_table
-from ..ops.weight_cast import cast, expire, may_cache
+from ..ops.rope import cached_pair_freq_table, cached_position_tables
+from ..ops.weight_cast import cast, expire
 from .blocks import compute_dtype, run_layer_blocks
 from .dropout import applies_attention_dropout, dropout_modules
 from .params import ModernBertParams
@@ -94,50 +93,12 @@ def rope_pair_inputs(model: nn.Module, params: ModernBertParams, device: torch.d
     return cached_pair_freq_table(inv, heads, device)
 
 
-_POSITION_TABLES: dict = {}  # (id(inv_freq), device, dtype, scaling) -> (weakref(inv_freq), state, cos, sin)
-_POSITION_TABLES_MAX = 64  # entries for buffers still alive (several models, devices); a bound, not a working limit
-_POSITION_TABLES_MAX_ROWS = 1 << 16  # 8x ModernBERT's 8,192 positions; a batch past it (or a graph bucket's
-# "no bound" max_position) computes per-token tables
-
-
-def _position_tables(inv: torch.Tensor, scaling: float, compute: torch.dtype, max_position: int,
-                     device: torch.device):
-    """``(cos, sin)`` ``[P, head_dim // 2]`` of ``compute`` dtype for positions ``0 .. P - 1`` (``P >=
-    max_position``), computed from ``inv`` as HF computes them per token (``position * inv_freq``, then ``cos`` /
-    ``sin`` and the scaling), cached while ``inv`` is the same tensor at the same version and address; ``None``
-    while a CUDA graph is being captured (a replay must read the live buffer) or within a graph's warm-ups
-    (:func:`..ops.weight_cast.may_cache`: tensors made there belong to the graph's pool), or when ``inv`` keeps no
-    version counter (an inference tensor), or past :data:`_POSITION_TABLES_MAX_ROWS` positions."""
-    if max_position > _POSITION_TABLES_MAX_ROWS or not may_cache(device):
-        return None
-    try:
-        state = (inv._version, inv.data_ptr())  # (an in-place edit; ``inv.data = ...``)
-    except RuntimeError:
-        return None
-    key = (id(inv), str(device), compute, scaling)
-    entry = _POSITION_TABLES.get(key)
-    if entry is not None and entry[0]() is inv and entry[1] == state and entry[2].shape[0] >= max_position:
-        return entry[2], entry[3]
-    length = max(1024, 1 << max(0, int(max_position) - 1).bit_length())
-    # normal tensors even under inference_mode: a later training forward's backward reads them
-    with torch.inference_mode(False), torch.no_grad():
-        freqs = torch.arange(length, device=device, dtype=compute)[:, None] * inv.to(device=device, dtype=compute)[None]
-        cos, sin = freqs.cos(), freqs.sin()
-        if scaling != 1.0:
-            cos, sin = cos * scaling, sin * scaling
-    if len(_POSITION_TABLES) >= _POSITION_TABLES_MAX:
-        for k in [k for k, e in _POSITION_TABLES.items() if e[0]() is None] or list(_POSITION_TABLES):
-            del _POSITION_TABLES[k]
-    _POSITION_TABLES[key] = (weakref.ref(inv), state, cos, sin)
-    return cos, sin
-
-
 def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) -> dict:
     """``{is_global: (cos, sin, rows)}``: fp32 tables and the row of each token in them.
 
     From HF's live ``inv_freq`` buffers, ``position * inv_freq`` in fp32 as HF computes it, then ``cos / sin``:
-    eager calls read tables over positions (:func:`_position_tables`, cached while the buffer is unchanged: an eager
-    call then launches nothing for them), rows ``position_ids``; a call being captured into a CUDA graph computes
+    eager calls read tables over positions (:func:`..ops.rope.cached_position_tables`, cached while the buffer is
+    unchanged: an eager call then launches nothing for them), rows ``position_ids``; a call being captured into a CUDA graph computes
     per-token ``[T, head_dim // 2]`` tables on the device (no host work in a replay, and a replay reads the live
     buffer), rows ``arange(T)``. An fp64 model (``model.double()`` makes the buffers fp64 too) gets fp64 tables:
     HF computes its angles in fp32 whatever the model's dtype (an error ~1e-7 * position radians), which would cap
@@ -153,7 +114,7 @@ def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) 
             out[is_global] = (cos, sin, batch.position_ids)
             continue
         compute = torch.promote_types(inv.dtype, torch.float32)
-        tables = _position_tables(inv, scaling, compute, batch.max_position, batch.device)
+        tables = cached_position_tables(inv, scaling, compute, batch.max_position, batch.device)
         if tables is not None:
             out[is_global] = (*tables, batch.position_ids)
             continue

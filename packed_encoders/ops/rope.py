@@ -2,7 +2,8 @@
 
 Tables: ``cos, sin`` of shape ``[P, head_dim // 2]`` fp32 with ``freq[p, i] = p * theta ** (-2i / head_dim)``,
 HF's ``compute_default_rope_parameters``. They are cached per (theta, head_dim, device), grown on demand to
-a power of two, and never rebuilt per call.
+a power of two, and never rebuilt per call. Tables of a model's live ``inv_freq`` buffers
+(:func:`cached_position_tables`) and its pair-rate tables (:func:`cached_pair_freq_table`) are cached per buffer.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import threading
 import weakref
 
 import torch
+
+from .weight_cast import may_cache
 
 _TABLES: dict[tuple[float, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 _LOCK = threading.Lock()
@@ -161,6 +164,43 @@ def cached_pair_freq_table(source, heads: int, device) -> torch.Tensor:
     if not capturing:
         _PAIR_TABLES[key] = (None, None, table, [])
     return table
+
+
+_POSITION_TABLES: dict = {}
+POSITION_TABLE_MAX_ROWS = 1 << 16  # 8x ModernBERT's 8,192 positions; past it (or a graph bucket's "no bound"
+# max_position) callers compute per-token tables
+
+
+def cached_position_tables(inv: torch.Tensor, scaling: float, dtype: torch.dtype, min_length: int, device):
+    """``(cos, sin)`` ``[P, head_dim // 2]`` in ``dtype`` for the positions ``0 .. P - 1`` (``P >= min_length``),
+    from HF's live ``inv_freq`` buffer as HF computes them per token (``position * inv_freq``, then ``cos`` / ``sin``
+    times ``scaling``), cached per buffer: keyed by identity, ``_version`` and address (an in-place edit, a
+    ``.data =`` swap or a new buffer rebuilds; the entry goes when the buffer does; a replaced table is kept while
+    its buffer lives, so a launch still queued on another stream never reads freed memory). Made as normal tensors
+    even under ``inference_mode`` (a later training forward's backward reads them).
+
+    ``None`` (the caller computes per-token tables) while a CUDA graph is being captured (a replay must read the live
+    buffer) or within a training graph's warm-ups (:func:`.weight_cast.may_cache`: tensors made there belong to the
+    graph's pool), for an inference-tensor buffer (no version counter to notice edits by), and past
+    :data:`POSITION_TABLE_MAX_ROWS` positions."""
+    device = torch.device(device)
+    if min_length > POSITION_TABLE_MAX_ROWS or inv.is_inference() or not may_cache(device):
+        return None
+    key = (id(inv), str(device), dtype, float(scaling))
+    state = (inv._version, inv.data_ptr())
+    hit = _POSITION_TABLES.get(key)
+    if hit is not None and hit[0]() is inv and hit[1] == state and hit[2].shape[0] >= min_length:
+        return hit[2], hit[3]
+    length = max(1024, 1 << max(0, int(min_length) - 1).bit_length())
+    with torch.inference_mode(False), torch.no_grad():
+        angles = torch.arange(length, device=device, dtype=dtype)[:, None] * inv.to(device=device, dtype=dtype)[None]
+        cos, sin = angles.cos(), angles.sin()
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+    retired = (hit[4] + [hit[2:4]]) if hit is not None and hit[0]() is inv else []
+    ref = weakref.ref(inv, lambda _, k=key: _POSITION_TABLES.pop(k, None))
+    _POSITION_TABLES[key] = (ref, state, cos, sin, retired)
+    return cos, sin
 
 
 def rope_linear_ref(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
