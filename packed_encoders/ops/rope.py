@@ -179,12 +179,13 @@ def cached_position_tables(inv: torch.Tensor, scaling: float, dtype: torch.dtype
     its buffer lives, so a launch still queued on another stream never reads freed memory). Made as normal tensors
     even under ``inference_mode`` (a later training forward's backward reads them).
 
-    ``None`` (the caller computes per-token tables) while a CUDA graph is being captured (a replay must read the live
-    buffer) or within a training graph's warm-ups (:func:`.weight_cast.may_cache`: tensors made there belong to the
-    graph's pool), for an inference-tensor buffer (no version counter to notice edits by), and past
-    :data:`POSITION_TABLE_MAX_ROWS` positions."""
+    ``None`` (the caller computes per-token tables): while a CUDA graph is being captured (a replay must read the
+    live buffer), while ``torch.compile`` traces the call, within a training graph's warm-ups
+    (:func:`.weight_cast.may_cache`: tensors made there belong to the graph's pool), for an inference-tensor buffer
+    (no version counter to notice edits by), and past :data:`POSITION_TABLE_MAX_ROWS` positions."""
     device = torch.device(device)
-    if min_length > POSITION_TABLE_MAX_ROWS or inv.is_inference() or not may_cache(device):
+    if (min_length > POSITION_TABLE_MAX_ROWS or torch.compiler.is_compiling() or inv.is_inference()
+            or not may_cache(device)):
         return None
     key = (id(inv), str(device), dtype, float(scaling))
     state = (inv._version, inv.data_ptr())
