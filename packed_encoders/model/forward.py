@@ -100,10 +100,10 @@ def rope_inputs(model: nn.Module, params: ModernBertParams, batch: PackedBatch) 
     eager calls read tables over positions (:func:`..ops.rope.cached_position_tables`, cached while the buffer is
     unchanged: an eager call then launches nothing for them), rows ``position_ids``; a call that function declines
     (one being captured into a CUDA graph, traced, ...) computes per-token ``[T, head_dim // 2]`` tables on the
-    device (no host work in a replay, and a replay reads the live buffer), rows ``arange(T)``. An fp64 model (``model.double()`` makes the buffers fp64 too) gets fp64 tables:
-    HF computes its angles in fp32 whatever the model's dtype (an error ~1e-7 * position radians), which would cap
-    an fp64 model at fp32 accuracy. Without a readable buffer: the cached theta tables
-    (:func:`packed_encoders.ops.rope_tables`) indexed by ``position_ids``."""
+    device (no host work in a replay, and a replay reads the live buffer), rows ``arange(T)``. An fp64 model
+    (``model.double()`` makes the buffers fp64 too) gets fp64 tables: HF computes its angles in fp32 whatever the
+    model's dtype (an error ~1e-7 * position radians), which would cap an fp64 model at fp32 accuracy. Without a
+    readable buffer: the cached theta tables (:func:`packed_encoders.ops.rope_tables`) indexed by ``position_ids``."""
     out = {}
     rows = None
     for is_global in set(params.layer_is_global):
