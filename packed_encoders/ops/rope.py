@@ -175,8 +175,8 @@ def cached_position_tables(inv: torch.Tensor, scaling: float, dtype: torch.dtype
     """``(cos, sin)`` ``[P, head_dim // 2]`` in ``dtype`` for the positions ``0 .. P - 1`` (``P >= min_length``),
     from HF's live ``inv_freq`` buffer as HF computes them per token (``position * inv_freq``, then ``cos`` / ``sin``
     times ``scaling``), cached per buffer: keyed by identity, ``_version`` and address (an in-place edit, a
-    ``.data =`` swap or a new buffer rebuilds; the entry goes when the buffer does; a replaced table is kept while
-    its buffer lives, so a launch still queued on another stream never reads freed memory). Made as normal tensors
+    ``.data =`` swap or a new buffer rebuilds; the entry goes when the buffer does; the last few replaced tables
+    are kept while their buffer lives, so a launch still queued on another stream never reads freed memory). Made as normal tensors
     even under ``inference_mode`` (a later training forward's backward reads them).
 
     ``None`` (the caller computes per-token tables): while a CUDA graph is being captured (a replay must read the
@@ -198,7 +198,8 @@ def cached_position_tables(inv: torch.Tensor, scaling: float, dtype: torch.dtype
         cos, sin = angles.cos(), angles.sin()
         if scaling != 1.0:
             cos, sin = cos * scaling, sin * scaling
-    retired = (hit[4] + [hit[2:4]]) if hit is not None and hit[0]() is inv else []
+    # (the last few: a buffer edited on every call must not grow this without bound)
+    retired = (hit[4] + [hit[2:4]])[-4:] if hit is not None and hit[0]() is inv else []
     ref = weakref.ref(inv, lambda _, k=key: _POSITION_TABLES.pop(k, None))
     _POSITION_TABLES[key] = (ref, state, cos, sin, retired)
     return cos, sin
