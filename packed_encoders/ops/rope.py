@@ -176,8 +176,8 @@ def cached_position_tables(inv: torch.Tensor, scaling: float, dtype: torch.dtype
     from HF's live ``inv_freq`` buffer as HF computes them per token (``position * inv_freq``, then ``cos`` / ``sin``
     times ``scaling``), cached per buffer: keyed by identity, ``_version`` and address (an in-place edit, a
     ``.data =`` swap or a new buffer rebuilds; the entry goes when the buffer does; the last few replaced tables
-    are kept while their buffer lives, so a launch still queued on another stream never reads freed memory). Made as normal tensors
-    even under ``inference_mode`` (a later training forward's backward reads them).
+    are kept while their buffer lives, so a launch still queued on another stream never reads freed memory). Made
+    as normal tensors even under ``inference_mode`` (a later training forward's backward reads them).
 
     ``None`` (the caller computes per-token tables): while a CUDA graph is being captured (a replay must read the
     live buffer), while ``torch.compile`` traces the call, within a training graph's warm-ups
