@@ -111,7 +111,9 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     at the real tokens. With ``trailing_query_only``, the padded positions after each non-empty row's last
     real token join its sequence as query-only tokens (see ``PackedBatch.key_lens``), positions continuing;
     padding before a row's real tokens stays zeros, or with ``leading_stock`` raises ``StockOnlyInput`` (ColBERT
-    query expansion scores the leading expansion positions of left-padded queries, which stock computes).
+    query expansion scores the leading expansion positions of left-padded queries, which stock computes). Without
+    ``trailing_query_only``, ``leading_stock`` raises it for a row whose position 0 is padding (a head reads position
+    0: ``classifier_pooling="cls"``), the mask's first column read at the same sync.
     ``before_sync(ids, positions, cu_seqlens, key_lens)``, when given, is called just before the sync with the
     device buffers the batch will be sliced from (``ids`` / ``positions`` hold ``B * S + 1`` rows, the first
     ``cu_seqlens[-1]`` of them the batch's; ``ids`` is ``None`` for ``inputs_embeds``); it must not sync.
@@ -119,8 +121,9 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     ``fused_unpad``: ``PACKED_ENCODERS_FUSED_UNPAD`` as read at ``pack()``).
 
     Raises:
-        StockOnlyInput: a mask with holes inside a sequence, or padding before a sequence's real tokens with
-            ``trailing_query_only`` and ``leading_stock`` (the patched forward runs stock HF for it).
+        StockOnlyInput: a mask with holes inside a sequence, padding before a sequence's real tokens with
+            ``trailing_query_only`` and ``leading_stock``, or padding at a row's position 0 with ``leading_stock``
+            alone (the patched forward runs stock HF for it).
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
             ids outside ``[0, vocab_size)`` at real tokens, non-zero ``token_type_ids`` at real tokens, or
             negative ``position_ids``.
@@ -167,7 +170,11 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
             b, s, device)
     if before_sync is not None:
         before_sync(ids_all, pos_all, cu, key_lens)
+    position_zero = leading_stock and not trailing_query_only and attention_mask is not None
+    if position_zero:  # the rows padded at position 0, read at the same sync
+        stats_t = torch.cat((stats_t, (attention_mask[:, 0] == 0).sum().reshape(1).to(stats_t.dtype)))
     stats = stats_t.tolist()  # the one sync
+    n_zero = stats.pop() if position_zero else 0
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
     _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} entries that are neither)")
     _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): the packed path needs contiguous real "
@@ -177,6 +184,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                   "attention_mask has padding before the real tokens of {count} sequence(s): the packed path "
                   "computes masked positions as stock does (ColBERT query expansion) only after a row's real "
                   "tokens (right padding)", StockOnlyInput)
+    _raise_if(n_zero, "attention_mask pads position 0 of {count} row(s), which the head reads "
+                      "(classifier_pooling='cls'): the packed path leaves padded positions at zero", StockOnlyInput)
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
     _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
     _raise_if(n_negpos, "position_ids has {count} negative entries")

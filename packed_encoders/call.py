@@ -68,8 +68,9 @@ def mode_facts(model: nn.Module, state) -> dict:
 
 def padded_route(model: nn.Module, state, *, structure: str | None = None, input_ids=None, inputs_embeds=None,
                  attention_mask=None, position_ids=None, token_type_ids=None, trailing: bool = False,
-                 hidden_states: bool = False) -> Route:
-    """The route of a padded ``[B, S]`` call (``structure``: what the packed forward would skip, if anything)."""
+                 hidden_states: bool = False, position_zero: bool = False) -> Route:
+    """The route of a padded ``[B, S]`` call (``structure``: what the packed forward would skip, if anything;
+    ``position_zero``: a head reads position 0, checked for padding at the call's sync)."""
     config = state.options.cuda_graph
     if structure is not None or config is None:
         return choose(Facts(structure=structure, graphs=config))
@@ -78,6 +79,7 @@ def padded_route(model: nn.Module, state, *, structure: str | None = None, input
     if config.sync_free:
         _sync_free_facts(facts, model, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids,
                          trailing)
+        facts.position_zero = position_zero
     return choose(facts)
 
 

@@ -91,8 +91,9 @@ class Facts:
             gradient checkpointing is on for some layer; the embedding output must require gradients
             (``enable_input_require_grads``).
         autocast: the CUDA autocast dtype in force, or ``None``. Graphs are captured under it.
-        hidden_states, inputs_embeds, position_ids, query_only: what the caller passed or asked for
-            (``query_only``: ColBERT query expansion computes trailing masked positions).
+        hidden_states, inputs_embeds, position_ids, query_only, position_zero: what the caller passed or asked
+            for (``query_only``: ColBERT query expansion computes trailing masked positions; ``position_zero``: a
+            head reads position 0, which the call's sync checks for padding).
         model_on_cuda, same_device: the weights' device; the inputs on it.
         padded: a padded ``[B, S]`` call (sizes known after its host sync); else a packed one with
             ``num_seqs``, ``total_tokens``, ``max_seqlen`` known.
@@ -113,6 +114,7 @@ class Facts:
     inputs_embeds: bool = False
     position_ids: bool = False
     query_only: bool = False
+    position_zero: bool = False
     model_on_cuda: bool = True
     same_device: bool = True
     padded: bool = False

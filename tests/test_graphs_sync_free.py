@@ -143,6 +143,7 @@ def test_rect_bucket_and_admission():
         (dict(grad=True), B.GRAD), (dict(dropout=True), B.DROPOUT),
         (dict(hidden_states=True), B.HIDDEN_STATES), (dict(inputs_embeds=True), B.EMBEDS),
         (dict(position_ids=True), B.POSITION_IDS), (dict(query_only=True), B.QUERY_ONLY),
+        (dict(position_zero=True), B.POSITION_ZERO),
         (dict(integer_inputs=False), B.INPUT_DTYPES), (dict(model_on_cuda=False), B.NOT_CUDA),
         (dict(same_device=False), B.OTHER_DEVICE), (dict(batch=0), B.EMPTY), (dict(width=0), B.EMPTY),
         (dict(batch=17), B.TOO_MANY_SEQS), (dict(width=257, batch=2), B.TOO_WIDE),
@@ -382,6 +383,27 @@ def test_query_only_trailing_mode_takes_the_synced_path(cpu_graphs):
         got = fwd(model, ids, mask)
     torch.testing.assert_close(got, eager, atol=2e-5, rtol=2e-5)
     assert info(model)["sync_free"]["fallbacks"] == {B.QUERY_ONLY: 1}
+
+
+def test_a_head_reading_position_zero_takes_the_synced_path(cpu_graphs):
+    """A ``classifier_pooling="cls"`` head's call is checked for padding at position 0 at the host sync, which the
+    sync-free path does not make: it takes the synced path, and a left-padded call runs the stock forward."""
+    import copy
+
+    import transformers
+
+    head = tiny_model(cls=transformers.ModernBertForSequenceClassification, classifier_pooling="cls").eval()
+    stock = copy.deepcopy(head)
+    pe.pack(head, validate=False, cuda_graph=SF)
+    for side in ("right", "left"):
+        ids, mask = padded_batch([5, 17, 33], side)
+        with torch.no_grad():
+            got = head(input_ids=ids, attention_mask=mask).logits
+            want = stock(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert info(head)["sync_free"]["fallbacks"] == {B.POSITION_ZERO: 2}
+    calls = pe.describe(head)["encoders"][0]["stock_forward_calls"]
+    assert sum(n for reason, n in calls.items() if "position 0" in reason) == 1  # the left-padded call only
 
 
 def test_shape_errors_still_raise_immediately(cpu_graphs):

@@ -1,4 +1,4 @@
-"""Heads whose loss reads padded positions: those calls get stock's encoder output there.
+"""Heads that read the encoder's output at padded positions: those calls get stock's encoder output there.
 
 The packed encoder's output is zero at padded positions. HF's token-classification and masked-LM heads compute
 their loss over every position whose label is not the ignore index (-100): HF's collators give padded positions
@@ -13,6 +13,13 @@ after their row's last real token, the encoder call computes those trailing posi
 over the padding) the encoder call runs the stock forward, counted in
 ``describe()["encoders"][i]["stock_forward_calls"]``. The request is handed to the encoder call the head makes next
 on this thread (:func:`take_request`) and cleared when the head returns.
+
+Sequence-classification and multiple-choice heads with ``config.classifier_pooling == "cls"`` read the encoder's
+output at position 0 of each row (read live at each call: the config is shared with the encoder and may change
+after ``pack()``). Where a row is padded there (left padding, or a row without real tokens), stock's output at
+that padded position is what the head classifies: a call through such a head asks the encoder call for
+:data:`LEADING`, which checks position 0 of every row at the call's one sync and runs the stock forward when any is
+padded (counted as above); right-padded calls stay packed.
 
 Question-answering heads take their span loss's softmax over every position of the row, padded ones included, so
 ``pack(target)`` computes trailing padded positions as stock does for every call of an encoder inside one
@@ -33,6 +40,7 @@ from torch import nn
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
 HEAD_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")
 SPAN_SUFFIX = "ForQuestionAnswering"
+POSITION_ZERO_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice")  # with classifier_pooling="cls"
 STOCK_REASON = ("labels at padded positions before a row's last real token (the loss reads the encoder's output "
                 "there, which the packed path leaves at zero)")
 EMPTY_ROW_REASON = ("labels at positions of a row without real tokens (stock's encoder output there attends over "
@@ -41,6 +49,7 @@ SPAN_STOCK_REASON = ("a question-answering loss (start_positions / end_positions
                      "real token: its softmax reads the encoder's output at every position, and the packed path "
                      "computes only trailing padded positions as stock does")
 TRAILING = "trailing"
+LEADING = "leading"  # the head reads position 0: a row padded there runs the stock forward (batch.unpad)
 _REQUEST = threading.local()
 
 
@@ -110,13 +119,17 @@ def _span_pre_hook(module, args, kwargs):
                                                  "attention_mask"))
 
 
+def _position_zero_pre_hook(module, args, kwargs):
+    _REQUEST.what = LEADING if getattr(getattr(module, "config", None), "classifier_pooling", None) == "cls" else None
+
+
 def _post_hook(module, args, kwargs, output):
     _REQUEST.what = None
 
 
 def take_request() -> str | None:
     """The request of the head now calling the encoder on this thread (cleared: one encoder call takes it):
-    ``None``, :data:`TRAILING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
+    ``None``, :data:`TRAILING`, :data:`LEADING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
     :data:`EMPTY_ROW_REASON`, :data:`SPAN_STOCK_REASON`)."""
     what = getattr(_REQUEST, "what", None)
     _REQUEST.what = None
@@ -124,21 +137,25 @@ def take_request() -> str | None:
 
 
 def token_heads(target: nn.Module) -> list[nn.Module]:
-    """The token-classification, masked-LM and question-answering heads inside ``target`` (by class name, as HF
-    names them)."""
-    return [m for m in target.modules() if type(m).__name__.endswith((*HEAD_SUFFIXES, SPAN_SUFFIX))]
+    """The token-classification, masked-LM, question-answering, sequence-classification and multiple-choice heads
+    inside ``target`` (by class name, as HF names them)."""
+    suffixes = (*HEAD_SUFFIXES, SPAN_SUFFIX, *POSITION_ZERO_SUFFIXES)
+    return [m for m in target.modules() if type(m).__name__.endswith(suffixes)]
 
 
 def _ours(hooks: dict) -> list:
-    return [key for key, fn in hooks.items() if fn in (_pre_hook, _span_pre_hook, _post_hook)]
+    return [key for key, fn in hooks.items() if fn in (_pre_hook, _span_pre_hook, _position_zero_pre_hook,
+                                                       _post_hook)]
 
 
 def watch(target: nn.Module) -> None:
     """Hook every such head inside ``target`` (once; :func:`unwatch` removes the hooks)."""
     for head in token_heads(target):
         if not _ours(head._forward_pre_hooks):
-            span = type(head).__name__.endswith(SPAN_SUFFIX)
-            head.register_forward_pre_hook(_span_pre_hook if span else _pre_hook, with_kwargs=True)
+            name = type(head).__name__
+            hook = (_span_pre_hook if name.endswith(SPAN_SUFFIX) else
+                    _position_zero_pre_hook if name.endswith(POSITION_ZERO_SUFFIXES) else _pre_hook)
+            head.register_forward_pre_hook(hook, with_kwargs=True)
             head.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
 
 

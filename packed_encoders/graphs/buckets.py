@@ -183,6 +183,7 @@ class RectBucket:
 # cuda_graph.sync_free.fallbacks; the synced path then counts its own graph fallbacks as before).
 POSITION_IDS = "position_ids"
 QUERY_ONLY = "query-only trailing positions (ColBERT query expansion)"
+POSITION_ZERO = "a head reading position 0 (classifier_pooling='cls'): padding there is checked at the host sync"
 INPUT_DTYPES = "input_ids or attention_mask not of an integer (or bool mask) dtype"
 EMPTY = "an empty batch"
 TOO_WIDE = "padded width longer than max_seqlen"
@@ -201,6 +202,7 @@ class RectFacts:
     inputs_embeds: bool = False
     position_ids: bool = False
     query_only: bool = False
+    position_zero: bool = False
     integer_inputs: bool = True
     model_on_cuda: bool = True
     same_device: bool = True
@@ -220,6 +222,7 @@ def admit_rect(config: GraphConfig, facts: RectFacts, vocab: int) -> RectBucket 
     reason = _first_failed(_mode_checks(facts) + (
         (facts.position_ids, POSITION_IDS),
         (facts.query_only, QUERY_ONLY),
+        (facts.position_zero, POSITION_ZERO),
         (not facts.integer_inputs, INPUT_DTYPES),
         (not facts.model_on_cuda, NOT_CUDA),
         (not facts.same_device, OTHER_DEVICE),
