@@ -141,3 +141,35 @@ def test_cpu_labels_of_a_cuda_call_get_the_stock_loss():
         torch.testing.assert_close(packed(input_ids=ids, attention_mask=mask, labels=labels).loss,
                                    stock(input_ids=ids, attention_mask=mask, labels=labels).loss,
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_cls_head_checks_position_zero_at_its_one_sync():
+    """A ``classifier_pooling="cls"`` head on CUDA (default graphs): a right-padded call stays packed with one host
+    sync (the mask's first column is read with unpad's stats), a left-padded one runs the stock forward."""
+    import copy
+
+    import transformers
+
+    stock = make_model("tiny", cls=transformers.ModernBertForSequenceClassification, device=DEV,
+                       classifier_pooling="cls").eval()
+    packed = copy.deepcopy(stock)
+    pe.pack(packed)
+    vocab = stock.config.vocab_size
+    right = padded_batch([5, 30, 17], "right", vocab_size=vocab, device=DEV)
+    left = padded_batch([5, 30, 17], "left", vocab_size=vocab, device=DEV)
+    with torch.no_grad():
+        for ids, mask in (right, left, right):  # (the second right-padded call: warm)
+            torch.testing.assert_close(packed(input_ids=ids, attention_mask=mask).logits,
+                                       stock(input_ids=ids, attention_mask=mask).logits, atol=2e-4, rtol=2e-4)
+        calls = pe.describe(packed)["encoders"][0]["stock_forward_calls"]
+        assert sum(n for reason, n in calls.items() if "position 0" in reason) == 1, calls
+        torch.cuda.synchronize()
+        try:
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                packed(input_ids=right[0], attention_mask=right[1])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) == 1, [str(w.message)[:120] for w in syncs]
