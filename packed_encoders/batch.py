@@ -102,8 +102,8 @@ def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
-          trailing_query_only: bool = False, leading_stock: bool = False, before_sync=None,
-          fused: bool = True) -> PackedBatch:
+          trailing_query_only: bool = False, leading_stock: bool = False, empty_rows_stock: bool = False,
+          before_sync=None, fused: bool = True) -> PackedBatch:
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
@@ -113,7 +113,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     padding before a row's real tokens stays zeros, or with ``leading_stock`` raises ``StockOnlyInput`` (ColBERT
     query expansion scores the leading expansion positions of left-padded queries, which stock computes). Without
     ``trailing_query_only``, ``leading_stock`` raises it for a row whose position 0 is padding (a head reads position
-    0: ``classifier_pooling="cls"``), the mask's first column read at the same sync.
+    0: ``classifier_pooling="cls"``), the mask's first column read at the same sync; ``empty_rows_stock`` raises it
+    for a row without real tokens (a multiple-choice head reads its position 0).
     ``before_sync(ids, positions, cu_seqlens, key_lens)``, when given, is called just before the sync with the
     device buffers the batch will be sliced from (``ids`` / ``positions`` hold ``B * S + 1`` rows, the first
     ``cu_seqlens[-1]`` of them the batch's; ``ids`` is ``None`` for ``inputs_embeds``); it must not sync.
@@ -123,7 +124,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     Raises:
         StockOnlyInput: a mask with holes inside a sequence, padding before a sequence's real tokens with
             ``trailing_query_only`` and ``leading_stock``, or padding at a row's position 0 with ``leading_stock``
-            alone (the patched forward runs stock HF for it).
+            alone, or a row without real tokens with ``empty_rows_stock`` (the patched forward runs stock HF for
+            it).
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
             ids outside ``[0, vocab_size)`` at real tokens, non-zero ``token_type_ids`` at real tokens, or
             negative ``position_ids``.
@@ -186,6 +188,9 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
                   "tokens (right padding)", StockOnlyInput)
     _raise_if(n_zero, "attention_mask pads position 0 of {count} row(s), which the head reads "
                       "(classifier_pooling='cls'): the packed path leaves padded positions at zero", StockOnlyInput)
+    _raise_if(sum(n == 0 for n in host_lens) if empty_rows_stock and attention_mask is not None else 0,
+              "attention_mask has no real tokens in {count} row(s), whose position 0 the head reads "
+              "(classifier_pooling='cls'): the packed path leaves padded positions at zero", StockOnlyInput)
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
     _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
     _raise_if(n_negpos, "position_ids has {count} negative entries")

@@ -1,7 +1,8 @@
 """Heads that read position 0 (``classifier_pooling="cls"``: sequence classification, multiple choice) with a row
 padded there (left padding, a row without real tokens): the encoder call runs the stock forward, so the head reads
 what stock computes at that padded position; right-padded calls, mean pooling and a bare encoder stay packed
-(adapters/token_labels.py ``LEADING``, batch.unpad's position-0 count at the call's one sync)."""
+(adapters/token_labels.py ``position_zero_reader``, batch.unpad's position-0 count at the call's one sync). The
+multiple-choice head reads each row's first real token, so only its rows without real tokens run the stock forward."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def test_cls_heads_read_stocks_output_at_a_padded_position_zero(head):
         for side, lengths, to_stock in (("right", (5, 12, 9), False), ("left", (5, 12, 9), True),
                                         ("right", (5, 0, 9), True), ("left", (12, 12, 12), False)):
             inputs = _inputs(head, side, lengths)
+            # the multiple-choice head reads each row's first real token: only a row without one reads padding
+            to_stock = to_stock and (head != "ModernBertForMultipleChoice" or 0 in lengths)
             before = _zero_reasons(model)
             got, want = model(**inputs).logits, stock(**inputs).logits
             assert _zero_reasons(model) == before + to_stock, (side, lengths)
@@ -89,3 +92,55 @@ def test_left_padded_cls_training_gets_stocks_loss_and_gradients():
     for (name, p), q in zip(model.named_parameters(), stock.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5, msg=name)
     assert _zero_reasons(model) == 1
+
+
+@pytest.mark.parametrize("head", ["ModernBertForSequenceClassification", "ModernBertForMultipleChoice"])
+def test_a_direct_head_forward_call_gets_stocks_logits(head):
+    """``head.forward(...)`` runs no module hook (sentence-transformers v6's ``CrossEncoder`` calls the head so): the
+    encoder itself knows the head around it, so a left-padded call still reads what stock computes at position 0."""
+    model = make_model("base_like", cls=getattr(transformers, head), classifier_pooling="cls")
+    stock = copy.deepcopy(model)
+    pe.pack(model)
+    inputs = _inputs(head, "left", (5, 0, 9) if head == "ModernBertForMultipleChoice" else (5, 12, 9))
+    with torch.no_grad():
+        got, want = model.forward(**inputs).logits, stock(**inputs).logits
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert _zero_reasons(model) == 1
+
+
+def test_multiple_choice_left_padding_stays_packed():
+    """Stock's multiple-choice head reads ``attention_mask.argmax(-1)``, each row's first real token, which the packed
+    path computes: left- and mixed-padded choices stay packed; a choice without real tokens runs stock."""
+    model = make_model("base_like", cls=transformers.ModernBertForMultipleChoice, classifier_pooling="cls")
+    stock = copy.deepcopy(model)
+    pe.pack(model)
+    ids, mask = padded_batch([5, 3, 9, 12], side="mixed")
+    inputs = dict(input_ids=torch.stack((ids, ids.flip(0))), attention_mask=torch.stack((mask, mask.flip(0))))
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, stock(**inputs).logits, atol=1e-4, rtol=1e-4)
+        assert not _stock_calls(model)
+        inputs["attention_mask"][1, 2] = 0  # a choice without real tokens: its position 0 is read
+        torch.testing.assert_close(model(**inputs).logits, stock(**inputs).logits, atol=1e-6, rtol=1e-6)
+    assert _zero_reasons(model) == 1
+
+
+def test_cross_encoder_with_left_padding_gets_stocks_scores(tmp_path):
+    """sentence-transformers' ``CrossEncoder`` (v6 calls ``head.forward`` directly) with a left-padding tokenizer."""
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import CrossEncoder
+
+    from tests.tiny_tokenizer import TEXTS, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    model = make_model("tiny", cls=transformers.ModernBertForSequenceClassification, vocab_size=len(tokenizer),
+                       classifier_pooling="cls", num_labels=1)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    packed, stock = CrossEncoder(str(tmp_path), device="cpu"), CrossEncoder(str(tmp_path), device="cpu")
+    for encoder in (packed, stock):
+        encoder.tokenizer.padding_side = "left"
+    pe.pack(packed)
+    pairs = [(TEXTS[0], text) for text in TEXTS]
+    torch.testing.assert_close(torch.as_tensor(packed.predict(pairs, batch_size=4)),
+                               torch.as_tensor(stock.predict(pairs, batch_size=4)), atol=1e-6, rtol=1e-6)
+    assert _zero_reasons(packed) >= 1

@@ -31,7 +31,7 @@ from ..call import empty_output, packed_route, padded_route, raise_earlier_error
 from ..errors import PackedEncodersError, StockOnlyInput
 from .stock_calls import mask_holes_reason, stock_call_reason
 from .structure import structure_check
-from .token_labels import LEADING, TRAILING, take_request
+from .token_labels import COLUMN_ZERO, FIRST_REAL, TRAILING, position_zero_reader, take_request
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
@@ -164,7 +164,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     names = _positional_names(type(model))
     if problem is None:
         problem = stock_call_reason(model, names, args, kwargs)
-    if problem is None and request not in (None, TRAILING, LEADING):  # why this head's loss needs the stock forward
+    if problem is None and request not in (None, TRAILING):  # why this head's loss needs the stock forward
         return _stock_fallback(model, state, request, args, kwargs)
     if problem is not None:
         return _stock_fallback(model, state, padded_route(model, state, structure=problem).reason, args, kwargs)
@@ -239,15 +239,18 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     within = state.trailing_max_len is not None and width <= state.trailing_max_len
     trailing = attention_mask is not None and (request == TRAILING or within)
     # a query-expansion call: left padding puts scored [MASK] positions before the real tokens (stock computes them);
-    # a head reading position 0 (adapters.token_labels): a row padded there is read where stock computes it
-    position_zero = request == LEADING and attention_mask is not None
+    # a head reading position 0 (adapters.token_labels): a row padded there is read where stock computes it (the
+    # multiple-choice head reads each row's first real token: only a row without one is read at padding)
+    reads = position_zero_reader(model, state) if attention_mask is not None else None
+    position_zero = reads == COLUMN_ZERO
     leading_stock = (trailing and watch is not None and within) or position_zero
     padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)
-    route = padded_route(model, state, hidden_states=output_hidden_states, position_zero=position_zero, **padded)
+    route = padded_route(model, state, hidden_states=output_hidden_states, position_zero=reads is not None, **padded)
     try:
         last, hidden_t = serve_padded(model, state, route, hidden_states=output_hidden_states,
-                                      hidden_pre_norm_last=pre_norm_last, leading_stock=leading_stock, **padded)
+                                      hidden_pre_norm_last=pre_norm_last, leading_stock=leading_stock,
+                                      empty_rows_stock=reads == FIRST_REAL, **padded)
     except StockOnlyInput as error:  # raised by unpad at the call's one sync, before any layer ran
         return _stock_fallback(model, state, mask_holes_reason(error), args, call)
     return _output(model, last, hidden_t, as_tuple)

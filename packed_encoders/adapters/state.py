@@ -41,6 +41,7 @@ class PackState:
     ops: OpSet = TORCH_OPS
     ops_reason: str = ""
     trailing_max_len: int | None = None  # padded calls this narrow compute trailing masked positions
+    position_zero: str | None = None  # what a classifier_pooling="cls" head around the encoder reads (token_labels)
     policy: Any = None
     tuning: Tuning = field(default_factory=Tuning)  # switches and budgets read at pack()
     previous_forward: Any = _NO_FORWARD

@@ -17,9 +17,12 @@ on this thread (:func:`take_request`) and cleared when the head returns.
 Sequence-classification and multiple-choice heads with ``config.classifier_pooling == "cls"`` read the encoder's
 output at position 0 of each row (read live at each call: the config is shared with the encoder and may change
 after ``pack()``). Where a row is padded there (left padding, or a row without real tokens), stock's output at
-that padded position is what the head classifies: a call through such a head asks the encoder call for
-:data:`LEADING`, which checks position 0 of every row at the call's one sync and runs the stock forward when any is
-padded (counted as above); right-padded calls stay packed.
+that padded position is what the head classifies. ``pack(target)`` marks each encoder inside such a head
+(:func:`position_zero_reader`; not a hook: sentence-transformers' ``CrossEncoder`` calls ``head.forward`` directly,
+which runs no hook), and every padded call of that encoder while ``classifier_pooling == "cls"`` checks position 0
+of every row at the call's one sync and runs the stock forward when any is padded (counted as above); right-padded
+calls stay packed. The multiple-choice head reads each row's first real token (``attention_mask.argmax(-1)``), so
+only a row without real tokens (read at position 0) runs the stock forward there.
 
 Question-answering heads take their span loss's softmax over every position of the row, padded ones included, so
 ``pack(target)`` computes trailing padded positions as stock does for every call of an encoder inside one
@@ -49,7 +52,8 @@ SPAN_STOCK_REASON = ("a question-answering loss (start_positions / end_positions
                      "real token: its softmax reads the encoder's output at every position, and the packed path "
                      "computes only trailing padded positions as stock does")
 TRAILING = "trailing"
-LEADING = "leading"  # the head reads position 0: a row padded there runs the stock forward (batch.unpad)
+COLUMN_ZERO = "column 0"  # a sequence-classification head reads position 0 of each row
+FIRST_REAL = "first real token"  # a multiple-choice head reads each row's first real token (position 0 if none)
 _REQUEST = threading.local()
 
 
@@ -119,17 +123,13 @@ def _span_pre_hook(module, args, kwargs):
                                                  "attention_mask"))
 
 
-def _position_zero_pre_hook(module, args, kwargs):
-    _REQUEST.what = LEADING if getattr(getattr(module, "config", None), "classifier_pooling", None) == "cls" else None
-
-
 def _post_hook(module, args, kwargs, output):
     _REQUEST.what = None
 
 
 def take_request() -> str | None:
     """The request of the head now calling the encoder on this thread (cleared: one encoder call takes it):
-    ``None``, :data:`TRAILING`, :data:`LEADING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
+    ``None``, :data:`TRAILING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
     :data:`EMPTY_ROW_REASON`, :data:`SPAN_STOCK_REASON`)."""
     what = getattr(_REQUEST, "what", None)
     _REQUEST.what = None
@@ -137,31 +137,56 @@ def take_request() -> str | None:
 
 
 def token_heads(target: nn.Module) -> list[nn.Module]:
-    """The token-classification, masked-LM, question-answering, sequence-classification and multiple-choice heads
-    inside ``target`` (by class name, as HF names them)."""
-    suffixes = (*HEAD_SUFFIXES, SPAN_SUFFIX, *POSITION_ZERO_SUFFIXES)
-    return [m for m in target.modules() if type(m).__name__.endswith(suffixes)]
+    """The token-classification, masked-LM and question-answering heads inside ``target`` (by class name, as HF
+    names them)."""
+    return [m for m in target.modules() if type(m).__name__.endswith((*HEAD_SUFFIXES, SPAN_SUFFIX))]
 
 
 def _ours(hooks: dict) -> list:
-    return [key for key, fn in hooks.items() if fn in (_pre_hook, _span_pre_hook, _position_zero_pre_hook,
-                                                       _post_hook)]
+    return [key for key, fn in hooks.items() if fn in (_pre_hook, _span_pre_hook, _post_hook)]
+
+
+def _mark_position_zero(target: nn.Module, on: bool) -> None:
+    """Mark (or unmark) each packed encoder inside a sequence-classification / multiple-choice head of ``target``
+    with what the head reads (:data:`COLUMN_ZERO`, :data:`FIRST_REAL`)."""
+    from .state import get_state
+
+    for head in target.modules():
+        name = type(head).__name__
+        if not name.endswith(POSITION_ZERO_SUFFIXES):
+            continue
+        reads = FIRST_REAL if name.endswith("ForMultipleChoice") else COLUMN_ZERO
+        for module in head.modules():
+            state = get_state(module)
+            if state is not None:
+                state.position_zero = reads if on else None
+
+
+def position_zero_reader(model: nn.Module, state) -> str | None:
+    """What the head holding ``model`` reads of each row in this call (:data:`COLUMN_ZERO`, :data:`FIRST_REAL`), or
+    ``None``: no such head was seen at ``pack()``, or its ``classifier_pooling`` (the encoder's config, read live) is
+    not ``"cls"``."""
+    reads = getattr(state, "position_zero", None)
+    if reads is None or getattr(model.config, "classifier_pooling", None) != "cls":
+        return None
+    return reads
 
 
 def watch(target: nn.Module) -> None:
-    """Hook every such head inside ``target`` (once; :func:`unwatch` removes the hooks)."""
+    """Hook every token head inside ``target`` (once; :func:`unwatch` removes the hooks) and mark the encoders of
+    heads that read position 0 (:func:`position_zero_reader`)."""
+    _mark_position_zero(target, True)
     for head in token_heads(target):
         if not _ours(head._forward_pre_hooks):
-            name = type(head).__name__
-            hook = (_span_pre_hook if name.endswith(SPAN_SUFFIX) else
-                    _position_zero_pre_hook if name.endswith(POSITION_ZERO_SUFFIXES) else _pre_hook)
-            head.register_forward_pre_hook(hook, with_kwargs=True)
+            span = type(head).__name__.endswith(SPAN_SUFFIX)
+            head.register_forward_pre_hook(_span_pre_hook if span else _pre_hook, with_kwargs=True)
             head.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
 
 
 def unwatch(target: nn.Module) -> None:
     """Remove :func:`watch`'s hooks, found by function rather than by handle: a ``copy.deepcopy`` of a packed
-    target copies the hooks, while a handle would still point at the original module's."""
+    target copies the hooks, while a handle would still point at the original module's; unmark the encoders."""
+    _mark_position_zero(target, False)
     for head in token_heads(target):
         for hooks, extras in ((head._forward_pre_hooks, (head._forward_pre_hooks_with_kwargs,)),
                               (head._forward_hooks, (head._forward_hooks_with_kwargs,
