@@ -144,3 +144,16 @@ def test_cross_encoder_with_left_padding_gets_stocks_scores(tmp_path):
     torch.testing.assert_close(torch.as_tensor(packed.predict(pairs, batch_size=4)),
                                torch.as_tensor(stock.predict(pairs, batch_size=4)), atol=1e-6, rtol=1e-6)
     assert _zero_reasons(packed) >= 1
+
+
+def test_repacking_the_encoder_alone_keeps_its_heads_reading():
+    """``pe.pack(head)``, then ``pe.pack(head.model, ...)`` with other options: the head around the encoder still reads
+    position 0 (the encoder's mark is carried over; ``padded_outputs="zeros"`` drops it, as documented)."""
+    model = make_model("base_like", cls=transformers.ModernBertForSequenceClassification, classifier_pooling="cls")
+    stock = copy.deepcopy(model)
+    pe.pack(model)
+    pe.pack(model.model, attention_backend="sdpa")
+    inputs = _inputs("ModernBertForSequenceClassification", "left")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, stock(**inputs).logits, atol=1e-6, rtol=1e-6)
+    assert _zero_reasons(model) == 1
