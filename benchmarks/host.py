@@ -29,7 +29,8 @@ variant's median over rounds with its range.
 
 Per (workload, variant): ``host_ms`` (median time for the call to return, GPU idle at the start: the host's share),
 ``gpu_ms`` (kernel time per call from ``torch.profiler``), ``wall_ms`` (median per call back to back, CUDA events),
-``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), for packed
+``python_calls`` (cProfile, one call), ``aten_ops`` (torch.profiler CPU events named ``aten::``), ``launches`` and
+``memsets`` (CUDA runtime / driver calls that enqueue a kernel or a memset, per call; 0 on CPU), for packed
 inference the per-token cosine against stock on the first batch, and for ``train`` ``phase_host_ms`` (host timers
 per part of the step, medians: queries forward, documents forward, loss, backward, optimizer step + ``zero_grad``).
 Rows go to ``--out`` as JSON lines (appended to a ``.jsonl.partial`` file as each variant's process ends, so a run
@@ -92,9 +93,15 @@ def _batches(corpus, set_name: str, batch: int, n: int, seed: int, device: str, 
     return out
 
 
-def _profile(step, args, device: str, n: int = 3, table_to: list | None = None) -> tuple[float, int]:
-    """``(kernel ms per call, aten ops per call)``; ``table_to``: a list that receives the profiler's table of
-    operators by self CPU time."""
+# CUDA runtime / driver calls that enqueue one kernel, and the memsets enqueued beside them (cuBLASLt's algorithms
+# that zero their workspace): each costs host time of its own, so an eager call's host time follows their count
+_LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
+_MEMSET_CALLS = frozenset({"cudaMemsetAsync", "cuMemsetD8Async", "cuMemsetD32Async"})
+
+
+def _profile(step, args, device: str, n: int = 3, table_to: list | None = None) -> tuple[float, int, int, int]:
+    """``(kernel ms per call, aten ops per call, kernel launches per call, memsets per call)``; ``table_to``: a list
+    that receives the profiler's table of operators by self CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
@@ -106,14 +113,18 @@ def _profile(step, args, device: str, n: int = 3, table_to: list | None = None) 
     if table_to is not None:
         table_to.append(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     gpu_us = 0.0
-    aten = 0
+    aten = launches = memsets = 0
     events = prof.events()
     for e in events:
         if e.name.startswith("aten::"):
             aten += 1
+        elif e.name in _LAUNCH_CALLS:
+            launches += 1
+        elif e.name in _MEMSET_CALLS:
+            memsets += 1
     if device.startswith("cuda"):
         gpu_us = sum(e.time_range.elapsed_us() for e in device_work(events))  # kernels, memcpys, memsets
-    return gpu_us / 1e3 / n, aten // n
+    return gpu_us / 1e3 / n, aten // n, launches // n, memsets // n
 
 
 def _measure(step, args, device: str, reps: int, counts: dict, profile_to: Path | None = None) -> dict:
@@ -141,7 +152,7 @@ def _measure(step, args, device: str, reps: int, counts: dict, profile_to: Path 
     pr.disable()
     synchronize(device)
     table = [] if profile_to is not None else None
-    gpu_ms, aten = _profile(step, args, device, counts["profiled"], table)
+    gpu_ms, aten, launches, memsets = _profile(step, args, device, counts["profiled"], table)
     if profile_to is not None:  # where the host time goes: Python functions, then operators
         text = io.StringIO()
         stats = pstats.Stats(pr, stream=text)
@@ -151,7 +162,7 @@ def _measure(step, args, device: str, reps: int, counts: dict, profile_to: Path 
         profile_to.write_text(f"cProfile, one call\n{text.getvalue()}\ntorch.profiler, {counts['profiled']} calls\n"
                               f"{table[0]}\n")
     return {"host_ms": statistics.median(host) * 1e3, "wall_ms": statistics.median(walls) * 1e3, "gpu_ms": gpu_ms,
-            "python_calls": pstats.Stats(pr).total_calls, "aten_ops": aten}
+            "python_calls": pstats.Stats(pr).total_calls, "aten_ops": aten, "launches": launches, "memsets": memsets}
 
 
 def _import_package(code: str | None):
@@ -334,11 +345,11 @@ def table(rows: list[dict]) -> str:
     """Markdown: per (workload, variant) the median over rounds of host / GPU / wall ms (host range when there
     are several rounds), Python calls and aten ops of the first round, the parity cosine."""
     lines = ["| workload | variant | rounds | host ms median (range) | us/layer | GPU ms | wall ms | python calls "
-             "| aten ops | cos min |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| aten ops | launches (memsets) | cos min |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     groups: dict = {}
     for r in rows:
         if r.get("status") != "ok":
-            lines.append(f"| - | {r['variant']} | failed (round {r.get('round', 0) + 1}) | | | | | | | |")
+            lines.append(f"| - | {r['variant']} | failed (round {r.get('round', 0) + 1}) | | | | | | | | |")
             continue
         groups.setdefault((r["workload"], r["variant"]), []).append(r)
     for (workload, variant), rs in groups.items():
@@ -348,8 +359,15 @@ def table(rows: list[dict]) -> str:
         cos = "" if rs[0].get("token_cos_min") is None else f"{rs[0]['token_cos_min']:.5f}"
         lines.append(f"| {workload} | {variant} | {len(rs)} | {med['host_ms']:.2f}{spread} "
                      f"| {med['host_ms'] * 1e3 / rs[0]['layers']:.0f} | {med['gpu_ms']:.2f} | {med['wall_ms']:.2f} "
-                     f"| {rs[0]['python_calls']} | {rs[0]['aten_ops']} | {cos} |")
+                     f"| {rs[0]['python_calls']} | {rs[0]['aten_ops']} | {_launches(rs[0])} | {cos} |")
     return "\n".join(lines)
+
+
+def _launches(row: dict) -> str:
+    """``launches (memsets)`` per call, blank for rows recorded before the harness counted them."""
+    if row.get("launches") is None:
+        return ""
+    return f"{row['launches']} ({row.get('memsets', 0)})"
 
 
 if __name__ == "__main__":

@@ -93,7 +93,9 @@ def test_host_rounds_and_a_second_code_tree(tmp_path):
         ("new_eager", 0, "ok"), (f"new_eager@{tree}", 0, "ok"), ("new_eager", 1, "ok"), (f"new_eager@{tree}", 1, "ok")]
     assert "code_dir" not in rows[0] and rows[1]["code_dir"] == str(tree.resolve())
     assert all(r["host_ms"] > 0 and r["token_cos_min"] > 0.9999 for r in rows)
+    assert all(r["launches"] == 0 and r["memsets"] == 0 for r in rows)  # no CUDA runtime calls on CPU
     text = host.table(rows)
+    assert "| launches (memsets) |" in text and "| 0 (0) |" in text
     assert f"| queries | new_eager@{tree} | 2 |" in text and "| queries | new_eager | 2 |" in text
     import pytest
 
