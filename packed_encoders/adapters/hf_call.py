@@ -29,7 +29,7 @@ from torch import nn
 from ..batch import from_packed, is_int_like
 from ..call import empty_output, packed_route, padded_route, raise_earlier_errors, serve_batch, serve_padded
 from ..errors import PackedEncodersError, StockOnlyInput
-from .stock_calls import mask_holes_reason, stock_call_reason
+from .stock_calls import mask_holes_reason, positional_names, stock_call_reason
 from .structure import structure_check
 from .token_labels import COLUMN_ZERO, FIRST_REAL, TRAILING, position_zero_reader, take_request
 
@@ -42,19 +42,11 @@ _V4_UNPADDED = ("sliding_window_mask", "indices", "cu_seqlens", "max_seqlen", "b
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-@functools.lru_cache(maxsize=None)
-def _positional_names(cls: type) -> tuple[str, ...]:
-    sig = inspect.signature(cls.forward)
-    names = [p.name for p in sig.parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return tuple(names[1:])  # drop self
-
-
 def _forward_reads_flags(cls: type) -> bool:
     """Whether stock's ``forward`` takes ``return_dict`` and ``output_hidden_states`` as arguments and collects the
     hidden states itself (transformers v4 and 5.0); from 5.1 a decorator (``check_model_inputs``, then
     ``capture_outputs``) reads them from ``**kwargs`` and records the hidden states."""
-    return "return_dict" in _positional_names(cls)
+    return "return_dict" in positional_names(cls)
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,7 +153,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
     request = take_request()  # a head's loss reads padded positions (adapters.token_labels)
     problem = structure_check(model, state)
-    names = _positional_names(type(model))
+    names = positional_names(type(model))
     if problem is None:
         problem = stock_call_reason(model, names, args, kwargs)
     if problem is None and request not in (None, TRAILING):  # why this head's loss needs the stock forward

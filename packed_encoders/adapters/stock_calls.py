@@ -72,3 +72,11 @@ def stock_signature(cls: type) -> inspect.Signature:
     for an unpatched model's ``forward``."""
     sig = inspect.signature(cls.forward)
     return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+@functools.lru_cache(maxsize=None)
+def positional_names(cls: type) -> tuple[str, ...]:
+    """The names ``cls.forward`` takes positionally, in order (``self`` dropped): a call's positional arguments
+    mapped to them read as its keywords."""
+    return tuple(p.name for p in stock_signature(cls).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))

@@ -33,12 +33,12 @@ values for those positions.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import threading
 
 import torch
 from torch import nn
+
+from .stock_calls import positional_names
 
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
 HEAD_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")
@@ -99,18 +99,12 @@ def span_request_for(start_positions, end_positions, attention_mask) -> str | No
     return SPAN_STOCK_REASON if bool(before_last.any()) else None
 
 
-@functools.lru_cache(maxsize=None)
-def _positional_names(cls: type) -> tuple[str, ...]:
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]  # drop self
-    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-
-
 def _arguments(module, args, kwargs, *names):
     """``names``' values in this call, keyword or positional: ``head(ids, mask, labels=...)`` is as common as the
     Trainer's all-keyword call, and a mask missed here would leave the loss reading the packed path's zeros."""
     if not args:
         return tuple(kwargs.get(name) for name in names)
-    positional = dict(zip(_positional_names(type(module)), args))
+    positional = dict(zip(positional_names(type(module)), args))
     return tuple(kwargs[name] if name in kwargs else positional.get(name) for name in names)
 
 
