@@ -102,8 +102,8 @@ def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
-          trailing_query_only: bool = False, leading_stock: bool = False, empty_rows_stock: bool = False,
-          before_sync=None, fused: bool = True) -> PackedBatch:
+          trailing_query_only: bool = False, leading_stock: bool = False, column_zero_stock: bool = False,
+          empty_rows_stock: bool = False, before_sync=None, fused: bool = True) -> PackedBatch:
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
@@ -111,10 +111,10 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     at the real tokens. With ``trailing_query_only``, the padded positions after each non-empty row's last
     real token join its sequence as query-only tokens (see ``PackedBatch.key_lens``), positions continuing;
     padding before a row's real tokens stays zeros, or with ``leading_stock`` raises ``StockOnlyInput`` (ColBERT
-    query expansion scores the leading expansion positions of left-padded queries, which stock computes). Without
-    ``trailing_query_only``, ``leading_stock`` raises it for a row whose position 0 is padding (a head reads position
-    0: ``classifier_pooling="cls"``), the mask's first column read at the same sync; ``empty_rows_stock`` raises it
-    for a row without real tokens (a multiple-choice head reads its position 0).
+    query expansion scores the leading expansion positions of left-padded queries, which stock computes).
+    ``column_zero_stock`` raises it for a row whose position 0 is padding (a head reads position 0:
+    ``classifier_pooling="cls"``), the mask's first column read at the same sync; ``empty_rows_stock`` for a row
+    without real tokens (a multiple-choice head reads its position 0).
     ``before_sync(ids, positions, cu_seqlens, key_lens)``, when given, is called just before the sync with the
     device buffers the batch will be sliced from (``ids`` / ``positions`` hold ``B * S + 1`` rows, the first
     ``cu_seqlens[-1]`` of them the batch's; ``ids`` is ``None`` for ``inputs_embeds``); it must not sync.
@@ -123,9 +123,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
 
     Raises:
         StockOnlyInput: a mask with holes inside a sequence, padding before a sequence's real tokens with
-            ``trailing_query_only`` and ``leading_stock``, or padding at a row's position 0 with ``leading_stock``
-            alone, or a row without real tokens with ``empty_rows_stock`` (the patched forward runs stock HF for
-            it).
+            ``trailing_query_only`` and ``leading_stock``, padding at a row's position 0 with ``column_zero_stock``,
+            or a row without real tokens with ``empty_rows_stock`` (the patched forward runs stock HF for it).
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
             ids outside ``[0, vocab_size)`` at real tokens, non-zero ``token_type_ids`` at real tokens, or
             negative ``position_ids``.
@@ -172,7 +171,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
             b, s, device)
     if before_sync is not None:
         before_sync(ids_all, pos_all, cu, key_lens)
-    position_zero = leading_stock and not trailing_query_only and attention_mask is not None
+    position_zero = column_zero_stock and attention_mask is not None
     if position_zero:  # the rows padded at position 0, read at the same sync
         stats_t = torch.cat((stats_t, (attention_mask[:, 0] == 0).sum().reshape(1).to(stats_t.dtype)))
     stats = stats_t.tolist()  # the one sync

@@ -234,15 +234,15 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     # a head reading position 0 (adapters.token_labels): a row padded there is read where stock computes it (the
     # multiple-choice head reads each row's first real token: only a row without one is read at padding)
     reads = position_zero_reader(model, state) if attention_mask is not None else None
-    position_zero = reads == COLUMN_ZERO
-    leading_stock = (trailing and watch is not None and within) or position_zero
+    leading_stock = trailing and watch is not None and within
     padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)
     route = padded_route(model, state, hidden_states=output_hidden_states, position_zero=reads is not None, **padded)
     try:
         last, hidden_t = serve_padded(model, state, route, hidden_states=output_hidden_states,
                                       hidden_pre_norm_last=pre_norm_last, leading_stock=leading_stock,
-                                      empty_rows_stock=reads == FIRST_REAL, **padded)
+                                      column_zero_stock=reads == COLUMN_ZERO, empty_rows_stock=reads == FIRST_REAL,
+                                      **padded)
     except StockOnlyInput as error:  # raised by unpad at the call's one sync, before any layer ran
         return _stock_fallback(model, state, mask_holes_reason(error), args, call)
     return _output(model, last, hidden_t, as_tuple)
