@@ -14,27 +14,38 @@ Output in ``DIR``:
                                    pooling, dtype, pad id, a fingerprint of the model), chunk boundaries
     chunks/chunk-000012.pt         per chunk: ``{"ids": [...], "embeddings": [n, D]}`` (pooled) or
                                    ``{"ids": [...], "embeddings": [T, D], "cu_seqlens": int64 [n + 1]}`` (tokens)
-    chunks/chunk-000012.done       completion marker (written after the chunk file is in place, with its size: a
-                                   resumed run encodes a chunk whose file is missing or changed again)
-    manifest.json                  written by rank 0 when every chunk is done: chunks, rows, tokens, dim, dtype
+    chunks/chunk-000012.done       completion marker, JSON, renamed into place after the chunk file: rows, tokens,
+                                   the file's ``bytes`` and ``sha256`` (hex, of the bytes just written; the value
+                                   ``sha256sum`` prints), the rank, world size and seconds it took
+    manifest.json                  written by rank 0 when every chunk is done: chunks (file, rows, tokens, first
+                                   item, bytes, sha256), items, tokens, dim, dtype
 Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
-A run killed at any point resumes by running the same command again (any number of ranks): chunks with a marker
-are kept, the rest are encoded; a chunk written halfway is written again. A run with another corpus, chunking,
-output, pooling, output dtype, pad id or model (other weights, dtype, class, module pipeline or forward-shaping
-config) is refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused
-too, and so are ranks started with different corpora, models or options (every rank raises, naming the
-difference). :func:`load_index` reads the result back and checks every corpus id appears exactly once.
+A run killed at any point resumes by running the same command again (any number of ranks): a chunk is kept when
+its marker is in place and its file has the marker's size and SHA-256 (each rank hashes the finished chunks it owns
+in this run, one streamed read per file); the rest are encoded, among them a chunk written halfway, and, with a
+warning, a chunk whose file is missing or whose size or digest differ (damaged or replaced since, even at the same
+size). A marker without a ``sha256`` (written by an older version) is not trusted: its chunk is encoded again,
+with a warning. Rank 0 then checks every marker and file size (not the digests again) and copies the digests into
+the manifest. A run with another corpus, chunking, output, pooling, output dtype, pad id or model (other weights,
+dtype, class, module pipeline or forward-shaping config) is refused rather than mixing two indexes in one
+directory; a corpus changed while a run reads it is refused too, and so are ranks started with different corpora,
+models or options (every rank raises, naming the difference). :func:`load_index` reads the result back, checks
+each chunk file against the manifest's size and SHA-256 as it reads it (a manifest without digests, from an older
+version, is loaded unchecked with a warning) and checks every corpus id appears exactly once.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import io
 import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -147,16 +158,67 @@ def _remove_partial_writes(out_dir: str) -> None:
             os.remove(path)
 
 
-def _chunk_done(out_dir: str, index: int) -> bool:
-    """Whether chunk ``index`` is finished: its completion marker is in place and its file has the size the marker
-    recorded (a file truncated, replaced or deleted since is encoded again)."""
+def file_digest(path: str, block: int = 1 << 22) -> str:
+    """The SHA-256 (hex) of a file, read in ``block``-byte pieces (a chunk file of any size in bounded memory; the
+    same value as ``sha256sum``)."""
+    h = hashlib.sha256()
+    buf = bytearray(block)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _chunk_state(out_dir: str, index: int, verify: bool = True) -> tuple[str, dict | None]:
+    """``(state, marker)`` of chunk ``index``: ``"done"`` when its completion marker is in place, records a digest,
+    and the chunk file has the marker's size and (``verify``) SHA-256; otherwise ``"missing"`` (no marker: never
+    finished), ``"old"`` (a marker without a digest, an older version's: not trusted) or ``"changed"``
+    (the file is gone, or its size or digest differ from the marker's: damaged or replaced since, or an unreadable
+    marker). Every state but ``"done"`` means the chunk is encoded again."""
     try:
         with open(_chunk_path(out_dir, index, "done")) as f:
             marker = json.load(f)
-        size = os.path.getsize(_chunk_path(out_dir, index, "pt"))
+    except FileNotFoundError:
+        return "missing", None
     except (OSError, ValueError):
-        return False
-    return marker.get("bytes", size) == size
+        return "changed", None
+    if not isinstance(marker, dict) or "sha256" not in marker:
+        return "old", None
+    path = _chunk_path(out_dir, index, "pt")
+    try:
+        if os.path.getsize(path) != marker.get("bytes") or (verify and file_digest(path) != marker["sha256"]):
+            return "changed", marker
+    except OSError:
+        return "changed", marker
+    return "done", marker
+
+
+def _chunks_to_encode(out_dir: str, chunks: list[Chunk], rank: int) -> list[Chunk]:
+    """This rank's chunks that are not finished (each finished one's file hashed once against its marker); warns,
+    naming them, about chunks found damaged or replaced and about markers without a digest."""
+    todo, why = [], {"changed": [], "old": []}
+    for c in chunks:
+        if c.rank != rank:
+            continue
+        state, _ = _chunk_state(out_dir, c.index)
+        if state != "done":
+            todo.append(c)
+            why.get(state, []).append(c.index)
+    where = os.path.join(out_dir, "chunks")
+    if why["changed"]:
+        warnings.warn(f"packed_encoders.index: rank {rank}: {len(why['changed'])} chunk file(s) in {where} differ "
+                      f"from their completion marker (size or SHA-256; missing, damaged or replaced since they were "
+                      f"written), chunks {_some(why['changed'])}: encoding them again", stacklevel=3)
+    if why["old"]:
+        warnings.warn(f"packed_encoders.index: rank {rank}: {len(why['old'])} completion marker(s) in {where} record "
+                      f"no digest (written by an older version), chunks {_some(why['old'])}: not trusted, encoding "
+                      "them again", stacklevel=3)
+    return todo
+
+
+def _some(indices: list[int], n: int = 10) -> str:
+    return str(indices[:n])[:-1] + (f", ... ({len(indices) - n} more)]" if len(indices) > n else "]")
 
 
 def _read_items(corpus: str, offsets: list[int], start: int, stop: int) -> list[list[int]]:
@@ -414,7 +476,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     lengths = plan["lengths"]
     # owners are dealt for this run's world size: a resumed run may use another number of ranks
     chunks = plan_chunks(lengths, chunk_tokens, world)
-    mine = [c for c in chunks if c.rank == rank and not _chunk_done(out_dir, c.index)]
+    mine = _chunks_to_encode(out_dir, chunks, rank)
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
@@ -433,15 +495,17 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         data["ids"] = plan["ids"][c.start:c.stop]
         tmp = _chunk_path(out_dir, c.index, f"pt.{rank}.tmp")
         torch.save(data, tmp)
-        size = os.path.getsize(tmp)
+        size, digest = os.path.getsize(tmp), file_digest(tmp)  # the bytes just written (read back from the cache)
+        with contextlib.suppress(FileNotFoundError):  # a stale marker (a chunk encoded again) never describes this file
+            os.remove(_chunk_path(out_dir, c.index, "done"))
         os.replace(tmp, _chunk_path(out_dir, c.index, "pt"))
         seconds = time.perf_counter() - started
         # The marker too is renamed into place: a rank stopped mid-write (another rank's failure ends the whole
         # job) must not leave an empty marker that a resumed run takes for a finished chunk.
         marker = _chunk_path(out_dir, c.index, f"done.{rank}.tmp")
         with open(marker, "w") as f:
-            json.dump({"rows": c.stop - c.start, "tokens": c.tokens, "bytes": size, "rank": rank, "world": world,
-                       "seconds": seconds}, f)
+            json.dump({"rows": c.stop - c.start, "tokens": c.tokens, "bytes": size, "sha256": digest, "rank": rank,
+                       "world": world, "seconds": seconds}, f)
         os.replace(marker, _chunk_path(out_dir, c.index, "done"))
         if bar is not None:
             bar.update(c.tokens)
@@ -457,16 +521,21 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 
 
 def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, out_dtype: torch.dtype) -> dict:
-    missing = [c.index for c in chunks if not _chunk_done(out_dir, c.index)]
+    # Every chunk's file was hashed this run by the rank that owns it (written, or checked against its marker at the
+    # start): here its marker and size only, not a second pass over the whole index on rank 0.
+    states = [_chunk_state(out_dir, c.index, verify=False) for c in chunks]
+    missing = [c.index for c, (state, _) in zip(chunks, states) if state != "done"]
     if missing:
-        raise PackedEncodersError(f"chunks {missing[:10]} are not finished (no completion marker, or a chunk file "
+        raise PackedEncodersError(f"chunks {_some(missing)} are not finished (no completion marker, or a chunk file "
                                   "changed since); run the command again")
-    first = _load_chunk(out_dir, _chunk_path(out_dir, chunks[0].index, "pt")) if chunks else None
+    first = (_load_chunk(out_dir, _chunk_path(out_dir, chunks[0].index, "pt"), states[0][1]["bytes"],
+                         states[0][1]["sha256"]) if chunks else None)
     manifest = {"corpus": plan["corpus"], "output": output, "items": plan["items"], "tokens": plan["tokens"],
                 "dim": None if first is None else int(first["embeddings"].shape[-1]),
                 "dtype": str(out_dtype).replace("torch.", ""),
                 "chunks": [{"file": os.path.relpath(_chunk_path(out_dir, c.index, "pt"), out_dir), "rows": c.stop - c.start,
-                            "tokens": c.tokens, "first_item": c.start} for c in chunks]}
+                            "tokens": c.tokens, "first_item": c.start, "bytes": marker["bytes"],
+                            "sha256": marker["sha256"]} for c, (_, marker) in zip(chunks, states)]}
     tmp = os.path.join(out_dir, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -474,21 +543,37 @@ def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, 
     return manifest
 
 
-def _load_chunk(out_dir: str, path: str) -> dict:
+def _load_chunk(out_dir: str, path: str, size: int | None = None, sha256: str | None = None) -> dict:
+    """A chunk file's contents; with ``size`` / ``sha256``, the bytes read are checked against them before they are
+    decoded (one read of the file, which loading needs anyway)."""
+    again = f"run the indexing command on {out_dir} again, which encodes a changed or missing chunk again"
     try:
-        return torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a truncated, corrupted or deleted file: name it and the way out
-        raise PackedEncodersError(f"{path}: unreadable ({exc.__class__.__name__}); run the indexing command on "
-                                  f"{out_dir} again, which encodes a changed or missing chunk again") from None
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise PackedEncodersError(f"{path}: unreadable ({exc.__class__.__name__}); {again}") from None
+    if size is not None and len(raw) != size:
+        raise PackedEncodersError(f"{path}: {len(raw)} bytes, the manifest recorded {size} (truncated or replaced "
+                                  f"since the index was finished); {again}")
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise PackedEncodersError(f"{path}: its contents differ from the SHA-256 the manifest recorded (damaged or "
+                                  f"replaced since the index was finished); {again}")
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a truncated or corrupted file: name it and the way out
+        raise PackedEncodersError(f"{path}: unreadable ({exc.__class__.__name__}); {again}") from None
 
 
 def load_index(out_dir: str) -> dict:
     """Read a finished index: ``{"ids": [...], "embeddings": tensor, "cu_seqlens": tensor (tokens output)}``, rows
     in corpus order.
 
+    Every chunk file is checked against the SHA-256 the manifest recorded for it as it is read. A manifest without
+    digests (written by an older version) is loaded unchecked, with a warning.
+
     Raises:
-        PackedEncodersError: no manifest (the run did not finish), a chunk file that cannot be read, or ids
-            missing / duplicated against the plan.
+        PackedEncodersError: no manifest (the run did not finish), a chunk file that cannot be read or whose
+            SHA-256 differs from the manifest's, or ids missing / duplicated against the plan.
     """
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
@@ -497,9 +582,14 @@ def load_index(out_dir: str) -> dict:
         manifest = json.load(f)
     with open(os.path.join(out_dir, PLAN)) as f:
         expected = json.load(f)["ids"]
+    unchecked = [entry["file"] for entry in manifest["chunks"] if "sha256" not in entry]
+    if unchecked:
+        warnings.warn(f"packed_encoders.index: {path} records no SHA-256 for {len(unchecked)} chunk file(s) (written "
+                      "by an older version): they are loaded unchecked; running the indexing command on "
+                      f"{out_dir} again encodes them again and records their digests", stacklevel=2)
     ids, embeddings, lens = [], [], []
     for entry in manifest["chunks"]:
-        data = _load_chunk(out_dir, os.path.join(out_dir, entry["file"]))
+        data = _load_chunk(out_dir, os.path.join(out_dir, entry["file"]), entry.get("bytes"), entry.get("sha256"))
         ids.extend(data["ids"])
         embeddings.append(data["embeddings"])
         if "cu_seqlens" in data:

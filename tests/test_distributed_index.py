@@ -311,13 +311,15 @@ def test_a_damaged_chunk_is_encoded_again_on_resume(setup, tmp_path):
     data = open(chunk, "rb").read()
     with open(chunk, "wb") as f:
         f.write(data[:100])  # truncated after the run finished
-    with pytest.raises(pe.PackedEncodersError, match="chunk-000001.pt: unreadable"):
+    with pytest.raises(pe.PackedEncodersError, match="chunk-000001.pt: 100 bytes, the manifest recorded"):
         load_index(out)
-    _single(model_dir, corpus, out, "pooled")  # the resume finds the changed file and encodes the chunk again
+    with pytest.warns(UserWarning, match=r"chunks \[1\]: encoding them again"):
+        _single(model_dir, corpus, out, "pooled")  # the resume finds the changed file and encodes the chunk again
     got = load_index(out)
     assert got["ids"] == want["ids"] and torch.equal(got["embeddings"], want["embeddings"])
     os.remove(chunk)
-    _single(model_dir, corpus, out, "pooled")
+    with pytest.warns(UserWarning, match=r"chunks \[1\]: encoding them again"):
+        _single(model_dir, corpus, out, "pooled")
     assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
 
 
@@ -332,7 +334,8 @@ def test_a_resume_removes_the_partial_writes_of_a_killed_run(setup, tmp_path):
     for path in leftovers:
         with open(path, "wb") as f:
             f.write(b"partial")
-    _single(model_dir, corpus, out, "pooled")
+    with pytest.warns(UserWarning, match=r"chunks \[1\]: encoding them again"):  # its marker names a missing file
+        _single(model_dir, corpus, out, "pooled")
     assert not any(os.path.exists(p) for p in leftovers)
     assert not [n for n in os.listdir(os.path.join(out, "chunks")) if n.endswith(".tmp")]
     assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
@@ -495,3 +498,109 @@ def test_resume_refuses_the_same_weights_with_another_config(setup, tmp_path):
                      on_chunk=_stop_after_chunk(0), **kw)
     with pytest.raises(pe.PackedEncodersError, match="other settings.*'model'.*local_attention"):
         index_corpus(pe.pack(load_model(str(edited), torch.device("cpu"), torch.float32)), corpus, out, **kw)
+
+
+def _index_recording(model, corpus, out):
+    """Index ``corpus`` into ``out`` in this process; the indices of the chunks this run encoded."""
+    encoded = []
+    index_corpus(model, corpus, out, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False,
+                 on_chunk=lambda index, rows, tokens: encoded.append(index))
+    return encoded
+
+
+def test_a_same_size_replaced_or_flipped_chunk_is_encoded_again_on_resume(setup, tmp_path):
+    """A finished chunk file replaced by another valid chunk of the same size (other vectors: a copy from another
+    run of the same shape), or with one byte flipped in place, fails its SHA-256: load_index refuses it, and a resume
+    encodes that chunk alone again (with a warning) and gives the clean run's index."""
+    import hashlib
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    out = str(tmp_path / "out")
+    assert len(_index_recording(model, corpus, out)) > 3
+    want = load_index(out)
+    manifest = json.load(open(os.path.join(out, "manifest.json")))
+    for entry in manifest["chunks"]:
+        raw = open(os.path.join(out, entry["file"]), "rb").read()
+        assert entry["bytes"] == len(raw) and entry["sha256"] == hashlib.sha256(raw).hexdigest()
+
+    chunk = os.path.join(out, "chunks", "chunk-000002.pt")
+    size = os.path.getsize(chunk)
+    data = torch.load(chunk, weights_only=True)
+    data["embeddings"] = data["embeddings"] + 1.0  # same shape, ids and dtype: same size, other vectors
+    torch.save(data, chunk + ".0.tmp")  # the name a run writes it under (torch.save records it in the archive)
+    os.replace(chunk + ".0.tmp", chunk)
+    assert os.path.getsize(chunk) == size
+    with pytest.raises(pe.PackedEncodersError, match="chunk-000002.pt: its contents differ from the SHA-256"):
+        load_index(out)
+    with pytest.warns(UserWarning, match=r"differ from their completion marker .*chunks \[2\]: encoding them again"):
+        assert _index_recording(model, corpus, out) == [2]
+    got = load_index(out)
+    assert got["ids"] == want["ids"] and torch.equal(got["embeddings"], want["embeddings"])
+
+    raw = bytearray(open(chunk, "rb").read())
+    raw[len(raw) // 2] ^= 0x10  # bit rot, in place
+    open(chunk, "wb").write(raw)
+    with pytest.warns(UserWarning, match=r"chunks \[2\]"):
+        assert _index_recording(model, corpus, out) == [2]
+    assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
+
+
+def test_an_intact_resume_encodes_only_the_unfinished_chunks(setup, tmp_path):
+    """A stopped run's finished chunks pass their digest check on resume and are not encoded again (files
+    untouched), nor are any chunks of a finished index run again; no warning."""
+    import warnings
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    out = str(tmp_path / "out")
+    with pytest.raises(KeyboardInterrupt):
+        index_corpus(model, corpus, out, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False,
+                     on_chunk=_stop_after_chunk(2))
+    chunks = os.path.join(out, "chunks")
+    kept = {f: os.stat(os.path.join(chunks, f)).st_mtime_ns for f in os.listdir(chunks)}
+    assert sorted(kept) == [f"chunk-{i:06d}.{s}" for i in range(3) for s in ("done", "pt")]
+    planned = len(json.load(open(os.path.join(out, "plan.json")))["chunks"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _index_recording(model, corpus, out) == list(range(3, planned))
+        assert all(os.stat(os.path.join(chunks, f)).st_mtime_ns == t for f, t in kept.items())
+        assert _index_recording(model, corpus, out) == []  # finished: nothing encoded again
+        got = load_index(out)
+    ref = _single(model_dir, corpus, str(tmp_path / "ref"), "pooled")
+    assert got["ids"] == ref["ids"] and torch.equal(got["embeddings"], ref["embeddings"])
+
+
+def test_a_marker_without_a_digest_is_not_trusted(setup, tmp_path):
+    """The documented rule for a completion marker without ``sha256`` (an older version's, size alone): its chunk
+    is encoded again, with a warning, and its new marker records the digest. A manifest without digests is loaded
+    unchecked, with a warning."""
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    out = str(tmp_path / "out")
+    _index_recording(model, corpus, out)
+    want = load_index(out)
+    for index in (1, 3):
+        path = os.path.join(out, "chunks", f"chunk-{index:06d}.done")
+        marker = json.load(open(path))
+        del marker["sha256"]  # size still right
+        json.dump(marker, open(path, "w"))
+    with pytest.warns(UserWarning, match=r"2 completion marker\(s\) .* no digest .*chunks \[1, 3\]: not trusted"):
+        assert _index_recording(model, corpus, out) == [1, 3]
+    assert all("sha256" in json.load(open(os.path.join(out, "chunks", f"chunk-{i:06d}.done"))) for i in (1, 3))
+    assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
+
+    manifest_path = os.path.join(out, "manifest.json")
+    manifest = json.load(open(manifest_path))
+    for entry in manifest["chunks"]:
+        del entry["sha256"], entry["bytes"]
+    json.dump(manifest, open(manifest_path, "w"))
+    with pytest.warns(UserWarning, match="records no SHA-256 for .* chunk file.*loaded unchecked"):
+        got = load_index(out)
+    assert torch.equal(got["embeddings"], want["embeddings"])
