@@ -90,7 +90,7 @@ def _sync(device) -> None:
 
 def _index_worker(args) -> dict | None:
     import packed_encoders as pe
-    from packed_encoders.index import Encoder, _write_plan, index_corpus, load_model, token_batches
+    from packed_encoders.index import Encoder, _write_plan, index_corpus, load_model, run_settings, token_batches
 
     dist, rank, world, device = _setup()
     model = pe.pack(load_model(args.model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32))
@@ -108,7 +108,8 @@ def _index_worker(args) -> dict | None:
     if rank == 0:
         out.mkdir(parents=True)
         (out / "chunks").mkdir()
-        _write_plan(str(out), args.corpus, args.chunk_tokens, "pooled", world)
+        settings_of_run = run_settings(model, encoder, "pooled", "mean", torch.float32, 0)  # index_corpus's defaults
+        _write_plan(str(out), args.corpus, args.chunk_tokens, "pooled", world, settings_of_run, encoder.vocab_size)
     plan_s = time.perf_counter() - t0
     dist.barrier()
     _sync(device)

@@ -403,6 +403,15 @@ def _difference(a: dict, b: dict) -> tuple[dict, dict]:
     return {k: x for k, (x, _) in pairs.items()}, {k: y for k, (_, y) in pairs.items()}
 
 
+def run_settings(model, encoder: "Encoder", output: str, pooling: str, out_dtype: torch.dtype, pad_id: int) -> dict:
+    """The settings besides the corpus and chunking that shape an index's vectors, as its plan records them (a resumed
+    run with other settings is refused): the pooling where this module pools (a bare encoder's pooled output), the
+    output dtype, the pad id and :func:`model_fingerprint`."""
+    used = pooling if encoder.bare and output == "pooled" else None
+    return {"pooling": used, "out_dtype": str(out_dtype).replace("torch.", ""), "pad_id": int(pad_id),
+            "model": model_fingerprint(model)}
+
+
 def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", pooling: str = "mean",
                  batch_tokens: int = 16384, chunk_tokens: int = 1 << 20, out_dtype: torch.dtype = torch.float32,
                  pad_id: int = 0, progress: bool = True,
@@ -439,10 +448,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     dist, rank, world = _dist()
     problem = [None]
     encoder = Encoder(model, output, pooling, pad_id)
-    # pooling shapes the vectors only where this module pools (a bare encoder's pooled output)
-    used = pooling if encoder.bare and output == "pooled" else None
-    settings = {"pooling": used, "out_dtype": str(out_dtype).replace("torch.", ""), "pad_id": int(pad_id),
-                "model": model_fingerprint(model)}
+    settings = run_settings(model, encoder, output, pooling, out_dtype, pad_id)
     # Every rank's, not rank 0's alone: the plan records rank 0's, and a rank run with another model, pooling or
     # output dtype wrote its chunks into the same index unnoticed (another chunking or output hung rank 0).
     st = os.stat(corpus)
