@@ -95,12 +95,12 @@ def test_token_head_labels_at_padding_get_the_stock_loss(head, side):
     torch.testing.assert_close(got, stock(input_ids=ids, attention_mask=mask, labels=ignored).loss, atol=1e-5,
                                rtol=1e-5)
     assert (pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}) == before
-    twin = copy.deepcopy(packed)  # hooks copied with the head; each unpack removes its own
+    twin = copy.deepcopy(packed)  # the checked forward copied with the head; each unpack removes its own
     pe.unpack(packed)
-    assert not packed._forward_pre_hooks and not packed._forward_hooks
-    assert twin._forward_pre_hooks and twin._forward_hooks
+    assert "forward" not in packed.__dict__ and not packed._forward_pre_hooks and not packed._forward_hooks
+    assert twin.__dict__["forward"].module is twin
     pe.unpack(twin)
-    assert not twin._forward_pre_hooks and not twin._forward_hooks
+    assert "forward" not in twin.__dict__ and not twin._forward_pre_hooks and not twin._forward_hooks
 
 
 @pytest.mark.parametrize("head", ["ModernBertForTokenClassification", "ModernBertForMaskedLM"])

@@ -5,14 +5,16 @@ their loss over every position whose label is not the ignore index (-100): HF's 
 -100, but labels built by hand (``labels = input_ids.clone()``, labels padded with a class id) reach padded
 positions, and there stock's encoder output (attention of the padded query over the real keys) enters the loss.
 
-``pack(target)`` with ``padded_outputs="auto"`` puts a forward pre-hook on each such head inside ``target``. A call
-passing ``labels`` and ``attention_mask`` (by keyword or position) is checked, with one
-device-to-host read: when no label at a padded position counts, nothing changes; when the counted ones all sit
-after their row's last real token, the encoder call computes those trailing positions as stock does (the path of
-``padded_outputs="all"``); otherwise (padding before real tokens, or a row without real tokens, where stock attends
-over the padding) the encoder call runs the stock forward, counted in
-``describe()["encoders"][i]["stock_forward_calls"]``. The request is handed to the encoder call the head makes next
-on this thread (:func:`take_request`) and cleared when the head returns.
+``pack(target)`` with ``padded_outputs="auto"`` replaces the ``forward`` of each such head inside ``target`` on the
+instance with a :class:`CheckedForward` (not a module hook: ``head.forward(...)`` runs no hook), which reads the
+call's labels and then runs the head's own forward. A call passing ``labels`` and ``attention_mask`` (by keyword
+or position) is checked, with one device-to-host read: when no label at a padded position counts, nothing
+changes; when the counted ones all sit after their row's last real token, the encoder call computes those
+trailing positions as stock does (the path of ``padded_outputs="all"``); otherwise (padding before real tokens,
+or a row without real tokens, where stock attends over the padding) the encoder call runs the stock forward,
+counted in ``describe()["encoders"][i]["stock_forward_calls"]``. The request is handed to the encoder call the
+head makes next on this thread (:func:`take_request`) and cleared when the head's forward returns. ``unpack()``
+restores the head's forward (its earlier instance forward, or the class forward).
 
 Sequence-classification and multiple-choice heads with ``config.classifier_pooling == "cls"`` read the encoder's
 output at position 0 of each row (read live at each call: the config is shared with the encoder and may change
@@ -33,12 +35,14 @@ values for those positions.
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import torch
 from torch import nn
 
-from .stock_calls import positional_names
+from .state import _NO_FORWARD, STATE_ATTR, get_state
+from .stock_calls import positional_names, stock_signature
 
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
 HEAD_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")
@@ -108,7 +112,86 @@ def _arguments(module, args, kwargs, *names):
     return tuple(kwargs[name] if name in kwargs else positional.get(name) for name in names)
 
 
-def _pre_hook(module, args, kwargs):
+class CheckedForward:
+    """The instance ``forward`` :func:`watch` puts on a token-classification, masked-LM or question-answering head
+    (picklable, deepcopy-safe, as the encoder's ``PackedForward``): it reads the call's labels (span positions) and
+    hands the request to the encoder call the head makes, then runs the head's own forward. An instance forward
+    rather than a module hook, so ``head.forward(...)`` (which runs no hook) is checked as ``head(...)`` is.
+
+    The check runs while one of ``encoders`` (the packed encoders inside the head at ``pack()``) is packed with
+    ``padded_outputs="auto"``: a reference kept after ``unpack()`` (a wrapper set over it, such as accelerate's)
+    runs ``previous`` (the instance forward it replaced) or the class forward, unchecked."""
+
+    def __init__(self, module: nn.Module, previous, span: bool, encoders: tuple):
+        self.module = module
+        self.previous = previous
+        self.span = span
+        self.encoders = encoders
+
+    def __call__(self, *args, **kwargs):
+        for encoder in self.encoders:
+            state = encoder.__dict__.get(STATE_ATTR)
+            if state is not None and state.options.padded_outputs == "auto":
+                if torch.compiler.is_dynamo_compiling():  # the check reads the labels on the host
+                    return _outside_dynamo()(self, args, kwargs)
+                return _checked_call(self, args, kwargs)
+        return self.run(args, kwargs)
+
+    def run(self, args, kwargs):
+        """The head's own forward: ``previous``, or the class forward."""
+        previous = self.previous
+        if isinstance(previous, str):
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return previous(*args, **kwargs)
+
+    @property
+    def __signature__(self):
+        """The head's own forward's signature (the Trainer reads ``inspect.signature(model.forward)`` to keep the
+        dataset's columns the model takes)."""
+        if isinstance(self.previous, str):
+            return stock_signature(type(self.module))
+        return inspect.signature(self.previous)
+
+    @property
+    def __code__(self):
+        """The head's own forward's code object (``torch.export`` reads ``model.forward.__code__``)."""
+        if isinstance(self.previous, str):
+            return type(self.module).forward.__code__
+        return self.previous.__code__
+
+    def __repr__(self) -> str:
+        return f"<packed_encoders label check around {type(self.module).__name__}.forward>"
+
+
+def _checked_call(checked: CheckedForward, args, kwargs):
+    if torch.compiler.is_exporting():  # the encoder traces the stock forward (stock_calls.EXPORT): nothing to ask
+        return checked.run(args, kwargs)
+    module = checked.module
+    if checked.span:
+        what = span_request_for(*_arguments(module, args, kwargs, "start_positions", "end_positions",
+                                            "attention_mask"))
+    else:
+        what = request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"))
+    _REQUEST.what = what
+    try:
+        return checked.run(args, kwargs)
+    finally:
+        _REQUEST.what = None
+
+
+# Under torch.compile the check runs outside dynamo's graph (it reads the labels on the host) and the head's forward
+# it calls is compiled on its own (recursive=False), up to the encoder (itself outside the graph, adapters.patch).
+# Made at the first watch() rather than at import: making it imports torch._dynamo, which pack() imports anyway.
+_OUTSIDE_DYNAMO: list = []
+
+
+def _outside_dynamo():
+    if not _OUTSIDE_DYNAMO:
+        _OUTSIDE_DYNAMO.append(torch.compiler.disable(_checked_call, recursive=False))
+    return _OUTSIDE_DYNAMO[0]
+
+
+def _pre_hook(module, args, kwargs):  # the hooks of packed heads pickled by earlier versions (unwatch drops them)
     _REQUEST.what = request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"))
 
 
@@ -143,8 +226,6 @@ def _ours(hooks: dict) -> list:
 def _mark_position_zero(target: nn.Module, on: bool) -> None:
     """Mark (or unmark) each packed encoder inside a sequence-classification / multiple-choice head of ``target``
     with what the head reads (:data:`COLUMN_ZERO`, :data:`FIRST_REAL`)."""
-    from .state import get_state
-
     for head in target.modules():
         name = type(head).__name__
         if not name.endswith(POSITION_ZERO_SUFFIXES):
@@ -167,25 +248,43 @@ def position_zero_reader(model: nn.Module, state) -> str | None:
 
 
 def watch(target: nn.Module) -> None:
-    """Hook every token head inside ``target`` (once; :func:`unwatch` removes the hooks) and mark the encoders of
-    heads that read position 0 (:func:`position_zero_reader`)."""
+    """Put a :class:`CheckedForward` on every token head inside ``target`` that holds a packed encoder (once;
+    :func:`unwatch` restores the head's forward) and mark the encoders of heads that read position 0
+    (:func:`position_zero_reader`)."""
     _mark_position_zero(target, True)
+    _outside_dynamo()
     for head in token_heads(target):
-        if not _ours(head._forward_pre_hooks):
+        _drop_hooks(head)
+        encoders = tuple(m for m in head.modules() if get_state(m) is not None)
+        current = head.__dict__.get("forward", _NO_FORWARD)
+        if isinstance(current, CheckedForward) and current.module is head:  # packed again
+            current.encoders = encoders
+        elif encoders:
             span = type(head).__name__.endswith(SPAN_SUFFIX)
-            head.register_forward_pre_hook(_span_pre_hook if span else _pre_hook, with_kwargs=True)
-            head.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+            head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
 
 
 def unwatch(target: nn.Module) -> None:
-    """Remove :func:`watch`'s hooks, found by function rather than by handle: a ``copy.deepcopy`` of a packed
-    target copies the hooks, while a handle would still point at the original module's; unmark the encoders."""
+    """Undo :func:`watch`: restore each head's forward (its earlier instance forward, or none: the class forward)
+    and unmark the encoders. A forward set over the checked one after ``pack()`` (a wrapper such as accelerate's)
+    is kept; the checked forward it calls stops checking once its encoders are unpacked."""
     _mark_position_zero(target, False)
     for head in token_heads(target):
-        for hooks, extras in ((head._forward_pre_hooks, (head._forward_pre_hooks_with_kwargs,)),
-                              (head._forward_hooks, (head._forward_hooks_with_kwargs,
-                                                     head._forward_hooks_always_called))):
-            for key in _ours(hooks):
-                del hooks[key]
-                for extra in extras:
-                    extra.pop(key, None)
+        _drop_hooks(head)
+        current = head.__dict__.get("forward")
+        if isinstance(current, CheckedForward) and current.module is head:
+            del head.__dict__["forward"]
+            if not isinstance(current.previous, str):
+                head.__dict__["forward"] = current.previous
+            current.encoders = ()  # a reference kept elsewhere runs the head's forward unchecked
+
+
+def _drop_hooks(head: nn.Module) -> None:
+    """Remove the label hooks earlier versions put on heads (a packed model pickled then), found by function."""
+    for hooks, extras in ((head._forward_pre_hooks, (head._forward_pre_hooks_with_kwargs,)),
+                          (head._forward_hooks, (head._forward_hooks_with_kwargs,
+                                                 head._forward_hooks_always_called))):
+        for key in _ours(hooks):
+            del hooks[key]
+            for extra in extras:
+                extra.pop(key, None)
