@@ -152,3 +152,125 @@ def test_loss_arguments_passed_positionally_get_the_stock_loss(head):
     with torch.no_grad():
         for call in calls:
             torch.testing.assert_close(call(packed).loss, call(stock).loss, atol=1e-5, rtol=1e-5)
+
+
+DIRECT_HEADS = ["ModernBertForTokenClassification", "ModernBertForMaskedLM", "ModernBertForQuestionAnswering"]
+
+
+def _loss_arguments(head, ids):
+    """Labels that count at padded positions: the ids themselves (masked LM), a class id everywhere (token
+    classification), spans ending at the widest row's last positions (question answering: its softmax reads every
+    position, and these positions are padding in the shorter rows)."""
+    if head.endswith("QuestionAnswering"):
+        width = ids.shape[1]
+        return dict(start_positions=torch.tensor([0, width - 2, width - 3]),
+                    end_positions=torch.tensor([2, width - 1, width - 1]))
+    if head.endswith("MaskedLM"):
+        return dict(labels=ids.clone())
+    return dict(labels=ids % 4)
+
+
+def _stock_calls(model) -> int:
+    return sum((pe.describe(model)["encoders"][0].get("stock_forward_calls") or {}).values())
+
+
+@pytest.mark.parametrize("head", DIRECT_HEADS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_direct_forward_with_labels_at_padding_gets_the_stock_loss(head, side):
+    """``head.forward(...)`` runs no module hook (PEFT's wrappers and sentence-transformers call heads so): its labels
+    (span positions) are checked all the same, so the loss and the logits are stock's, padded positions included
+    (right padding: trailing positions computed; left padding: the stock forward, counted)."""
+    import copy
+
+    cls = getattr(transformers, head)
+    stock = make_model("tiny", cls=cls, num_labels=2 if head.endswith("QuestionAnswering") else 4)
+    packed = pe.pack(copy.deepcopy(stock))
+    ids, mask = padded_batch([5, 12, 9], side=side)
+    kw = dict(input_ids=ids, attention_mask=mask, **_loss_arguments(head, ids))
+    with torch.no_grad():
+        ref = type(stock).forward(stock, **kw)
+        got = packed.forward(**kw)
+        positional = packed.forward(ids, mask, **{k: v for k, v in kw.items() if k not in ("input_ids",
+                                                                                         "attention_mask")})
+    torch.testing.assert_close(got.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(positional.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    for key in ("start_logits", "end_logits") if head.endswith("QuestionAnswering") else ("logits",):
+        torch.testing.assert_close(getattr(got, key), getattr(ref, key), atol=1e-5, rtol=1e-5, msg=key)
+    assert _stock_calls(packed) == (2 if side == "left" else 0)
+    # the same call through __call__ is checked once (no second check, no second stock call)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(**kw).loss, ref.loss, atol=1e-5, rtol=1e-5)
+    assert _stock_calls(packed) == (3 if side == "left" else 0)
+
+
+@pytest.mark.parametrize("head", ["ModernBertForTokenClassification", "ModernBertForQuestionAnswering"])
+def test_direct_forward_of_a_copied_or_unpickled_packed_head_is_checked(head):
+    """A deepcopy or a pickle round trip of a packed head: the copy's checked forward runs the copy's weights and
+    still reads the labels of a direct ``forward`` call."""
+    import copy
+    import io
+
+    cls = getattr(transformers, head)
+    stock = make_model("tiny", cls=cls, num_labels=2 if head.endswith("QuestionAnswering") else 4)
+    packed = pe.pack(copy.deepcopy(stock))
+    buffer = io.BytesIO()
+    torch.save(packed, buffer)
+    buffer.seek(0)
+    ids, mask = padded_batch([5, 12, 9], side="left")
+    kw = dict(input_ids=ids, attention_mask=mask, **_loss_arguments(head, ids))
+    for twin in (copy.deepcopy(packed), torch.load(buffer, weights_only=False)):
+        assert twin.__dict__["forward"].module is twin and twin.__dict__["forward"].encoders == (twin.model,)
+        with torch.no_grad():
+            torch.testing.assert_close(twin.forward(**kw).loss, stock(**kw).loss, atol=1e-5, rtol=1e-5)
+        assert _stock_calls(twin) == 1
+
+
+def _instance_state(model) -> dict:
+    """Every module's instance attributes and hooks, to compare before ``pack()`` and after ``unpack()``."""
+    return {name: (dict(m.__dict__), dict(m._forward_pre_hooks), dict(m._forward_hooks))
+            for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("head", DIRECT_HEADS)
+def test_unpack_leaves_no_trace_of_the_label_check(head):
+    """``pe.unpack`` restores every module exactly: no instance attribute or hook left on the head or the encoder
+    (an instance forward set before ``pack()`` comes back as it was); re-packing does not stack checks; a reference
+    to the checked forward kept past ``unpack()`` runs the head's forward unchecked."""
+    cls = getattr(transformers, head)
+    model = make_model("tiny", cls=cls, num_labels=2 if head.endswith("QuestionAnswering") else 4)
+    before = _instance_state(model)
+    pe.pack(model)
+    checked = model.__dict__["forward"]
+    assert type(checked).__name__ == "CheckedForward" and isinstance(checked.previous, str)
+    import inspect
+
+    assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
+    pe.pack(model, attention_backend="sdpa")  # re-packed: the same check, not a second one around it
+    assert model.__dict__["forward"] is checked
+    pe.unpack(model)
+    assert _instance_state(model) == before
+    ids, mask = padded_batch([5, 12, 9], side="left")
+    kw = dict(input_ids=ids, attention_mask=mask, **_loss_arguments(head, ids))
+    with torch.no_grad():
+        torch.testing.assert_close(checked(**kw).loss, type(model).forward(model, **kw).loss, atol=0, rtol=0)
+
+    # an instance forward set before pack(): it runs under the check, and unpack() puts it back
+    seen = []
+
+    def own_forward(*args, **kwargs):
+        seen.append(1)
+        return type(model).forward(model, *args, **kwargs)
+
+    model.forward = own_forward
+    with torch.no_grad():
+        ref = type(model).forward(model, **kw).loss  # unpacked: stock
+    before = _instance_state(model)
+    pe.pack(model)
+    assert model.__dict__["forward"].previous is own_forward
+    with torch.no_grad():
+        torch.testing.assert_close(model.forward(**kw).loss, ref, atol=1e-5, rtol=1e-5)
+    assert seen and _stock_calls(model) == 1
+    pe.pack(model, padded_outputs="zeros")  # no check asked for: the head's forward is its own again
+    assert model.__dict__["forward"] is own_forward
+    pe.unpack(model)
+    assert _instance_state(model) == before
