@@ -274,3 +274,25 @@ def test_unpack_leaves_no_trace_of_the_label_check(head):
     assert model.__dict__["forward"] is own_forward
     pe.unpack(model)
     assert _instance_state(model) == before
+
+
+def test_data_parallel_replicas_of_a_checked_head_run_their_own_weights():
+    """``nn.DataParallel`` copies a replica's ``__dict__`` shallowly: each replica of a packed token head gets its own
+    checked forward, which runs the replica's weights and still reads the labels."""
+    import copy
+
+    model = pe.pack(make_model("tiny", cls=transformers.ModernBertForTokenClassification, num_labels=4))
+    replica = model._replicate_for_data_parallel()
+    assert replica.forward.module is replica and model.forward.module is model
+    replica._modules = {k: copy.deepcopy(v) for k, v in model._modules.items()}  # replicate() rewires children
+    with torch.no_grad():
+        for p in replica.parameters():
+            p.mul_(2)
+    stock = pe.unpack(copy.deepcopy(replica))
+    ids, mask = padded_batch([5, 12, 9], side="left")
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids % 4)
+    with torch.no_grad():
+        torch.testing.assert_close(replica.forward(**kw).loss, stock(**kw).loss, atol=1e-5, rtol=1e-5)
+    assert _stock_calls(replica) == 1 and _stock_calls(model) == 0
+    pe.unpack(model)
+    assert "_replicate_for_data_parallel" not in model.__dict__ and "forward" not in model.__dict__

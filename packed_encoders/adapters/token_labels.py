@@ -163,6 +163,23 @@ class CheckedForward:
         return f"<packed_encoders label check around {type(self.module).__name__}.forward>"
 
 
+class CheckedReplicator:
+    """Instance ``_replicate_for_data_parallel`` of a checked head: ``nn.DataParallel`` replicas copy ``__dict__``
+    shallowly, which would leave each replica's checked forward running the original head; each replica gets its
+    own (its encoders' packed state is a copy of the original's, so the original's encoders tell when to check)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __call__(self):
+        replica = type(self.module)._replicate_for_data_parallel(self.module)
+        checked = replica.__dict__.get("forward")
+        if isinstance(checked, CheckedForward) and checked.module is self.module:
+            replica.__dict__["forward"] = CheckedForward(replica, checked.previous, checked.span, checked.encoders)
+        replica.__dict__["_replicate_for_data_parallel"] = CheckedReplicator(replica)
+        return replica
+
+
 def _checked_call(checked: CheckedForward, args, kwargs):
     if torch.compiler.is_exporting():  # the encoder traces the stock forward (stock_calls.EXPORT): nothing to ask
         return checked.run(args, kwargs)
@@ -248,8 +265,8 @@ def position_zero_reader(model: nn.Module, state) -> str | None:
 
 
 def watch(target: nn.Module) -> None:
-    """Put a :class:`CheckedForward` on every token head inside ``target`` that holds a packed encoder (once;
-    :func:`unwatch` restores the head's forward) and mark the encoders of heads that read position 0
+    """Put a :class:`CheckedForward` (and a :class:`CheckedReplicator`) on every token head inside ``target`` that
+    holds a packed encoder (once; :func:`unwatch` restores the head's forward) and mark the encoders of heads that read position 0
     (:func:`position_zero_reader`)."""
     _mark_position_zero(target, True)
     _outside_dynamo()
@@ -262,6 +279,7 @@ def watch(target: nn.Module) -> None:
         elif encoders:
             span = type(head).__name__.endswith(SPAN_SUFFIX)
             head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
+            head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
 
 
 def unwatch(target: nn.Module) -> None:
@@ -277,6 +295,9 @@ def unwatch(target: nn.Module) -> None:
             if not isinstance(current.previous, str):
                 head.__dict__["forward"] = current.previous
             current.encoders = ()  # a reference kept elsewhere runs the head's forward unchecked
+        replicator = head.__dict__.get("_replicate_for_data_parallel")
+        if isinstance(replicator, CheckedReplicator) and replicator.module is head:
+            del head.__dict__["_replicate_for_data_parallel"]
 
 
 def _drop_hooks(head: nn.Module) -> None:
