@@ -296,3 +296,26 @@ def test_data_parallel_replicas_of_a_checked_head_run_their_own_weights():
     assert _stock_calls(replica) == 1 and _stock_calls(model) == 0
     pe.unpack(model)
     assert "_replicate_for_data_parallel" not in model.__dict__ and "forward" not in model.__dict__
+
+
+def test_compiled_and_exported_heads_with_labels_at_padding_get_the_stock_loss():
+    """``torch.compile`` of a packed head (or of its ``forward``): the label check runs outside the graph and the
+    loss is stock's; a non-strict ``torch.export`` of a loss call traces the stock forward (no check: nothing to
+    read on the host in a traced program) and gives stock's loss."""
+    import copy
+    import warnings
+
+    cls = transformers.ModernBertForTokenClassification
+    stock = make_model("tiny", cls=cls, num_labels=4)
+    packed = pe.pack(copy.deepcopy(stock))
+    ids, mask = padded_batch([5, 12, 9], side="left")
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids % 4)
+    with torch.no_grad():
+        ref = stock(**kw).loss
+        for run in (torch.compile(packed, backend="eager"), torch.compile(packed.forward, backend="eager")):
+            torch.testing.assert_close(run(**kw).loss, ref, atol=1e-5, rtol=1e-5)
+    assert _stock_calls(packed) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the export's stock forward, warned once
+        program = torch.export.export(packed, (), kw)
+    torch.testing.assert_close(program.module()(**kw).loss, ref, atol=1e-5, rtol=1e-5)
