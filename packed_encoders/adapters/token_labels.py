@@ -266,8 +266,8 @@ def position_zero_reader(model: nn.Module, state) -> str | None:
 
 def watch(target: nn.Module) -> None:
     """Put a :class:`CheckedForward` (and a :class:`CheckedReplicator`) on every token head inside ``target`` that
-    holds a packed encoder (once; :func:`unwatch` restores the head's forward) and mark the encoders of heads that read position 0
-    (:func:`position_zero_reader`)."""
+    holds a packed encoder (once; :func:`unwatch` restores the head's forward) and mark the encoders of heads that
+    read position 0 (:func:`position_zero_reader`)."""
     _mark_position_zero(target, True)
     _outside_dynamo()
     for head in token_heads(target):
