@@ -157,3 +157,24 @@ def test_repacking_the_encoder_alone_keeps_its_heads_reading():
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs).logits, stock(**inputs).logits, atol=1e-6, rtol=1e-6)
     assert _zero_reasons(model) == 1
+
+
+@pytest.mark.parametrize("mc_first", [False, True])
+def test_an_encoder_shared_by_both_cls_heads_reads_column_zero(mc_first):
+    """A multi-task model: a sequence-classification and a multiple-choice head on one encoder. Whichever is
+    registered first, the sequence-classification head's left-padded calls run the stock forward (its position-0
+    check covers the multiple-choice head's)."""
+    seq = make_model("base_like", cls=transformers.ModernBertForSequenceClassification, classifier_pooling="cls")
+    mc = make_model("base_like", cls=transformers.ModernBertForMultipleChoice, seed=1, classifier_pooling="cls")
+    mc.model = seq.model
+    heads = [("mc", mc), ("seq", seq)] if mc_first else [("seq", seq), ("mc", mc)]
+    multi = torch.nn.ModuleDict(dict(heads))
+    stock = copy.deepcopy(multi)
+    pe.pack(multi)
+    with torch.no_grad():
+        for name, head in (("seq", "ModernBertForSequenceClassification"), ("mc", "ModernBertForMultipleChoice")):
+            inputs = _inputs(head, "left")
+            before = _zero_reasons(multi)
+            got, want = multi[name](**inputs).logits, stock[name](**inputs).logits
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            assert _zero_reasons(multi) == before + 1  # (the multiple-choice call too: the conservative check)

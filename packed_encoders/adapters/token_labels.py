@@ -242,7 +242,9 @@ def _ours(hooks: dict) -> list:
 
 def _mark_position_zero(target: nn.Module, on: bool) -> None:
     """Mark (or unmark) each packed encoder inside a sequence-classification / multiple-choice head of ``target``
-    with what the head reads (:data:`COLUMN_ZERO`, :data:`FIRST_REAL`)."""
+    with what the head reads (:data:`COLUMN_ZERO`, :data:`FIRST_REAL`). An encoder shared by both kinds of head is
+    marked :data:`COLUMN_ZERO`, whichever comes first: its check covers the other's (a row without real tokens is
+    padded at position 0)."""
     for head in target.modules():
         name = type(head).__name__
         if not name.endswith(POSITION_ZERO_SUFFIXES):
@@ -250,7 +252,7 @@ def _mark_position_zero(target: nn.Module, on: bool) -> None:
         reads = FIRST_REAL if name.endswith("ForMultipleChoice") else COLUMN_ZERO
         for module in head.modules():
             state = get_state(module)
-            if state is not None:
+            if state is not None and not (on and state.position_zero == COLUMN_ZERO):
                 state.position_zero = reads if on else None
 
 
