@@ -178,3 +178,17 @@ def test_an_encoder_shared_by_both_cls_heads_reads_column_zero(mc_first):
             got, want = multi[name](**inputs).logits, stock[name](**inputs).logits
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             assert _zero_reasons(multi) == before + 1  # (the multiple-choice call too: the conservative check)
+
+
+def test_the_fallback_warning_names_the_users_call_through_a_head():
+    """The stock-forward warning points at the line calling the head, not at the head's own ``self.model(...)``."""
+    import warnings
+
+    head = make_model("base_like", cls=transformers.ModernBertForSequenceClassification, classifier_pooling="cls")
+    pe.pack(head)
+    inputs = _inputs("ModernBertForSequenceClassification", "left")
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        head(**inputs)
+    (w,) = [w for w in caught if "stock forward" in str(w.message)]
+    assert w.filename == __file__, (w.filename, w.lineno)

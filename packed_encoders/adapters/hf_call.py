@@ -120,16 +120,22 @@ def _output(model, last, hidden, as_tuple):
     return out.to_tuple() if as_tuple else out
 
 
-# packed_encoders/ and torch/ (nn.Module.__call__): frames a warning about a user's call should skip
+# packed_encoders/ and torch/ (nn.Module.__call__): frames a warning about a user's call should skip; so are the
+# libraries that call the encoder for the user (a head's forward, SentenceTransformer.encode), where loaded
 _LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
                  os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+_CALLERS = ("transformers", "sentence_transformers", "pylate", "accelerate", "peft")
 
 
 def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside packed_encoders and torch (``nn.Module.__call__``), so a
-    warning names the user's call rather than this module."""
+    """The ``stacklevel`` of the first frame outside packed_encoders, torch (``nn.Module.__call__``) and the
+    libraries calling the encoder (transformers' heads, sentence-transformers, PyLate, accelerate, peft), so a
+    warning names the user's call rather than a library's."""
+    dirs = _LIBRARY_DIRS + tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                                 for module in map(sys.modules.get, _CALLERS)
+                                 if module is not None and getattr(module, "__file__", None))
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+    while frame is not None and frame.f_code.co_filename.startswith(dirs):
         frame, level = frame.f_back, level + 1
     return level
 
