@@ -319,3 +319,27 @@ def test_compiled_and_exported_heads_with_labels_at_padding_get_the_stock_loss()
         warnings.simplefilter("ignore", RuntimeWarning)  # the export's stock forward, warned once
         program = torch.export.export(packed, (), kw)
     torch.testing.assert_close(program.module()(**kw).loss, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_question_answering_with_eager_attention_gets_stocks_loss():
+    """``attn_implementation="eager"``: a padded query with no key in its local window (farther than the half window
+    from its row's last real token) averages every value in stock's eager attention, which the packed attention
+    (as SDPA) does not: a question-answering loss call wide enough to hold one runs the stock forward, counted; a
+    narrower one stays packed."""
+    import copy
+
+    cls = transformers.ModernBertForQuestionAnswering
+    stock = make_model("base_like", cls=cls, attn_implementation="eager", num_labels=2, local_attention=8)
+    packed = copy.deepcopy(stock)
+    pe.pack(packed)
+    for lengths, to_stock in (((9, 4, 12), True), ((5, 3, 4), False)):  # widths 12 and 5; half window 4
+        ids, mask = padded_batch(list(lengths), side="right")
+        spans = dict(start_positions=torch.tensor([1, 2, 3]), end_positions=torch.tensor([2, 2, 3]))
+        before = sum((pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}).values())
+        with torch.no_grad():
+            got = packed(input_ids=ids, attention_mask=mask, **spans)
+            want = stock(input_ids=ids, attention_mask=mask, **spans)
+        after = sum((pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}).values())
+        assert after == before + to_stock, lengths
+        torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.start_logits, want.start_logits, atol=1e-4, rtol=1e-4)
