@@ -93,8 +93,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
                 and current.params == params_of(model)):
             continue
         state = make_state(model, options, target, tuning)
-        if current is not None and options.padded_outputs == "auto":  # pack(head), then pack(head.model) again:
-            state.position_zero = current.position_zero  # the head around it still reads position 0
+        if options.padded_outputs == "auto":  # pack(head), then pack(head.model) again (unpacked since or not):
+            state.position_zero = token_labels.seen_position_zero(model)  # the head around it still reads position 0
         problem = check_at_pack(model, state.params)
         if problem is not None:
             raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")

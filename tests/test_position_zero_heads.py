@@ -147,8 +147,9 @@ def test_cross_encoder_with_left_padding_gets_stocks_scores(tmp_path):
 
 
 def test_repacking_the_encoder_alone_keeps_its_heads_reading():
-    """``pe.pack(head)``, then ``pe.pack(head.model, ...)`` with other options: the head around the encoder still reads
-    position 0 (the encoder's mark is carried over; ``padded_outputs="zeros"`` drops it, as documented)."""
+    """``pe.pack(head)``, then ``pe.pack(head.model, ...)`` with other options, or after ``pe.unpack(head.model)``:
+    the head around the encoder still reads position 0 until ``pe.unpack(head)`` (``padded_outputs="zeros"`` drops
+    it, as documented)."""
     model = make_model("base_like", cls=transformers.ModernBertForSequenceClassification, classifier_pooling="cls")
     stock = copy.deepcopy(model)
     pe.pack(model)
@@ -157,6 +158,17 @@ def test_repacking_the_encoder_alone_keeps_its_heads_reading():
     with torch.no_grad():
         torch.testing.assert_close(model(**inputs).logits, stock(**inputs).logits, atol=1e-6, rtol=1e-6)
     assert _zero_reasons(model) == 1
+    # unpacked alone and packed alone again: the head still reads position 0; unpacking the head forgets it
+    pe.unpack(model.model)
+    pe.pack(model.model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, stock(**inputs).logits, atol=1e-6, rtol=1e-6)
+    assert _zero_reasons(model) == 1  # (a new state: its own count)
+    pe.unpack(model)
+    pe.pack(model.model)
+    with torch.no_grad():
+        model(**inputs)
+    assert _zero_reasons(model) == 0
 
 
 @pytest.mark.parametrize("mc_first", [False, True])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -240,6 +241,12 @@ def _ours(hooks: dict) -> list:
     return [key for key, fn in hooks.items() if fn in (_pre_hook, _span_pre_hook, _post_hook)]
 
 
+# What the cls heads around an encoder read, from pack(target holding the head) to unpack(that target) or a pack with
+# other padded_outputs: packing the encoder alone afterwards (pe.pack(head.model), after unpacking it or with other
+# options) finds it here, as its head still reads position 0.
+_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _mark_position_zero(target: nn.Module, on: bool) -> None:
     """Mark (or unmark) each packed encoder inside a sequence-classification / multiple-choice head of ``target``
     with what the head reads (:data:`COLUMN_ZERO`, :data:`FIRST_REAL`). An encoder shared by both kinds of head is
@@ -252,8 +259,20 @@ def _mark_position_zero(target: nn.Module, on: bool) -> None:
         reads = FIRST_REAL if name.endswith("ForMultipleChoice") else COLUMN_ZERO
         for module in head.modules():
             state = get_state(module)
-            if state is not None and not (on and state.position_zero == COLUMN_ZERO):
-                state.position_zero = reads if on else None
+            if not on:
+                _SEEN.pop(module, None)
+                if state is not None:
+                    state.position_zero = None
+            elif state is not None:
+                if _SEEN.get(module) != COLUMN_ZERO:
+                    _SEEN[module] = reads
+                state.position_zero = _SEEN[module]
+
+
+def seen_position_zero(model: nn.Module) -> str | None:
+    """What a cls head around ``model`` reads, as marked by the last ``pack()`` of a target holding that head (and
+    not undone since), or ``None``."""
+    return _SEEN.get(model)
 
 
 def position_zero_reader(model: nn.Module, state) -> str | None:
