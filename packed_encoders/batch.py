@@ -103,7 +103,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
           trailing_query_only: bool = False, leading_stock: bool = False, column_zero_stock: bool = False,
-          empty_rows_stock: bool = False, before_sync=None, fused: bool = True) -> PackedBatch:
+          empty_rows_stock: bool = False, far_padding_stock: int | None = None, before_sync=None,
+          fused: bool = True) -> PackedBatch:
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
@@ -124,7 +125,9 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     Raises:
         StockOnlyInput: a mask with holes inside a sequence, padding before a sequence's real tokens with
             ``trailing_query_only`` and ``leading_stock``, padding at a row's position 0 with ``column_zero_stock``,
-            or a row without real tokens with ``empty_rows_stock`` (the patched forward runs stock HF for it).
+            a row without real tokens with ``empty_rows_stock``, or with ``trailing_query_only`` and
+            ``far_padding_stock`` (a half window) a row with real tokens whose padding reaches more than that many
+            positions past them (the patched forward runs stock HF for it).
         PackedEncodersError: shape mismatch, a mask that is not 2-D or holds values other than 0/1,
             ids outside ``[0, vocab_size)`` at real tokens, non-zero ``token_type_ids`` at real tokens, or
             negative ``position_ids``.
@@ -174,7 +177,12 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     position_zero = column_zero_stock and attention_mask is not None
     if position_zero:  # the rows padded at position 0, read at the same sync
         stats_t = torch.cat((stats_t, (attention_mask[:, 0] == 0).sum().reshape(1).to(stats_t.dtype)))
+    far = trailing_query_only and far_padding_stock is not None and key_lens is not None
+    if far:  # rows with real tokens padded more than far_padding_stock past them (segments: first real token to end)
+        real = key_lens.to(stats_t.dtype)
+        stats_t = torch.cat((stats_t, ((real > 0) & (stats_t[:b] - real > far_padding_stock)).sum().reshape(1)))
     stats = stats_t.tolist()  # the one sync
+    n_far = stats.pop() if far else 0
     n_zero = stats.pop() if position_zero else 0
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
     _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} entries that are neither)")
@@ -190,6 +198,10 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     _raise_if(sum(n == 0 for n in host_lens) if empty_rows_stock and attention_mask is not None else 0,
               "attention_mask has no real tokens in {count} row(s), whose position 0 the head reads "
               "(classifier_pooling='cls'): the packed path leaves padded positions at zero", StockOnlyInput)
+    _raise_if(n_far, f"{{count}} row(s) have padded positions more than the local half window ({far_padding_stock}) "
+              "past their real tokens, computed for this call (a head's loss or query expansion reads them), and the "
+              "model's attn_implementation is 'eager': its local layers average every value for a padded query with "
+              "no key in its window, where the packed attention gives SDPA's zeros", StockOnlyInput)
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
     _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
     _raise_if(n_negpos, "position_ids has {count} negative entries")

@@ -186,11 +186,13 @@ def serve_batch(model: nn.Module, state, route: Route, batch: PackedBatch, *, hi
 
 def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_embeds, attention_mask, position_ids,
                  token_type_ids, trailing: bool, hidden_states: bool, hidden_pre_norm_last: bool = False,
-                 leading_stock: bool = False, column_zero_stock: bool = False, empty_rows_stock: bool = False):
+                 leading_stock: bool = False, column_zero_stock: bool = False, empty_rows_stock: bool = False,
+                 far_padding_stock: int | None = None):
     """Run ``route`` (not :class:`Stock`) on a padded call; returns ``(last [B, S, hidden], hidden states as a
     tuple of [B, S, hidden] or None)``. Padded positions are zeros, except computed trailing ones
     (``leading_stock``: padding before real tokens raises ``StockOnlyInput``; ``column_zero_stock``: so does padding
-    at a row's position 0; ``empty_rows_stock``: a row without real tokens; see ``batch.unpad``)."""
+    at a row's position 0; ``empty_rows_stock``: a row without real tokens; ``far_padding_stock``: padding reaching
+    farther than that half window past a row's real tokens; see ``batch.unpad``)."""
     if isinstance(route, RectangularGraph):
         last = graphs.sync_free_forward(model, state, route.bucket, input_ids=input_ids, attention_mask=attention_mask,
                                         token_type_ids=token_type_ids, autocast=route.autocast)
@@ -211,7 +213,7 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
                   position_ids=position_ids, token_type_ids=token_type_ids,
                   vocab_size=_embedding(model).num_embeddings, trailing_query_only=trailing,
                   leading_stock=leading_stock, column_zero_stock=column_zero_stock,
-                  empty_rows_stock=empty_rows_stock,
+                  empty_rows_stock=empty_rows_stock, far_padding_stock=far_padding_stock,
                   before_sync=before_sync, fused=state.tuning.fused_unpad)
     hidden = [] if hidden_states else None
     if batch.total_tokens == 0:

@@ -324,15 +324,16 @@ def test_compiled_and_exported_heads_with_labels_at_padding_get_the_stock_loss()
 def test_question_answering_with_eager_attention_gets_stocks_loss():
     """``attn_implementation="eager"``: a padded query with no key in its local window (farther than the half window
     from its row's last real token) averages every value in stock's eager attention, which the packed attention
-    (as SDPA) does not: a question-answering loss call wide enough to hold one runs the stock forward, counted; a
-    narrower one stays packed."""
+    (as SDPA) does not: a question-answering loss call with such padding runs the stock forward, counted; a call
+    whose padding stays within the half window of each row's real tokens, or without padding, stays packed."""
     import copy
 
     cls = transformers.ModernBertForQuestionAnswering
     stock = make_model("base_like", cls=cls, attn_implementation="eager", num_labels=2, local_attention=8)
     packed = copy.deepcopy(stock)
     pe.pack(packed)
-    for lengths, to_stock in (((9, 4, 12), True), ((5, 3, 4), False)):  # widths 12 and 5; half window 4
+    # half window 4: rows of 4 in 12 and of 7 in 12 are padded 8 and 5 past their real tokens; of 9, 3 past
+    for lengths, to_stock in (((9, 4, 12), True), ((9, 7, 12), True), ((9, 12, 10), False), ((12, 12, 12), False)):
         ids, mask = padded_batch(list(lengths), side="right")
         spans = dict(start_positions=torch.tensor([1, 2, 3]), end_positions=torch.tensor([2, 2, 3]))
         before = sum((pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}).values())

@@ -155,3 +155,27 @@ def test_float_masks_and_embeddings_stay_on_the_torch_path():
     assert not tu.supported(mask.float(), ids, None, None, 2)
     assert tu.supported(mask.bool(), ids, None, None, 2)
     assert not B._fused_unpad(None, torch.zeros(2, 8, 4), mask, None, None, 2)
+
+
+@pytest.mark.parametrize("far, raises", [(None, False), (9, True), (13, False)])
+def test_far_padding_is_counted_alike(far, raises):
+    """``far_padding_stock`` (eager attention's half window): rows with real tokens padded more than that past them
+    raise ``StockOnlyInput`` on both paths; rows without real tokens are not counted. Lengths 5 (left: no padding
+    after), 9 and 3 (right: 7 and 13 past them) in a width of 16 with an empty row."""
+    from packed_encoders.errors import StockOnlyInput
+
+    ids, mask = _inputs([5, 0, 9, 3], "mixed", 16, seed=4)
+    mask[0] = 0
+    mask[0, 11:] = 1  # a left-padded row: nothing after its real tokens
+    mask[2] = 0
+    mask[2, :3] = 1  # right padding 13 past
+    mask[1] = 0
+    mask[3] = 0
+    mask[3, :9] = 1  # right padding 7 past
+    fused, ref = _both(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                       token_type_ids=None, trailing_query_only=True, far_padding_stock=far)
+    if raises:
+        assert isinstance(ref, StockOnlyInput) and "1 row(s)" in str(ref), ref
+    else:
+        assert not isinstance(ref, Exception), ref
+    _same(fused, ref)

@@ -127,12 +127,14 @@ _LIBRARY_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + o
 _CALLERS = ("transformers", "sentence_transformers", "pylate", "accelerate", "peft")
 
 
-# A trailing padded query farther than the half window from its row's last real token has no key in a local layer:
-# stock's eager attention then softmaxes a row of equal minima (every value averaged), SDPA's and the packed
-# attention's give zeros. Only a width past the half window can hold such a query.
-EAGER_TRAILING_REASON = ("padded positions are computed for this call (a head's loss or query expansion reads them) "
-                         "and the model's attn_implementation is 'eager', whose local layers average every value "
-                         "for a padded query with no key in its window; the packed attention computes them as SDPA does")
+def _eager_half_window(model, state) -> int | None:
+    """The local half window when stock's computed padded positions depend on it, else ``None``: with
+    ``attn_implementation="eager"``, a padded query with no key in its local window softmaxes a row of equal
+    minima (every value averaged), where SDPA and the packed attention give zeros."""
+    params = state.params
+    if all(params.layer_is_global) or getattr(model.config, "_attn_implementation", None) != "eager":
+        return None
+    return params.window
 
 
 def _caller_stacklevel() -> int:
@@ -244,10 +246,6 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         state.trailing_max_len = watch.length()
     within = state.trailing_max_len is not None and width <= state.trailing_max_len
     trailing = attention_mask is not None and (request == TRAILING or within)
-    params = state.params
-    if trailing and width > params.window + 1 and not all(params.layer_is_global) \
-            and getattr(model.config, "_attn_implementation", None) == "eager":
-        return _stock_fallback(model, state, EAGER_TRAILING_REASON, args, call)
     # a query-expansion call: left padding puts scored [MASK] positions before the real tokens (stock computes them);
     # a head reading position 0 (adapters.token_labels): a row padded there is read where stock computes it (the
     # multiple-choice head reads each row's first real token: only a row without one is read at padding)
@@ -260,6 +258,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         last, hidden_t = serve_padded(model, state, route, hidden_states=output_hidden_states,
                                       hidden_pre_norm_last=pre_norm_last, leading_stock=leading_stock,
                                       column_zero_stock=reads == COLUMN_ZERO, empty_rows_stock=reads == FIRST_REAL,
+                                      far_padding_stock=_eager_half_window(model, state) if trailing else None,
                                       **padded)
     except StockOnlyInput as error:  # raised by unpad at the call's one sync, before any layer ran
         return _stock_fallback(model, state, mask_holes_reason(error), args, call)

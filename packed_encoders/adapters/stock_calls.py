@@ -60,10 +60,12 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
 
 
 def mask_holes_reason(error: StockOnlyInput) -> str:
-    # query expansion with left padding, a head reading a padded position 0: stock computes those positions
-    if "padding before" in error.reason or "position 0" in error.reason:
-        return f"{error.reason}; stock HF computes every position"
-    return f"{error.reason} (stock HF attends around the holes, with positions counted from the row's first column)"
+    if "holes" in error.reason:
+        return (f"{error.reason} (stock HF attends around the holes, with positions counted from the row's first "
+                "column)")
+    # query expansion with left padding, a head reading a padded position 0, eager attention's far padding: stock
+    # computes those positions
+    return f"{error.reason}; stock HF computes every position"
 
 
 @functools.lru_cache(maxsize=None)
