@@ -14,25 +14,28 @@ Output in ``DIR``:
                                    pooling, dtype, pad id, a fingerprint of the model), chunk boundaries
     chunks/chunk-000012.pt         per chunk: ``{"ids": [...], "embeddings": [n, D]}`` (pooled) or
                                    ``{"ids": [...], "embeddings": [T, D], "cu_seqlens": int64 [n + 1]}`` (tokens)
-    chunks/chunk-000012.done       completion marker, JSON, renamed into place after the chunk file: rows, tokens,
-                                   the file's ``bytes`` and ``sha256`` (hex, of the bytes just written; the value
-                                   ``sha256sum`` prints), the rank, world size and seconds it took
+    chunks/chunk-000012.done       completion marker, JSON, renamed into place after the chunk file: the chunk's
+                                   index, rows and tokens, the file's ``bytes`` and ``sha256`` (hex, of the bytes
+                                   just written; the value ``sha256sum`` prints), the rank, world size and seconds
+                                   it took
     manifest.json                  written by rank 0 when every chunk is done: chunks (file, rows, tokens, first
                                    item, bytes, sha256), items, tokens, dim, dtype
 Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
 A run killed at any point resumes by running the same command again (any number of ranks): a chunk is kept when
-its marker is in place and its file has the marker's size and SHA-256 (each rank hashes the finished chunks it owns
-in this run, one streamed read per file); the rest are encoded, among them a chunk written halfway, and, with a
-warning, a chunk whose file is missing or whose size or digest differ (damaged or replaced since, even at the same
-size). A marker without a ``sha256`` (written by an older version) is not trusted: its chunk is encoded again,
-with a warning. Rank 0 then checks every marker and file size (not the digests again) and copies the digests into
-the manifest. A run with another corpus, chunking, output, pooling, output dtype, pad id or model (other weights,
-dtype, class, module pipeline or forward-shaping config) is refused rather than mixing two indexes in one
-directory; a corpus changed while a run reads it is refused too, and so are ranks started with different corpora,
+its marker is in place, describes the plan's chunk (index, rows and tokens) and its file has the marker's size and
+SHA-256 (each rank hashes the finished chunks it owns in this run, one streamed read per file); the rest are
+encoded, among them a chunk written halfway, and, with a warning, a chunk whose file is missing or whose size or
+digest differ (damaged or replaced since, even at the same size) and one whose marker describes another chunk (a
+file and marker copied over it). A marker without a ``sha256`` or chunk index (written by an older version) is not
+trusted: its chunk is encoded again, with a warning. Rank 0 then checks every marker and file size (not the digests
+again) and copies the digests into the manifest. A run with another corpus, chunking, output, pooling, output
+dtype, pad id or model (other weights, dtype, class, module pipeline or forward-shaping config) is refused rather
+than mixing two indexes in one directory; a corpus changed while a run reads it is refused too, and so are ranks started with different corpora,
 models or options (every rank raises, naming the difference). :func:`load_index` reads the result back, checks
 each chunk file against the manifest's size and SHA-256 as it reads it (a manifest without digests, from an older
-version, is loaded unchecked with a warning) and checks every corpus id appears exactly once.
+version, is loaded unchecked with a warning) and checks that every chunk holds the plan's items for it (naming
+the chunk files that do not) and every corpus id appears exactly once.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ PLAN = "plan.json"
 MANIFEST = "manifest.json"
 OUTPUTS = ("pooled", "tokens")
 POOLINGS = ("mean", "cls")
+# what a completion marker records beyond its sizes; a marker without them (an older version's) is not trusted
+MARKER_KEYS = ("index", "sha256")
 # config fields that change a ModernBERT's vectors for the same weights (model_fingerprint records them)
 FORWARD_CONFIG = ("hidden_activation", "norm_eps", "norm_bias", "attention_bias", "mlp_bias", "num_attention_heads",
                   "local_attention", "global_attn_every_n_layers", "global_rope_theta", "local_rope_theta",
@@ -170,22 +175,25 @@ def file_digest(path: str, block: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _chunk_state(out_dir: str, index: int, verify: bool = True) -> tuple[str, dict | None]:
-    """``(state, marker)`` of chunk ``index``: ``"done"`` when its completion marker is in place, records a digest,
-    and the chunk file has the marker's size and (``verify``) SHA-256; otherwise ``"missing"`` (no marker: never
-    finished), ``"old"`` (a marker without a digest, an older version's: not trusted) or ``"changed"``
-    (the file is gone, or its size or digest differ from the marker's: damaged or replaced since, or an unreadable
-    marker). Every state but ``"done"`` means the chunk is encoded again."""
+def _chunk_state(out_dir: str, chunk: Chunk, verify: bool = True) -> tuple[str, dict | None]:
+    """``(state, marker)`` of ``chunk``: ``"done"`` when its completion marker is in place, records a digest,
+    describes this chunk of the plan (its index, rows and tokens) and the chunk file has the marker's size and
+    (``verify``) SHA-256; otherwise ``"missing"`` (no marker: never finished), ``"old"`` (a marker without one of
+    :data:`MARKER_KEYS`, an older version's: not trusted), ``"other"`` (a marker written for another chunk: copied
+    or replaced since) or ``"changed"`` (the file is gone, or its size or digest differ from the marker's: damaged or
+    replaced since, or an unreadable marker). Every state but ``"done"`` means the chunk is encoded again."""
     try:
-        with open(_chunk_path(out_dir, index, "done")) as f:
+        with open(_chunk_path(out_dir, chunk.index, "done")) as f:
             marker = json.load(f)
     except FileNotFoundError:
         return "missing", None
     except (OSError, ValueError):
         return "changed", None
-    if not isinstance(marker, dict) or "sha256" not in marker:
+    if not isinstance(marker, dict) or not all(k in marker for k in MARKER_KEYS):
         return "old", None
-    path = _chunk_path(out_dir, index, "pt")
+    if [marker.get(k) for k in ("index", "rows", "tokens")] != [chunk.index, chunk.stop - chunk.start, chunk.tokens]:
+        return "other", marker
+    path = _chunk_path(out_dir, chunk.index, "pt")
     try:
         if os.path.getsize(path) != marker.get("bytes") or (verify and file_digest(path) != marker["sha256"]):
             return "changed", marker
@@ -194,26 +202,32 @@ def _chunk_state(out_dir: str, index: int, verify: bool = True) -> tuple[str, di
     return "done", marker
 
 
+# why a chunk found with a marker is encoded again (the warning of _chunks_to_encode), by _chunk_state's state
+NOT_TRUSTED = {
+    "changed": "chunk file(s) differ from their completion marker (size or SHA-256; missing, damaged or replaced "
+               "since they were written)",
+    "other": "completion marker(s) describe another chunk (index, rows or tokens differ from this plan's chunk: "
+             "copied or replaced since they were written)",
+    "old": "completion marker(s) written by an older version (no digest or chunk index)",
+}
+
+
 def _chunks_to_encode(out_dir: str, chunks: list[Chunk], rank: int) -> list[Chunk]:
     """This rank's chunks that are not finished (each finished one's file hashed once against its marker); warns,
-    naming them, about chunks found damaged or replaced and about markers without a digest."""
-    todo, why = [], {"changed": [], "old": []}
+    naming them, about the chunks whose marker is not trusted (:data:`NOT_TRUSTED`)."""
+    todo, why = [], {state: [] for state in NOT_TRUSTED}
     for c in chunks:
         if c.rank != rank:
             continue
-        state, _ = _chunk_state(out_dir, c.index)
+        state, _ = _chunk_state(out_dir, c)
         if state != "done":
             todo.append(c)
             why.get(state, []).append(c.index)
     where = os.path.join(out_dir, "chunks")
-    if why["changed"]:
-        warnings.warn(f"packed_encoders.index: rank {rank}: {len(why['changed'])} chunk file(s) in {where} differ "
-                      f"from their completion marker (size or SHA-256; missing, damaged or replaced since they were "
-                      f"written), chunks {_some(why['changed'])}: encoding them again", stacklevel=3)
-    if why["old"]:
-        warnings.warn(f"packed_encoders.index: rank {rank}: {len(why['old'])} completion marker(s) in {where} record "
-                      f"no digest (written by an older version), chunks {_some(why['old'])}: not trusted, encoding "
-                      "them again", stacklevel=3)
+    for state, indices in why.items():
+        if indices:
+            warnings.warn(f"packed_encoders.index: rank {rank}: {len(indices)} {NOT_TRUSTED[state]} in {where}, "
+                          f"chunks {_some(indices)}: encoding them again", stacklevel=3)
     return todo
 
 
@@ -510,8 +524,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         # job) must not leave an empty marker that a resumed run takes for a finished chunk.
         marker = _chunk_path(out_dir, c.index, f"done.{rank}.tmp")
         with open(marker, "w") as f:
-            json.dump({"rows": c.stop - c.start, "tokens": c.tokens, "bytes": size, "sha256": digest, "rank": rank,
-                       "world": world, "seconds": seconds}, f)
+            json.dump({"index": c.index, "rows": c.stop - c.start, "tokens": c.tokens, "bytes": size, "sha256": digest,
+                       "rank": rank, "world": world, "seconds": seconds}, f)
         os.replace(marker, _chunk_path(out_dir, c.index, "done"))
         if bar is not None:
             bar.update(c.tokens)
@@ -529,7 +543,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, out_dtype: torch.dtype) -> dict:
     # Every chunk's file was hashed this run by the rank that owns it (written, or checked against its marker at the
     # start): here its marker and size only, not a second pass over the whole index on rank 0.
-    states = [_chunk_state(out_dir, c.index, verify=False) for c in chunks]
+    states = [_chunk_state(out_dir, c, verify=False) for c in chunks]
     missing = [c.index for c, (state, _) in zip(chunks, states) if state != "done"]
     if missing:
         raise PackedEncodersError(f"chunks {_some(missing)} are not finished (no completion marker, or a chunk file "
@@ -579,7 +593,8 @@ def load_index(out_dir: str) -> dict:
 
     Raises:
         PackedEncodersError: no manifest (the run did not finish), a chunk file that cannot be read or whose
-            SHA-256 differs from the manifest's, or ids missing / duplicated against the plan.
+            SHA-256 differs from the manifest's, or ids missing / duplicated against the plan (naming the chunk
+            files that hold other items than the plan's).
     """
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
@@ -593,16 +608,20 @@ def load_index(out_dir: str) -> dict:
         warnings.warn(f"packed_encoders.index: {path} records no SHA-256 for {len(unchecked)} chunk file(s) (written "
                       "by an older version): they are loaded unchecked; running the indexing command on "
                       f"{out_dir} again encodes them again and records their digests", stacklevel=2)
-    ids, embeddings, lens = [], [], []
+    ids, embeddings, lens, wrong = [], [], [], []
     for entry in manifest["chunks"]:
         data = _load_chunk(out_dir, os.path.join(out_dir, entry["file"]), entry.get("bytes"), entry.get("sha256"))
+        if data["ids"] != expected[entry["first_item"]:entry["first_item"] + entry["rows"]]:
+            wrong.append(entry["file"])
         ids.extend(data["ids"])
         embeddings.append(data["embeddings"])
         if "cu_seqlens" in data:
             lens.append(data["cu_seqlens"].diff())
     if ids != expected:
+        at_fault = f"; {_some(wrong)} hold other items than the plan's" if wrong else ""
         raise PackedEncodersError(f"{out_dir}: the chunks hold {len(ids)} rows ({len(set(ids))} distinct ids) for "
-                                  f"{len(expected)} corpus items")
+                                  f"{len(expected)} corpus items{at_fault}; run the indexing command on {out_dir} "
+                                  "again to repair it")
     out = {"ids": ids, "embeddings": torch.cat(embeddings)}
     if lens:
         out["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(lens).cumsum(0)])

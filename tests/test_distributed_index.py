@@ -591,7 +591,8 @@ def test_a_marker_without_a_digest_is_not_trusted(setup, tmp_path):
         marker = json.load(open(path))
         del marker["sha256"]  # size still right
         json.dump(marker, open(path, "w"))
-    with pytest.warns(UserWarning, match=r"2 completion marker\(s\) .* no digest .*chunks \[1, 3\]: not trusted"):
+    older = r"2 completion marker\(s\) written by an older version .*chunks \[1, 3\]: encoding them again"
+    with pytest.warns(UserWarning, match=older):
         assert _index_recording(model, corpus, out) == [1, 3]
     assert all("sha256" in json.load(open(os.path.join(out, "chunks", f"chunk-{i:06d}.done"))) for i in (1, 3))
     assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
@@ -604,3 +605,34 @@ def test_a_marker_without_a_digest_is_not_trusted(setup, tmp_path):
     with pytest.warns(UserWarning, match="records no SHA-256 for .* chunk file.*loaded unchecked"):
         got = load_index(out)
     assert torch.equal(got["embeddings"], want["embeddings"])
+
+
+def test_a_chunk_with_another_chunks_file_and_marker_is_encoded_again(setup, tmp_path):
+    """A chunk whose file and marker were both overwritten by another chunk's (a bad copy): the marker agrees with
+    the file, but not with the plan's chunk (index, rows, tokens), so a resume encodes it again, with a warning.
+    load_index names a chunk file holding other items than the plan's."""
+    import hashlib
+    import shutil
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    out = str(tmp_path / "out")
+    _index_recording(model, corpus, out)
+    want = load_index(out)
+    chunk = os.path.join(out, "chunks", "chunk-")
+    for suffix in ("pt", "done"):
+        shutil.copy(f"{chunk}000002.{suffix}", f"{chunk}000001.{suffix}")
+    with pytest.warns(UserWarning, match=r"describe another chunk .*chunks \[1\]: encoding them again"):
+        assert _index_recording(model, corpus, out) == [1]
+    assert torch.equal(load_index(out)["embeddings"], want["embeddings"])
+
+    shutil.copy(f"{chunk}000002.pt", f"{chunk}000001.pt")  # and the manifest made to agree with the copy
+    manifest_path = os.path.join(out, "manifest.json")
+    manifest = json.load(open(manifest_path))
+    raw = open(f"{chunk}000001.pt", "rb").read()
+    manifest["chunks"][1].update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    json.dump(manifest, open(manifest_path, "w"))
+    with pytest.raises(pe.PackedEncodersError, match=r"\['chunks/chunk-000001.pt'\] hold other items than the plan"):
+        load_index(out)
