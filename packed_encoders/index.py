@@ -15,27 +15,31 @@ Output in ``DIR``:
     chunks/chunk-000012.pt         per chunk: ``{"ids": [...], "embeddings": [n, D]}`` (pooled) or
                                    ``{"ids": [...], "embeddings": [T, D], "cu_seqlens": int64 [n + 1]}`` (tokens)
     chunks/chunk-000012.done       completion marker, JSON, renamed into place after the chunk file: the chunk's
-                                   index, rows and tokens, the file's ``bytes`` and ``sha256`` (hex, of the bytes
-                                   just written; the value ``sha256sum`` prints), the rank, world size and seconds
-                                   it took
+                                   index, rows and tokens, the plan's fingerprint (``plan``), the file's ``bytes``
+                                   and ``sha256`` (hex, of the bytes just written; the value ``sha256sum`` prints),
+                                   the rank, world size and seconds it took
     manifest.json                  written by rank 0 when every chunk is done: chunks (file, rows, tokens, first
                                    item, bytes, sha256), items, tokens, dim, dtype
 Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
 A run killed at any point resumes by running the same command again (any number of ranks): a chunk is kept when
-its marker is in place, describes the plan's chunk (index, rows and tokens) and its file has the marker's size and
-SHA-256 (each rank hashes the finished chunks it owns in this run, one streamed read per file); the rest are
-encoded, among them a chunk written halfway, and, with a warning, a chunk whose file is missing or whose size or
-digest differ (damaged or replaced since, even at the same size) and one whose marker describes another chunk (a
-file and marker copied over it). A marker without a ``sha256`` or chunk index (written by an older version) is not
-trusted: its chunk is encoded again, with a warning. Rank 0 then checks every marker and file size (not the digests
-again) and copies the digests into the manifest. A run with another corpus, chunking, output, pooling, output
-dtype, pad id or model (other weights, dtype, class, module pipeline or forward-shaping config) is refused rather
-than mixing two indexes in one directory; a corpus changed while a run reads it is refused too, and so are ranks started with different corpora,
-models or options (every rank raises, naming the difference). :func:`load_index` reads the result back, checks
-each chunk file against the manifest's size and SHA-256 as it reads it (a manifest without digests, from an older
-version, is loaded unchecked with a warning) and checks that every chunk holds the plan's items for it (naming
-the chunk files that do not) and every corpus id appears exactly once.
+its marker is in place, was written under the same plan (it records :func:`plan_fingerprint`, a digest of the plan's
+corpus size and mtime, chunking, output and settings), describes the plan's chunk (index, rows and tokens) and its
+file has the marker's size and SHA-256 (each rank hashes the finished chunks it owns in this run, one streamed read
+per file); the rest are encoded, among them a chunk written halfway, and, with a warning, a chunk whose file is
+missing or whose size or digest differ (damaged or replaced since, even at the same size), one whose marker
+describes another chunk (a file and marker copied over it) and one whose marker was written under another plan
+(``plan.json`` deleted and written again for another model or settings, or chunks copied from another index). A
+marker without a ``sha256``, chunk index or plan fingerprint (written by an older version) is not trusted: its
+chunk is encoded again, with a warning. Rank 0 then checks every marker and file size (not the digests again) and
+copies the digests into the manifest. A run with another corpus, chunking, output, pooling, output dtype, pad id or
+model (other weights, dtype, class, module pipeline or forward-shaping config) than ``plan.json`` records is
+refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused too, and
+so are ranks started with different corpora, models or options (every rank raises, naming the difference).
+:func:`load_index` reads the result back, checks each chunk file against the manifest's size and SHA-256 as it
+reads it (a manifest without digests, from an older version, is loaded unchecked with a warning) and checks that
+every chunk holds the plan's items for it (naming the chunk files that do not) and every corpus id appears
+exactly once.
 """
 
 from __future__ import annotations
@@ -61,7 +65,10 @@ MANIFEST = "manifest.json"
 OUTPUTS = ("pooled", "tokens")
 POOLINGS = ("mean", "cls")
 # what a completion marker records beyond its sizes; a marker without them (an older version's) is not trusted
-MARKER_KEYS = ("index", "sha256")
+MARKER_KEYS = ("index", "plan", "sha256")
+# the plan's entries a chunk's vectors depend on: a marker records their digest (plan_fingerprint), and a chunk made
+# under another plan is not reused (the corpus path is left out: a renamed corpus resumes)
+PLAN_FINGERPRINT = ("corpus_bytes", "corpus_mtime_ns", "chunk_tokens", "output", "settings", "chunks")
 # config fields that change a ModernBERT's vectors for the same weights (model_fingerprint records them)
 FORWARD_CONFIG = ("hidden_activation", "norm_eps", "norm_bias", "attention_bias", "mlp_bias", "num_attention_heads",
                   "local_attention", "global_attn_every_n_layers", "global_rope_theta", "local_rope_theta",
@@ -175,13 +182,22 @@ def file_digest(path: str, block: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _chunk_state(out_dir: str, chunk: Chunk, verify: bool = True) -> tuple[str, dict | None]:
-    """``(state, marker)`` of ``chunk``: ``"done"`` when its completion marker is in place, records a digest,
-    describes this chunk of the plan (its index, rows and tokens) and the chunk file has the marker's size and
-    (``verify``) SHA-256; otherwise ``"missing"`` (no marker: never finished), ``"old"`` (a marker without one of
-    :data:`MARKER_KEYS`, an older version's: not trusted), ``"other"`` (a marker written for another chunk: copied
-    or replaced since) or ``"changed"`` (the file is gone, or its size or digest differ from the marker's: damaged or
-    replaced since, or an unreadable marker). Every state but ``"done"`` means the chunk is encoded again."""
+def plan_fingerprint(plan: dict) -> str:
+    """The SHA-256 (hex) of the plan's :data:`PLAN_FINGERPRINT` entries: equal for plans of the same corpus file,
+    chunking, output and settings (:func:`run_settings`), whatever the corpus path."""
+    fixed = {k: plan.get(k) for k in PLAN_FINGERPRINT}
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()
+
+
+def _chunk_state(out_dir: str, chunk: Chunk, fingerprint: str, verify: bool = True) -> tuple[str, dict | None]:
+    """``(state, marker)`` of ``chunk``: ``"done"`` when its completion marker is in place, records a digest, was
+    written under this plan (its :func:`plan_fingerprint` is ``fingerprint``), describes this chunk of the plan (its
+    index, rows and tokens) and the chunk file has the marker's size and (``verify``) SHA-256; otherwise
+    ``"missing"`` (no marker: never finished), ``"old"`` (a marker without one of :data:`MARKER_KEYS`, an older
+    version's: not trusted), ``"plan"`` (a marker written under another plan: another corpus, chunking, model or
+    settings), ``"other"`` (a marker written for another chunk: copied or replaced since) or ``"changed"`` (the file
+    is gone, or its size or digest differ from the marker's: damaged or replaced since, or an unreadable marker).
+    Every state but ``"done"`` means the chunk is encoded again."""
     try:
         with open(_chunk_path(out_dir, chunk.index, "done")) as f:
             marker = json.load(f)
@@ -191,6 +207,8 @@ def _chunk_state(out_dir: str, chunk: Chunk, verify: bool = True) -> tuple[str, 
         return "changed", None
     if not isinstance(marker, dict) or not all(k in marker for k in MARKER_KEYS):
         return "old", None
+    if marker["plan"] != fingerprint:
+        return "plan", marker
     if [marker.get(k) for k in ("index", "rows", "tokens")] != [chunk.index, chunk.stop - chunk.start, chunk.tokens]:
         return "other", marker
     path = _chunk_path(out_dir, chunk.index, "pt")
@@ -206,20 +224,22 @@ def _chunk_state(out_dir: str, chunk: Chunk, verify: bool = True) -> tuple[str, 
 NOT_TRUSTED = {
     "changed": "chunk file(s) differ from their completion marker (size or SHA-256; missing, damaged or replaced "
                "since they were written)",
+    "plan": "completion marker(s) written under another plan (another corpus file, chunking, output, model or "
+            "settings: a plan.json deleted or replaced since, or chunks copied from another index)",
     "other": "completion marker(s) describe another chunk (index, rows or tokens differ from this plan's chunk: "
              "copied or replaced since they were written)",
-    "old": "completion marker(s) written by an older version (no digest or chunk index)",
+    "old": "completion marker(s) written by an older version (no digest, chunk index or plan fingerprint)",
 }
 
 
-def _chunks_to_encode(out_dir: str, chunks: list[Chunk], rank: int) -> list[Chunk]:
+def _chunks_to_encode(out_dir: str, chunks: list[Chunk], rank: int, fingerprint: str) -> list[Chunk]:
     """This rank's chunks that are not finished (each finished one's file hashed once against its marker); warns,
     naming them, about the chunks whose marker is not trusted (:data:`NOT_TRUSTED`)."""
     todo, why = [], {state: [] for state in NOT_TRUSTED}
     for c in chunks:
         if c.rank != rank:
             continue
-        state, _ = _chunk_state(out_dir, c)
+        state, _ = _chunk_state(out_dir, c, fingerprint)
         if state != "done":
             todo.append(c)
             why.get(state, []).append(c.index)
@@ -496,7 +516,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     lengths = plan["lengths"]
     # owners are dealt for this run's world size: a resumed run may use another number of ranks
     chunks = plan_chunks(lengths, chunk_tokens, world)
-    mine = _chunks_to_encode(out_dir, chunks, rank)
+    fingerprint = plan_fingerprint(plan)
+    mine = _chunks_to_encode(out_dir, chunks, rank, fingerprint)
     bar = None
     if progress and rank == 0:
         from tqdm.auto import tqdm
@@ -524,8 +545,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         # job) must not leave an empty marker that a resumed run takes for a finished chunk.
         marker = _chunk_path(out_dir, c.index, f"done.{rank}.tmp")
         with open(marker, "w") as f:
-            json.dump({"index": c.index, "rows": c.stop - c.start, "tokens": c.tokens, "bytes": size, "sha256": digest,
-                       "rank": rank, "world": world, "seconds": seconds}, f)
+            json.dump({"index": c.index, "rows": c.stop - c.start, "tokens": c.tokens, "plan": fingerprint,
+                       "bytes": size, "sha256": digest, "rank": rank, "world": world, "seconds": seconds}, f)
         os.replace(marker, _chunk_path(out_dir, c.index, "done"))
         if bar is not None:
             bar.update(c.tokens)
@@ -543,7 +564,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, out_dtype: torch.dtype) -> dict:
     # Every chunk's file was hashed this run by the rank that owns it (written, or checked against its marker at the
     # start): here its marker and size only, not a second pass over the whole index on rank 0.
-    states = [_chunk_state(out_dir, c, verify=False) for c in chunks]
+    fingerprint = plan_fingerprint(plan)
+    states = [_chunk_state(out_dir, c, fingerprint, verify=False) for c in chunks]
     missing = [c.index for c, (state, _) in zip(chunks, states) if state != "done"]
     if missing:
         raise PackedEncodersError(f"chunks {_some(missing)} are not finished (no completion marker, or a chunk file "

@@ -636,3 +636,33 @@ def test_a_chunk_with_another_chunks_file_and_marker_is_encoded_again(setup, tmp
     json.dump(manifest, open(manifest_path, "w"))
     with pytest.raises(pe.PackedEncodersError, match=r"\['chunks/chunk-000001.pt'\] hold other items than the plan"):
         load_index(out)
+
+
+def test_markers_made_under_another_plan_are_not_trusted(setup, tmp_path):
+    """plan.json deleted (or chunks/ copied into a new --out): a run with another model writes a new plan, and the
+    old markers, made under another plan, are not trusted: every chunk is encoded again, with a warning, never mixed
+    with the other model's. The same model and corpus keep them."""
+    import shutil
+    import warnings
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    other = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    with torch.no_grad():
+        other.layers[0].mlp.Wo.weight.mul_(1.01)
+    out, copy = str(tmp_path / "out"), str(tmp_path / "copy")
+    planned = _index_recording(model, corpus, out)
+    shutil.copytree(os.path.join(out, "chunks"), os.path.join(copy, "chunks"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _index_recording(model, corpus, copy) == []  # the same plan again: every chunk kept
+    assert torch.equal(load_index(copy)["embeddings"], load_index(out)["embeddings"])
+
+    os.remove(os.path.join(out, "plan.json"))
+    with pytest.warns(UserWarning, match=r"written under another plan .*chunks \[0, 1, 2, "):
+        assert _index_recording(other, corpus, out) == planned
+    ref = str(tmp_path / "ref")
+    _index_recording(other, corpus, ref)
+    assert torch.equal(load_index(out)["embeddings"], load_index(ref)["embeddings"])
