@@ -35,7 +35,10 @@ chunk is encoded again, with a warning. Rank 0 then checks every marker and file
 copies the digests into the manifest. A run with another corpus, chunking, output, pooling, output dtype, pad id or
 model (other weights, dtype, class, module pipeline or forward-shaping config) than ``plan.json`` records is
 refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused too, and
-so are ranks started with different corpora, models or options (every rank raises, naming the difference).
+so are ranks started with different corpora, models or options (every rank raises, naming the difference). A
+deleted ``plan.json`` is written again by the next run (which keeps the chunks made under the same plan); a damaged
+``plan.json`` or ``manifest.json`` is refused, naming the file and the way out.
+
 :func:`load_index` reads the result back, checks each chunk file against the manifest's size and SHA-256 as it
 reads it (a manifest without digests, from an older version, is loaded unchecked with a warning) and checks that
 every chunk holds the plan's items for it (naming the chunk files that do not) and every corpus id appears
@@ -69,6 +72,9 @@ MARKER_KEYS = ("index", "plan", "sha256")
 # the plan's entries a chunk's vectors depend on: a marker records their digest (plan_fingerprint), and a chunk made
 # under another plan is not reused (the corpus path is left out: a renamed corpus resumes)
 PLAN_FINGERPRINT = ("corpus_bytes", "corpus_mtime_ns", "chunk_tokens", "output", "settings", "chunks")
+# what a plan.json must hold (a damaged one is refused, naming the file)
+PLAN_KEYS = ("corpus", "corpus_bytes", "corpus_mtime_ns", "chunk_tokens", "output", "items", "tokens", "offsets",
+             "lengths", "ids", "chunks")
 # config fields that change a ModernBERT's vectors for the same weights (model_fingerprint records them)
 FORWARD_CONFIG = ("hidden_activation", "norm_eps", "norm_bias", "attention_bias", "mlp_bias", "num_attention_heads",
                   "local_attention", "global_attn_every_n_layers", "global_rope_theta", "local_rope_theta",
@@ -406,14 +412,40 @@ def _corpus_changed(corpus: str, plan: dict) -> bool:
     return (st.st_size, st.st_mtime_ns) != (plan["corpus_bytes"], plan["corpus_mtime_ns"])
 
 
+def _read_json(path: str, keys: tuple[str, ...], advice: str) -> dict:
+    """The JSON object in ``path``, which must hold ``keys``.
+
+    Raises:
+        PackedEncodersError: naming ``path`` and what is wrong (missing, unreadable, not JSON, not an object with
+            ``keys``), followed by ``advice`` (what to do).
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise PackedEncodersError(f"{path}: missing; {advice}") from None
+    except (OSError, ValueError) as exc:  # ValueError: json.JSONDecodeError, UnicodeDecodeError
+        raise PackedEncodersError(f"{path}: unreadable or not JSON ({exc}); {advice}") from None
+    lacking = [k for k in keys if not isinstance(data, dict) or k not in data]
+    if lacking:
+        raise PackedEncodersError(f"{path}: not a complete {os.path.basename(path)} (no {', '.join(lacking)}); "
+                                  f"{advice}")
+    return data
+
+
+def _read_plan(out_dir: str) -> dict:
+    """``out_dir``'s plan, read with :func:`_read_json` (a damaged one is named, with the way out)."""
+    return _read_json(os.path.join(out_dir, PLAN), PLAN_KEYS,
+                      f"run the indexing command on {out_dir} again (deleting a damaged {PLAN} first): it writes a "
+                      "new plan, keeps the chunks made under the same one and encodes the others")
+
+
 def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settings: dict | None) -> dict | None:
     """The plan in ``out_dir``, or ``None``; raises when it is another corpus's or settings' (``settings``:
-    compared when given; rank 0 checks them for every rank)."""
-    path = os.path.join(out_dir, PLAN)
-    if not os.path.exists(path):
+    compared when given; rank 0 checks them for every rank), or damaged."""
+    if not os.path.exists(os.path.join(out_dir, PLAN)):
         return None
-    with open(path) as f:
-        plan = json.load(f)
+    plan = _read_plan(out_dir)
     same = (plan["chunk_tokens"], plan["output"]) == (chunk_tokens, output) and not _corpus_changed(corpus, plan)
     if not same:
         raise PackedEncodersError(f"{out_dir} holds an index of another corpus or settings ({plan['corpus']}, "
@@ -472,7 +504,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, or
             ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings
             (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`), or ranks
-            called with different ones (or corpus files of different size or modification time).
+            called with different ones (or corpus files of different size or modification time), or a damaged
+            ``plan.json`` in ``out_dir`` (naming it).
     """
     for name, value in (("batch_tokens", batch_tokens), ("chunk_tokens", chunk_tokens)):
         if type(value) is not int or value < 1:
@@ -614,17 +647,20 @@ def load_index(out_dir: str) -> dict:
     digests (written by an older version) is loaded unchecked, with a warning.
 
     Raises:
-        PackedEncodersError: no manifest (the run did not finish), a chunk file that cannot be read or whose
-            SHA-256 differs from the manifest's, or ids missing / duplicated against the plan (naming the chunk
-            files that hold other items than the plan's).
+        PackedEncodersError: no manifest (the run did not finish), a damaged manifest or a missing or damaged plan
+            (naming the file), a chunk file that cannot be read or whose SHA-256 differs from the manifest's, or ids
+            missing / duplicated against the plan (naming the chunk files that hold other items than the plan's).
     """
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         raise PackedEncodersError(f"{out_dir} has no {MANIFEST}: the indexing run has not finished")
-    with open(path) as f:
-        manifest = json.load(f)
-    with open(os.path.join(out_dir, PLAN)) as f:
-        expected = json.load(f)["ids"]
+    again = f"run the indexing command on {out_dir} again, which writes it again"
+    manifest = _read_json(path, ("chunks",), again)
+    if not isinstance(manifest["chunks"], list) or not all(
+            isinstance(entry, dict) and all(k in entry for k in ("file", "rows", "first_item"))
+            for entry in manifest["chunks"]):
+        raise PackedEncodersError(f"{path}: a malformed chunk list; {again}")
+    expected = _read_plan(out_dir)["ids"]
     unchecked = [entry["file"] for entry in manifest["chunks"] if "sha256" not in entry]
     if unchecked:
         warnings.warn(f"packed_encoders.index: {path} records no SHA-256 for {len(unchecked)} chunk file(s) (written "

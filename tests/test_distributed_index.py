@@ -666,3 +666,37 @@ def test_markers_made_under_another_plan_are_not_trusted(setup, tmp_path):
     ref = str(tmp_path / "ref")
     _index_recording(other, corpus, ref)
     assert torch.equal(load_index(out)["embeddings"], load_index(ref)["embeddings"])
+
+
+def test_a_missing_or_damaged_plan_or_manifest_is_named(setup, tmp_path):
+    """A damaged manifest.json or a missing or damaged plan.json raised a raw JSONDecodeError / KeyError /
+    FileNotFoundError from load_index and index_corpus: each now raises PackedEncodersError naming the file and the
+    way out. A deleted plan is written again by the next run, which keeps the chunks made under the same plan."""
+    import shutil
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    out = tmp_path / "out"
+    _index_recording(model, corpus, str(out))
+    want = load_index(str(out))
+    for name, text, problem in (("manifest.json", "{", "not JSON"), ("manifest.json", "{}", "no chunks"),
+                                ("manifest.json", '{"chunks": [1]}', "malformed chunk list"),
+                                ("plan.json", None, "missing"), ("plan.json", "{", "not JSON"),
+                                ("plan.json", '{"ids": []}', "no corpus, corpus_bytes")):
+        damaged = tmp_path / "damaged"
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.copytree(out, damaged)
+        if text is None:
+            os.remove(damaged / name)
+        else:
+            (damaged / name).write_text(text)
+        with pytest.raises(pe.PackedEncodersError, match=f"{name}: .*{problem}.*run the indexing command on"):
+            load_index(str(damaged))
+        if name == "plan.json" and text is not None:
+            with pytest.raises(pe.PackedEncodersError, match=f"{name}: .*{problem}.*deleting a damaged plan.json"):
+                _index_recording(model, corpus, str(damaged))
+    os.remove(damaged / "plan.json")  # as the message says
+    assert _index_recording(model, corpus, str(damaged)) == []  # plan.json written again, every chunk kept
+    assert torch.equal(load_index(str(damaged))["embeddings"], want["embeddings"])
