@@ -452,21 +452,39 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settin
                                   f"chunk_tokens={plan['chunk_tokens']}, output={plan['output']}); use a new --out "
                                   "directory or delete it")
     if settings is not None and plan.get("settings") != settings:
-        theirs = plan.get("settings") or {}
-        changed = sorted(k for k in settings if theirs.get(k) != settings[k])
-        there = {k: theirs.get(k) for k in changed}
-        now = {k: settings[k] for k in changed}
-        raise PackedEncodersError(f"{out_dir} holds an index made with other settings ({there} there, {now} now): "
-                                  "resuming would mix two indexes; use a new --out directory or delete it")
+        raise PackedEncodersError(f"{out_dir} holds an index made with other settings ({PLAN} -> this run: "
+                                  f"{_difference(plan.get('settings') or {}, settings)}): resuming would mix two "
+                                  "indexes; use a new --out directory or delete it")
     return plan
 
 
-def _difference(a: dict, b: dict) -> tuple[dict, dict]:
-    """The entries of ``a`` and ``b`` that differ, nested dicts (the model fingerprint) narrowed the same way."""
-    keys = [k for k in a if a[k] != b.get(k)]
-    pairs = {k: _difference(a[k], b[k]) if isinstance(a[k], dict) and isinstance(b.get(k), dict) else (a[k], b.get(k))
-             for k in keys}
-    return {k: x for k, (x, _) in pairs.items()}, {k: y for k, (_, y) in pairs.items()}
+_ABSENT = object()  # _difference's filler for a key or list item only one side has
+
+
+def _difference(a, b, limit: int = 3) -> str:
+    """Where ``a`` and ``b`` (nested dicts and lists: run settings, a model fingerprint) differ, narrowed to the
+    differing leaves: the first ``limit`` as ``"path: a's -> b's"`` (``model.modules[1][2].pooling_mode: 'mean' ->
+    'cls'``, values shortened), ``; ``-separated."""
+    found = []
+
+    def short(value) -> str:
+        text = "(absent)" if value is _ABSENT else repr(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    def walk(x, y, path: str) -> None:
+        if x == y:
+            return
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in [*x, *(k for k in y if k not in x)]:
+                walk(x.get(k, _ABSENT), y.get(k, _ABSENT), f"{path}.{k}" if path else str(k))
+        elif isinstance(x, list) and isinstance(y, list):
+            for i in range(max(len(x), len(y))):
+                walk(x[i] if i < len(x) else _ABSENT, y[i] if i < len(y) else _ABSENT, f"{path}[{i}]")
+        else:
+            found.append(f"{path or 'value'}: {short(x)} -> {short(y)}")
+
+    walk(a, b, "")
+    return "; ".join(found[:limit]) + (f"; and {len(found) - limit} more" if len(found) > limit else "")
 
 
 def run_settings(model, encoder: "Encoder", output: str, pooling: str, out_dtype: torch.dtype, pad_id: int) -> dict:
@@ -528,10 +546,9 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     if rank == 0:
         differ = [r for r, theirs in enumerate(runs) if theirs != run]
         if differ:
-            theirs, ours = _difference(runs[differ[0]], run)
-            problem = [f"the ranks were not given the same indexing run: rank {differ[0]} has {theirs}, rank 0 "
-                       f"{ours} (ranks {differ} differ from rank 0); start every rank with the same model, corpus "
-                       "and options"]
+            problem = [f"the ranks were not given the same indexing run: ranks {differ} differ from rank 0 (rank 0 "
+                       f"-> rank {differ[0]}: {_difference(run, runs[differ[0]])}); start every rank with the same "
+                       "model, corpus and options"]
         else:
             try:
                 plan = (_load_plan(out_dir, corpus, chunk_tokens, output, settings)
