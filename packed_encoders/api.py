@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch import nn
 
-from .adapters import token_labels
+from .adapters import around, token_labels
 from .adapters.late_interaction import ALWAYS
 from .adapters.fsdp import gathered
 from .adapters.locate import find_encoders
@@ -16,7 +16,7 @@ from .adapters.state import PackOptions, get_state
 from .adapters.structure import check_at_pack, structure_check
 from .batch import from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
-from .configure import make_state, params_of
+from .configure import make_state, params_of, read_around
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .graph_check import check_graph_path
 from .graphs.config import normalize as normalize_graph_option
@@ -34,10 +34,15 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     ``target`` may be a ``ModernBertModel``, any ``ModernBertFor*`` head, a SentenceTransformer, a PyLate
     ColBERT, or any ``nn.Module`` holding them. Weights are not copied. The environment switches
     (``PACKED_ENCODERS_*``) are read here, once, into the encoder's frozen tuning (``describe()["encoders"][i]
-    ["tuning"]``). Calling ``pack`` again with the same options and switches does nothing; with other options
-    (or changed switches) it reconfigures to exactly those (unset ones take their defaults: ``pack(model)``
-    after ``pack(model, cuda_graph=GraphConfig(...))`` returns to the automatic graphs; use
-    :func:`~packed_encoders.set_cuda_graph` to change graphs alone).
+    ["tuning"]``). Calling ``pack`` again with the same options and switches keeps the encoder's state (its graphs
+    and validation); with other options (or changed switches) it reconfigures to exactly those (unset ones take
+    their defaults: ``pack(model)`` after ``pack(model, cuda_graph=GraphConfig(...))`` returns to the automatic
+    graphs; use :func:`~packed_encoders.set_cuda_graph` to change graphs alone). Either way, with
+    ``padded_outputs="auto"``, what the heads and wrappers inside ``target`` read at padded positions (see
+    ``padded_outputs``) is applied to each encoder inside them and kept for it: ``pe.pack(head.model, ...)``
+    later (with other options, or after ``pe.unpack(head.model)``) still honours the head, until
+    ``pe.unpack(head)`` or ``pe.pack(head, padded_outputs=...)`` with another value
+    (:mod:`packed_encoders.adapters.around`).
 
     Args:
         attention_backend: ``"auto"`` (policy per batch), ``"flash"`` (torch varlen_attn / FlashAttention-4),
@@ -83,18 +88,18 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
                           padded_outputs=padded_outputs, cuda_graph=normalize_graph_option(cuda_graph),
                           graph_auto=cuda_graph is None)
     encoders = find_encoders(target)
-    planned = []
+    planned, kept = [], []
     for path, model in encoders:
         current = get_state(model)
         tuning = read_tuning(_device(model))
-        # the same options, switches and config: nothing to re-read (a config edited since, e.g. a new
-        # local_attention, makes a new state; the packed path otherwise runs stock for the unexpected geometry)
+        # the same options, switches and config: the state is kept (its graphs and validation), and only what the
+        # target's heads and wrappers read is applied below (a config edited since, e.g. a new local_attention,
+        # makes a new state; the packed path otherwise runs stock for the unexpected geometry)
         if (current is not None and current.options == options and same_switches(current.tuning, tuning)
                 and current.params == params_of(model)):
+            kept.append((model, current))
             continue
-        state = make_state(model, options, target, tuning)
-        if options.padded_outputs == "auto":  # pack(head), then pack(head.model) again (unpacked since or not):
-            state.position_zero = token_labels.seen_position_zero(model)  # the head around it still reads position 0
+        state = make_state(model, options, target, tuning)  # with what the heads and wrappers around it read
         problem = check_at_pack(model, state.params)
         if problem is not None:
             raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
@@ -124,10 +129,14 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
                           "(pe.unpack restores it); a wrapper set after pack() calls the packed forward",
                           RuntimeWarning, stacklevel=2)
         install(model, state)
+    for model, state in kept:
+        read_around(model, state, target)
+    packed = [model for _, model in encoders]
     if options.padded_outputs == "auto":
-        token_labels.watch(target)
+        around.remember(target, packed)
     else:
-        token_labels.unwatch(target)
+        around.forget(target, packed)
+    token_labels.sync(_heads(target, packed))
     idle = sorted({str(_device(model)) for model, state in planned
                    if state.options.cuda_graph is not None and not state.options.graph_auto
                    and _device(model).type != "cuda"})
@@ -146,15 +155,28 @@ def _device(model: nn.Module) -> torch.device:
 def unpack(target):
     """Restore the stock forward of every packed ModernBertModel inside ``target``; returns ``target``.
 
-    Afterwards no instance attribute set by ``pack`` remains and ``type(model).forward`` runs again.
+    Afterwards no instance attribute set by ``pack`` remains and ``type(model).forward`` runs again, on the
+    encoders, on the heads inside ``target`` and on the heads around them left holding no packed encoder (their
+    label check comes off; packing the encoder again puts it back). What the heads and wrappers inside ``target``
+    read is forgotten; those around it are still honoured when the encoder is packed again.
 
     Raises:
         UnsupportedTargetError: no ModernBERT encoder inside ``target``.
     """
-    for _, model in find_encoders(target):
+    encoders = [model for _, model in find_encoders(target)]
+    heads = _heads(target, encoders)
+    for model in encoders:
         restore(model)
-    token_labels.unwatch(target)
+    around.forget(target)
+    token_labels.sync(heads)  # the checks of heads left holding no packed encoder come off too
     return target
+
+
+def _heads(target, encoders) -> list:
+    """The token heads inside ``target`` and those recorded around ``encoders``, each once."""
+    heads = {id(h): h for h in token_labels.token_heads(target)}
+    heads.update((id(h), h) for h in around.checked_heads(encoders))
+    return list(heads.values())
 
 
 def is_packed(target) -> bool:

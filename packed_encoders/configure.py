@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .adapters.late_interaction import ALWAYS, ExpansionWatch, query_expansion_length
+from .adapters.around import around
+from .adapters.late_interaction import ALWAYS, ExpansionWatch
 from .adapters.locate import find_encoders
 from .adapters.state import PackOptions, PackState, get_state
 from .attention.dispatch import CHOICES, cannot_serve, load_policy
@@ -32,18 +33,10 @@ def device_of(model: nn.Module) -> torch.device:
     return model.embeddings.tok_embeddings.weight.device
 
 
-def _has_span_head(target: nn.Module) -> bool:
-    return any(type(m).__name__.endswith("ForQuestionAnswering") for m in target.modules())
-
-
-def trailing_max_len(padded_outputs, target) -> int | None:
-    if padded_outputs == "auto":
-        if target is None:
-            return None
-        if _has_span_head(target):
-            return ALWAYS  # HF's span loss takes its softmax over padded positions too
-        return query_expansion_length(target)
-    if padded_outputs == "zeros":
+def trailing_max_len(padded_outputs) -> int | None:
+    """The widest padded call whose trailing masked positions are computed, for an explicit ``padded_outputs``
+    (``"auto"``: ``None`` here, :func:`read_around` decides)."""
+    if padded_outputs in ("auto", "zeros"):
         return None
     if padded_outputs == "all":
         return ALWAYS
@@ -69,12 +62,27 @@ def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuni
     set_fast_launch(tuning.triton_fast_launch)
     policy = load_policy(device, policy_file=tuning.policy_file, cache=tuning.cache_dir)
     state = PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=policy,
-                      trailing_max_len=trailing_max_len(options.padded_outputs, target), tuning=tuning)
-    if options.padded_outputs == "auto" and target is not None and not _has_span_head(target):
-        watch = ExpansionWatch(target)  # query expansion set, changed or cleared after pack() is seen per call
-        if watch:
-            state.runtime["expansion"] = watch
+                      trailing_max_len=trailing_max_len(options.padded_outputs), tuning=tuning)
+    read_around(model, state, target)
     return state
+
+
+def read_around(model: nn.Module, state: PackState, target=None) -> None:
+    """Set what ``state`` computes for the modules around ``model`` that read its padded positions (with
+    ``padded_outputs="auto"``): its record (:mod:`.adapters.around`) with ``target``'s readers. A question-answering
+    head: every trailing padded position (HF's span loss takes its softmax over them too); query expansion: those
+    of query calls, read per call (:class:`ExpansionWatch`); a cls head: ``state.position_zero``."""
+    state.runtime.pop("expansion", None)
+    if state.options.padded_outputs != "auto":
+        state.trailing_max_len = trailing_max_len(state.options.padded_outputs)
+        state.position_zero = None
+        return
+    readers = around(model, target)
+    state.position_zero = readers.position_zero
+    watch = None if readers.span else ExpansionWatch(readers.expansion)
+    state.trailing_max_len = ALWAYS if readers.span else watch.length()
+    if watch:  # query expansion set, changed or cleared after pack() is seen per call
+        state.runtime["expansion"] = watch
 
 
 def encoder_states(target, *, attention_backend=None, kernels=None):

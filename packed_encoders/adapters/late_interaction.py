@@ -17,15 +17,6 @@ from torch import nn
 ALWAYS = 1 << 30
 
 
-def query_expansion_length(target: nn.Module) -> int | None:
-    """Longest padded width (``S``) of a query call, or ``None`` when ``target`` uses no masked expansion.
-
-    Calls at most this wide get trailing masked positions computed; wider calls (documents) keep the
-    zeros convention, which their callers ignore anyway.
-    """
-    return expansion_length(expansion_sources(target))
-
-
 def expansion_sources(target: nn.Module | None) -> list:
     """The objects whose attributes set masked query expansion: a PyLate ``ColBERT`` target
     (``do_query_expansion``), then every module with a ``query_expansion`` attribute (sentence-transformers v6)."""
@@ -36,7 +27,9 @@ def expansion_sources(target: nn.Module | None) -> list:
 
 
 def expansion_length(sources) -> int | None:
-    """:func:`query_expansion_length` read from ``sources`` (:func:`expansion_sources`)."""
+    """Longest padded width (``S``) of a query call, read from ``sources`` (:func:`expansion_sources`), or ``None``
+    when they set no masked expansion. Calls at most this wide get trailing masked positions computed; wider calls
+    (documents) keep the zeros convention, which their callers ignore anyway."""
     found = None
     for src in sources:
         if getattr(src, "do_query_expansion", False) and not getattr(src, "attend_to_expansion_tokens", False):
@@ -66,13 +59,14 @@ def _GONE():  # a source that was gone when its watch was pickled
 
 
 class ExpansionWatch:
-    """The query-expansion settings of a packed target as they are now: a call reads :meth:`length`, which reads
-    the sources' attributes (a few ``getattr``) and recomputes only when they changed since the last call, so
+    """The query-expansion settings of the modules around a packed encoder as they are now (``sources``:
+    :func:`expansion_sources` of the targets it was packed from, :mod:`.around`): a call reads :meth:`length`, which
+    reads the sources' attributes (a few ``getattr``) and recomputes only when they changed since the last call, so
     expansion switched on, off or resized after ``pack()`` is honoured. Sources are held weakly (the target owns
     the encoder)."""
 
-    def __init__(self, target: nn.Module):
-        sources = expansion_sources(target)
+    def __init__(self, sources):
+        sources = list(sources)
         self._refs = tuple(weakref.ref(s) for s in sources)
         self._seen = _settings(sources)
         self._length = expansion_length(sources)

@@ -13,14 +13,18 @@ changes; when the counted ones all sit after their row's last real token, the en
 trailing positions as stock does (the path of ``padded_outputs="all"``); otherwise (padding before real tokens,
 or a row without real tokens, where stock attends over the padding) the encoder call runs the stock forward,
 counted in ``describe()["encoders"][i]["stock_forward_calls"]``. The request is handed to the encoder call the
-head makes next on this thread (:func:`take_request`) and cleared when the head's forward returns. ``unpack()``
-restores the head's forward (its earlier instance forward, or the class forward).
+head makes next on this thread (:func:`take_request`) and cleared when the head's forward returns. The head is
+recorded around its encoder (:mod:`.around`): the check stays while an encoder inside the head is packed with
+``padded_outputs="auto"``, whatever ``pack()``'s target (``pe.pack(head.model)`` after ``pe.pack(head)`` keeps it,
+``pe.pack(head)`` after ``pe.pack(head.model)`` adds it), and :func:`sync` restores the head's forward (its earlier
+instance forward, or the class forward) once none is (``pe.unpack(head.model)``) or the head is forgotten
+(``pe.unpack(head)``).
 
 Sequence-classification and multiple-choice heads with ``config.classifier_pooling == "cls"`` read the encoder's
 output at position 0 of each row (read live at each call: the config is shared with the encoder and may change
 after ``pack()``). Where a row is padded there (left padding, or a row without real tokens), stock's output at
 that padded position is what the head classifies. ``pack(target)`` marks each encoder inside such a head
-(:func:`position_zero_reader`; not a hook: sentence-transformers' ``CrossEncoder`` calls ``head.forward`` directly,
+(recorded around it, :mod:`.around`; read by :func:`position_zero_reader`; not a hook: sentence-transformers' ``CrossEncoder`` calls ``head.forward`` directly,
 which runs no hook), and every padded call of that encoder while ``classifier_pooling == "cls"`` checks position 0
 of every row at the call's one sync and runs the stock forward when any is padded (counted as above); right-padded
 calls stay packed. The multiple-choice head reads each row's first real token (``attention_mask.argmax(-1)``), so
@@ -28,7 +32,7 @@ only a row without real tokens (read at position 0) runs the stock forward there
 
 Question-answering heads take their span loss's softmax over every position of the row, padded ones included, so
 ``pack(target)`` computes trailing padded positions as stock does for every call of an encoder inside one
-(``configure.trailing_max_len``); a call passing ``start_positions`` or ``end_positions`` with padding before a
+(``configure.read_around``); a call passing ``start_positions`` or ``end_positions`` with padding before a
 row's last real token (left padding) runs the stock forward, counted as above, since the packed path has no
 values for those positions.
 """
@@ -37,18 +41,15 @@ from __future__ import annotations
 
 import inspect
 import threading
-import weakref
 
 import torch
 from torch import nn
 
+from .around import CHECK_SUFFIXES, COLUMN_ZERO, FIRST_REAL, SPAN_SUFFIX, is_checked
 from .state import _NO_FORWARD, STATE_ATTR, get_state
 from .stock_calls import positional_names, stock_signature
 
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
-HEAD_SUFFIXES = ("ForTokenClassification", "ForMaskedLM")
-SPAN_SUFFIX = "ForQuestionAnswering"
-POSITION_ZERO_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice")  # with classifier_pooling="cls"
 STOCK_REASON = ("labels at padded positions before a row's last real token (the loss reads the encoder's output "
                 "there, which the packed path leaves at zero)")
 EMPTY_ROW_REASON = ("labels at positions of a row without real tokens (stock's encoder output there attends over "
@@ -57,8 +58,6 @@ SPAN_STOCK_REASON = ("a question-answering loss (start_positions / end_positions
                      "real token: its softmax reads the encoder's output at every position, and the packed path "
                      "computes only trailing padded positions as stock does")
 TRAILING = "trailing"
-COLUMN_ZERO = "column 0"  # a sequence-classification head reads position 0 of each row
-FIRST_REAL = "first real token"  # a multiple-choice head reads each row's first real token (position 0 if none)
 _REQUEST = threading.local()
 
 
@@ -114,7 +113,7 @@ def _arguments(module, args, kwargs, *names):
 
 
 class CheckedForward:
-    """The instance ``forward`` :func:`watch` puts on a token-classification, masked-LM or question-answering head
+    """The instance ``forward`` :func:`sync` puts on a token-classification, masked-LM or question-answering head
     (picklable, deepcopy-safe, as the encoder's ``PackedForward``): it reads the call's labels (span positions) and
     hands the request to the encoder call the head makes, then runs the head's own forward. An instance forward
     rather than a module hook, so ``head.forward(...)`` (which runs no hook) is checked as ``head(...)`` is.
@@ -199,7 +198,7 @@ def _checked_call(checked: CheckedForward, args, kwargs):
 
 # Under torch.compile the check runs outside dynamo's graph (it reads the labels on the host) and the head's forward
 # it calls is compiled on its own (recursive=False), up to the encoder (itself outside the graph, adapters.patch).
-# Made at the first watch() rather than at import: making it imports torch._dynamo, which pack() imports anyway.
+# Made at the first sync() rather than at import: making it imports torch._dynamo, which pack() imports anyway.
 _OUTSIDE_DYNAMO: list = []
 
 
@@ -209,7 +208,7 @@ def _outside_dynamo():
     return _OUTSIDE_DYNAMO[0]
 
 
-def _pre_hook(module, args, kwargs):  # the hooks of packed heads pickled by earlier versions (unwatch drops them)
+def _pre_hook(module, args, kwargs):  # the hooks of packed heads pickled by earlier versions (sync drops them)
     _REQUEST.what = request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"))
 
 
@@ -234,84 +233,45 @@ def take_request() -> str | None:
 def token_heads(target: nn.Module) -> list[nn.Module]:
     """The token-classification, masked-LM and question-answering heads inside ``target`` (by class name, as HF
     names them)."""
-    return [m for m in target.modules() if type(m).__name__.endswith((*HEAD_SUFFIXES, SPAN_SUFFIX))]
+    return [m for m in target.modules() if type(m).__name__.endswith(CHECK_SUFFIXES)]
 
 
 def _ours(hooks: dict) -> list:
     return [key for key, fn in hooks.items() if fn in (_pre_hook, _span_pre_hook, _post_hook)]
 
 
-# What the cls heads around an encoder read, from pack(target holding the head) to unpack(that target) or a pack with
-# other padded_outputs: packing the encoder alone afterwards (pe.pack(head.model), after unpacking it or with other
-# options) finds it here, as its head still reads position 0.
-_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _mark_position_zero(target: nn.Module, on: bool) -> None:
-    """Mark (or unmark) each packed encoder inside a sequence-classification / multiple-choice head of ``target``
-    with what the head reads (:data:`COLUMN_ZERO`, :data:`FIRST_REAL`). An encoder shared by both kinds of head is
-    marked :data:`COLUMN_ZERO`, whichever comes first: its check covers the other's (a row without real tokens is
-    padded at position 0)."""
-    for head in target.modules():
-        name = type(head).__name__
-        if not name.endswith(POSITION_ZERO_SUFFIXES):
-            continue
-        reads = FIRST_REAL if name.endswith("ForMultipleChoice") else COLUMN_ZERO
-        for module in head.modules():
-            state = get_state(module)
-            if not on:
-                _SEEN.pop(module, None)
-                if state is not None:
-                    state.position_zero = None
-            elif state is not None:
-                if _SEEN.get(module) != COLUMN_ZERO:
-                    _SEEN[module] = reads
-                state.position_zero = _SEEN[module]
-
-
-def seen_position_zero(model: nn.Module) -> str | None:
-    """What a cls head around ``model`` reads, as marked by the last ``pack()`` of a target holding that head (and
-    not undone since), or ``None``."""
-    return _SEEN.get(model)
-
-
 def position_zero_reader(model: nn.Module, state) -> str | None:
     """What the head holding ``model`` reads of each row in this call (:data:`COLUMN_ZERO`, :data:`FIRST_REAL`), or
-    ``None``: no such head was seen at ``pack()``, or its ``classifier_pooling`` (the encoder's config, read live) is
-    not ``"cls"``."""
+    ``None``: no such head was around it at ``pack()`` (:mod:`.around`), or its ``classifier_pooling`` (the
+    encoder's config, read live) is not ``"cls"``."""
     reads = getattr(state, "position_zero", None)
     if reads is None or getattr(model.config, "classifier_pooling", None) != "cls":
         return None
     return reads
 
 
-def watch(target: nn.Module) -> None:
-    """Put a :class:`CheckedForward` (and a :class:`CheckedReplicator`) on every token head inside ``target`` that
-    holds a packed encoder (once; :func:`unwatch` restores the head's forward) and mark the encoders of heads that
-    read position 0 (:func:`position_zero_reader`)."""
-    _mark_position_zero(target, True)
+def sync(heads) -> None:
+    """Put a :class:`CheckedForward` (and a :class:`CheckedReplicator`) on each of ``heads`` that is recorded as
+    checking its labels (:func:`.around.is_checked`) and holds an encoder packed with ``padded_outputs="auto"``
+    (once; its ``encoders`` brought up to date), and take them off the others, restoring the head's forward (its
+    earlier instance forward, or none: the class forward). A forward set over the checked one after ``pack()`` (a
+    wrapper such as accelerate's) is kept; the checked forward it calls stops checking once its encoders are
+    unpacked."""
     _outside_dynamo()
-    for head in token_heads(target):
+    for head in heads:
         _drop_hooks(head)
         encoders = tuple(m for m in head.modules() if get_state(m) is not None)
         current = head.__dict__.get("forward", _NO_FORWARD)
-        if isinstance(current, CheckedForward) and current.module is head:  # packed again
-            current.encoders = encoders
-        elif encoders:
-            span = type(head).__name__.endswith(SPAN_SUFFIX)
-            head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
-            head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
-
-
-def unwatch(target: nn.Module) -> None:
-    """Undo :func:`watch`: restore each head's forward (its earlier instance forward, or none: the class forward)
-    and unmark the encoders. A forward set over the checked one after ``pack()`` (a wrapper such as accelerate's)
-    is kept; the checked forward it calls stops checking once its encoders are unpacked."""
-    _mark_position_zero(target, False)
-    for head in token_heads(target):
-        _drop_hooks(head)
-        current = head.__dict__.get("forward")
-        if isinstance(current, CheckedForward) and current.module is head:
+        ours = isinstance(current, CheckedForward) and current.module is head
+        if is_checked(head) and any(get_state(m).options.padded_outputs == "auto" for m in encoders):
+            if ours:  # packed again
+                current.encoders = encoders
+            else:
+                span = type(head).__name__.endswith(SPAN_SUFFIX)
+                head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
+                head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
+            continue
+        if ours:
             del head.__dict__["forward"]
             if not isinstance(current.previous, str):
                 head.__dict__["forward"] = current.previous

@@ -1,0 +1,122 @@
+"""What the heads and wrappers around an encoder read of its output at padded positions, recorded per encoder.
+
+Some of what the packed forward does depends on the module around the encoder rather than on the encoder: a
+question-answering head's loss reads every padded position (trailing ones are computed), a token-classification,
+masked-LM or question-answering head gets its labels checked per call (:mod:`.token_labels`), a
+``classifier_pooling="cls"`` head reads position 0 of each row, and a ColBERT wrapper's masked query expansion
+scores trailing masked positions (:mod:`.late_interaction`).
+
+``pack(target)`` with ``padded_outputs="auto"`` records, for each encoder inside ``target``, the modules of
+``target`` that read it so (:func:`remember`); every packed state is built from the encoder's record and the
+target's readers (:func:`around`), whatever ``pack()``'s target: ``pe.pack(head.model, ...)`` after
+``pe.pack(head)``, with other options or after ``pe.unpack(head.model)``, keeps what the head reads, and
+``pe.pack(head)`` after ``pe.pack(head.model)`` adds it. ``unpack(target)``, or ``pack(target)`` with other
+``padded_outputs``, drops the readers inside ``target`` from every record (:func:`forget`). The record holds
+encoders and readers weakly: it keeps nothing alive, and it is not copied with a model (a copy keeps the state its
+encoder was packed with).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+from torch import nn
+
+from .late_interaction import expansion_sources
+
+CHECK_SUFFIXES = ("ForTokenClassification", "ForMaskedLM", "ForQuestionAnswering")  # labels read per call
+SPAN_SUFFIX = "ForQuestionAnswering"
+POSITION_ZERO_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice")  # with classifier_pooling="cls"
+
+SPAN = "span"  # a question-answering head's loss reads every padded position: trailing ones computed
+CHECK = "labels"  # a head whose forward checks its call's labels (token_labels.CheckedForward)
+COLUMN_ZERO = "column 0"  # a sequence-classification head reads position 0 of each row
+FIRST_REAL = "first real token"  # a multiple-choice head reads each row's first real token (position 0 if none)
+EXPANSION = "query expansion"  # a module holding ColBERT query-expansion settings
+
+# encoder -> {reader module -> frozenset of kinds}, both weak
+_RECORD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Readers(NamedTuple):
+    span: bool  # a question-answering head: every trailing padded position is computed
+    position_zero: str | None  # COLUMN_ZERO, FIRST_REAL or None
+    expansion: list  # the modules holding query-expansion settings (late_interaction.expansion_sources)
+    checks: list  # the heads whose calls' labels are checked
+
+
+def readers_in(target: nn.Module, encoder: nn.Module) -> dict:
+    """``{module: kinds}``: the modules of ``target`` that read ``encoder``'s output at padded positions. A
+    question-answering head or a query-expansion setting anywhere in ``target`` counts for every encoder inside it
+    (the target's loss or scores read them); label checks and position-0 reads, for the encoders inside the head."""
+    found: dict = {}
+
+    def add(module, kind):
+        found[module] = found.get(module, frozenset()) | {kind}
+
+    for source in expansion_sources(target):
+        add(source, EXPANSION)
+    for module in target.modules():
+        name = type(module).__name__
+        if name.endswith(SPAN_SUFFIX):
+            add(module, SPAN)
+        holds = name.endswith((*CHECK_SUFFIXES, *POSITION_ZERO_SUFFIXES)) and any(
+            m is encoder for m in module.modules())
+        if holds and name.endswith(CHECK_SUFFIXES):
+            add(module, CHECK)
+        elif holds:
+            add(module, FIRST_REAL if name.endswith("ForMultipleChoice") else COLUMN_ZERO)
+    return found
+
+
+def remember(target: nn.Module, encoders) -> None:
+    """Record ``target``'s readers of each of ``encoders`` (packed from ``target``), replacing what their records
+    held of ``target``'s modules."""
+    forget(target, encoders)
+    for encoder in encoders:
+        found = readers_in(target, encoder)
+        if found:
+            _RECORD.setdefault(encoder, weakref.WeakKeyDictionary()).update(found)
+
+
+def forget(target: nn.Module, encoders=None) -> None:
+    """Drop the readers inside ``target`` (``target`` included) from the records of ``encoders`` (default: every
+    encoder's)."""
+    inside = set(target.modules())
+    records = list(_RECORD.values()) if encoders is None else [_RECORD[e] for e in encoders if e in _RECORD]
+    for record in records:
+        for module in [m for m in record.keys() if m in inside]:
+            del record[module]
+
+
+def around(encoder: nn.Module, target: nn.Module | None = None) -> Readers:
+    """What reads ``encoder``'s output: its record, with ``target``'s readers (as :func:`remember` would record
+    them) in place of what was recorded of ``target``'s modules."""
+    found = dict(_RECORD.get(encoder, {}).items())
+    if target is not None:
+        inside = set(target.modules())
+        found = {m: kinds for m, kinds in found.items() if m not in inside}
+        found.update(readers_in(target, encoder))
+    kinds = set().union(*found.values()) if found else set()
+    # an encoder read by both cls heads is checked as the sequence-classification head's: a row without real tokens
+    # is padded at position 0 too
+    zero = COLUMN_ZERO if COLUMN_ZERO in kinds else FIRST_REAL if FIRST_REAL in kinds else None
+    return Readers(span=SPAN in kinds, position_zero=zero,
+                   expansion=[m for m, k in found.items() if EXPANSION in k],
+                   checks=[m for m, k in found.items() if CHECK in k])
+
+
+def checked_heads(encoders) -> list:
+    """The heads recorded as checking the labels of any of ``encoders``, each once."""
+    heads: dict = {}
+    for encoder in encoders:
+        for module, kinds in _RECORD.get(encoder, {}).items():
+            if CHECK in kinds:
+                heads[id(module)] = module
+    return list(heads.values())
+
+
+def is_checked(head: nn.Module) -> bool:
+    """``head`` is recorded as checking the labels of some encoder."""
+    return any(CHECK in record.get(head, ()) for record in list(_RECORD.values()))

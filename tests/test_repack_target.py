@@ -1,0 +1,188 @@
+"""What a target contributes (a question-answering head's trailing positions, query expansion, label checks, cls
+marks) is applied whenever ``pack()`` is called with that target, even when the encoder's own state is kept, and
+is kept for the encoder when it is packed again alone, until ``unpack()`` of a target holding the head or wrapper
+(``adapters/around.py``). Compared against stock HF in fp32."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import transformers
+
+import packed_encoders as pe
+from packed_encoders.adapters.state import get_state
+from tests.helpers import make_model, padded_batch
+
+SPANS = dict(start_positions=torch.tensor([0, 3, 5]), end_positions=torch.tensor([2, 5, 6]))
+
+
+def _qa(seed: int = 0):
+    return make_model("tiny", cls=transformers.ModernBertForQuestionAnswering, seed=seed, num_labels=2)
+
+
+def _qa_loss(model, side: str = "right"):
+    ids, mask = padded_batch([3, 12, 7], side=side)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, **SPANS).loss
+
+
+def _padded_outputs(model) -> str:
+    return pe.describe(model)["encoders"][0]["padded_outputs"]
+
+
+def _stock_calls(model) -> int:
+    return sum((pe.describe(model)["encoders"][0].get("stock_forward_calls") or {}).values())
+
+
+def _instance_state(model) -> dict:
+    return {name: (dict(m.__dict__), dict(m._forward_pre_hooks), dict(m._forward_hooks))
+            for name, m in model.named_modules()}
+
+
+class ColBERTLike(torch.nn.Module):
+    """A late-interaction wrapper with PyLate's attribute names: queries padded to ``query_length`` with masked
+    positions it scores."""
+
+    def __init__(self, encoder, query_length: int = 16):
+        super().__init__()
+        self.enc = encoder
+        self.do_query_expansion, self.attend_to_expansion_tokens, self.query_length = True, False, query_length
+
+    def forward(self, ids, mask):
+        return self.enc(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def _expansion_error(wrapper, stock) -> float:
+    ids, mask = padded_batch([3, 12, 7], pad_to=16)
+    with torch.no_grad():
+        return (wrapper(ids, mask) - stock(ids, mask))[mask == 0].abs().max().item()
+
+
+def test_packing_a_head_over_its_packed_encoder_computes_its_trailing_positions():
+    """``pe.pack(qa.model); pe.pack(qa)``: the encoder's state is kept (same options) and the head's needs are
+    applied to it; ``describe()`` says so."""
+    qa = _qa()
+    stock = copy.deepcopy(qa)
+    pe.pack(qa.model)
+    state = get_state(qa.model)
+    assert _padded_outputs(qa) == "zeros"
+    pe.pack(qa)
+    assert get_state(qa.model) is state  # kept: nothing of the encoder changed
+    assert _padded_outputs(qa) == "trailing masked positions computed"
+    torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
+
+
+def test_a_second_head_on_a_shared_packed_encoder_is_applied():
+    """A token head and a question-answering head on one encoder: ``pe.pack(tok); pe.pack(qa)``."""
+    tok = make_model("tiny", cls=transformers.ModernBertForTokenClassification, num_labels=5)
+    qa = _qa(seed=1)
+    qa.model = tok.model
+    stock = copy.deepcopy(qa)
+    pe.pack(tok)
+    pe.pack(qa)
+    torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_qa_loss(qa, "left"), _qa_loss(stock, "left"), atol=1e-5, rtol=1e-5)
+    assert _stock_calls(qa) == 1  # the left-padded loss call: qa's label check is on
+
+
+def test_query_expansion_of_a_wrapper_packed_over_its_packed_encoder_is_watched():
+    wrapper = ColBERTLike(make_model("tiny"))
+    stock = copy.deepcopy(wrapper)
+    pe.pack(wrapper.enc)
+    assert _expansion_error(wrapper, stock) > 0.1  # the encoder alone: zeros at the expansion positions
+    pe.pack(wrapper)
+    assert _expansion_error(wrapper, stock) < 1e-5
+    assert _padded_outputs(wrapper) == "trailing masked positions computed for calls <= 16 wide"
+    wrapper.do_query_expansion = stock.do_query_expansion = False  # still followed per call
+    assert _padded_outputs(wrapper) == "zeros"
+
+
+@pytest.mark.parametrize("options", [dict(cuda_graph=False), dict(validate=False), dict(attention_backend="sdpa")])
+def test_packing_the_encoder_again_alone_keeps_its_heads_needs(options):
+    """``pe.pack(qa); pe.pack(qa.model, <another option>)``: the head around the encoder still reads its trailing
+    positions and still checks its span loss (left padding runs the stock forward)."""
+    qa = _qa()
+    stock = copy.deepcopy(qa)
+    pe.pack(qa)
+    pe.pack(qa.model, **options)
+    assert get_state(qa.model).options.validate == options.get("validate", True)  # the new options hold
+    assert _padded_outputs(qa) == "trailing masked positions computed"
+    torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_qa_loss(qa, "left"), _qa_loss(stock, "left"), atol=1e-5, rtol=1e-5)
+    assert _stock_calls(qa) == 1
+
+
+def test_packing_a_wrapped_encoder_again_alone_keeps_the_wrappers_expansion():
+    wrapper = ColBERTLike(make_model("tiny"))
+    stock = copy.deepcopy(wrapper)
+    pe.pack(wrapper)
+    pe.pack(wrapper.enc, cuda_graph=False)
+    assert _expansion_error(wrapper, stock) < 1e-5
+    pe.unpack(wrapper.enc)
+    pe.pack(wrapper.enc)
+    assert _expansion_error(wrapper, stock) < 1e-5
+    pe.unpack(wrapper)  # forgets the wrapper's expansion: the encoder packed alone computes zeros there
+    pe.pack(wrapper.enc)
+    assert _padded_outputs(wrapper) == "zeros"
+    assert _expansion_error(wrapper, stock) > 0.1
+
+
+def test_unpacking_the_head_forgets_what_it_reads():
+    """Kept from ``pe.pack(qa)`` until ``pe.unpack(qa)`` (or a pack of it with other ``padded_outputs``)."""
+    qa = _qa()
+    stock = copy.deepcopy(qa)
+    pe.pack(qa)
+    pe.unpack(qa.model)
+    pe.pack(qa.model)
+    torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
+    pe.unpack(qa)
+    pe.pack(qa.model)
+    assert _padded_outputs(qa) == "zeros"
+    assert not torch.allclose(_qa_loss(qa), _qa_loss(stock), atol=1e-3)  # the encoder alone: zeros read
+    pe.unpack(qa)
+    pe.pack(qa)
+    pe.pack(qa, padded_outputs="zeros")
+    pe.pack(qa.model)
+    assert _padded_outputs(qa) == "zeros"
+
+
+def test_unpacking_the_encoder_takes_the_label_check_off_its_head():
+    """``pe.unpack(head.model)`` leaves the head holding no packed encoder: its check comes off (the head pickles
+    without packed_encoders' classes); packing the encoder again puts it back, as the head still reads its labels."""
+    head = make_model("tiny", cls=transformers.ModernBertForTokenClassification, num_labels=4)
+    stock = copy.deepcopy(head)
+    before = _instance_state(head)
+    pe.pack(head)
+    assert type(head.__dict__["forward"]).__name__ == "CheckedForward"
+    pe.unpack(head.model)
+    assert _instance_state(head) == before
+    buffer = io.BytesIO()
+    torch.save(head, buffer)
+    assert b"CheckedForward" not in buffer.getvalue() and b"packed_encoders" not in buffer.getvalue()
+    pe.pack(head.model)
+    assert type(head.__dict__["forward"]).__name__ == "CheckedForward"
+    ids, mask = padded_batch([5, 12, 9], side="left")
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids % 4)  # labels counted at padded positions
+    with torch.no_grad():
+        torch.testing.assert_close(head(**kw).loss, stock(**kw).loss, atol=1e-5, rtol=1e-5)
+    assert _stock_calls(head) == 1
+    pe.pack(head.model, padded_outputs="zeros")  # no check asked for: the head's own forward again
+    assert "forward" not in head.__dict__
+    pe.pack(head.model)
+    assert "forward" in head.__dict__
+    pe.unpack(head)
+    assert _instance_state(head) == before
+
+
+def test_unpack_restores_every_module_after_packing_encoder_then_head():
+    qa = _qa()
+    before = _instance_state(qa)
+    pe.pack(qa.model)
+    pe.pack(qa)
+    pe.pack(qa.model, attention_backend="sdpa")
+    pe.unpack(qa)
+    assert _instance_state(qa) == before
+
