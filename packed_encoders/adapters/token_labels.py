@@ -24,11 +24,12 @@ Sequence-classification and multiple-choice heads with ``config.classifier_pooli
 output at position 0 of each row (read live at each call: the config is shared with the encoder and may change
 after ``pack()``). Where a row is padded there (left padding, or a row without real tokens), stock's output at
 that padded position is what the head classifies. ``pack(target)`` marks each encoder inside such a head
-(recorded around it, :mod:`.around`; read by :func:`position_zero_reader`; not a hook: sentence-transformers' ``CrossEncoder`` calls ``head.forward`` directly,
-which runs no hook), and every padded call of that encoder while ``classifier_pooling == "cls"`` checks position 0
-of every row at the call's one sync and runs the stock forward when any is padded (counted as above); right-padded
-calls stay packed. The multiple-choice head reads each row's first real token (``attention_mask.argmax(-1)``), so
-only a row without real tokens (read at position 0) runs the stock forward there.
+(recorded around it, :mod:`.around`; read by :func:`position_zero_reader`; not a hook: sentence-transformers'
+``CrossEncoder`` calls ``head.forward`` directly, which runs no hook), and every padded call of that encoder while
+``classifier_pooling == "cls"`` checks position 0 of every row at the call's one sync and runs the stock forward
+when any is padded (counted as above); right-padded calls stay packed. The multiple-choice head reads each row's
+first real token (``attention_mask.argmax(-1)``), so only a row without real tokens (read at position 0) runs the
+stock forward there.
 
 Question-answering heads take their span loss's softmax over every position of the row, padded ones included, so
 ``pack(target)`` computes trailing padded positions as stock does for every call of an encoder inside one
