@@ -35,9 +35,10 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     ColBERT, or any ``nn.Module`` holding them. Weights are not copied. The environment switches
     (``PACKED_ENCODERS_*``) are read here, once, into the encoder's frozen tuning (``describe()["encoders"][i]
     ["tuning"]``). Calling ``pack`` again with the same options and switches keeps the encoder's state (its graphs
-    and validation); with other options (or changed switches) it reconfigures to exactly those (unset ones take
-    their defaults: ``pack(model)`` after ``pack(model, cuda_graph=GraphConfig(...))`` returns to the automatic
-    graphs; use :func:`~packed_encoders.set_cuda_graph` to change graphs alone). Either way, with
+    and validation; ``validation_lengths`` validate it again); with other options (or changed switches) it
+    reconfigures to exactly those (unset ones take their defaults: ``pack(model)`` after ``pack(model,
+    cuda_graph=GraphConfig(...))`` returns to the automatic graphs; use :func:`~packed_encoders.set_cuda_graph` to
+    change graphs alone). Either way, with
     ``padded_outputs="auto"``, what the heads and wrappers inside ``target`` read at padded positions (see
     ``padded_outputs``) is applied to each encoder inside them and kept for it: ``pe.pack(head.model, ...)``
     later (with other options, or after ``pe.unpack(head.model)``) still honours the head, until
@@ -61,7 +62,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             masked-LM head called with ``labels`` that count at padded positions (not -100) gets stock's values
             there: trailing ones computed, other padding by the stock forward for that call
             (:mod:`packed_encoders.adapters.token_labels`).
-        validation_lengths: override the validation batch's lengths.
+        validation_lengths: override the validation batch's lengths (given for an already packed encoder, with
+            ``validate=True``: it is validated again, on a new state; with ``validate=False`` they are unused,
+            warned).
         cuda_graph: ``None`` (default, automatic): ``GraphConfig()`` bounds (sequences up to 2,048 tokens, calls
             up to 32k tokens), graphs captured lazily on first use of a bucket and kept within a memory budget
             (LRU; ``PACKED_ENCODERS_GRAPH_MEMORY``, default 0.1 of the free GPU memory at pack), silently eager
@@ -87,6 +90,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     options = PackOptions(attention_backend=attention_backend, kernels=kernels, validate=validate,
                           padded_outputs=padded_outputs, cuda_graph=normalize_graph_option(cuda_graph),
                           graph_auto=cuda_graph is None)
+    if validation_lengths is not None and not validate:
+        warnings.warn("pack(validation_lengths=...) has no effect with validate=False (nothing is validated)",
+                      RuntimeWarning, stacklevel=2)
     encoders = find_encoders(target)
     planned, kept = [], []
     for path, model in encoders:
@@ -94,9 +100,10 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         tuning = read_tuning(_device(model))
         # the same options, switches and config: the state is kept (its graphs and validation), and only what the
         # target's heads and wrappers read is applied below (a config edited since, e.g. a new local_attention,
-        # makes a new state; the packed path otherwise runs stock for the unexpected geometry)
+        # makes a new state; the packed path otherwise runs stock for the unexpected geometry); lengths to
+        # validate on: validated again, with a new state
         if (current is not None and current.options == options and same_switches(current.tuning, tuning)
-                and current.params == params_of(model)):
+                and current.params == params_of(model) and not (validate and validation_lengths is not None)):
             kept.append((model, current))
             continue
         state = make_state(model, options, target, tuning)  # with what the heads and wrappers around it read

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -186,3 +187,16 @@ def test_unpack_restores_every_module_after_packing_encoder_then_head():
     pe.unpack(qa)
     assert _instance_state(qa) == before
 
+def test_validation_lengths_on_a_packed_model_validate_again():
+    model = make_model("tiny")
+    pe.pack(model)
+    pe.pack(model, validation_lengths=[3, 10])
+    assert get_state(model).report.lengths == (3, 10)
+    with pytest.raises(pe.PackedEncodersError, match="list of positive ints"):
+        pe.pack(model, validation_lengths=[])
+    assert get_state(model).report.lengths == (3, 10)  # refused: the model is as it was
+    with pytest.warns(RuntimeWarning, match="validation_lengths"):
+        pe.pack(model, validate=False, validation_lengths=[3, 10])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pe.pack(model, validate=False)
