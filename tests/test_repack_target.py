@@ -200,3 +200,38 @@ def test_validation_lengths_on_a_packed_model_validate_again():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pe.pack(model, validate=False)
+
+
+def test_a_cls_head_packed_over_its_packed_encoder_marks_it():
+    """``pe.pack(head.model); pe.pack(head)``: the kept state reads position 0 for the head (left padding there runs
+    the stock forward)."""
+    head = make_model("tiny", cls=transformers.ModernBertForSequenceClassification, classifier_pooling="cls")
+    stock = copy.deepcopy(head)
+    pe.pack(head.model)
+    state = get_state(head.model)
+    pe.pack(head)
+    assert get_state(head.model) is state and state.position_zero is not None
+    ids, mask = padded_batch([5, 12, 9], side="left")
+    with torch.no_grad():
+        torch.testing.assert_close(head(input_ids=ids, attention_mask=mask).logits,
+                                   stock(input_ids=ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-5)
+    assert _stock_calls(head) == 1
+
+
+def test_unpacking_one_head_of_a_shared_encoder_keeps_the_others_needs():
+    """``pe.pack(tok); pe.pack(qa)`` on one encoder, then ``pe.unpack(tok)``: the encoder is unpacked, neither head
+    keeps an attribute of ours; packing it alone again honours ``qa`` (still recorded), not ``tok`` (forgotten)."""
+    tok = make_model("tiny", cls=transformers.ModernBertForTokenClassification, num_labels=5)
+    qa = _qa(seed=1)
+    qa.model = tok.model
+    stock = copy.deepcopy(qa)
+    before_tok, before_qa = _instance_state(tok), _instance_state(qa)
+    pe.pack(tok)
+    pe.pack(qa)
+    pe.unpack(tok)
+    assert _instance_state(tok) == before_tok and _instance_state(qa) == before_qa
+    pe.pack(qa.model)
+    assert "forward" not in tok.__dict__ and type(qa.__dict__["forward"]).__name__ == "CheckedForward"
+    torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
+    pe.unpack(qa)
+    assert _instance_state(tok) == before_tok and _instance_state(qa) == before_qa
