@@ -86,7 +86,7 @@ def forget(target: nn.Module, encoders=None) -> None:
     inside = set(target.modules())
     records = list(_RECORD.values()) if encoders is None else [_RECORD[e] for e in encoders if e in _RECORD]
     for record in records:
-        for module in [m for m in record.keys() if m in inside]:
+        for module in [m for m in record if m in inside]:
             del record[module]
 
 

@@ -29,9 +29,10 @@ from torch import nn
 from ..batch import from_packed, is_int_like
 from ..call import empty_output, packed_route, padded_route, raise_earlier_errors, serve_batch, serve_padded
 from ..errors import PackedEncodersError, StockOnlyInput
+from .around import COLUMN_ZERO, FIRST_REAL
 from .stock_calls import mask_holes_reason, positional_names, stock_call_reason
 from .structure import structure_check
-from .token_labels import COLUMN_ZERO, FIRST_REAL, TRAILING, position_zero_reader, take_request
+from .token_labels import TRAILING, position_zero_reader, take_request
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no

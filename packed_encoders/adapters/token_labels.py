@@ -46,7 +46,7 @@ import threading
 import torch
 from torch import nn
 
-from .around import CHECK_SUFFIXES, COLUMN_ZERO, FIRST_REAL, SPAN_SUFFIX, is_checked
+from .around import CHECK_SUFFIXES, SPAN_SUFFIX, is_checked
 from .state import _NO_FORWARD, STATE_ATTR, get_state
 from .stock_calls import positional_names, stock_signature
 
