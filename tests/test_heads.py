@@ -344,3 +344,37 @@ def test_question_answering_with_eager_attention_gets_stocks_loss():
         assert after == before + to_stock, lengths
         torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.start_logits, want.start_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_subclassed_head_is_checked_as_its_hf_head():
+    """A user's subclass of an HF head (another class name) reads padded positions as its base class does: labels at
+    padding get stock's loss, a QA subclass's trailing positions are computed, a cls subclass's left padding runs
+    stock."""
+    import copy
+
+    class MyTagger(transformers.ModernBertForTokenClassification):
+        pass
+
+    class MyReader(transformers.ModernBertForQuestionAnswering):
+        pass
+
+    class MyClassifier(transformers.ModernBertForSequenceClassification):
+        pass
+
+    ids, mask = padded_batch([5, 12, 9], side="right")
+    left_ids, left_mask = padded_batch([5, 12, 9], side="left")
+    g = torch.Generator().manual_seed(3)
+    cases = [(MyTagger, dict(input_ids=ids, attention_mask=mask, labels=torch.randint(0, 4, ids.shape, generator=g))),
+             (MyReader, dict(input_ids=ids, attention_mask=mask, start_positions=torch.tensor([1, 2, 3]),
+                             end_positions=torch.tensor([2, 5, 3]))),
+             (MyClassifier, dict(input_ids=left_ids, attention_mask=left_mask))]
+    for cls, inputs in cases:
+        stock = make_model("base_like", cls=cls, num_labels=2 if cls is MyReader else 4, classifier_pooling="cls")
+        stock.loss_type = cls.__mro__[1].__name__.removeprefix("ModernBert")  # (HF picks a loss by class name)
+        packed = pe.pack(copy.deepcopy(stock))
+        with torch.no_grad():
+            got, want = packed(**inputs), stock(**inputs)
+        for key in ("loss", "logits", "start_logits"):
+            if getattr(want, key, None) is not None:
+                torch.testing.assert_close(getattr(got, key), getattr(want, key), atol=1e-5, rtol=1e-5,
+                                           msg=f"{cls.__name__}.{key}")

@@ -29,6 +29,17 @@ CHECK_SUFFIXES = ("ForTokenClassification", "ForMaskedLM", "ForQuestionAnswering
 SPAN_SUFFIX = "ForQuestionAnswering"
 POSITION_ZERO_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice")  # with classifier_pooling="cls"
 
+def head_suffix(module: nn.Module) -> str | None:
+    """Which of the heads above ``module`` is (``"ForQuestionAnswering"``, ... as HF names them), or ``None``: the
+    suffix of the first class in its MRO that has one, so a subclass of an HF head (``class MyTagger(
+    ModernBertForTokenClassification)``) counts as that head."""
+    for cls in type(module).__mro__:
+        for suffix in (*CHECK_SUFFIXES, *POSITION_ZERO_SUFFIXES):
+            if cls.__name__.endswith(suffix):
+                return suffix
+    return None
+
+
 SPAN = "span"  # a question-answering head's loss reads every padded position: trailing ones computed
 CHECK = "labels"  # a head whose forward checks its call's labels (token_labels.CheckedForward)
 COLUMN_ZERO = "column 0"  # a sequence-classification head reads position 0 of each row
@@ -58,15 +69,17 @@ def readers_in(target: nn.Module, encoder: nn.Module) -> dict:
     for source in expansion_sources(target):
         add(source, EXPANSION)
     for module in target.modules():
-        name = type(module).__name__
-        if name.endswith(SPAN_SUFFIX):
+        suffix = head_suffix(module)
+        if suffix is None:
+            continue
+        if suffix == SPAN_SUFFIX:
             add(module, SPAN)
-        holds = name.endswith((*CHECK_SUFFIXES, *POSITION_ZERO_SUFFIXES)) and any(
-            m is encoder for m in module.modules())
-        if holds and name.endswith(CHECK_SUFFIXES):
+        if not any(m is encoder for m in module.modules()):
+            continue
+        if suffix in CHECK_SUFFIXES:
             add(module, CHECK)
-        elif holds:
-            add(module, FIRST_REAL if name.endswith("ForMultipleChoice") else COLUMN_ZERO)
+        else:
+            add(module, FIRST_REAL if suffix == "ForMultipleChoice" else COLUMN_ZERO)
     return found
 
 

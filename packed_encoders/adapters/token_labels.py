@@ -46,7 +46,7 @@ import threading
 import torch
 from torch import nn
 
-from .around import CHECK_SUFFIXES, SPAN_SUFFIX, is_checked
+from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked
 from .state import _NO_FORWARD, STATE_ATTR, get_state
 from .stock_calls import positional_names, stock_signature
 
@@ -233,8 +233,8 @@ def take_request() -> str | None:
 
 def token_heads(target: nn.Module) -> list[nn.Module]:
     """The token-classification, masked-LM and question-answering heads inside ``target`` (by class name, as HF
-    names them)."""
-    return [m for m in target.modules() if type(m).__name__.endswith(CHECK_SUFFIXES)]
+    names them, or a subclass's: :func:`.around.head_suffix`)."""
+    return [m for m in target.modules() if head_suffix(m) in CHECK_SUFFIXES]
 
 
 def _ours(hooks: dict) -> list:
@@ -268,7 +268,7 @@ def sync(heads) -> None:
             if ours:  # packed again
                 current.encoders = encoders
             else:
-                span = type(head).__name__.endswith(SPAN_SUFFIX)
+                span = head_suffix(head) == SPAN_SUFFIX
                 head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
                 head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
             continue
