@@ -134,7 +134,8 @@ class CheckedForward:
             state = encoder.__dict__.get(STATE_ATTR)
             if state is not None and state.options.padded_outputs == "auto":
                 if torch.compiler.is_dynamo_compiling():  # the check reads the labels on the host
-                    return _outside_dynamo()(self, args, kwargs)
+                    call, request = _outside_dynamo()
+                    return call(self, args, kwargs, request)
                 return _checked_call(self, args, kwargs)
         return self.run(args, kwargs)
 
@@ -181,31 +182,36 @@ class CheckedReplicator:
         return replica
 
 
-def _checked_call(checked: CheckedForward, args, kwargs):
-    if torch.compiler.is_exporting():  # the encoder traces the stock forward (stock_calls.EXPORT): nothing to ask
-        return checked.run(args, kwargs)
+def _request(checked: CheckedForward, args, kwargs) -> str | None:
+    """The request of this call of ``checked``'s head (:func:`span_request_for` / :func:`request_for`)."""
     module = checked.module
     if checked.span:
-        what = span_request_for(*_arguments(module, args, kwargs, "start_positions", "end_positions",
+        return span_request_for(*_arguments(module, args, kwargs, "start_positions", "end_positions",
                                             "attention_mask"))
-    else:
-        what = request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"))
-    _REQUEST.what = what
+    return request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"))
+
+
+def _checked_call(checked: CheckedForward, args, kwargs, request=_request):
+    if torch.compiler.is_exporting():  # the encoder traces the stock forward (stock_calls.EXPORT): nothing to ask
+        return checked.run(args, kwargs)
+    _REQUEST.what = request(checked, args, kwargs)
     try:
         return checked.run(args, kwargs)
     finally:
         _REQUEST.what = None
 
 
-# Under torch.compile the check runs outside dynamo's graph (it reads the labels on the host) and the head's forward
-# it calls is compiled on its own (recursive=False), up to the encoder (itself outside the graph, adapters.patch).
-# Made at the first sync() rather than at import: making it imports torch._dynamo, which pack() imports anyway.
+# Under torch.compile the check runs outside dynamo's graph: the call (recursive=False: the head's forward it runs is
+# compiled on its own, up to the encoder, itself outside the graph, adapters.patch) and the labels' host read
+# (recursive, so dynamo does not trace it into a graph break). Made at the first sync() rather than at import: making
+# them imports torch._dynamo, which pack() imports anyway.
 _OUTSIDE_DYNAMO: list = []
 
 
-def _outside_dynamo():
+def _outside_dynamo() -> tuple:
     if not _OUTSIDE_DYNAMO:
-        _OUTSIDE_DYNAMO.append(torch.compiler.disable(_checked_call, recursive=False))
+        _OUTSIDE_DYNAMO.append((torch.compiler.disable(_checked_call, recursive=False),
+                                torch.compiler.disable(_request)))
     return _OUTSIDE_DYNAMO[0]
 
 
