@@ -29,6 +29,7 @@ CHECK_SUFFIXES = ("ForTokenClassification", "ForMaskedLM", "ForQuestionAnswering
 SPAN_SUFFIX = "ForQuestionAnswering"
 POSITION_ZERO_SUFFIXES = ("ForSequenceClassification", "ForMultipleChoice")  # with classifier_pooling="cls"
 
+
 def head_suffix(module: nn.Module) -> str | None:
     """Which of the heads above ``module`` is (``"ForQuestionAnswering"``, ... as HF names them), or ``None``: the
     suffix of the first class in its MRO that has one, so a subclass of an HF head (``class MyTagger(
@@ -54,7 +55,6 @@ class Readers(NamedTuple):
     span: bool  # a question-answering head: every trailing padded position is computed
     position_zero: str | None  # COLUMN_ZERO, FIRST_REAL or None
     expansion: list  # the modules holding query-expansion settings (late_interaction.expansion_sources)
-    checks: list  # the heads whose calls' labels are checked
 
 
 def readers_in(target: nn.Module, encoder: nn.Module) -> dict:
@@ -116,8 +116,7 @@ def around(encoder: nn.Module, target: nn.Module | None = None) -> Readers:
     # is padded at position 0 too
     zero = COLUMN_ZERO if COLUMN_ZERO in kinds else FIRST_REAL if FIRST_REAL in kinds else None
     return Readers(span=SPAN in kinds, position_zero=zero,
-                   expansion=[m for m, k in found.items() if EXPANSION in k],
-                   checks=[m for m, k in found.items() if CHECK in k])
+                   expansion=[m for m, k in found.items() if EXPANSION in k])
 
 
 def checked_heads(encoders) -> list:
