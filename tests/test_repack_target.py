@@ -235,3 +235,16 @@ def test_unpacking_one_head_of_a_shared_encoder_keeps_the_others_needs():
     torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
     pe.unpack(qa)
     assert _instance_state(tok) == before_tok and _instance_state(qa) == before_qa
+
+
+def test_a_question_answering_head_beside_an_encoder_is_not_recorded_for_it():
+    """A wrapper holding a question-answering head and another encoder: only the head's own encoder computes its
+    trailing padded positions, and the other one, packed again alone, keeps the zeros convention."""
+    wrapper = torch.nn.ModuleDict({"qa": _qa(), "other": make_model("tiny", seed=1)})
+    pe.pack(wrapper, validate=False)
+    assert get_state(wrapper["qa"].model).trailing_max_len is not None
+    assert get_state(wrapper["other"]).trailing_max_len is None
+    pe.unpack(wrapper["other"])
+    pe.pack(wrapper["other"], validate=False)
+    assert _padded_outputs(wrapper["other"]) == "zeros"
+    assert _padded_outputs(wrapper["qa"]) == "trailing masked positions computed"

@@ -59,8 +59,10 @@ class Readers(NamedTuple):
 
 def readers_in(target: nn.Module, encoder: nn.Module) -> dict:
     """``{module: kinds}``: the modules of ``target`` that read ``encoder``'s output at padded positions. A
-    question-answering head or a query-expansion setting anywhere in ``target`` counts for every encoder inside it
-    (the target's loss or scores read them); label checks and position-0 reads, for the encoders inside the head."""
+    query-expansion setting anywhere in ``target`` counts for every encoder inside it (the target's scores read
+    them); a head (span loss, label checks, position-0 reads) counts for the encoders inside it only: the record
+    outlives this ``pack()``, and an encoder beside a question-answering head would compute its trailing padded
+    positions for no reader."""
     found: dict = {}
 
     def add(module, kind):
@@ -70,12 +72,10 @@ def readers_in(target: nn.Module, encoder: nn.Module) -> dict:
         add(source, EXPANSION)
     for module in target.modules():
         suffix = head_suffix(module)
-        if suffix is None:
+        if suffix is None or not any(m is encoder for m in module.modules()):
             continue
         if suffix == SPAN_SUFFIX:
             add(module, SPAN)
-        if not any(m is encoder for m in module.modules()):
-            continue
         if suffix in CHECK_SUFFIXES:
             add(module, CHECK)
         else:
