@@ -378,3 +378,16 @@ def test_a_subclassed_head_is_checked_as_its_hf_head():
             if getattr(want, key, None) is not None:
                 torch.testing.assert_close(getattr(got, key), getattr(want, key), atol=1e-5, rtol=1e-5,
                                            msg=f"{cls.__name__}.{key}")
+
+
+def test_padded_outputs_all_with_eager_attention_gets_stocks_far_padding():
+    """``padded_outputs="all"`` on an eager model: a row padded more than the half window past its real tokens runs
+    the stock forward (warned with the option as the reason), so every trailing padded position is stock's."""
+    stock = make_model("base_like", attn_implementation="eager", local_attention=8)
+    packed = pe.pack(__import__("copy").deepcopy(stock), padded_outputs="all")
+    ids, mask = padded_batch([9, 4, 12], side="right")  # the row of 4 is padded 8 past its real tokens (half window 4)
+    with pytest.warns(RuntimeWarning, match=r"computed for this call \(padded_outputs"), torch.no_grad():
+        got = packed(input_ids=ids, attention_mask=mask).last_hidden_state
+    with torch.no_grad():
+        want = stock(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
