@@ -215,19 +215,6 @@ def _outside_dynamo() -> tuple:
     return _OUTSIDE_DYNAMO[0]
 
 
-def _pre_hook(module, args, kwargs):  # the hooks of packed heads pickled by earlier versions (sync drops them)
-    _REQUEST.what = request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"))
-
-
-def _span_pre_hook(module, args, kwargs):
-    _REQUEST.what = span_request_for(*_arguments(module, args, kwargs, "start_positions", "end_positions",
-                                                 "attention_mask"))
-
-
-def _post_hook(module, args, kwargs, output):
-    _REQUEST.what = None
-
-
 def take_request() -> str | None:
     """The request of the head now calling the encoder on this thread (cleared: one encoder call takes it):
     ``None``, :data:`TRAILING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
@@ -241,10 +228,6 @@ def token_heads(target: nn.Module) -> list[nn.Module]:
     """The token-classification, masked-LM and question-answering heads inside ``target`` (by class name, as HF
     names them, or a subclass's: :func:`.around.head_suffix`)."""
     return [m for m in target.modules() if head_suffix(m) in CHECK_SUFFIXES]
-
-
-def _ours(hooks: dict) -> list:
-    return [key for key, fn in hooks.items() if fn in (_pre_hook, _span_pre_hook, _post_hook)]
 
 
 def position_zero_reader(model: nn.Module, state) -> str | None:
@@ -266,7 +249,6 @@ def sync(heads) -> None:
     unpacked."""
     _outside_dynamo()
     for head in heads:
-        _drop_hooks(head)
         encoders = tuple(m for m in head.modules() if get_state(m) is not None)
         current = head.__dict__.get("forward", _NO_FORWARD)
         ours = isinstance(current, CheckedForward) and current.module is head
@@ -287,13 +269,3 @@ def sync(heads) -> None:
         if isinstance(replicator, CheckedReplicator) and replicator.module is head:
             del head.__dict__["_replicate_for_data_parallel"]
 
-
-def _drop_hooks(head: nn.Module) -> None:
-    """Remove the label hooks earlier versions put on heads (a packed model pickled then), found by function."""
-    for hooks, extras in ((head._forward_pre_hooks, (head._forward_pre_hooks_with_kwargs,)),
-                          (head._forward_hooks, (head._forward_hooks_with_kwargs,
-                                                 head._forward_hooks_always_called))):
-        for key in _ours(hooks):
-            del hooks[key]
-            for extra in extras:
-                extra.pop(key, None)
