@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import io
 import json
 import os
 import sys
@@ -636,22 +635,22 @@ def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, 
 
 
 def _load_chunk(out_dir: str, path: str, size: int | None = None, sha256: str | None = None) -> dict:
-    """A chunk file's contents; with ``size`` / ``sha256``, the bytes read are checked against them before they are
-    decoded (one read of the file, which loading needs anyway)."""
+    """A chunk file's contents; with ``size`` / ``sha256``, the file is checked against them first (a streamed read:
+    a chunk of token vectors can be gigabytes, so its bytes are not held beside the tensors decoded from them, which
+    are memory-mapped)."""
     again = f"run the indexing command on {out_dir} again, which encodes a changed or missing chunk again"
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        found = os.path.getsize(path)
+        if size is not None and found != size:
+            raise PackedEncodersError(f"{path}: {found} bytes, the manifest recorded {size} (truncated or replaced "
+                                      f"since the index was finished); {again}")
+        if sha256 is not None and file_digest(path) != sha256:
+            raise PackedEncodersError(f"{path}: its contents differ from the SHA-256 the manifest recorded (damaged "
+                                      f"or replaced since the index was finished); {again}")
     except OSError as exc:
         raise PackedEncodersError(f"{path}: unreadable ({exc.__class__.__name__}); {again}") from None
-    if size is not None and len(raw) != size:
-        raise PackedEncodersError(f"{path}: {len(raw)} bytes, the manifest recorded {size} (truncated or replaced "
-                                  f"since the index was finished); {again}")
-    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
-        raise PackedEncodersError(f"{path}: its contents differ from the SHA-256 the manifest recorded (damaged or "
-                                  f"replaced since the index was finished); {again}")
     try:
-        return torch.load(io.BytesIO(raw), weights_only=True)
+        return torch.load(path, weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - a truncated or corrupted file: name it and the way out
         raise PackedEncodersError(f"{path}: unreadable ({exc.__class__.__name__}); {again}") from None
 
