@@ -248,3 +248,27 @@ def test_a_question_answering_head_beside_an_encoder_is_not_recorded_for_it():
     pe.pack(wrapper["other"], validate=False)
     assert _padded_outputs(wrapper["other"]) == "zeros"
     assert _padded_outputs(wrapper["qa"]) == "trailing masked positions computed"
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_checked_head_is_recorded_around_its_copied_encoder(how):
+    """A copy of a packed QA head, its encoder unpacked and packed again alone: the copy's check comes off with the
+    unpack (no attribute of ours left) and back with the pack, and its trailing positions are computed again."""
+    qa = _qa()
+    stock = copy.deepcopy(qa)
+    pe.pack(qa)
+    if how == "deepcopy":
+        twin = copy.deepcopy(qa)
+    else:
+        buffer = io.BytesIO()
+        torch.save(qa, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    pe.unpack(twin.model)
+    assert "forward" not in twin.__dict__ and "_replicate_for_data_parallel" not in twin.__dict__
+    pe.pack(twin.model)
+    assert _padded_outputs(twin) == "trailing masked positions computed"
+    torch.testing.assert_close(_qa_loss(twin), _qa_loss(stock), atol=1e-5, rtol=1e-5)
+    pe.unpack(twin)
+    assert "forward" not in twin.__dict__
+    torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)  # the original unchanged

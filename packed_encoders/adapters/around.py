@@ -12,8 +12,9 @@ target's readers (:func:`around`), whatever ``pack()``'s target: ``pe.pack(head.
 ``pe.pack(head)``, with other options or after ``pe.unpack(head.model)``, keeps what the head reads, and
 ``pe.pack(head)`` after ``pe.pack(head.model)`` adds it. ``unpack(target)``, or ``pack(target)`` with other
 ``padded_outputs``, drops the readers inside ``target`` from every record (:func:`forget`). The record holds
-encoders and readers weakly: it keeps nothing alive, and it is not copied with a model (a copy keeps the state its
-encoder was packed with).
+encoders and readers weakly: it keeps nothing alive. A copy of a model (deepcopy, unpickling) keeps the state its
+encoder was packed with; of the record, only the label-checking heads come along (:func:`record_check`, called as a
+head's ``CheckedForward`` is copied).
 """
 
 from __future__ import annotations
@@ -91,6 +92,16 @@ def remember(target: nn.Module, encoders) -> None:
         found = readers_in(target, encoder)
         if found:
             _RECORD.setdefault(encoder, weakref.WeakKeyDictionary()).update(found)
+
+
+def record_check(head: nn.Module, encoders, span: bool) -> None:
+    """Record ``head`` as checking the labels of ``encoders`` (and, ``span``, reading their trailing padded
+    positions): a copy of a checked head (deepcopy, unpickling) recorded around its copied encoders, as ``pack()``
+    recorded the original."""
+    kinds = frozenset({CHECK, SPAN} if span else {CHECK})
+    for encoder in encoders:
+        record = _RECORD.setdefault(encoder, weakref.WeakKeyDictionary())
+        record[head] = record.get(head, frozenset()) | kinds
 
 
 def forget(target: nn.Module, encoders=None) -> None:
