@@ -11,7 +11,7 @@ from .adapters import around, token_labels
 from .adapters.late_interaction import ALWAYS
 from .adapters.fsdp import gathered
 from .adapters.locate import find_encoders
-from .adapters.patch import install, replaced_forward, restore
+from .adapters.patch import forward_bypassed, install, replaced_forward, restore
 from .adapters.state import PackOptions, get_state
 from .adapters.structure import check_at_pack, structure_check
 from .batch import from_packed
@@ -137,6 +137,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
                           RuntimeWarning, stacklevel=2)
         install(model, state)
     for model, state in kept:
+        if forward_bypassed(model):  # the class forward set back on the instance since: the packed one again
+            install(model, state)
         read_around(model, state, target)
     packed = [model for _, model in encoders]
     if options.padded_outputs == "auto":
@@ -187,12 +189,14 @@ def _heads(target, encoders) -> list:
 
 
 def is_packed(target) -> bool:
-    """True when every ModernBERT encoder inside ``target`` is packed.
+    """True when every ModernBERT encoder inside ``target`` is packed and its calls reach the packed forward (not
+    when the class forward was set on the instance since ``pack()``, as accelerate's ``remove_hook_from_module``
+    does for a hook added before it: ``pack()`` again re-installs it).
 
     Raises:
         UnsupportedTargetError: no ModernBERT encoder inside ``target`` (nothing to be packed or not).
     """
-    return all(get_state(m) is not None for _, m in find_encoders(target))
+    return all(get_state(m) is not None and not forward_bypassed(m) for _, m in find_encoders(target))
 
 
 def _validated(report, dtype: str, device: str) -> bool | None:
@@ -206,7 +210,8 @@ def describe(target) -> dict:
     """What is active for each encoder: backend requested and last chosen, kernels, device, validation.
 
     Returns ``{"encoders": [ {...}, ... ]}``, one JSON-serialisable dict per ModernBERT encoder, with ``path``,
-    ``packed``, ``device``, ``dtype`` (on CUDA also ``gpu``, the device name, and ``capability``, e.g. ``"sm_90"``)
+    ``packed`` (``False`` too, with ``bypassed`` saying why, when the class forward was set on the instance after
+    ``pack()``), ``device``, ``dtype`` (on CUDA also ``gpu``, the device name, and ``capability``, e.g. ``"sm_90"``)
     and, once packed: ``attention_backend`` (as requested), ``last_attention`` (the
     last call's backend per layer kind: ``"global"`` and ``"window N"``, ``N`` the half window, keys within
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
@@ -227,6 +232,11 @@ def describe(target) -> dict:
         state = get_state(model)
         entry = {"path": path, "packed": state is not None, "device": str(weight.device),
                  "dtype": str(weight.dtype).replace("torch.", "")}
+        if state is not None and forward_bypassed(model):
+            entry["packed"] = False
+            entry["bypassed"] = ("the class forward was set on the instance after pack() (e.g. accelerate's "
+                                 "remove_hook_from_module): calls run stock HF; pe.pack(target) again re-installs "
+                                 "the packed forward")
         if weight.device.type == "cuda":
             entry["gpu"] = torch.cuda.get_device_name(weight.device)
             entry["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(weight.device)

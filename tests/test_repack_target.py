@@ -272,3 +272,24 @@ def test_a_copied_checked_head_is_recorded_around_its_copied_encoder(how):
     pe.unpack(twin)
     assert "forward" not in twin.__dict__
     torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)  # the original unchanged
+
+
+def test_a_class_forward_set_back_on_the_instance_is_reported_and_repacked():
+    """accelerate's ``remove_hook_from_module`` on a module hooked before ``pack()`` sets the forward it saved (the
+    class forward, bound) over the packed one: calls run stock. ``is_packed`` / ``describe()`` say so, and
+    ``pack()`` again re-installs the packed forward."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = make_model("tiny")
+    hooks.add_hook_to_module(model, hooks.ModelHook())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (pack() warns that it replaces the hook's forward while packed)
+        pe.pack(model)
+    assert pe.is_packed(model)
+    hooks.remove_hook_from_module(model)
+    entry = pe.describe(model)["encoders"][0]
+    assert not pe.is_packed(model) and not entry["packed"] and "remove_hook_from_module" in entry["bypassed"]
+    pe.pack(model)
+    assert pe.is_packed(model) and type(model.__dict__["forward"]).__name__ == "PackedForward"
+    assert "bypassed" not in pe.describe(model)["encoders"][0]
+    pe.unpack(model)
+    assert not pe.is_packed(model)

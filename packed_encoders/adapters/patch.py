@@ -102,6 +102,15 @@ def replaced_forward(model: nn.Module):
     return None if current is None or isinstance(current, str) else current
 
 
+def forward_bypassed(model: nn.Module) -> bool:
+    """Whether calls of a packed ``model`` run the class forward instead of the packed one: its instance forward is
+    gone, or is the class forward bound to it (accelerate's ``remove_hook_from_module`` restores the forward it saved
+    when its hook was added before ``pack()``)."""
+    current = model.__dict__.get("forward")
+    return current is None or (getattr(current, "__func__", None) is type(model).forward
+                               and getattr(current, "__self__", None) is model)
+
+
 def install(model: nn.Module, state: PackState) -> None:
     _outside_dynamo()
     existing = get_state(model)
@@ -113,7 +122,7 @@ def install(model: nn.Module, state: PackState) -> None:
     else:
         state.previous_forward = existing.previous_forward
     model.__dict__[STATE_ATTR] = state
-    if existing is None or isinstance(current, PackedForward):
+    if existing is None or isinstance(current, PackedForward) or forward_bypassed(model):
         model.__dict__["forward"] = PackedForward(model, state.previous_forward)
     # else: a forward set over the packed one after pack() (a wrapper such as accelerate's hooks, which calls the
     # PackedForward it wrapped, reading this new state) is kept
