@@ -199,9 +199,9 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
               "attention_mask has no real tokens in {count} row(s), whose position 0 the head reads "
               "(classifier_pooling='cls'): the packed path leaves padded positions at zero", StockOnlyInput)
     _raise_if(n_far, f"{{count}} row(s) have padded positions more than the local half window ({far_padding_stock}) "
-              "past their real tokens, computed for this call (padded_outputs, a head's loss or query expansion), and the "
-              "model's attn_implementation is 'eager': its local layers average every value for a padded query with "
-              "no key in its window, where the packed attention gives SDPA's zeros", StockOnlyInput)
+              "past their real tokens, computed for this call (padded_outputs, a head's loss or query expansion), "
+              "and the model's attn_implementation is 'eager': its local layers average every value for a padded "
+              "query with no key in its window, where the packed attention gives SDPA's zeros", StockOnlyInput)
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
     _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
     _raise_if(n_negpos, "position_ids has {count} negative entries")
