@@ -391,3 +391,20 @@ def test_padded_outputs_all_with_eager_attention_gets_stocks_far_padding():
     with torch.no_grad():
         want = stock(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_question_answering_loss_with_a_row_without_real_tokens_gets_stocks_loss():
+    """A span loss over a batch with a row without real tokens: its softmax reads stock's output there (attention
+    over the row's padding), so the call runs the stock forward, counted."""
+    import copy
+
+    stock = make_model("base_like", cls=transformers.ModernBertForQuestionAnswering, num_labels=2)
+    packed = pe.pack(copy.deepcopy(stock))
+    ids, mask = padded_batch([9, 0, 12], side="right")
+    spans = dict(start_positions=torch.tensor([1, 0, 3]), end_positions=torch.tensor([2, 0, 5]))
+    with torch.no_grad():
+        got, want = packed(input_ids=ids, attention_mask=mask, **spans), stock(input_ids=ids, attention_mask=mask,
+                                                                                  **spans)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+    calls = pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}
+    assert any("without real tokens" in reason for reason in calls), calls

@@ -58,6 +58,9 @@ EMPTY_ROW_REASON = ("labels at positions of a row without real tokens (stock's e
 SPAN_STOCK_REASON = ("a question-answering loss (start_positions / end_positions) with padding before a row's last "
                      "real token: its softmax reads the encoder's output at every position, and the packed path "
                      "computes only trailing padded positions as stock does")
+SPAN_EMPTY_ROW_REASON = ("a question-answering loss (start_positions / end_positions) with a row without real "
+                         "tokens: its softmax reads stock's encoder output there, which attends over the row's padding "
+                         "and which the packed path does not compute")
 TRAILING = "trailing"
 _REQUEST = threading.local()
 
@@ -93,15 +96,18 @@ def request_for(labels, attention_mask) -> str | None:
 
 def span_request_for(start_positions, end_positions, attention_mask) -> str | None:
     """:data:`SPAN_STOCK_REASON` when a question-answering call asks for its loss (``start_positions`` or
-    ``end_positions`` given) and ``attention_mask`` ``[B, S]`` has padding before a row's last real token (one
-    device-to-host read), else ``None``."""
+    ``end_positions`` given) and ``attention_mask`` ``[B, S]`` has padding before a row's last real token,
+    :data:`SPAN_EMPTY_ROW_REASON` when it has a row without real tokens (one device-to-host read), else ``None``."""
     if start_positions is None and end_positions is None:
         return None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         return None
     real = attention_mask != 0
     before_last = ~real & ~_after_last(real)  # padded, with a real token after it
-    return SPAN_STOCK_REASON if bool(before_last.any()) else None
+    inner, empty = torch.stack((before_last.any(), (~real.any(1)).any())).tolist()
+    if inner:
+        return SPAN_STOCK_REASON
+    return SPAN_EMPTY_ROW_REASON if empty else None
 
 
 def _arguments(module, args, kwargs, *names):
@@ -224,7 +230,7 @@ def _outside_dynamo() -> tuple:
 def take_request() -> str | None:
     """The request of the head now calling the encoder on this thread (cleared: one encoder call takes it):
     ``None``, :data:`TRAILING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
-    :data:`EMPTY_ROW_REASON`, :data:`SPAN_STOCK_REASON`)."""
+    :data:`EMPTY_ROW_REASON`, :data:`SPAN_STOCK_REASON`, :data:`SPAN_EMPTY_ROW_REASON`)."""
     what = getattr(_REQUEST, "what", None)
     _REQUEST.what = None
     return what
