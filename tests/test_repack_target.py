@@ -293,3 +293,17 @@ def test_a_class_forward_set_back_on_the_instance_is_reported_and_repacked():
     assert "bypassed" not in pe.describe(model)["encoders"][0]
     pe.unpack(model)
     assert not pe.is_packed(model)
+
+
+def test_a_wrapper_inside_a_container_keeps_its_query_expansion():
+    """A ColBERT-style wrapper held by a container (``nn.ModuleDict``): packing the container, fresh or after the
+    wrapper, computes the wrapper's expansion positions as stock does."""
+    for first in (False, True):
+        wrapper = ColBERTLike(make_model("tiny"), query_length=16)
+        stock = copy.deepcopy(wrapper)
+        container = torch.nn.ModuleDict({"colbert": wrapper})
+        if first:
+            pe.pack(wrapper)
+        pe.pack(container)
+        assert _padded_outputs(container).startswith("trailing masked positions computed"), first
+        assert _expansion_error(wrapper, stock) < 1e-5, first

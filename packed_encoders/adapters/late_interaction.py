@@ -18,12 +18,14 @@ ALWAYS = 1 << 30
 
 
 def expansion_sources(target: nn.Module | None) -> list:
-    """The objects whose attributes set masked query expansion: a PyLate ``ColBERT`` target
-    (``do_query_expansion``), then every module with a ``query_expansion`` attribute (sentence-transformers v6)."""
+    """The modules of ``target`` (itself included) whose attributes set masked query expansion: PyLate ``ColBERT``
+    models (``do_query_expansion``; the target, or one inside a container), then every module with a
+    ``query_expansion`` attribute (sentence-transformers v6)."""
     if target is None:
         return []
-    found = [target] if hasattr(target, "do_query_expansion") else []
-    return found + [m for m in target.modules() if hasattr(m, "query_expansion")]
+    modules = list(target.modules())
+    return ([m for m in modules if hasattr(m, "do_query_expansion")]
+            + [m for m in modules if hasattr(m, "query_expansion")])
 
 
 def expansion_length(sources) -> int | None:
