@@ -219,7 +219,9 @@ def describe(target) -> dict:
     ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided: ``direct``, ``why_checked``,
     ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``, ``stack_off``, ``stack_pointers``,
     ``stack_pointers_off``, ``dropout``; see :func:`_plan_facts`), ``cuda_graph``, ``tuning`` (the switches read at
-    ``pack()``), ``padded_outputs``, ``validated`` (``True`` / ``False``: what ``pack()``'s check against stock found;
+    ``pack()``), ``padded_outputs``, ``read_around`` (what heads around the encoder read besides trailing positions:
+    ``position_zero``, a ``classifier_pooling="cls"`` head's ``"column 0"`` / ``"first real token"`` or ``None``, and
+    ``label_checks``, the classes of the heads whose calls' labels are checked), ``validated`` (``True`` / ``False``: what ``pack()``'s check against stock found;
     ``None``: not validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype
     and device it was checked in).
 
@@ -261,6 +263,8 @@ def describe(target) -> dict:
                 "padded_outputs": ("zeros" if trailing is None else
                                    "trailing masked positions computed" + (
                                        "" if trailing >= ALWAYS else f" for calls <= {trailing} wide")),
+                "read_around": {"position_zero": state.position_zero,
+                                "label_checks": sorted({type(h).__name__ for h in around.checked_heads([model])})},
                 "validated": _validated(state.report, entry["dtype"], entry["device"]),
                 "validated_as": None if state.report is None else f"{state.report.dtype} on {state.report.device}",
             })

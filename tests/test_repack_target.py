@@ -307,3 +307,20 @@ def test_a_wrapper_inside_a_container_keeps_its_query_expansion():
         pe.pack(container)
         assert _padded_outputs(container).startswith("trailing masked positions computed"), first
         assert _expansion_error(wrapper, stock) < 1e-5, first
+
+
+def test_describe_shows_what_the_heads_around_an_encoder_read():
+    """``describe()["encoders"][0]["read_around"]``: a cls head's position-0 mark and the label-checking heads, kept
+    when the encoder is packed again alone, gone with ``unpack(head)``."""
+    tagger = make_model("tiny", cls=transformers.ModernBertForTokenClassification, num_labels=4)
+    pe.pack(tagger)
+    assert pe.describe(tagger)["encoders"][0]["read_around"] == {
+        "position_zero": None, "label_checks": ["ModernBertForTokenClassification"]}
+    classifier = make_model("tiny", cls=transformers.ModernBertForSequenceClassification, classifier_pooling="cls")
+    pe.pack(classifier)
+    pe.unpack(classifier.model)
+    pe.pack(classifier.model)
+    assert pe.describe(classifier)["encoders"][0]["read_around"] == {"position_zero": "column 0", "label_checks": []}
+    pe.unpack(classifier)
+    pe.pack(classifier.model)
+    assert pe.describe(classifier)["encoders"][0]["read_around"]["position_zero"] is None
