@@ -408,3 +408,28 @@ def test_question_answering_loss_with_a_row_without_real_tokens_gets_stocks_loss
     torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
     calls = pe.describe(packed)["encoders"][0].get("stock_forward_calls") or {}
     assert any("without real tokens" in reason for reason in calls), calls
+
+
+def test_a_head_calling_its_encoder_twice_gets_its_label_check_on_both_calls():
+    """A user's head whose forward runs its encoder twice (two views averaged): labels at padded positions get
+    stock's loss, the request holding for both encoder calls (right padding: trailing positions computed; left:
+    the stock forward)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    class TwoPass(transformers.ModernBertForTokenClassification):
+        def forward(self, input_ids, attention_mask, labels=None):
+            h1 = self.model(input_ids=input_ids.flip(0), attention_mask=attention_mask.flip(0)).last_hidden_state
+            h2 = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            logits = self.classifier(self.head((h1.flip(0) + h2) / 2))
+            loss = F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
+            return transformers.modeling_outputs.TokenClassifierOutput(loss=loss, logits=logits)
+
+    stock = make_model("base_like", cls=TwoPass, num_labels=2)
+    packed = pe.pack(copy.deepcopy(stock))
+    for side in ("right", "left"):
+        ids, mask = padded_batch([5, 12, 9], side=side)
+        with torch.no_grad():
+            got, want = packed(ids, mask, ids % 2), stock(ids, mask, ids % 2)  # labels count at padded positions
+        torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5, msg=side)

@@ -32,7 +32,7 @@ from ..errors import PackedEncodersError, StockOnlyInput
 from .around import COLUMN_ZERO, FIRST_REAL
 from .stock_calls import mask_holes_reason, positional_names, stock_call_reason
 from .structure import structure_check
-from .token_labels import TRAILING, position_zero_reader, take_request
+from .token_labels import TRAILING, head_request, position_zero_reader
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
@@ -168,7 +168,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     """Drop-in for ``type(model).forward(model, *args, **kwargs)`` running the packed path."""
     state = model._packed_encoders
     raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
-    request = take_request()  # a head's loss reads padded positions (adapters.token_labels)
+    request = head_request()  # a head's loss reads padded positions (adapters.token_labels)
     problem = structure_check(model, state)
     names = positional_names(type(model))
     if problem is None:

@@ -12,8 +12,8 @@ or position) is checked, with one device-to-host read: when no label at a padded
 changes; when the counted ones all sit after their row's last real token, the encoder call computes those
 trailing positions as stock does (the path of ``padded_outputs="all"``); otherwise (padding before real tokens,
 or a row without real tokens, where stock attends over the padding) the encoder call runs the stock forward,
-counted in ``describe()["encoders"][i]["stock_forward_calls"]``. The request is handed to the encoder call the
-head makes next on this thread (:func:`take_request`) and cleared when the head's forward returns. The head is
+counted in ``describe()["encoders"][i]["stock_forward_calls"]``. The request holds for every encoder call the
+head's forward makes on this thread (:func:`head_request`) and is cleared when it returns. The head is
 recorded around its encoder (:mod:`.around`): the check stays while an encoder inside the head is packed with
 ``padded_outputs="auto"``, whatever ``pack()``'s target (``pe.pack(head.model)`` after ``pe.pack(head)`` keeps it,
 ``pe.pack(head)`` after ``pe.pack(head.model)`` adds it), and :func:`sync` restores the head's forward (its earlier
@@ -206,11 +206,12 @@ def _request(checked: CheckedForward, args, kwargs) -> str | None:
 def _checked_call(checked: CheckedForward, args, kwargs, request=_request):
     if torch.compiler.is_exporting():  # the encoder traces the stock forward (stock_calls.EXPORT): nothing to ask
         return checked.run(args, kwargs)
+    outer = getattr(_REQUEST, "what", None)  # (a checked head called inside another's forward)
     _REQUEST.what = request(checked, args, kwargs)
     try:
         return checked.run(args, kwargs)
     finally:
-        _REQUEST.what = None
+        _REQUEST.what = outer
 
 
 # Under torch.compile the check runs outside dynamo's graph: the call (recursive=False: the head's forward it runs is
@@ -227,13 +228,12 @@ def _outside_dynamo() -> tuple:
     return _OUTSIDE_DYNAMO[0]
 
 
-def take_request() -> str | None:
-    """The request of the head now calling the encoder on this thread (cleared: one encoder call takes it):
+def head_request() -> str | None:
+    """The request of the checked head whose forward is running on this thread, for every encoder call it makes (a
+    head may call its encoder more than once; a request never changes a result, only how it is computed):
     ``None``, :data:`TRAILING`, or why the call must run the stock forward (:data:`STOCK_REASON`,
     :data:`EMPTY_ROW_REASON`, :data:`SPAN_STOCK_REASON`, :data:`SPAN_EMPTY_ROW_REASON`)."""
-    what = getattr(_REQUEST, "what", None)
-    _REQUEST.what = None
-    return what
+    return getattr(_REQUEST, "what", None)
 
 
 def token_heads(target: nn.Module) -> list[nn.Module]:
