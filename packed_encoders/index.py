@@ -256,7 +256,7 @@ def _chunks_to_encode(out_dir: str, chunks: list[Chunk], rank: int, fingerprint:
     return todo
 
 
-def _some(indices: list[int], n: int = 10) -> str:
+def _some(indices: list, n: int = 10) -> str:
     return str(indices[:n])[:-1] + (f", ... ({len(indices) - n} more)]" if len(indices) > n else "]")
 
 
@@ -619,8 +619,8 @@ def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, 
     if missing:
         raise PackedEncodersError(f"chunks {_some(missing)} are not finished (no completion marker, or a chunk file "
                                   "changed since); run the command again")
-    first = (_load_chunk(out_dir, _chunk_path(out_dir, chunks[0].index, "pt"), states[0][1]["bytes"],
-                         states[0][1]["sha256"]) if chunks else None)
+    first = (_load_chunk(out_dir, _chunk_path(out_dir, chunks[0].index, "pt"), states[0][1]["bytes"])
+             if chunks else None)  # (for its width: its digest was checked this run)
     manifest = {"corpus": plan["corpus"], "output": output, "items": plan["items"], "tokens": plan["tokens"],
                 "dim": None if first is None else int(first["embeddings"].shape[-1]),
                 "dtype": str(out_dtype).replace("torch.", ""),
