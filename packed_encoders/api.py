@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from .adapters import around, token_labels
-from .adapters.late_interaction import ALWAYS
 from .adapters.fsdp import gathered
+from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import forward_bypassed, install, replaced_forward, restore
 from .adapters.state import PackOptions, get_state
@@ -145,6 +145,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         around.remember(target, packed)
     else:
         around.forget(target, packed)
+    around.mark_readers(packed)
     token_labels.sync(_heads(target, packed))
     idle = sorted({str(_device(model)) for model, state in planned
                    if state.options.cuda_graph is not None and not state.options.graph_auto
@@ -177,6 +178,7 @@ def unpack(target):
     for model in encoders:
         restore(model)
     around.forget(target)
+    around.mark_readers(encoders)  # as do the marks of readers left reading no packed encoder
     token_labels.sync(heads)  # the checks of heads left holding no packed encoder come off too
     return target
 

@@ -324,3 +324,54 @@ def test_describe_shows_what_the_heads_around_an_encoder_read():
     pe.unpack(classifier)
     pe.pack(classifier.model)
     assert pe.describe(classifier)["encoders"][0]["read_around"]["position_zero"] is None
+
+
+def _copy(model, how: str):
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_cls_head_keeps_its_mark_when_its_encoder_is_packed_again(how):
+    """A copy of a packed ``classifier_pooling="cls"`` head, its encoder packed again alone with other options: the
+    copy's left-padded calls still run stock where position 0 is padded (the mark came with the copy)."""
+    head = make_model("tiny", cls=transformers.ModernBertForSequenceClassification, classifier_pooling="cls")
+    stock = copy.deepcopy(head)
+    pe.pack(head)
+    twin = _copy(head, how)
+    pe.pack(twin.model, kernels="torch")
+    assert pe.describe(twin)["encoders"][0]["read_around"]["position_zero"] == "column 0"
+    ids, mask = padded_batch([3, 12, 7], side="left")
+    with torch.no_grad():
+        torch.testing.assert_close(twin(input_ids=ids, attention_mask=mask).logits,
+                                   stock(input_ids=ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-5)
+    pe.unpack(twin)
+    assert "_packed_encoders_reads" not in twin.__dict__ and "_packed_encoders_reads" in head.__dict__
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_wrapper_keeps_its_query_expansion_when_its_encoder_is_packed_again(how):
+    wrapper = ColBERTLike(make_model("tiny"), query_length=16)
+    stock = copy.deepcopy(wrapper)
+    pe.pack(wrapper)
+    twin = _copy(wrapper, how)
+    pe.unpack(twin.enc)
+    pe.pack(twin.enc)
+    assert _padded_outputs(twin).startswith("trailing masked positions computed")
+    assert _expansion_error(twin, stock) < 1e-5
+
+
+def test_a_copied_container_listing_the_encoder_first_follows_the_copied_wrappers_expansion():
+    """A container holding the encoder before the wrapper that holds it: the copy's encoder state is copied before
+    the wrapper, and the copy still follows the copied wrapper's settings, changed after the copy."""
+    wrapper = ColBERTLike(make_model("tiny"), query_length=8)
+    stock = copy.deepcopy(wrapper)
+    pe.pack(wrapper)
+    twin = copy.deepcopy(torch.nn.ModuleDict({"encoder": wrapper.enc, "colbert": wrapper}))["colbert"]
+    twin.query_length = stock.query_length = 16
+    assert _expansion_error(twin, stock) < 1e-5
+    assert _padded_outputs(twin) == "trailing masked positions computed for calls <= 16 wide"

@@ -12,9 +12,15 @@ target's readers (:func:`around`), whatever ``pack()``'s target: ``pe.pack(head.
 ``pe.pack(head)``, with other options or after ``pe.unpack(head.model)``, keeps what the head reads, and
 ``pe.pack(head)`` after ``pe.pack(head.model)`` adds it. ``unpack(target)``, or ``pack(target)`` with other
 ``padded_outputs``, drops the readers inside ``target`` from every record (:func:`forget`). The record holds
-encoders and readers weakly: it keeps nothing alive. A copy of a model (deepcopy, unpickling) keeps the state its
-encoder was packed with; of the record, only the label-checking heads come along (:func:`record_check`, called as a
-head's ``CheckedForward`` is copied).
+encoders and readers weakly: it keeps nothing alive.
+
+A copy of a model (deepcopy, unpickling) keeps the state its encoder was packed with, and the record comes along
+with the readers: while a reader reads a packed encoder, it carries a :class:`ReaderMark` in its instance
+``__dict__`` (:func:`mark_readers`), whose copy records the reader's copy around the copies of the encoders it
+reads. Packing a copy's encoder again alone then treats the copy's heads as the original's. A deepcopy links the
+encoders it copied before the mark: those inside the reader (a module's submodules come first in its ``__dict__``)
+or listed before it in a container; unpickling, the encoders inside the reader. A copy taken while the encoders are
+unpacked carries no record (the reader holds nothing of ours then): pack the copy's head, not its encoder alone.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .late_interaction import expansion_sources
+from .late_interaction import ExpansionWatch, expansion_sources
+from .state import STATE_ATTR
 
 CHECK_SUFFIXES = ("ForTokenClassification", "ForMaskedLM", "ForQuestionAnswering")  # labels read per call
 SPAN_SUFFIX = "ForQuestionAnswering"
@@ -50,6 +57,7 @@ EXPANSION = "query expansion"  # a module holding ColBERT query-expansion settin
 
 # encoder -> {reader module -> frozenset of kinds}, both weak
 _RECORD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+MARK_ATTR = "_packed_encoders_reads"
 
 
 class Readers(NamedTuple):
@@ -89,29 +97,102 @@ def remember(target: nn.Module, encoders) -> None:
     held of ``target``'s modules."""
     forget(target, encoders)
     for encoder in encoders:
-        found = readers_in(target, encoder)
-        if found:
-            _RECORD.setdefault(encoder, weakref.WeakKeyDictionary()).update(found)
+        for reader, kinds in readers_in(target, encoder).items():
+            _record(encoder, reader, kinds)
 
 
-def record_check(head: nn.Module, encoders, span: bool) -> None:
-    """Record ``head`` as checking the labels of ``encoders`` (and, ``span``, reading their trailing padded
-    positions): a copy of a checked head (deepcopy, unpickling) recorded around its copied encoders, as ``pack()``
-    recorded the original."""
-    kinds = frozenset({CHECK, SPAN} if span else {CHECK})
+def _record(encoder: nn.Module, reader: nn.Module, kinds: frozenset) -> None:
+    record = _RECORD.setdefault(encoder, weakref.WeakKeyDictionary())
+    record[reader] = record.get(reader, frozenset()) | kinds
+
+
+def mark_readers(encoders) -> None:
+    """Give each reader recorded around ``encoders`` its :class:`ReaderMark` while an encoder it reads is packed,
+    and take it off once none is: after ``unpack()`` of every encoder a reader reads, it holds nothing of ours (it
+    pickles without this package), as a head's label check comes off then (``token_labels.sync``)."""
     for encoder in encoders:
-        record = _RECORD.setdefault(encoder, weakref.WeakKeyDictionary())
-        record[head] = record.get(head, frozenset()) | kinds
+        for reader in list(_RECORD.get(encoder, ())):
+            _mark(reader)
+
+
+def _mark(reader: nn.Module) -> None:
+    packed = any(STATE_ATTR in encoder.__dict__ for encoder, _ in _reads(reader))
+    marked = isinstance(reader.__dict__.get(MARK_ATTR), ReaderMark)
+    if packed and not marked:
+        reader.__dict__[MARK_ATTR] = ReaderMark(reader)
+    elif marked and not packed:
+        del reader.__dict__[MARK_ATTR]
 
 
 def forget(target: nn.Module, encoders=None) -> None:
     """Drop the readers inside ``target`` (``target`` included) from the records of ``encoders`` (default: every
-    encoder's)."""
+    encoder's), and their marks where they read no packed encoder now."""
     inside = set(target.modules())
     records = list(_RECORD.values()) if encoders is None else [_RECORD[e] for e in encoders if e in _RECORD]
+    dropped = set()
     for record in records:
         for module in [m for m in record if m in inside]:
             del record[module]
+            dropped.add(module)
+    for module in dropped:
+        _mark(module)
+
+
+def _reads(reader: nn.Module) -> list:
+    """``[(encoder, kinds)]``: what the record holds of ``reader``."""
+    return [(encoder, record[reader]) for encoder, record in list(_RECORD.items()) if reader in record]
+
+
+class ReaderMark:
+    """Carries a recorded reader's place in the record to its copies (see the module docstring): a deepcopy records
+    the reader's copy around the copies of the encoders it reads made earlier by the same deepcopy (and gives a
+    copied encoder packed with a watch it could not copy, :meth:`.state.PackState.__deepcopy__`, one on the copied
+    readers); unpickling records it around the unpickled encoders inside it, pickled along."""
+
+    def __init__(self, reader: nn.Module):
+        self._reader = weakref.ref(reader)
+
+    def __deepcopy__(self, memo: dict) -> ReaderMark:
+        reader = self._reader()
+        copy = None if reader is None else memo.get(id(reader))
+        if copy is None:  # (the mark copied without its reader)
+            return self
+        for encoder, kinds in _reads(reader):
+            twin = memo.get(id(encoder))
+            if twin is not None:
+                _record(twin, copy, kinds)
+                if EXPANSION in kinds:
+                    _watch_copied_sources(twin)
+        return ReaderMark(copy)
+
+    def __reduce__(self):
+        reader = self._reader()
+        if reader is None:
+            return (_gone_mark, ())
+        inside = [(e, kinds) for e, kinds in _reads(reader) if any(m is e for m in reader.modules())]
+        return (_unpickled_mark, (reader, inside))
+
+
+def _unpickled_mark(reader: nn.Module, reads: list) -> ReaderMark:
+    for encoder, kinds in reads:
+        _record(encoder, reader, kinds)
+    return ReaderMark(reader)
+
+
+def _gone_mark():
+    return None
+
+
+def _watch_copied_sources(encoder: nn.Module) -> None:
+    """A copied encoder packed with query expansion whose state's watch was not copied (its sources were copied
+    after it): a watch on the copied sources recorded around it, so their settings are followed as the original's
+    are."""
+    state = encoder.__dict__.get(STATE_ATTR)
+    if state is None or state.options.padded_outputs != "auto" or "expansion" in state.runtime:
+        return
+    sources = around(encoder).expansion
+    if sources:
+        state.runtime["expansion"] = ExpansionWatch(sources)
 
 
 def around(encoder: nn.Module, target: nn.Module | None = None) -> Readers:

@@ -46,7 +46,7 @@ import threading
 import torch
 from torch import nn
 
-from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked, record_check
+from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked
 from .state import _NO_FORWARD, STATE_ATTR, get_state
 from .stock_calls import positional_names, stock_signature
 
@@ -144,12 +144,6 @@ class CheckedForward:
                     return call(self, args, kwargs, request)
                 return _checked_call(self, args, kwargs)
         return self.run(args, kwargs)
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        # a copy (deepcopy, unpickling): the copied head is recorded around its copied encoders, so unpacking and
-        # packing them again treats it as the original's record treats the original
-        record_check(self.module, self.encoders, self.span)
 
     def run(self, args, kwargs):
         """The head's own forward: ``previous``, or the class forward."""
