@@ -11,8 +11,8 @@ from .adapters import around, token_labels
 from .adapters.fsdp import gathered
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
-from .adapters.patch import forward_bypassed, install, replaced_forward, restore
-from .adapters.state import PackOptions, get_state
+from .adapters.patch import install, replaced_forward, restore
+from .adapters.state import PackOptions, forward_bypassed, get_state
 from .adapters.structure import check_at_pack, structure_check
 from .batch import from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch

@@ -295,6 +295,28 @@ def test_a_class_forward_set_back_on_the_instance_is_reported_and_repacked():
     assert not pe.is_packed(model)
 
 
+def test_a_label_check_taken_off_a_head_by_accelerate_is_put_back():
+    """A head hooked by accelerate before ``pack()``, its hook removed after (the class forward set back over the
+    label check): the next encoder call puts the check back and runs stock (its labels went unread), counted; the
+    calls after are checked again. Left-padded labels at padded positions: the loss equals stock's throughout."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    head = make_model("tiny", cls=transformers.ModernBertForTokenClassification, num_labels=4)
+    stock = copy.deepcopy(head)
+    hooks.add_hook_to_module(head, hooks.ModelHook())
+    pe.pack(head)
+    hooks.remove_hook_from_module(head)
+    ids, mask = padded_batch([5, 12, 9], side="left")
+    kw = {"input_ids": ids, "attention_mask": mask, "labels": ids % 4}  # labels counted at padded positions
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.testing.assert_close(head(**kw).loss, stock(**kw).loss, atol=1e-5, rtol=1e-5)
+    assert type(head.__dict__["forward"]).__name__ == "CheckedForward"
+    counts = pe.describe(head)["encoders"][0]["stock_forward_calls"]
+    assert sum(n for reason, n in counts.items() if "label check was taken off" in reason) == 1
+    assert any("label check was taken off" in str(w.message) for w in caught)
+
+
 def test_a_wrapper_inside_a_container_keeps_its_query_expansion():
     """A ColBERT-style wrapper held by a container (``nn.ModuleDict``): packing the container, fresh or after the
     wrapper, computes the wrapper's expansion positions as stock does."""

@@ -32,7 +32,7 @@ from ..errors import PackedEncodersError, StockOnlyInput
 from .around import COLUMN_ZERO, FIRST_REAL
 from .stock_calls import mask_holes_reason, positional_names, stock_call_reason
 from .structure import structure_check
-from .token_labels import TRAILING, head_request, position_zero_reader
+from .token_labels import TRAILING, head_request, position_zero_reader, restore_bypassed
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
@@ -169,6 +169,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     state = model._packed_encoders
     raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
     request = head_request()  # a head's loss reads padded positions (adapters.token_labels)
+    if request is None and "checked_heads" in state.runtime:
+        request = restore_bypassed(state)
     problem = structure_check(model, state)
     names = positional_names(type(model))
     if problem is None:

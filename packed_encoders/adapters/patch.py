@@ -10,7 +10,7 @@ from torch import nn
 
 from .hf_call import hf_forward
 from .stock_calls import stock_signature
-from .state import _NO_FORWARD, STATE_ATTR, PackState, get_state
+from .state import _NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state
 
 
 # Under torch.compile the packed forward runs as it is, outside the compiled graph: it reads the batch's lengths on
@@ -100,15 +100,6 @@ def replaced_forward(model: nn.Module):
     if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
         current = getattr(current, "previous", None)
     return None if current is None or isinstance(current, str) else current
-
-
-def forward_bypassed(model: nn.Module) -> bool:
-    """Whether calls of a packed ``model`` run the class forward instead of the packed one: its instance forward is
-    gone, or is the class forward bound to it (accelerate's ``remove_hook_from_module`` restores the forward it saved
-    when its hook was added before ``pack()``)."""
-    current = model.__dict__.get("forward")
-    return current is None or (getattr(current, "__func__", None) is type(model).forward
-                               and getattr(current, "__self__", None) is model)
 
 
 def install(model: nn.Module, state: PackState) -> None:

@@ -74,3 +74,12 @@ class PackState:
 
 def get_state(model: nn.Module) -> PackState | None:
     return model.__dict__.get(STATE_ATTR)
+
+
+def forward_bypassed(module: nn.Module) -> bool:
+    """Whether calls of ``module`` run its class forward instead of the instance forward ``pack()`` set (the packed
+    encoder's, a head's label check): its instance forward is gone, or is the class forward bound to it (accelerate's
+    ``remove_hook_from_module`` restores the forward it saved when its hook was added before ``pack()``)."""
+    current = module.__dict__.get("forward")
+    return current is None or (getattr(current, "__func__", None) is type(module).forward
+                               and getattr(current, "__self__", None) is module)

@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 
 import torch
 from torch import nn
 
 from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked
-from .state import _NO_FORWARD, STATE_ATTR, get_state
+from .state import _NO_FORWARD, STATE_ATTR, forward_bypassed, get_state
 from .stock_calls import positional_names, stock_signature
 
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
@@ -61,6 +62,9 @@ SPAN_STOCK_REASON = ("a question-answering loss (start_positions / end_positions
 SPAN_EMPTY_ROW_REASON = ("a question-answering loss (start_positions / end_positions) with a row without real "
                          "tokens: its softmax reads stock's encoder output there, which attends over the row's padding "
                          "and which the packed path does not compute")
+BYPASSED_REASON = ("a head's label check was taken off its forward (the class forward set back on the instance, as "
+                   "accelerate's remove_hook_from_module does for a hook added before pack()): the check is put back, "
+                   "and this call, whose labels went unread, runs the stock forward")
 TRAILING = "trailing"
 _REQUEST = threading.local()
 
@@ -265,7 +269,11 @@ def sync(heads) -> None:
                 span = head_suffix(head) == SPAN_SUFFIX
                 head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
                 head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
+            for encoder in encoders:  # each call of theirs sees the check taken off (restore_bypassed)
+                get_state(encoder).runtime.setdefault("checked_heads", weakref.WeakSet()).add(head)
             continue
+        for encoder in encoders:
+            get_state(encoder).runtime.get("checked_heads", set()).discard(head)
         if ours:
             del head.__dict__["forward"]
             if not isinstance(current.previous, str):
@@ -275,3 +283,14 @@ def sync(heads) -> None:
         if isinstance(replicator, CheckedReplicator) and replicator.module is head:
             del head.__dict__["_replicate_for_data_parallel"]
 
+
+
+def restore_bypassed(state) -> str | None:
+    """:data:`BYPASSED_REASON` when a head checking the labels of the encoder whose ``state`` this is runs its class
+    forward instead of its check (:func:`.state.forward_bypassed`), after putting the check back (:func:`sync`), else
+    ``None``. The encoder's call runs the stock forward then: it may come from that head, whose labels no check read."""
+    bypassed = [head for head in state.runtime.get("checked_heads", ()) if forward_bypassed(head)]
+    if not bypassed:
+        return None
+    sync(bypassed)
+    return BYPASSED_REASON
