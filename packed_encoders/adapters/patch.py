@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .hf_call import hf_forward
-from .stock_calls import stock_signature
 from .state import _NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state
+from .stock_calls import stock_signature
 
 
 # Under torch.compile the packed forward runs as it is, outside the compiled graph: it reads the batch's lengths on
