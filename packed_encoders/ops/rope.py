@@ -27,6 +27,12 @@ def _build(theta: float, head_dim: int, length: int, device: torch.device):
     return freqs.cos().to(device), freqs.sin().to(device)
 
 
+def _table_length(min_length: int) -> int:
+    """Rows of a cached table covering ``min_length`` positions: a power of two (at least 1,024), so a table grows
+    a few times in a model's life, not per call."""
+    return max(1024, 1 << max(0, int(min_length) - 1).bit_length())
+
+
 def rope_tables(theta: float, head_dim: int, min_length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Cached fp32 ``(cos, sin)`` tables ``[P, head_dim // 2]`` with ``P >= min_length``.
 
@@ -43,7 +49,7 @@ def rope_tables(theta: float, head_dim: int, min_length: int, device: torch.devi
     with _LOCK:
         entry = _TABLES.get(key)
         if entry is None or entry[0].shape[0] < min_length:
-            length = max(1024, 1 << max(0, int(min_length) - 1).bit_length())
+            length = _table_length(min_length)
             entry = _build(theta, head_dim, length, device)
             _TABLES[key] = entry
     return entry
@@ -192,7 +198,7 @@ def cached_position_tables(inv: torch.Tensor, scaling: float, dtype: torch.dtype
     hit = _POSITION_TABLES.get(key)
     if hit is not None and hit[0]() is inv and hit[1] == state and hit[2].shape[0] >= min_length:
         return hit[2], hit[3]
-    length = max(1024, 1 << max(0, int(min_length) - 1).bit_length())
+    length = _table_length(min_length)
     with torch.inference_mode(False), torch.no_grad():
         angles = torch.arange(length, device=device, dtype=dtype)[:, None] * inv.to(device=device, dtype=dtype)[None]
         cos, sin = angles.cos(), angles.sin()
