@@ -107,7 +107,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             kept.append((model, current))
             continue
         state = make_state(model, options, target, tuning)  # with what the heads and wrappers around it read
-        problem = check_at_pack(model, state.params)
+        problem = check_at_pack(model, state)
         if problem is not None:
             raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
         if validate and model.embeddings.tok_embeddings.weight.is_meta:

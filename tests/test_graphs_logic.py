@@ -669,6 +669,44 @@ def test_replaced_parameter_objects_drop_graphs(cpu_graphs, change):
     torch.testing.assert_close(after, eager, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("change", ["linear", "norm", "layers_reordered", "norm_eps"])
+def test_module_tree_changes_drop_graphs(cpu_graphs, change):
+    """A change the packed forward follows live but a captured graph baked in: a submodule replaced by a new one of
+    the same type (the graph reads the old one's weights by address), two layers of one attention type swapped
+    (the graph runs them in the old order), a norm's ``eps`` set (a kernel argument at capture). Each moves the
+    structure snapshot's tree, which drops the graphs; the next call captures the live modules."""
+    model = pe.pack(tiny_model(layers=4), validate=False, cuda_graph=True)  # layers 1 and 2 both local
+    ids, mask = padded_batch([4, 9], "mixed")
+    with torch.no_grad():
+        _forward(model, ids, mask)
+        if change == "linear":
+            model.layers[1].attn.Wqkv = torch.nn.Linear(model.config.hidden_size, 3 * model.config.hidden_size,
+                                                        bias=False)
+        elif change == "norm":
+            model.final_norm = torch.nn.LayerNorm(model.config.hidden_size, eps=1e-3, bias=False)
+        elif change == "layers_reordered":
+            model.layers[1], model.layers[2] = model.layers[2], model.layers[1]
+        else:
+            model.final_norm.eps = 0.5
+        _forward(model, ids, mask)
+        assert _graph_info(model)["invalidations"] == 1
+        _forward(model, ids, mask)  # the tree is unchanged since: the graphs stay
+    assert _graph_info(model)["invalidations"] == 1
+
+
+def test_hook_rescans_keep_graphs(cpu_graphs):
+    """A known hook (``enable_input_require_grads``) makes every call after some other hook's registration rescan
+    the tree and rebuild the snapshot; the modules did not change, so the graphs stay."""
+    model = pe.pack(tiny_model(), validate=False, cuda_graph=True)
+    model.enable_input_require_grads()
+    ids, mask = padded_batch([4, 9], "mixed")
+    with torch.no_grad():
+        _forward(model, ids, mask)
+        torch.zeros(1, requires_grad=True).register_hook(lambda g: g)  # moves RemovableHandle's counter
+        _forward(model, ids, mask)
+    assert _graph_info(model)["invalidations"] == 0
+
+
 def test_weights_are_checked_before_the_sync_once_per_call(cpu_graphs, monkeypatch):
     """The fingerprint (and any invalidation it causes) is read before unpad's host sync, so that after the
     sync only batch-dependent work stands between it and the replay; it is not read twice."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from itertools import repeat
+from itertools import count, repeat
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -32,6 +32,10 @@ KNOWN_HOOKS = ("output_capturing_hook", "make_inputs_require_grads")
 
 _LINEAR = (nn.Linear,)
 _NORM = (nn.LayerNorm,)
+# dropout slots: read per call (a call with dropout in force never replays a graph), so a module swapped in there
+# leaves captured graphs as they are (see snapshot's ``tree``)
+_DROPOUT = (nn.Dropout,)
+_OUT_DROP = (nn.Identity, nn.Dropout)
 # The HF container classes whose forward the packed path reproduces (a slot's ``kind`` names one).
 _CONTAINERS = ("ModernBertEmbeddings", "ModernBertEncoderLayer", "ModernBertAttention", "ModernBertMLP",
                "ModernBertRotaryEmbedding")
@@ -44,7 +48,7 @@ def _expected(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
     emb = model.embeddings
     items = [("embeddings", emb, "ModernBertEmbeddings"),
              ("embeddings.tok_embeddings", emb.tok_embeddings, (nn.Embedding,)),
-             ("embeddings.norm", emb.norm, _NORM), ("embeddings.drop", emb.drop, (nn.Dropout,)),
+             ("embeddings.norm", emb.norm, _NORM), ("embeddings.drop", emb.drop, _DROPOUT),
              ("final_norm", model.final_norm, _NORM)]
     if "rotary_emb" in model._modules:  # transformers v5: one rotary module for the model
         items.append(("rotary_emb", model.rotary_emb, "ModernBertRotaryEmbedding"))
@@ -54,10 +58,10 @@ def _expected(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
                   (f"{p}.attn_norm", layer.attn_norm, (nn.Identity, nn.LayerNorm)),
                   (f"{p}.attn", layer.attn, "ModernBertAttention"), (f"{p}.attn.Wqkv", layer.attn.Wqkv, _LINEAR),
                   (f"{p}.attn.Wo", layer.attn.Wo, _LINEAR),
-                  (f"{p}.attn.out_drop", layer.attn.out_drop, (nn.Identity, nn.Dropout)),
+                  (f"{p}.attn.out_drop", layer.attn.out_drop, _OUT_DROP),
                   (f"{p}.mlp_norm", layer.mlp_norm, _NORM), (f"{p}.mlp", layer.mlp, "ModernBertMLP"),
                   (f"{p}.mlp.Wi", layer.mlp.Wi, _LINEAR), (f"{p}.mlp.Wo", layer.mlp.Wo, _LINEAR),
-                  (f"{p}.mlp.act", layer.mlp.act, _ACT), (f"{p}.mlp.drop", layer.mlp.drop, (nn.Dropout,))]
+                  (f"{p}.mlp.act", layer.mlp.act, _ACT), (f"{p}.mlp.drop", layer.mlp.drop, _DROPOUT)]
         if "rotary_emb" in layer.attn._modules:  # transformers v4: one per attention module
             items.append((f"{p}.attn.rotary_emb", layer.attn.rotary_emb, "ModernBertRotaryEmbedding"))
     return items
@@ -141,8 +145,10 @@ def _hooks_problem(path: str, m: nn.Module) -> str | None:
 
 def _layer_facts(model: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """The per-layer attribute stock HF reads on every call to choose a layer's attention (its mask and RoPE):
-    ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``; and
-    the token embedding's options (:data:`_EMBEDDING_OPTIONS`), which its forward reads on every call."""
+    ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``;
+    the token embedding's options (:data:`_EMBEDDING_OPTIONS`), which its forward reads on every call; and every
+    LayerNorm's ``eps``, which the eager packed path reads live but a captured CUDA graph holds as a kernel
+    argument (a change moves the snapshot's ``tree``, which drops the graphs)."""
     dicts, names = [], []
     tokens = model.embeddings.tok_embeddings
     if isinstance(tokens, nn.Embedding):
@@ -154,6 +160,10 @@ def _layer_facts(model: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
             if name in vars(owner):
                 dicts.append(vars(owner))
                 names.append(name)
+    for _, m, _ in _expected(model):
+        if isinstance(m, nn.LayerNorm):
+            dicts.append(vars(m))
+            names.append("eps")
     return tuple(dicts), tuple(names)
 
 
@@ -176,26 +186,40 @@ def _layer_type_problem(model: nn.Module, params) -> str | None:
     return None
 
 
-def snapshot(model: nn.Module) -> dict:
+# Numbers the ``tree`` of successive snapshots: a fresh one whenever the modules in their slots or the facts differ.
+_TREES = count()
+
+
+def snapshot(model: nn.Module, previous: dict | None = None) -> dict:
     """The module slots the packed forward was set up for, as parallel tuples for a C-level check per call:
     ``children`` (each parent's ``_modules``), ``names`` (the attribute), ``modules``, ``types`` and
     ``module_dicts`` (each module's instance ``__dict__``); and the per-layer attention attributes stock reads
     per call (``fact_dicts``, ``fact_names``, ``facts``); ``hook_counter`` (see :func:`_no_new_hooks`); ``dropout``:
     the dropout-applying modules (:func:`~packed_encoders.model.dropout.dropout_modules`) whose modes and rates the
-    router reads per call (kept here: a snapshot is rebuilt whenever a module changes)."""
-    children, names, modules = [], [], []
-    for path, m, _ in _expected(model):
+    router reads per call (kept here: a snapshot is rebuilt whenever a module changes); ``baked``: the modules but
+    the dropout slots'; ``tree``: ``previous``'s when the same ``baked`` modules sit in the same slots with the same
+    facts (a rebuild after a hook rescan, or a dropout module swapped), else a new number. The eager path reads
+    modules live and needs none of this; a captured CUDA graph holds the modules it was captured with (weights by
+    address, ``eps`` as an argument, the layer order), so the graphs' weights fingerprint includes ``tree`` and a
+    new one drops them."""
+    children, names, modules, baked = [], [], [], []
+    for path, m, kind in _expected(model):
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         children.append(parent._modules)
         names.append(name)
         modules.append(m)
+        if kind not in (_DROPOUT, _OUT_DROP):
+            baked.append(m)
     fact_dicts, fact_names = _layer_facts(model)
+    baked, facts = tuple(baked), tuple(map(dict.get, fact_dicts, fact_names))
+    same = (previous is not None and len(previous["baked"]) == len(baked)
+            and all(map(operator.is_, previous["baked"], baked)) and previous["facts"] == facts)
     return {"layers": model.layers, "children": tuple(children), "names": tuple(names), "modules": tuple(modules),
             "types": tuple(map(type, modules)), "module_dicts": tuple(vars(m) for m in modules),
-            "fact_dicts": fact_dicts, "fact_names": fact_names,
-            "facts": tuple(map(dict.get, fact_dicts, fact_names)),
-            "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model)}  # taken after a full check found no foreign hook
+            "fact_dicts": fact_dicts, "fact_names": fact_names, "facts": facts,
+            "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model),  # taken after a full check found no foreign hook
+            "baked": baked, "tree": previous["tree"] if same else next(_TREES)}
 
 
 # read from each module's instance __dict__: a dict lookup, ~2.5x cheaper than getattr on an nn.Module; one
@@ -282,9 +306,10 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
     return _layer_type_problem(model, params), False
 
 
-def check_at_pack(model: nn.Module, params) -> str | None:
-    """Structure problems that make ``pack()`` refuse (run whatever ``validate`` is)."""
-    return structure_problem(model, params, None)[0]
+def check_at_pack(model: nn.Module, state) -> str | None:
+    """Structure problems that make ``pack()`` refuse (run whatever ``validate`` is); with none, the snapshot is
+    taken, so graphs precaptured at ``pack()`` are fingerprinted with the tree the first call checks against."""
+    return structure_check(model, state)
 
 
 def structure_check(model: nn.Module, state) -> str | None:
@@ -294,5 +319,5 @@ def structure_check(model: nn.Module, state) -> str | None:
     snap = state.runtime.get("structure")
     problem, unchanged = structure_problem(model, state.params, snap)
     if problem is None and not unchanged:
-        state.runtime["structure"] = snapshot(model)
+        state.runtime["structure"] = snapshot(model, snap)
     return problem

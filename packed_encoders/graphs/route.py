@@ -62,24 +62,29 @@ def _weights(model) -> tuple:
             tuple(p for _, _, p in slots if p is not None))
 
 
-def fingerprint(model, mgr: GraphManager) -> tuple:
-    """Device, dtype and the storage address of every parameter: a captured graph reads weights by address,
-    so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it.
+def fingerprint(model, state, mgr: GraphManager) -> tuple:
+    """Device, dtype, the module tree and the storage address of every parameter: a captured graph reads weights
+    by address, so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it.
 
     The ``(module, name)`` slots are listed once per manager (walking the module tree every call costs more
     than the graph saves); each call checks, reading each module's ``_parameters`` live, that every slot still
     holds the listed Parameter object (or ``None``), so ``load_state_dict(assign=True)``, ``param =
     nn.Parameter(...)`` or a bias added where there was none re-lists and, storage having moved, drops the
-    graphs. Swapping whole submodules is not seen: call ``set_cuda_graph(model, True)`` after it. The listed
-    objects stay referenced, so a replaced parameter's old storage is never freed under a graph.
+    graphs. A graph also holds the modules it was captured with: a submodule swapped for another of its type,
+    layers of one attention type reordered or a norm's ``eps`` set change the structure snapshot's ``tree``
+    (:func:`packed_encoders.adapters.structure.snapshot`, current here: the structure check runs before every
+    route), which re-lists and drops the graphs too. The listed objects stay referenced, so a replaced parameter's
+    old storage is never freed under a graph.
     """
+    snap = state.runtime.get("structure")
+    tree = None if snap is None else snap["tree"]
     weights = mgr.weights
-    if weights is None or not all(map(operator.is_, map(dict.get, map(_PARAMETERS, weights[0]), weights[1]),
-                                      weights[2])):
-        weights = mgr.weights = _weights(model)
+    if weights is None or weights[4] != tree or not all(
+            map(operator.is_, map(dict.get, map(_PARAMETERS, weights[0]), weights[1]), weights[2])):
+        weights = mgr.weights = (*_weights(model), tree)
     params = weights[3]
     w0 = params[0]
-    return (w0.device, w0.dtype, *map(_DATA_PTR, params))
+    return (w0.device, w0.dtype, tree, *map(_DATA_PTR, params))
 
 
 def _capture_kw(model, mgr: GraphManager) -> dict:
@@ -228,7 +233,7 @@ def prepare(model, state) -> Prepared:
     mgr = _manager(state)
     weight = model.embeddings.tok_embeddings.weight
     with mgr.lock:
-        fp = fingerprint(model, mgr)
+        fp = fingerprint(model, state, mgr)
         if fp != mgr.fingerprint and len(mgr) and weight.is_cuda:
             # graphs are about to be dropped while the previous call's replay may still run (we are
             # before this call's sync): wait for it first; weights change rarely, so this sync is too
@@ -293,7 +298,8 @@ def graph_forward(model, state, batch, finish, *, bucket: Bucket | None = None, 
     device = batch.device
     with mgr.lock:
         if prepared is None or prepared.fingerprint is None:  # not checked before the sync (a thread that
-            mgr.check_fingerprint(fingerprint(model, mgr))  # changed weights since cleared the graphs: get() rebuilds)
+            # changed weights since cleared the graphs: get() rebuilds)
+            mgr.check_fingerprint(fingerprint(model, state, mgr))
             _precapture(model, state, mgr)
         cached = key in mgr
         _budget(model, state, mgr)
@@ -341,7 +347,7 @@ def train_forward(model, state, batch, *, bucket: Bucket | None = None, autocast
     requested = backend or state.options.attention_backend
     query_only = batch.key_lens is not None
     with mgr.lock:
-        mgr.check_fingerprint(fingerprint(model, mgr))
+        mgr.check_fingerprint(fingerprint(model, state, mgr))
         trainable = tuple(p.requires_grad for p in mgr.weights[3])
         if not any(trainable):
             mgr.note_fallback(B.FROZEN)
@@ -429,7 +435,7 @@ def note_eager(model, state, reason: str | None, sync_free_refusal: str | None =
     mgr.note_fallback(reason)
     if reason == B.NOT_CUDA and len(mgr):
         with mgr.lock:
-            mgr.check_fingerprint(fingerprint(model, mgr))
+            mgr.check_fingerprint(fingerprint(model, state, mgr))
 
 
 def _build_rect(model, state, mgr: GraphManager, bucket: RectBucket, requested: str, autocast=None):
@@ -475,7 +481,7 @@ def sync_free_forward(model, state, bucket: RectBucket, *, input_ids, attention_
     key = graph_key(requested, bucket, autocast=autocast)
     checks = deferred_checks(state)
     with mgr.lock:
-        mgr.check_fingerprint(fingerprint(model, mgr))
+        mgr.check_fingerprint(fingerprint(model, state, mgr))
         _precapture(model, state, mgr)
         cached = key in mgr
         _budget(model, state, mgr)
@@ -501,7 +507,7 @@ def precapture_encoders(states) -> None:
         if model.embeddings.tok_embeddings.weight.device.type != "cuda":
             continue  # captured on the first CUDA call instead
         with mgr.lock, torch.no_grad():
-            mgr.check_fingerprint(fingerprint(model, mgr))
+            mgr.check_fingerprint(fingerprint(model, state, mgr))
             _precapture(model, state, mgr)
 
 
