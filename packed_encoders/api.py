@@ -13,7 +13,7 @@ from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import install, replaced_forward, restore
 from .adapters.state import PackOptions, forward_bypassed, get_state
-from .adapters.structure import check_at_pack, structure_check
+from .adapters.structure import structure_check
 from .batch import from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
 from .configure import make_state, params_of, read_around
@@ -107,7 +107,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             kept.append((model, current))
             continue
         state = make_state(model, options, target, tuning)  # with what the heads and wrappers around it read
-        problem = check_at_pack(model, state)
+        # whatever validate is; with no problem the snapshot is taken now, so graphs precaptured at pack() carry
+        # the module tree the first call checks against
+        problem = structure_check(model, state)
         if problem is not None:
             raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
         if validate and model.embeddings.tok_embeddings.weight.is_meta:

@@ -306,12 +306,6 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
     return _layer_type_problem(model, params), False
 
 
-def check_at_pack(model: nn.Module, state) -> str | None:
-    """Structure problems that make ``pack()`` refuse (run whatever ``validate`` is); with none, the snapshot is
-    taken, so graphs precaptured at ``pack()`` are fingerprinted with the tree the first call checks against."""
-    return structure_check(model, state)
-
-
 def structure_check(model: nn.Module, state) -> str | None:
     """What the packed forward would skip in the live module tree of a packed (or about to be packed) encoder,
     or ``None``; the snapshot in ``state.runtime`` is refreshed when the tree changed harmlessly (e.g. an
