@@ -223,3 +223,34 @@ def test_buckets_of_one_octave_share_one_static_output(autocast):
             assert g.dtype == w.dtype
             cos = torch.nn.functional.cosine_similarity(g[real].float(), w[real].float(), dim=-1)
             assert cos.min().item() > 0.999
+
+
+@pytest.mark.parametrize("change", ["linear", "norm_eps", "layers_reordered"])
+def test_a_module_tree_change_after_capture_recaptures(change):
+    """A captured graph holds the modules it was captured with (weights by address, ``eps`` as an argument, the
+    layer order): a Linear swapped for a new one, a norm's ``eps`` set or two layers of one attention type
+    reordered after the first calls must not replay the old modules. Against stock HF with the same change."""
+    import copy
+
+    model = make_model()
+    stock = copy.deepcopy(model)
+    pe.pack(model)
+    ids, mask = padded([5, 17, 33, 120, 2, 64, 9, 80])
+    with torch.no_grad():
+        fwd(model, ids, mask)
+        fwd(model, ids, mask)  # replayed
+    assert info(model)["hits"] == 1
+    for target in (model, stock):
+        torch.manual_seed(1)
+        if change == "linear":
+            old = target.layers[1].attn.Wqkv
+            new = torch.nn.Linear(old.in_features, old.out_features, bias=old.bias is not None)
+            target.layers[1].attn.Wqkv = new.to(DEV, old.weight.dtype)
+        elif change == "norm_eps":
+            target.layers[2].mlp_norm.eps = 0.5
+        else:  # layers 1 and 2 are both local (global every 3rd layer)
+            target.layers[1], target.layers[2] = target.layers[2], target.layers[1]
+    with torch.no_grad():
+        got, want = fwd(model, ids, mask), fwd(stock, ids, mask)
+    assert cos_min(got, want, mask) >= 0.995
+    assert info(model)["invalidations"] >= 1
