@@ -274,6 +274,25 @@ def test_pruned_attention_heads_run_stock():
         pe.pack(model, validate=False)
 
 
+def test_pruned_and_parametrized_weights_are_named_with_the_way_out():
+    """``torch.nn.utils.prune`` (a forward pre-hook recomputing ``weight``) and ``parametrize`` (a generated
+    subclass computing it on access): refused at ``pack()`` naming what makes the weight plain again; after
+    ``pack()`` the stock forward, with the same reason."""
+    from torch.nn.utils import parametrize, prune
+
+    model = _model()
+    prune.l1_unstructured(model.layers[0].attn.Wqkv, "weight", 0.3)
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers.0.attn.Wqkv is pruned .*prune.remove"):
+        pe.pack(model)
+    model = _model()
+    parametrize.register_parametrization(model.layers[1].mlp.Wi, "weight", nn.Identity())
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers.1.mlp.Wi is parametrized .*remove_parametrizations"):
+        pe.pack(model)
+    model = _packed_and_called()
+    prune.random_unstructured(model.layers[1].mlp.Wo, "weight", 0.5)
+    _assert_runs_stock(model, r"layers.1.mlp.Wo is pruned", grad=True)
+
+
 @pytest.mark.parametrize("change", ["swap_layers", "subclass", "activation", "backward_hook", "rotary_hook",
                                     "instance_forward", "embedding_option"])
 @pytest.mark.parametrize("validate", [False, True])

@@ -19,6 +19,7 @@ import sys
 from itertools import count, repeat
 
 from torch import nn
+from torch.nn.utils import parametrize, prune
 from torch.utils.hooks import RemovableHandle
 
 from ..model.dropout import dropout_modules
@@ -96,6 +97,11 @@ def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
             return (f"{path} is a {type(m).__module__}.{type(m).__qualname__}, whose forward is not HF's "
                     f"{kind}.forward: the packed path would skip it")
     elif type(m) not in kind:
+        if parametrize.is_parametrized(m):
+            return (f"{path} is parametrized (torch.nn.utils.parametrize: its weight is computed at each access), "
+                    "which the packed path, reading its parameters directly, would skip: "
+                    "parametrize.remove_parametrizations(module, name) makes it a plain parameter, or pe.unpack "
+                    "the model")
         want = " or ".join(t.__name__ for t in kind)
         return (f"{path} is a {type(m).__module__}.{type(m).__qualname__}, not {want}: the packed path reads its "
                 "parameters directly and would skip its forward (merge adapters / undo the wrapping, or pe.unpack "
@@ -138,6 +144,9 @@ def _hooks_problem(path: str, m: nn.Module) -> str | None:
         return f"{path} has backward hooks, which fire only when its forward runs"
     for hooks in (m._forward_hooks, m._forward_pre_hooks):
         for fn in hooks.values():
+            if isinstance(fn, prune.BasePruningMethod):
+                return (f"{path} is pruned (torch.nn.utils.prune recomputes its weight in a forward pre-hook), "
+                        "which the packed path would skip: prune.remove(module, name) makes the pruning permanent")
             if getattr(fn, "__name__", "") not in KNOWN_HOOKS:
                 return f"{path} has forward hooks, which the packed path would skip"
     return None
