@@ -94,6 +94,22 @@ def test_torch_export_of_a_packed_model_exports_the_stock_graph():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_torch_jit_trace_of_a_packed_model_traces_the_stock_graph():
+    """``torch.jit.trace`` would record the packed path's host reads (the batch's lengths) as constants: a trace
+    replayed on a batch of the same shape with another token count failed inside it ("index out of range in self").
+    The trace is the stock graph, as an exported one is, the reason warned and counted."""
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12, 9])
+    with pytest.warns(RuntimeWarning, match="torch.jit.trace traces the stock forward"), torch.no_grad():
+        traced = torch.jit.trace(model, example_kwarg_inputs=dict(input_ids=ids, attention_mask=mask), strict=False)
+    ids2, mask2 = padded_batch([7, 12, 3], seed=1)  # same shape, 22 tokens instead of 26
+    with torch.no_grad():
+        out = traced(input_ids=ids2, attention_mask=mask2)["last_hidden_state"]
+        ref = stock(model, input_ids=ids2, attention_mask=mask2).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert any("torch.jit.trace" in reason for reason in pe.describe(model)["encoders"][0]["stock_forward_calls"])
+
+
 def test_strict_torch_export_of_a_packed_model_says_to_export_non_strict():
     """A strict export traces through dynamo, where torch.compile and export look alike (the packed forward runs
     outside dynamo's graph for both): the error names ``strict=False``, and the model still runs afterwards."""

@@ -3,8 +3,9 @@ them (a one-time ``RuntimeWarning``, the reason in ``describe()``), so code writ
 
 Named before the call: attention probabilities (``output_attentions=True``), HF's precomputed per-layer-type mask
 mapping (a dict ``attention_mask``), a mask per query and key (a 3-D / 4-D tensor ``attention_mask``),
-layer-selecting ``output_hidden_states`` (a list or tuple), tracing by ``torch.export`` (the exported program
-is the stock graph: the packed forward syncs the host on the lengths), and calls inside a ``torch.func`` transform.
+layer-selecting ``output_hidden_states`` (a list or tuple), tracing by ``torch.export`` or ``torch.jit.trace`` (the
+exported program / trace is the stock graph: the packed forward syncs the host on the lengths), and calls inside a
+``torch.func`` transform.
 Found while unpacking: a mask with holes inside a row, or padding before a row's real tokens where trailing padded
 positions are computed (:class:`~packed_encoders.errors.StockOnlyInput`).
 """
@@ -21,6 +22,10 @@ from ..errors import StockOnlyInput
 
 EXPORT = ("torch.export traces the stock forward (the packed forward reads the batch's lengths on the host, which "
           "an exported graph cannot)")
+# torch.jit.trace records the packed path's host reads (the batch's lengths) as constants: a trace replayed on a batch
+# with another token count fails inside the trace ("index out of range in self"), so the trace is the stock graph
+JIT_TRACE = ("torch.jit.trace traces the stock forward (the packed forward reads the batch's lengths on the host, "
+             "which a trace would record as constants)")
 
 
 # torch.func's interpreter stack (grad, vmap, jvp, ...): None outside any transform
@@ -34,6 +39,8 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
     (after ``self``), to find ``attention_mask`` passed positionally. A few dict lookups on the hot path."""
     if torch.compiler.is_exporting():
         return EXPORT
+    if torch.jit.is_tracing():
+        return JIT_TRACE
     if _functorch_level() is not None:
         return FUNCTORCH
     mask = kwargs.get("attention_mask")

@@ -202,7 +202,8 @@ def _request(checked: CheckedForward, args, kwargs) -> str | None:
 
 
 def _checked_call(checked: CheckedForward, args, kwargs, request=_request):
-    if torch.compiler.is_exporting():  # the encoder traces the stock forward (stock_calls.EXPORT): nothing to ask
+    if torch.compiler.is_exporting() or torch.jit.is_tracing():  # the encoder traces the stock forward
+        # (stock_calls.EXPORT / JIT_TRACE): nothing to ask, and a host read of the labels would be a trace constant
         return checked.run(args, kwargs)
     outer = getattr(_REQUEST, "what", None)  # (a checked head called inside another's forward)
     _REQUEST.what = request(checked, args, kwargs)
