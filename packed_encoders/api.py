@@ -304,6 +304,28 @@ def _single_encoder(model) -> nn.Module:
     return encoders[0][1]
 
 
+# packed_forward reads cu_seqlens on the host and picks its kernels and graphs per call, as the patched HF forward does:
+# under torch.compile it runs as it is, outside the compiled graph (traced, it broke the graph at every host read, made
+# a graph per break and token count, and inductor failed on the fragments with "name 's25' is not defined"); an
+# exported graph could only record the example's segmentation, so a non-strict torch.export (which has no stock
+# forward to fall back to here) is refused.
+_PACKED_FORWARD_UNTRACEABLE = (
+    "packed_forward reads cu_seqlens on the host (its kernels and graphs are picked per call), which an exported "
+    "graph cannot: export the padded model (a packed model's torch.export traces the stock forward) or call "
+    "packed_forward outside the exported code")
+_PACKED_FORWARD_DISABLED: list = []
+
+
+def _packed_forward_outside_dynamo():
+    if not _PACKED_FORWARD_DISABLED:  # made on first use: torch.compiler.disable imports torch._dynamo
+        try:
+            wrapped = torch.compiler.disable(packed_forward, recursive=True, reason=_PACKED_FORWARD_UNTRACEABLE)
+        except TypeError:  # torch without disable(reason=...)
+            wrapped = torch.compiler.disable(packed_forward, recursive=True)
+        _PACKED_FORWARD_DISABLED.append(wrapped)
+    return _PACKED_FORWARD_DISABLED[0]
+
+
 def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Tensor | None,
                    cu_seqlens: torch.Tensor, max_seqlen: int, position_ids: torch.Tensor | None = None, *,
                    backend: str | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -320,12 +342,20 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         backend: attention backend for this call (default: the model's pack option, else ``"auto"``).
         inputs_embeds: ``[T, hidden_size]`` in the model's dtype, instead of ``packed_ids``.
 
+    Under ``torch.compile`` it runs outside the compiled graph (a graph break; ``fullgraph=True`` raises); a
+    ``torch.export`` tracing it raises ``PackedEncodersError``.
+
     Raises:
         PackedEncodersError: inconsistent ``cu_seqlens`` / ``max_seqlen`` (or a ``max_seqlen`` that is not an
             int), ids outside the vocabulary, ``inputs_embeds`` of another shape or dtype; ``params`` other than
             the model's; a model changed since ``pack()`` in a way the packed forward would skip (a forward hook,
             a wrapped or swapped submodule, pruned layers, a new ``config.sliding_window``).
     """
+    if torch.compiler.is_dynamo_compiling():  # also a strict torch.export, which dynamo traces (adapters.patch)
+        return _packed_forward_outside_dynamo()(model, params, packed_ids, cu_seqlens, max_seqlen, position_ids,
+                                                backend=backend, inputs_embeds=inputs_embeds)
+    if torch.compiler.is_exporting():
+        raise PackedEncodersError(_PACKED_FORWARD_UNTRACEABLE)
     encoder = _single_encoder(model)
     state = get_state(encoder)
     if state is not None:

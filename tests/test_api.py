@@ -420,6 +420,42 @@ def test_packed_forward_names_a_non_tensor_argument():
         pe.packed_forward(model, None, ids, [0, 5, 8, 28, 29], 20)
 
 
+def test_packed_forward_runs_outside_torch_compile_and_refuses_export():
+    """``packed_forward`` reads ``cu_seqlens`` on the host, as the patched forward reads the lengths: under
+    ``torch.compile`` it runs as it is, outside the graph (traced, it broke the graph at each host read into a graph
+    per fragment and token count, on which inductor failed with "name 's25' is not defined"), ``fullgraph=True``
+    names why, and ``torch.export`` raises a named error (it raised a data-dependent guard error from inside)."""
+    import itertools
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    model = pe.pack(make_model("base_like"))
+
+    def encode(ids, cu_seqlens, max_seqlen):
+        return pe.packed_forward(model, None, ids, cu_seqlens, max_seqlen)
+
+    class Encode(nn.Module):
+        def forward(self, ids, cu_seqlens):
+            return encode(ids, cu_seqlens, 17)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(encode, backend="eager")
+    with torch.no_grad():
+        for lengths in ((5, 12, 9), (3, 17)):
+            ids = torch.randint(3, 200, (sum(lengths),))
+            cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+            torch.testing.assert_close(compiled(ids, cu, max(lengths)), encode(ids, cu, max(lengths)))
+        assert not counters["stats"]["unique_graphs"]  # nothing of the packed forward was traced
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="packed_forward reads cu_seqlens on the host"):
+            torch.compile(encode, backend="eager", fullgraph=True)(ids, cu, 17)
+        with pytest.raises(pe.PackedEncodersError, match="packed_forward reads cu_seqlens on the host"):
+            torch.export.export(Encode(), (ids, cu))
+    torch._dynamo.reset()
+
+
 def test_describe_says_whether_the_last_eager_call_applied_dropout():
     model = pe.pack(make_model("base_like", mlp_dropout=0.1))
     ids, mask = padded_batch([5, 12, 9])
