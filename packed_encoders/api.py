@@ -11,7 +11,7 @@ from .adapters import around, token_labels
 from .adapters.fsdp import gathered
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
-from .adapters.patch import install, replaced_forward, restore
+from .adapters.patch import install, outside_dynamo, replaced_forward, restore
 from .adapters.state import PackOptions, forward_bypassed, get_state
 from .adapters.structure import structure_check
 from .batch import from_packed
@@ -305,25 +305,13 @@ def _single_encoder(model) -> nn.Module:
 
 
 # packed_forward reads cu_seqlens on the host and picks its kernels and graphs per call, as the patched HF forward does:
-# under torch.compile it runs as it is, outside the compiled graph (traced, it broke the graph at every host read, made
-# a graph per break and token count, and inductor failed on the fragments with "name 's25' is not defined"); an
-# exported graph could only record the example's segmentation, so a non-strict torch.export (which has no stock
-# forward to fall back to here) is refused.
+# under torch.compile it runs as it is, outside the compiled graph (traced, every host read would break the graph, a
+# graph per fragment and token count); an exported graph could only record the example's segmentation, so a
+# non-strict torch.export (which has no stock forward to fall back to here) is refused.
 _PACKED_FORWARD_UNTRACEABLE = (
     "packed_forward reads cu_seqlens on the host (its kernels and graphs are picked per call), which an exported "
     "graph cannot: export the padded model (a packed model's torch.export traces the stock forward) or call "
     "packed_forward outside the exported code")
-_PACKED_FORWARD_DISABLED: list = []
-
-
-def _packed_forward_outside_dynamo():
-    if not _PACKED_FORWARD_DISABLED:  # made on first use: torch.compiler.disable imports torch._dynamo
-        try:
-            wrapped = torch.compiler.disable(packed_forward, recursive=True, reason=_PACKED_FORWARD_UNTRACEABLE)
-        except TypeError:  # torch without disable(reason=...)
-            wrapped = torch.compiler.disable(packed_forward, recursive=True)
-        _PACKED_FORWARD_DISABLED.append(wrapped)
-    return _PACKED_FORWARD_DISABLED[0]
 
 
 def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Tensor | None,
@@ -352,8 +340,9 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
             a wrapped or swapped submodule, pruned layers, a new ``config.sliding_window``).
     """
     if torch.compiler.is_dynamo_compiling():  # also a strict torch.export, which dynamo traces (adapters.patch)
-        return _packed_forward_outside_dynamo()(model, params, packed_ids, cu_seqlens, max_seqlen, position_ids,
-                                                backend=backend, inputs_embeds=inputs_embeds)
+        return outside_dynamo(packed_forward, _PACKED_FORWARD_UNTRACEABLE)(
+            model, params, packed_ids, cu_seqlens, max_seqlen, position_ids, backend=backend,
+            inputs_embeds=inputs_embeds)
     if torch.compiler.is_exporting():
         raise PackedEncodersError(_PACKED_FORWARD_UNTRACEABLE)
     encoder = _single_encoder(model)

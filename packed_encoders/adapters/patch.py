@@ -20,20 +20,24 @@ from .stock_calls import stock_signature
 # takes the wrapper; non-strict torch.export (the default) never enters dynamo and traces the stock forward
 # (adapters.stock_calls). The wrapper is made at the first pack() rather than at import: making it imports
 # torch._dynamo (~0.6 s), which pack() imports anyway.
-_OUTSIDE_DYNAMO: list = []
+_OUTSIDE_DYNAMO: dict = {}
 _STRICT_EXPORT = ("packed_encoders runs the packed forward outside dynamo's graph (it reads the batch's lengths on "
-                  "the host); export a packed model with torch.export.export(..., strict=False), which traces the "
-                  "stock forward, or pe.unpack(model) first")
+                  "the host): under torch.compile the encoder is a graph break (fullgraph=True cannot hold it); export "
+                  "a packed model with torch.export.export(..., strict=False), which traces the stock forward, or "
+                  "pe.unpack(model) first")
 
 
-def _outside_dynamo():
-    if not _OUTSIDE_DYNAMO:
+def outside_dynamo(fn, reason: str):
+    """``fn`` wrapped to run outside dynamo's graph (``torch.compiler.disable``, recursive; ``reason`` is what
+    dynamo says of it, e.g. under ``fullgraph=True``), made once per function."""
+    wrapped = _OUTSIDE_DYNAMO.get(fn)
+    if wrapped is None:
         try:
-            wrapped = torch.compiler.disable(hf_forward, recursive=True, reason=_STRICT_EXPORT)
+            wrapped = torch.compiler.disable(fn, recursive=True, reason=reason)
         except TypeError:  # torch without disable(reason=...)
-            wrapped = torch.compiler.disable(hf_forward, recursive=True)
-        _OUTSIDE_DYNAMO.append(wrapped)
-    return _OUTSIDE_DYNAMO[0]
+            wrapped = torch.compiler.disable(fn, recursive=True)
+        wrapped = _OUTSIDE_DYNAMO.setdefault(fn, wrapped)
+    return wrapped
 
 
 class PackedForward:
@@ -54,7 +58,7 @@ class PackedForward:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return previous(*args, **kwargs)
         if torch.compiler.is_dynamo_compiling():
-            return _outside_dynamo()(self.module, *args, **kwargs)
+            return outside_dynamo(hf_forward, _STRICT_EXPORT)(self.module, *args, **kwargs)
         return hf_forward(self.module, *args, **kwargs)
 
     @property
@@ -103,7 +107,7 @@ def replaced_forward(model: nn.Module):
 
 
 def install(model: nn.Module, state: PackState) -> None:
-    _outside_dynamo()
+    outside_dynamo(hf_forward, _STRICT_EXPORT)
     existing = get_state(model)
     current = model.__dict__.get("forward", _NO_FORWARD)
     if existing is None:
