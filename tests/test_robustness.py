@@ -259,6 +259,12 @@ def test_bad_packed_and_scalar_inputs_get_named_errors():
             with pytest.raises(pe.PackedEncodersError, match="max_length_q"):
                 model(input_ids=ids[None], position_ids=None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                       max_length_q=bad, max_length_k=bad)
+        # cu_seq_lens_* that are not tensors (lists, or NumPy arrays from a collator run with return_tensors="np")
+        for bad_cu in (cu.tolist(), cu.numpy()):
+            with pytest.raises(pe.PackedEncodersError, match="cu_seq_lens_q must be"):
+                model(input_ids=ids[None], cu_seq_lens_q=bad_cu, cu_seq_lens_k=list(cu.tolist()), max_length_q=4)
+            with pytest.raises(pe.PackedEncodersError, match="cu_seq_lens_k must be"):
+                model(input_ids=ids[None], cu_seq_lens_q=cu, cu_seq_lens_k=bad_cu, max_length_q=4)
         good = pe.packed_forward(model, None, ids, cu, 4)  # ints and 0-d integer tensors are accepted
         assert torch.equal(pe.packed_forward(model, None, ids, cu, torch.tensor(4)), good)
         with pytest.raises(pe.PackedEncodersError, match="0-d"):

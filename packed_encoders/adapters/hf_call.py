@@ -287,6 +287,12 @@ def _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position
     ids = None if input_ids is None else (input_ids[0] if batched else input_ids)
     embeds = None if inputs_embeds is None else (inputs_embeds[0] if batched else inputs_embeds)
     cu_q, cu_k = packed_kw.get("cu_seq_lens_q"), packed_kw.get("cu_seq_lens_k")
+    # checked before cu_k is compared with cu_q: a list or NumPy array (a collator run with return_tensors="np")
+    # would otherwise reach that comparison's tensor methods and raise a bare AttributeError
+    for name, value in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise PackedEncodersError(f"{name} must be a 1-D int32 or int64 torch.Tensor [N + 1]; got "
+                                      f"{type(value).__name__}")
     if cu_q is None and cu_k is not None:
         cu_q = cu_k
     if cu_k is not None and cu_k is not cu_q and (cu_k.shape != cu_q.shape or not torch.equal(cu_k.to(cu_q.device), cu_q)):
