@@ -269,6 +269,12 @@ def test_bad_packed_and_scalar_inputs_get_named_errors():
         assert torch.equal(pe.packed_forward(model, None, ids, cu, torch.tensor(4)), good)
         with pytest.raises(pe.PackedEncodersError, match="0-d"):
             model(input_ids=torch.tensor(5))
+        mask = torch.ones(1, 7, dtype=torch.long)
+        for dtype in (torch.float64, torch.bfloat16):  # outside autocast (stock fails in its first GEMM too)
+            with pytest.raises(pe.PackedEncodersError, match=f"inputs_embeds is {dtype}"):
+                model(inputs_embeds=torch.randn(1, 7, h, dtype=dtype), attention_mask=mask)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # served under autocast, as stock serves it
+            model(inputs_embeds=torch.randn(1, 7, h, dtype=torch.bfloat16), attention_mask=mask)
 
 
 @pytest.mark.parametrize("lengths,what", [(5, "list of positive ints"), ("12", "list of positive ints"),
