@@ -188,3 +188,22 @@ def test_query_expansion_is_followed_after_pickling(model_dir):
     for a, b in zip(model.encode_query(queries, batch_size=5), ref.encode_query(queries, batch_size=5)):
         assert a.shape == b.shape and a.shape[0] == 32
         torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
+
+
+def test_features_dict_run_through_the_model_again(model_dir):
+    """sentence-transformers' modules write their outputs (token_embeddings, sentence_embedding, ...) into the features
+    dict, and its Transformer module passes every feature to a forward taking ``**kwargs``: a dict that went through the
+    model once carries them into the next call (CachedGISTEmbedLoss runs the model, then its guide, on one dict).
+    Stock ignores them; the packed forward ignores them too and gives the same embedding."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    transformer = Transformer(model_dir)
+    model = pe.pack(SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
+                                        device="cpu"))
+    features = model.preprocess(TEXTS[:4])
+    with torch.no_grad():
+        first = model(features)["sentence_embedding"].clone()
+        assert {"token_embeddings", "sentence_embedding"} <= set(features)
+        again = model(features)["sentence_embedding"]
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
