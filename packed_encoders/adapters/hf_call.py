@@ -37,13 +37,12 @@ from .token_labels import TRAILING, head_request, position_zero_reader, restore_
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
 # meaning for a bidirectional encoder.
-IGNORED_KWARGS = frozenset({"num_items_in_batch", "use_cache"})
 # sentence-transformers' modules write their outputs into the features dict, and its Transformer module passes every
 # feature as a keyword to a forward taking **kwargs: a dict that went through the pipeline once carries these into
 # the next call (CachedGISTEmbedLoss runs the model, then its guide, on one dict). Stock hands them to its attention
 # function, which does not read them; they are outputs of an earlier call, never inputs.
-ST_OUTPUT_KWARGS = frozenset({"token_embeddings", "sentence_embedding", "all_layer_embeddings", "token_weights_sum",
-                              "cls_token_embeddings"})
+IGNORED_KWARGS = ("num_items_in_batch", "use_cache", "token_embeddings", "sentence_embedding", "all_layer_embeddings",
+                  "token_weights_sum", "cls_token_embeddings")
 # transformers v4's internal unpadding kwargs (passed by v4 heads under flash_attention_2).
 _V4_UNPADDED = ("sliding_window_mask", "indices", "cu_seqlens", "max_seqlen", "batch_size", "seq_len")
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -204,7 +203,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     for k in _PACKED:
         kwargs.pop(k, None)
     v4 = [k for k in _V4_UNPADDED if kwargs.pop(k, None) is not None]
-    for k in IGNORED_KWARGS | ST_OUTPUT_KWARGS:
+    for k in IGNORED_KWARGS:
         kwargs.pop(k, None)
 
     if "sliding_window_mask" in v4:
