@@ -669,7 +669,7 @@ def test_replaced_parameter_objects_drop_graphs(cpu_graphs, change):
     torch.testing.assert_close(after, eager, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("change", ["linear", "norm", "layers_reordered", "norm_eps"])
+@pytest.mark.parametrize("change", ["linear", "norm", "layers_reordered", "norm_eps", "rotary_buffer"])
 def test_module_tree_changes_drop_graphs(cpu_graphs, change):
     """A change the packed forward follows live but a captured graph baked in: a submodule replaced by a new one of
     the same type (the graph reads the old one's weights by address), two layers of one attention type swapped
@@ -686,6 +686,10 @@ def test_module_tree_changes_drop_graphs(cpu_graphs, change):
             model.final_norm = torch.nn.LayerNorm(model.config.hidden_size, eps=1e-3, bias=False)
         elif change == "layers_reordered":
             model.layers[1], model.layers[2] = model.layers[2], model.layers[1]
+        elif change == "rotary_buffer":  # a capture computes its RoPE tables from the buffer, read by address
+            rotary = next(m for m in model.modules() if type(m).__name__ == "ModernBertRotaryEmbedding")
+            name = next(n for n in rotary._buffers if n.endswith("inv_freq"))
+            setattr(rotary, name, getattr(rotary, name) * 1.5)
         else:
             model.final_norm.eps = 0.5
         _forward(model, ids, mask)

@@ -49,42 +49,57 @@ def _manager(state) -> GraphManager | None:
     return mgr
 
 
-_PARAMETERS = operator.itemgetter("_parameters")  # from a module's instance __dict__ (cheaper than getattr)
 _DATA_PTR = torch.Tensor.data_ptr
 
 
-def _weights(model) -> tuple:
-    """``(module __dict__s, names, slot values, params)``: every ``_parameters`` slot of every module (``None``
-    ones too, so a bias added later is seen) as parallel tuples, and the non-``None`` parameters; listed once
-    per manager, so a call checks them with C-level ``map`` instead of a Python loop."""
-    slots = [(vars(m), n, p) for m in model.modules() for n, p in m._parameters.items()]
-    return (tuple(m for m, _, _ in slots), tuple(n for _, n, _ in slots), tuple(p for _, _, p in slots),
-            tuple(p for _, _, p in slots if p is not None))
+class Listed(NamedTuple):
+    """What a captured graph reads of the model, listed once per manager (walking the module tree every call costs
+    more than the graph saves) as parallel tuples a call checks with C-level ``map``: every ``_parameters`` and
+    ``_buffers`` slot of every module (``module_dicts`` their modules' instance ``__dict__``s, ``kinds`` which of
+    the two, ``names``, ``values``; ``None`` slots too, so a bias added later is seen), the non-``None``
+    ``params`` (training graphs keep a gradient buffer per parameter), the ``tensors`` read by address (the
+    parameters, and the buffers: the rotary ``inv_freq`` a capture computes its RoPE tables from), and the
+    structure snapshot's ``tree`` they were listed under."""
+
+    module_dicts: tuple
+    kinds: tuple
+    names: tuple
+    values: tuple
+    params: tuple
+    tensors: tuple
+    tree: Any
+
+
+def _listed(model, tree) -> Listed:
+    slots = [(vars(m), kind, n, t) for m in model.modules() for kind in ("_parameters", "_buffers")
+             for n, t in getattr(m, kind).items()]
+    params = tuple(t for _, kind, _, t in slots if kind == "_parameters" and t is not None)
+    buffers = tuple(t for _, kind, _, t in slots if kind == "_buffers" and t is not None)
+    return Listed(*(tuple(slot[i] for slot in slots) for i in range(4)), params, params + buffers, tree)
 
 
 def fingerprint(model, state, mgr: GraphManager) -> tuple:
-    """Device, dtype, the module tree and the storage address of every parameter: a captured graph reads weights
-    by address, so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it.
+    """Device, dtype, the module tree and the storage address of every parameter and buffer: a captured graph reads
+    them by address, so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it.
 
-    The ``(module, name)`` slots are listed once per manager (walking the module tree every call costs more
-    than the graph saves); each call checks, reading each module's ``_parameters`` live, that every slot still
-    holds the listed Parameter object (or ``None``), so ``load_state_dict(assign=True)``, ``param =
-    nn.Parameter(...)`` or a bias added where there was none re-lists and, storage having moved, drops the
-    graphs. A graph also holds the modules it was captured with: a submodule swapped for another of its type,
-    layers of one attention type reordered or a norm's ``eps`` set change the structure snapshot's ``tree``
-    (:func:`packed_encoders.adapters.structure.snapshot`, current here: the structure check runs before every
-    route), which re-lists and drops the graphs too. The listed objects stay referenced, so a replaced parameter's
-    old storage is never freed under a graph.
+    Each call checks, reading each module's ``_parameters`` / ``_buffers`` live, that every slot listed
+    (:class:`Listed`) still holds the listed tensor (or ``None``), so ``load_state_dict(assign=True)``, ``param =
+    nn.Parameter(...)``, a buffer reassigned (``rotary_emb.inv_freq = ...``) or a bias added where there was none
+    re-lists and, storage having moved, drops the graphs. A graph also holds the modules it was captured with: a
+    submodule swapped for another of its type, layers of one attention type reordered or a norm's ``eps`` set
+    change the structure snapshot's ``tree`` (:func:`packed_encoders.adapters.structure.snapshot`, current here:
+    the structure check runs before every route), which re-lists and drops the graphs too. The listed objects stay
+    referenced, so a replaced tensor's old storage is never freed under a graph.
     """
     snap = state.runtime.get("structure")
     tree = None if snap is None else snap["tree"]
-    weights = mgr.weights
-    if weights is None or weights[4] != tree or not all(
-            map(operator.is_, map(dict.get, map(_PARAMETERS, weights[0]), weights[1]), weights[2])):
-        weights = mgr.weights = (*_weights(model), tree)
-    params = weights[3]
-    w0 = params[0]
-    return (w0.device, w0.dtype, tree, *map(_DATA_PTR, params))
+    listed = mgr.weights
+    if listed is None or listed.tree != tree or not all(
+            map(operator.is_, map(dict.get, map(operator.getitem, listed.module_dicts, listed.kinds), listed.names),
+                listed.values)):
+        listed = mgr.weights = _listed(model, tree)
+    w0 = listed.params[0]
+    return (w0.device, w0.dtype, tree, *map(_DATA_PTR, listed.tensors))
 
 
 def _capture_kw(model, mgr: GraphManager) -> dict:
@@ -348,7 +363,7 @@ def train_forward(model, state, batch, *, bucket: Bucket | None = None, autocast
     query_only = batch.key_lens is not None
     with mgr.lock:
         mgr.check_fingerprint(fingerprint(model, state, mgr))
-        trainable = tuple(p.requires_grad for p in mgr.weights[3])
+        trainable = tuple(p.requires_grad for p in mgr.weights.params)
         if not any(trainable):
             mgr.note_fallback(B.FROZEN)
             return None
@@ -393,7 +408,7 @@ def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str
     the lock)."""
     from .training import SlotPool, TrainRunner
 
-    params = mgr.weights[3]
+    params = mgr.weights.params
     buffers = mgr.train_grads  # one per parameter, shared by every slot: the node returns copies of them
     with torch.no_grad(), torch.inference_mode(False):
         grads = tuple(buffers.setdefault(i, torch.zeros_like(p)) for i, (p, t) in enumerate(zip(params, trainable))
