@@ -11,7 +11,8 @@ from .adapters import around, token_labels
 from .adapters.fsdp import gathered
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
-from .adapters.patch import install, outside_dynamo, replaced_forward, restore
+from .adapters.dynamo import outside_dynamo
+from .adapters.patch import install, replaced_forward, restore
 from .adapters.state import PackOptions, forward_bypassed, get_state
 from .adapters.structure import structure_check
 from .batch import from_packed
@@ -180,7 +181,7 @@ def unpack(target):
     for model in encoders:
         restore(model)
     around.forget(target)
-    around.mark_readers(encoders)  # as do the marks of readers left reading no packed encoder
+    around.mark_readers(encoders, target)  # as do the marks of readers left reading no packed encoder
     token_labels.sync(heads)  # the checks of heads left holding no packed encoder come off too
     return target
 
@@ -328,7 +329,8 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         max_seqlen: host int, the longest sequence (checked).
         position_ids: int ``[T]``; ``None`` means ``arange`` within each sequence.
         backend: attention backend for this call (default: the model's pack option, else ``"auto"``).
-        inputs_embeds: ``[T, hidden_size]`` in the model's dtype, instead of ``packed_ids``.
+        inputs_embeds: ``[T, hidden_size]`` in the model's dtype (or autocast's, under autocast), instead of
+            ``packed_ids``.
 
     Under ``torch.compile`` it runs outside the compiled graph (a graph break; ``fullgraph=True`` raises); a
     ``torch.export`` tracing it raises ``PackedEncodersError``.
@@ -366,9 +368,9 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         if inputs_embeds.dim() != 2 or inputs_embeds.shape[-1] != state.params.hidden_size:
             raise PackedEncodersError(f"inputs_embeds must be [T, hidden_size] = [T, {state.params.hidden_size}]; "
                                       f"got shape {tuple(inputs_embeds.shape)}")
-        if inputs_embeds.dtype != weight.dtype:
+        if inputs_embeds.dtype != weight.dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
             raise PackedEncodersError(f"inputs_embeds is {inputs_embeds.dtype} but the model's weights are "
-                                      f"{weight.dtype}; cast one to the other")
+                                      f"{weight.dtype} (outside autocast); cast one to the other")
     batch = from_packed(input_ids=packed_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
                         max_seqlen=max_seqlen, position_ids=position_ids,
                         vocab_size=encoder.embeddings.tok_embeddings.num_embeddings)

@@ -295,7 +295,8 @@ def test_a_class_forward_set_back_on_the_instance_is_reported_and_repacked():
     assert not pe.is_packed(model)
 
 
-def test_a_label_check_taken_off_a_head_by_accelerate_is_put_back():
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_label_check_taken_off_a_head_by_accelerate_is_put_back(copied):
     """A head hooked by accelerate before ``pack()``, its hook removed after (the class forward set back over the
     label check): the next encoder call puts the check back and runs stock (its labels went unread), counted; the
     calls after are checked again. Left-padded labels at padded positions: the loss equals stock's throughout."""
@@ -304,6 +305,8 @@ def test_a_label_check_taken_off_a_head_by_accelerate_is_put_back():
     stock = copy.deepcopy(head)
     hooks.add_hook_to_module(head, hooks.ModelHook())
     pe.pack(head)
+    if copied:  # a copy's check is recorded around its copied encoder too
+        head = copy.deepcopy(head)
     hooks.remove_hook_from_module(head)
     ids, mask = padded_batch([5, 12, 9], side="left")
     kw = {"input_ids": ids, "attention_mask": mask, "labels": ids % 4}  # labels counted at padded positions
@@ -397,3 +400,64 @@ def test_a_copied_container_listing_the_encoder_first_follows_the_copied_wrapper
     twin.query_length = stock.query_length = 16
     assert _expansion_error(twin, stock) < 1e-5
     assert _padded_outputs(twin) == "trailing masked positions computed for calls <= 16 wide"
+
+
+class _QueryExpansion(torch.nn.Module):
+    """A sentence-transformers v6 style expansion source: a module with a ``query_expansion`` dict."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.query_expansion = {"length": length, "attend": False}
+
+
+def test_a_copy_follows_every_expansion_source_copied_after_its_encoder():
+    """A container listing the encoder before two expansion sources (8 and 32 wide): the copy computes the masked
+    positions of 16-wide queries as the original does (each copied source takes over its original in the watch)."""
+    encoder = make_model("tiny")
+    stock = copy.deepcopy(encoder)
+    box = torch.nn.ModuleDict({"encoder": encoder, "a": _QueryExpansion(8), "b": _QueryExpansion(32)})
+    pe.pack(box)
+    twin = copy.deepcopy(box)
+    assert _padded_outputs(twin) == "trailing masked positions computed for calls <= 32 wide"
+    ids, mask = padded_batch([3, 12, 7], pad_to=16)
+    with torch.no_grad():
+        want = stock(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = twin["encoder"](input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    twin["b"].query_expansion = {"length": 8, "attend": False}  # the copy's settings, not the original's
+    assert _padded_outputs(twin) == "trailing masked positions computed for calls <= 8 wide"
+    assert _padded_outputs(box) == "trailing masked positions computed for calls <= 32 wide"
+
+
+@pytest.mark.parametrize("cls", [transformers.ModernBertForTokenClassification,
+                                 transformers.ModernBertForSequenceClassification])
+def test_unpack_leaves_no_mark_on_a_head_whose_encoder_was_replaced(cls):
+    """``head.model = <another encoder>`` after ``pack(head)`` (the packed one collected): ``pe.unpack(head)`` leaves
+    nothing of ours on the head, so it pickles without this package."""
+    import gc
+    import pickle
+
+    head = make_model("tiny", cls=cls, num_labels=4, classifier_pooling="cls")
+    pe.pack(head)
+    head.model = make_model("tiny")
+    gc.collect()
+    pe.unpack(head)
+    assert b"packed_encoders" not in pickle.dumps(head)
+
+
+def test_a_forward_bound_again_by_accelerate_unwrap_model_is_called_right():
+    """accelerate's ``unwrap_model(keep_fp32_wrapper=False)`` after a native-amp ``prepare`` sets
+    ``MethodType(<the instance forward>, model)`` back: our forwards then get the module as their first argument."""
+    from types import MethodType
+
+    for cls in (None, transformers.ModernBertForTokenClassification):
+        model = make_model("tiny", cls=cls, num_labels=4) if cls else make_model("tiny")
+        stock = copy.deepcopy(model)
+        pe.pack(model)
+        model.forward = MethodType(model.forward, model)
+        ids, mask = padded_batch([5, 9])
+        with torch.no_grad():
+            got, want = model(input_ids=ids, attention_mask=mask), stock(input_ids=ids, attention_mask=mask)
+        key = "logits" if cls else "last_hidden_state"
+        real = mask.bool()
+        torch.testing.assert_close(got[key][real], want[key][real], atol=1e-5, rtol=1e-5)

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from torch import nn
 
-from .late_interaction import ExpansionWatch, expansion_sources
+from .late_interaction import expansion_sources
 from .state import STATE_ATTR
 
 CHECK_SUFFIXES = ("ForTokenClassification", "ForMaskedLM", "ForQuestionAnswering")  # labels read per call
@@ -106,21 +106,24 @@ def _record(encoder: nn.Module, reader: nn.Module, kinds: frozenset) -> None:
     record[reader] = record.get(reader, frozenset()) | kinds
 
 
-def mark_readers(encoders) -> None:
-    """Give each reader recorded around ``encoders`` its :class:`ReaderMark` while an encoder it reads is packed,
-    and take it off once none is: after ``unpack()`` of every encoder a reader reads, it holds nothing of ours (it
-    pickles without this package), as a head's label check comes off then (``token_labels.sync``)."""
-    for encoder in encoders:
-        for reader in list(_RECORD.get(encoder, ())):
-            _mark(reader)
+def mark_readers(encoders, inside: nn.Module | None = None) -> None:
+    """Give each reader recorded around ``encoders`` (and each module of ``inside``) its :class:`ReaderMark` while
+    an encoder it reads is packed, and take any other value of that attribute off: after ``unpack()`` of every
+    encoder a reader reads, it holds nothing of ours (it pickles without this package), as a head's label check
+    comes off then (``token_labels.sync``)."""
+    readers = {id(r): r for encoder in encoders for r in list(_RECORD.get(encoder, ()))}
+    if inside is not None:
+        readers.update((id(m), m) for m in inside.modules())
+    for reader in readers.values():
+        _mark(reader)
 
 
 def _mark(reader: nn.Module) -> None:
     packed = any(STATE_ATTR in encoder.__dict__ for encoder, _ in _reads(reader))
-    marked = isinstance(reader.__dict__.get(MARK_ATTR), ReaderMark)
-    if packed and not marked:
+    current = reader.__dict__.get(MARK_ATTR)
+    if packed and not (isinstance(current, ReaderMark) and current.names(reader)):
         reader.__dict__[MARK_ATTR] = ReaderMark(reader)
-    elif marked and not packed:
+    elif not packed and MARK_ATTR in reader.__dict__:  # (also a copy's mark that linked nothing, or a shallow copy's)
         del reader.__dict__[MARK_ATTR]
 
 
@@ -144,33 +147,40 @@ def _reads(reader: nn.Module) -> list:
 
 
 class ReaderMark:
-    """Carries a recorded reader's place in the record to its copies (see the module docstring): a deepcopy records
-    the reader's copy around the copies of the encoders it reads made earlier by the same deepcopy (and gives a
-    copied encoder packed with a watch it could not copy, :meth:`.state.PackState.__deepcopy__`, one on the copied
-    readers); unpickling records it around the unpickled encoders inside it, pickled along."""
+    """Carries a recorded reader's place in the record to its copies (see the module docstring). A deepcopy records
+    the reader's copy around the copies of the encoders it reads made earlier by the same deepcopy, and points their
+    query-expansion watch at the copy (:meth:`.late_interaction.ExpansionWatch.follow`); unpickling records it
+    around the unpickled encoders inside it, pickled along. A copy that links no encoder is ``None``."""
 
     def __init__(self, reader: nn.Module):
         self._reader = weakref.ref(reader)
 
-    def __deepcopy__(self, memo: dict) -> ReaderMark:
+    def names(self, reader: nn.Module) -> bool:
+        """This mark is ``reader``'s own (a shallow copy of a module shares its original's)."""
+        return self._reader() is reader
+
+    def __deepcopy__(self, memo: dict) -> ReaderMark | None:
         reader = self._reader()
         copy = None if reader is None else memo.get(id(reader))
         if copy is None:  # (the mark copied without its reader)
-            return self
+            return None
+        linked = False
         for encoder, kinds in _reads(reader):
             twin = memo.get(id(encoder))
-            if twin is not None:
-                _record(twin, copy, kinds)
-                if EXPANSION in kinds:
-                    _watch_copied_sources(twin)
-        return ReaderMark(copy)
+            if twin is None:
+                continue
+            _record(twin, copy, kinds)
+            linked = True
+            watch = getattr(twin.__dict__.get(STATE_ATTR), "runtime", {}).get("expansion")
+            if watch is not None and EXPANSION in kinds:
+                watch.follow(reader, copy)
+        return ReaderMark(copy) if linked else None
 
     def __reduce__(self):
         reader = self._reader()
-        if reader is None:
-            return (_gone_mark, ())
-        inside = [(e, kinds) for e, kinds in _reads(reader) if any(m is e for m in reader.modules())]
-        return (_unpickled_mark, (reader, inside))
+        inside = [] if reader is None else [(e, kinds) for e, kinds in _reads(reader)
+                                            if any(m is e for m in reader.modules())]
+        return (_unpickled_mark, (reader, inside)) if inside else (_no_mark, ())
 
 
 def _unpickled_mark(reader: nn.Module, reads: list) -> ReaderMark:
@@ -179,20 +189,14 @@ def _unpickled_mark(reader: nn.Module, reads: list) -> ReaderMark:
     return ReaderMark(reader)
 
 
-def _gone_mark():
+def _no_mark():
     return None
 
 
-def _watch_copied_sources(encoder: nn.Module) -> None:
-    """A copied encoder packed with query expansion whose state's watch was not copied (its sources were copied
-    after it): a watch on the copied sources recorded around it, so their settings are followed as the original's
-    are."""
-    state = encoder.__dict__.get(STATE_ATTR)
-    if state is None or state.options.padded_outputs != "auto" or "expansion" in state.runtime:
-        return
-    sources = around(encoder).expansion
-    if sources:
-        state.runtime["expansion"] = ExpansionWatch(sources)
+def label_heads(encoder: nn.Module) -> list:
+    """The heads recorded as checking ``encoder``'s labels (a dict lookup when there are none: read per call)."""
+    record = _RECORD.get(encoder)
+    return [m for m, kinds in record.items() if CHECK in kinds] if record else []
 
 
 def around(encoder: nn.Module, target: nn.Module | None = None) -> Readers:

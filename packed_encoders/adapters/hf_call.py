@@ -174,8 +174,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     state = model._packed_encoders
     raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
     request = head_request()  # a head's loss reads padded positions (adapters.token_labels)
-    if request is None and "checked_heads" in state.runtime:
-        request = restore_bypassed(state)
+    if request is None:
+        request = restore_bypassed(model)
     problem = structure_check(model, state)
     names = positional_names(type(model))
     if problem is None:

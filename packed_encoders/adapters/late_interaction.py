@@ -76,17 +76,20 @@ class ExpansionWatch:
     def __bool__(self) -> bool:
         return bool(self._refs)
 
-    def copied(self, memo: dict) -> "ExpansionWatch | None":
-        """This watch on the copies of its sources made by the ``copy.deepcopy`` that ``memo`` belongs to (a whole
-        target copied: its modules are in the memo before the encoder's state), or ``None`` when one was not copied
-        (the copy keeps the length read at ``pack()``)."""
-        sources = [r() for r in self._refs]
-        if any(s is None or id(s) not in memo for s in sources):
-            return None
+    def copied(self, memo: dict) -> "ExpansionWatch":
+        """This watch for a copy made by the ``copy.deepcopy`` that ``memo`` belongs to: on the copies of its sources
+        made so far (a whole target copied: its modules enter the memo before the encoder's state), on the originals
+        of the others, which a copy of a source made later takes over (:meth:`follow`)."""
         new = object.__new__(ExpansionWatch)
-        new._refs = tuple(weakref.ref(memo[id(s)]) for s in sources)
+        sources = [r() for r in self._refs]
+        new._refs = tuple(r if s is None or id(s) not in memo else weakref.ref(memo[id(s)])
+                          for r, s in zip(self._refs, sources))
         new._seen, new._length = self._seen, self._length
         return new
+
+    def follow(self, source, copy) -> None:
+        """Read ``copy``'s settings where this watch read ``source``'s (a source copied after the encoder)."""
+        self._refs = tuple(weakref.ref(copy) if r() is source else r for r in self._refs)
 
     def __getstate__(self) -> dict:
         # pickled with the sources themselves: a pickled target (torch.save, a multi-process pool's workers) holds

@@ -8,36 +8,19 @@ import copy
 import torch
 from torch import nn
 
+from .dynamo import outside_dynamo
 from .hf_call import hf_forward
 from .state import _NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state
 from .stock_calls import stock_signature
 
 
-# Under torch.compile the packed forward runs as it is, outside the compiled graph: it reads the batch's lengths on
-# the host and picks its own kernels and CUDA graphs per call, so tracing it would break the graph at that read anyway;
-# the code around the encoder (a head, a loss) still compiles. Inside a dynamo trace torch.compiler.is_exporting()
-# cannot tell torch.compile from a strict torch.export (torch 2.11 folds it to True for both), so every dynamo trace
-# takes the wrapper; non-strict torch.export (the default) never enters dynamo and traces the stock forward
-# (adapters.stock_calls). The wrapper is made at the first pack() rather than at import: making it imports
-# torch._dynamo (~0.6 s), which pack() imports anyway.
-_OUTSIDE_DYNAMO: dict = {}
+# Inside a dynamo trace torch.compiler.is_exporting() cannot tell torch.compile from a strict torch.export (torch 2.11
+# folds it to True for both), so every dynamo trace runs the packed forward outside the graph (adapters.dynamo);
+# non-strict torch.export (the default) never enters dynamo and traces the stock forward (adapters.stock_calls).
 _STRICT_EXPORT = ("packed_encoders runs the packed forward outside dynamo's graph (it reads the batch's lengths on "
                   "the host): under torch.compile the encoder is a graph break (fullgraph=True cannot hold it); export "
                   "a packed model with torch.export.export(..., strict=False), which traces the stock forward, or "
                   "pe.unpack(model) first")
-
-
-def outside_dynamo(fn, reason: str):
-    """``fn`` wrapped to run outside dynamo's graph (``torch.compiler.disable``, recursive; ``reason`` is what
-    dynamo says of it, e.g. under ``fullgraph=True``), made once per function."""
-    wrapped = _OUTSIDE_DYNAMO.get(fn)
-    if wrapped is None:
-        try:
-            wrapped = torch.compiler.disable(fn, recursive=True, reason=reason)
-        except TypeError:  # torch without disable(reason=...)
-            wrapped = torch.compiler.disable(fn, recursive=True)
-        wrapped = _OUTSIDE_DYNAMO.setdefault(fn, wrapped)
-    return wrapped
 
 
 class PackedForward:
@@ -52,6 +35,8 @@ class PackedForward:
         self.previous = previous
 
     def __call__(self, *args, **kwargs):
+        if args and args[0] is self.module:  # bound again as a method: accelerate's unwrap_model(keep_fp32_wrapper=
+            args = args[1:]                   # False) sets MethodType(<this forward>, module) back on the instance
         if STATE_ATTR not in self.module.__dict__:  # unpacked
             previous = getattr(self, "previous", _NO_FORWARD)  # (pickled before this attribute existed)
             if isinstance(previous, str):

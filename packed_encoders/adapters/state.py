@@ -11,7 +11,7 @@ copied or unpickled target.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -63,13 +63,9 @@ class PackState:
                 setattr(new, k, copy.deepcopy(v, memo))
         new.runtime = {}
         watch = self.runtime.get("expansion")  # the query-expansion watch follows a copied target
-        watch = None if watch is None else watch.copied(memo)
         if watch is not None:
-            new.runtime["expansion"] = watch
+            new.runtime["expansion"] = watch.copied(memo)
         return new
-
-    def with_options(self, options: PackOptions) -> "PackState":
-        return replace(self, options=options, runtime={k: v for k, v in self.runtime.items() if k == "expansion"})
 
 
 def get_state(model: nn.Module) -> PackState | None:

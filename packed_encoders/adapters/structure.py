@@ -152,7 +152,7 @@ def _hooks_problem(path: str, m: nn.Module) -> str | None:
     return None
 
 
-def _layer_facts(model: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+def _layer_facts(model: nn.Module, expected: list) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """The per-layer attribute stock HF reads on every call to choose a layer's attention (its mask and RoPE):
     ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``;
     the token embedding's options (:data:`_EMBEDDING_OPTIONS`), which its forward reads on every call; and every
@@ -169,7 +169,7 @@ def _layer_facts(model: nn.Module) -> tuple[tuple[dict, ...], tuple[str, ...]]:
             if name in vars(owner):
                 dicts.append(vars(owner))
                 names.append(name)
-    for _, m, _ in _expected(model):
+    for _, m, _ in expected:  # (_expected(model))
         if isinstance(m, nn.LayerNorm):
             dicts.append(vars(m))
             names.append("eps")
@@ -212,7 +212,8 @@ def snapshot(model: nn.Module, previous: dict | None = None) -> dict:
     address, ``eps`` as an argument, the layer order), so the graphs' weights fingerprint includes ``tree`` and a
     new one drops them."""
     children, names, modules, baked = [], [], [], []
-    for path, m, kind in _expected(model):
+    expected = _expected(model)
+    for path, m, kind in expected:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         children.append(parent._modules)
@@ -220,7 +221,7 @@ def snapshot(model: nn.Module, previous: dict | None = None) -> dict:
         modules.append(m)
         if kind not in (_DROPOUT, _OUT_DROP):
             baked.append(m)
-    fact_dicts, fact_names = _layer_facts(model)
+    fact_dicts, fact_names = _layer_facts(model, expected)
     baked, facts = tuple(baked), tuple(map(dict.get, fact_dicts, fact_names))
     same = (previous is not None and len(previous["baked"]) == len(baked)
             and all(map(operator.is_, previous["baked"], baked)) and previous["facts"] == facts)

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 import inspect
 import threading
-import weakref
 
 import torch
 from torch import nn
 
-from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked
+from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked, label_heads
+from .dynamo import outside_dynamo
 from .state import _NO_FORWARD, STATE_ATTR, forward_bypassed, get_state
 from .stock_calls import positional_names, stock_signature
 
@@ -140,6 +140,8 @@ class CheckedForward:
         self.encoders = encoders
 
     def __call__(self, *args, **kwargs):
+        if args and args[0] is self.module:  # bound again as a method: accelerate's unwrap_model(keep_fp32_wrapper=
+            args = args[1:]                   # False) sets MethodType(<this forward>, module) back on the instance
         for encoder in self.encoders:
             state = encoder.__dict__.get(STATE_ATTR)
             if state is not None and state.options.padded_outputs == "auto":
@@ -213,18 +215,11 @@ def _checked_call(checked: CheckedForward, args, kwargs, request=_request):
         _REQUEST.what = outer
 
 
-# Under torch.compile the check runs outside dynamo's graph: the call (recursive=False: the head's forward it runs is
-# compiled on its own, up to the encoder, itself outside the graph, adapters.patch) and the labels' host read
-# (recursive, so dynamo does not trace it into a graph break). Made at the first sync() rather than at import: making
-# them imports torch._dynamo, which pack() imports anyway.
-_OUTSIDE_DYNAMO: list = []
-
-
 def _outside_dynamo() -> tuple:
-    if not _OUTSIDE_DYNAMO:
-        _OUTSIDE_DYNAMO.append((torch.compiler.disable(_checked_call, recursive=False),
-                                torch.compiler.disable(_request)))
-    return _OUTSIDE_DYNAMO[0]
+    """Under torch.compile the check runs outside dynamo's graph: the call (recursive=False: the head's forward it runs
+    is compiled on its own, up to the encoder, itself outside the graph) and the labels' host read (recursive, so
+    dynamo does not trace it into a graph break)."""
+    return outside_dynamo(_checked_call, recursive=False), outside_dynamo(_request)
 
 
 def head_request() -> str | None:
@@ -270,11 +265,7 @@ def sync(heads) -> None:
                 span = head_suffix(head) == SPAN_SUFFIX
                 head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
                 head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
-            for encoder in encoders:  # each call of theirs sees the check taken off (restore_bypassed)
-                get_state(encoder).runtime.setdefault("checked_heads", weakref.WeakSet()).add(head)
             continue
-        for encoder in encoders:
-            get_state(encoder).runtime.get("checked_heads", set()).discard(head)
         if ours:
             del head.__dict__["forward"]
             if not isinstance(current.previous, str):
@@ -285,12 +276,11 @@ def sync(heads) -> None:
             del head.__dict__["_replicate_for_data_parallel"]
 
 
-
-def restore_bypassed(state) -> str | None:
-    """:data:`BYPASSED_REASON` when a head checking the labels of the encoder whose ``state`` this is runs its class
+def restore_bypassed(model: nn.Module) -> str | None:
+    """:data:`BYPASSED_REASON` when a head checking ``model``'s labels (:func:`.around.label_heads`) runs its class
     forward instead of its check (:func:`.state.forward_bypassed`), after putting the check back (:func:`sync`), else
     ``None``. The encoder's call runs the stock forward then: it may come from that head, whose labels no check read."""
-    bypassed = [head for head in state.runtime.get("checked_heads", ()) if forward_bypassed(head)]
+    bypassed = [head for head in label_heads(model) if forward_bypassed(head)]
     if not bypassed:
         return None
     sync(bypassed)
