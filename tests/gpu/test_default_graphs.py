@@ -225,11 +225,12 @@ def test_buckets_of_one_octave_share_one_static_output(autocast):
             assert cos.min().item() > 0.999
 
 
-@pytest.mark.parametrize("change", ["linear", "norm_eps", "layers_reordered"])
+@pytest.mark.parametrize("change", ["linear", "norm_eps", "layers_reordered", "rotary_buffer"])
 def test_a_module_tree_change_after_capture_recaptures(change):
     """A captured graph holds the modules it was captured with (weights by address, ``eps`` as an argument, the
     layer order): a Linear swapped for a new one, a norm's ``eps`` set or two layers of one attention type
-    reordered after the first calls must not replay the old modules. Against stock HF with the same change."""
+    reordered, or a rotary ``inv_freq`` buffer reassigned after the first calls must not replay the old modules or
+    buffer. Against stock HF with the same change."""
     import copy
 
     model = make_model()
@@ -248,6 +249,10 @@ def test_a_module_tree_change_after_capture_recaptures(change):
             target.layers[1].attn.Wqkv = new.to(DEV, old.weight.dtype)
         elif change == "norm_eps":
             target.layers[2].mlp_norm.eps = 0.5
+        elif change == "rotary_buffer":  # a capture reads the buffer by address
+            rotary = next(m for m in target.modules() if type(m).__name__ == "ModernBertRotaryEmbedding")
+            for name in [n for n in rotary._buffers if n.endswith("inv_freq")]:
+                setattr(rotary, name, getattr(rotary, name) * 1.5)
         else:  # layers 1 and 2 are both local (global every 3rd layer)
             target.layers[1], target.layers[2] = target.layers[2], target.layers[1]
     with torch.no_grad():
