@@ -334,6 +334,25 @@ def test_a_wrapper_inside_a_container_keeps_its_query_expansion():
         assert _expansion_error(wrapper, stock) < 1e-5, first
 
 
+def test_two_wrappers_in_one_container_each_keep_their_query_expansion():
+    """Two ColBERT-style wrappers (16- and 32-wide queries, e.g. a teacher and a student) packed through one
+    container: each encoder computes the masked positions of the widest query any of them pads to, so the 32-wide
+    queries of the second get stock's values there, whichever wrapper the container lists first."""
+    for widths in ((16, 32), (32, 16)):
+        wrappers = [ColBERTLike(make_model("tiny", seed=i), query_length=n) for i, n in enumerate(widths)]
+        stock = copy.deepcopy(wrappers)
+        container = torch.nn.ModuleDict({"a": wrappers[0], "b": wrappers[1]})
+        pe.pack(container)
+        for i in range(2):
+            assert pe.describe(container)["encoders"][i]["padded_outputs"] == (
+                "trailing masked positions computed for calls <= 32 wide"), widths
+        ids, mask = padded_batch([3, 12, 7], pad_to=32)
+        for wrapper, ref in zip(wrappers, stock):
+            with torch.no_grad():
+                got, want = wrapper(ids, mask), ref(ids, mask)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{widths}: {m}")
+
+
 def test_describe_shows_what_the_heads_around_an_encoder_read():
     """``describe()["encoders"][0]["read_around"]``: a cls head's position-0 mark and the label-checking heads, kept
     when the encoder is packed again alone, gone with ``unpack(head)``."""

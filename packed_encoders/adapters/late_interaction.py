@@ -31,12 +31,14 @@ def expansion_sources(target: nn.Module | None) -> list:
 def expansion_length(sources) -> int | None:
     """Longest padded width (``S``) of a query call, read from ``sources`` (:func:`expansion_sources`), or ``None``
     when they set no masked expansion. Calls at most this wide get trailing masked positions computed; wider calls
-    (documents) keep the zeros convention, which their callers ignore anyway."""
+    (documents) keep the zeros convention, which their callers ignore anyway. Every source counts (two ColBERTs
+    in one container, each with its own query length, both read the encoders inside it)."""
     found = None
     for src in sources:
         if getattr(src, "do_query_expansion", False) and not getattr(src, "attend_to_expansion_tokens", False):
             length = getattr(src, "query_length", None)
-            return int(length) if length else ALWAYS
+            found = max(found or 0, int(length) if length else ALWAYS)
+            continue
         expansion = getattr(src, "query_expansion", None)
         if isinstance(expansion, dict) and not expansion.get("attend", False):
             length = expansion.get("length") or 0
