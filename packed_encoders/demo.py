@@ -20,7 +20,9 @@ import time
 import torch
 
 import packed_encoders as pe
+from packed_encoders.adapters.locate import find_encoders
 from packed_encoders.data import load_sample
+from packed_encoders.errors import PackedEncodersError, UnsupportedTargetError
 
 PAD_ID = 50283  # ModernBERT's [PAD]
 
@@ -168,7 +170,16 @@ def main(argv=None) -> int:
         step = len(documents) / n_docs
         documents = [documents[int(i * step + step / 2)] for i in range(n_docs)]
 
-    model, source = _build_model(args.model, device, dtype)
+    try:
+        model, source = _build_model(args.model, device, dtype)
+    except (OSError, ValueError) as exc:  # a folder without weights, a config transformers cannot read
+        print(f"--model {args.model}: cannot load it: {exc}", file=sys.stderr)
+        return 2
+    try:  # before the stock reference run: another architecture's forward fails there with its own, unrelated error
+        find_encoders(model)
+    except UnsupportedTargetError as exc:
+        print(f"--model {args.model}: not a ModernBERT checkpoint the demo can pack: {exc}", file=sys.stderr)
+        return 2
     vocab = model.config.vocab_size
     top = max(max(ids) for ids in (*queries, *documents) if ids)
     if top >= vocab:
@@ -185,7 +196,11 @@ def main(argv=None) -> int:
     stock = {name: _outputs(model, batches) for name, batches in endpoints.items()}  # the parity reference
 
     t0 = time.perf_counter()
-    pe.pack(model, attention_backend=args.attention_backend)
+    try:
+        pe.pack(model, attention_backend=args.attention_backend)
+    except PackedEncodersError as exc:  # e.g. a backend that cannot run on this device: say so, not a traceback
+        print(f"pe.pack refused: {exc}", file=sys.stderr)
+        return 2
     pack_s = time.perf_counter() - t0
     info = pe.describe(model)["encoders"][0]
     print(f"pe.pack: {pack_s:.2f} s (validation included); kernels={info['kernels']}, "

@@ -71,6 +71,39 @@ def test_demo_names_a_vocabulary_too_small_for_the_sample_ids(tmp_path, capsys):
     assert "past its vocabulary (1000 entries)" in out.err and out.out.count("no tokenizer") == 1
 
 
+def test_demo_names_a_checkpoint_that_is_no_modernbert(tmp_path, capsys):
+    # Another architecture used to run its own stock forward on the sample first (a BERT crashed there with an
+    # unrelated size error past its 512 positions); the demo now says what the folder holds, before running it.
+    from transformers import BertConfig, BertModel
+
+    from packed_encoders import demo
+
+    BertModel(BertConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16)).save_pretrained(tmp_path)
+    assert demo.main(["--model", str(tmp_path), "--device", "cpu", "--documents", "1", "--queries", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "not a ModernBERT checkpoint" in err and "BertModel" in err
+
+
+def test_demo_names_a_folder_without_weights_and_a_refused_backend(tmp_path, capsys):
+    # Both used to end in a traceback: from_pretrained's OSError, and pack()'s PackedEncodersError for a backend
+    # this device cannot run (the other refusals of the demo exit 2 with one line).
+    from transformers import ModernBertConfig, ModernBertModel
+
+    from packed_encoders import demo
+
+    cfg = ModernBertConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                           vocab_size=50368, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                           sep_token_id=2)
+    cfg.save_pretrained(tmp_path / "config_only")
+    assert demo.main(["--model", str(tmp_path / "config_only"), "--device", "cpu"]) == 2
+    assert "cannot load it" in capsys.readouterr().err
+    ModernBertModel(cfg).save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--device", "cpu", "--documents", "1", "--queries", "2"]
+    assert demo.main(argv + ["--attention-backend", "nonesuch"]) == 2
+    assert "pe.pack refused: attention_backend='nonesuch'" in capsys.readouterr().err
+
+
 def test_calibrate_from_a_file_that_is_no_sweep_exits_with_a_message(tmp_path, capsys):
     from packed_encoders import calibrate
 
