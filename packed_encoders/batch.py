@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PackedEncodersError, StockOnlyInput
+from .errors import TOKEN_TYPES, PackedEncodersError, StockOnlyInput
 
 
 @dataclass
@@ -203,7 +203,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
               "and the model's attn_implementation is 'eager': its local layers average every value for a padded "
               "query with no key in its window, where the packed attention gives SDPA's zeros", StockOnlyInput)
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
-    _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
+    _raise_if(n_tt, TOKEN_TYPES)
     _raise_if(n_negpos, "position_ids has {count} negative entries")
 
     total = sum(host_lens)
@@ -374,7 +374,7 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
     if max_seqlen is not None and int(max_seqlen) != true_max:
         raise PackedEncodersError(f"max_seqlen={int(max_seqlen)} but the longest sequence in cu_seqlens has {true_max}")
     _raise_if(n_oov, f"{{count}} input_ids are outside the vocabulary [0, {vocab_size})")
-    _raise_if(n_tt, "token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings")
+    _raise_if(n_tt, TOKEN_TYPES)
     _raise_if(n_neg, "position_ids has {count} negative entries")
     if position_ids is None:
         _, position_ids = _token_coords(cu, total)

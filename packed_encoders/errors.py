@@ -6,6 +6,10 @@ SECOND_DERIVATIVE = ("packed_encoders: second derivatives through the packed enc
                      "path runs kernels with hand-written first-order backwards); run that model unpacked "
                      "(pe.unpack(model)) to differentiate twice")
 
+TOKEN_TYPES = ("token_type_ids has {count} non-zero entries; ModernBERT has no token type embeddings (stock HF ignores "
+               "them): leave them out of the call (a tokenizer that makes them for text pairs: "
+               "tokenizer.model_input_names = ['input_ids', 'attention_mask'])")
+
 
 class PackedEncodersError(RuntimeError):
     """Base class: a request the packed path cannot honour, or bad input to it."""

@@ -22,7 +22,7 @@ from itertools import islice
 
 import torch
 
-from ..errors import PackedEncodersError
+from ..errors import TOKEN_TYPES, PackedEncodersError
 
 SLOTS = 64
 # The checks, in the order of the device flags tensor (the same checks `unpad` raises for, same wording).
@@ -41,7 +41,7 @@ def describe_flags(counts, vocab: int) -> list[str]:
     if oov:
         out.append(f"{oov} input_ids are outside the vocabulary [0, {vocab})")
     if tt:
-        out.append(f"token_type_ids has {tt} non-zero entries; ModernBERT has no token type embeddings")
+        out.append(TOKEN_TYPES.format(count=tt))
     return out
 
 
