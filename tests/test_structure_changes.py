@@ -338,3 +338,13 @@ def test_deepcopy_of_a_changed_model_still_runs_stock():
     model = _packed_and_called()
     model.layers[1].mlp.register_full_backward_hook(lambda m, gi, go: None)
     _assert_runs_stock(copy.deepcopy(model), "backward hooks")
+
+
+def test_an_accelerate_hook_inside_the_encoder_is_named():
+    """accelerate's offloading hooks (``device_map`` with CPU or disk offload) sit on submodules' forwards: refused
+    at ``pack()`` naming accelerate and the way out."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = _model()
+    hooks.add_hook_to_module(model.embeddings, hooks.ModelHook())
+    with pytest.raises(pe.UnsupportedTargetError, match="accelerate hook.*load the model on one device"):
+        pe.pack(model)

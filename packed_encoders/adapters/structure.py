@@ -107,6 +107,9 @@ def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
                 "parameters directly and would skip its forward (merge adapters / undo the wrapping, or pe.unpack "
                 "the model)")
     if "forward" in vars(m):
+        if "_hf_hook" in vars(m):  # accelerate moves weights in and out around each submodule's forward
+            return (f"{path} has an accelerate hook on its forward (device_map with CPU or disk offload), which the "
+                    "packed path would skip: load the model on one device")
         return f"{path} has its own instance forward, which the packed path would skip"
     return None
 
