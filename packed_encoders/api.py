@@ -144,6 +144,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             install(model, state)
         read_around(model, state, target)
     packed = [model for _, model in encoders]
+    # made before any trace, as install() makes the patched forward's: made inside a fullgraph trace it would fail
+    # with dynamo's own error instead of this reason
+    outside_dynamo(packed_forward, _PACKED_FORWARD_UNTRACEABLE)
     if options.padded_outputs == "auto":
         around.remember(target, packed)
     else:
@@ -333,13 +336,14 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
             ``packed_ids``.
 
     Under ``torch.compile`` it runs outside the compiled graph (a graph break; ``fullgraph=True`` raises); a
-    ``torch.export`` tracing it raises ``PackedEncodersError``.
+    non-strict ``torch.export`` tracing it raises ``PackedEncodersError`` (a strict one, dynamo's error).
 
     Raises:
-        PackedEncodersError: inconsistent ``cu_seqlens`` / ``max_seqlen`` (or a ``max_seqlen`` that is not an
-            int), ids outside the vocabulary, ``inputs_embeds`` of another shape or dtype; ``params`` other than
-            the model's; a model changed since ``pack()`` in a way the packed forward would skip (a forward hook,
-            a wrapped or swapped submodule, pruned layers, a new ``config.sliding_window``).
+        PackedEncodersError: inconsistent ``cu_seqlens`` / ``max_seqlen`` (or a ``max_seqlen`` that is neither an
+            int nor a 0-d integer tensor), ids outside the vocabulary, ``inputs_embeds`` of another shape or dtype;
+            ``params`` other than the model's; a model changed since ``pack()`` in a way the packed forward would
+            skip (a forward hook, a wrapped or swapped submodule, pruned layers, a new
+            ``config.local_attention``).
     """
     if torch.compiler.is_dynamo_compiling():  # also a strict torch.export, which dynamo traces (adapters.patch)
         return outside_dynamo(packed_forward, _PACKED_FORWARD_UNTRACEABLE)(
