@@ -480,3 +480,46 @@ def test_a_forward_bound_again_by_accelerate_unwrap_model_is_called_right():
         key = "logits" if cls else "last_hidden_state"
         real = mask.bool()
         torch.testing.assert_close(got[key][real], want[key][real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("padded_outputs", ["zeros", "all"])
+def test_a_label_check_taken_off_on_purpose_keeps_its_encoder_packed(padded_outputs):
+    """``pe.pack(head)`` then ``pe.pack(head.model, padded_outputs=...)``: the head's check comes off by design, and
+    the encoder's calls stay packed (none runs stock as if the check had been taken off behind our back)."""
+    head = make_model("tiny", cls=transformers.ModernBertForTokenClassification, num_labels=4)
+    pe.pack(head)
+    pe.pack(head.model, padded_outputs=padded_outputs)
+    ids, mask = padded_batch([5, 12, 9])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            head(input_ids=ids, attention_mask=mask)
+    assert _stock_calls(head) == 0
+
+
+def test_a_forward_bound_again_pickles_and_unpacks_clean():
+    """After accelerate's ``unwrap_model(keep_fp32_wrapper=False)`` (``MethodType(<our forward>, module)``) a packed
+    model pickles before any call, and ``unpack`` leaves nothing of ours."""
+    import pickle
+    from types import MethodType
+
+    for cls in (None, transformers.ModernBertForTokenClassification):
+        model = make_model("tiny", cls=cls, num_labels=4) if cls else make_model("tiny")
+        pe.pack(model)
+        model.forward = MethodType(model.forward, model)
+        pickle.loads(pickle.dumps(model))
+        pe.unpack(model)
+        assert b"packed_encoders" not in pickle.dumps(model)
+
+
+def test_an_encoder_copied_alone_keeps_the_expansion_length_and_not_the_wrapper():
+    """A deepcopy of a wrapped encoder alone: its state keeps the expansion length read so far (it does not follow
+    the original wrapper's later settings), and its pickle does not carry the original wrapper."""
+    wrapper = ColBERTLike(make_model("tiny"), query_length=16)
+    pe.pack(wrapper)
+    alone = copy.deepcopy(wrapper.enc)
+    wrapper.query_length = 4
+    assert _padded_outputs(alone) == "trailing masked positions computed for calls <= 16 wide"
+    buffer = io.BytesIO()
+    torch.save(alone, buffer)
+    assert b"ColBERTLike" not in buffer.getvalue()

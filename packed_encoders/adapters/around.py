@@ -194,7 +194,7 @@ def _no_mark():
 
 
 def label_heads(encoder: nn.Module) -> list:
-    """The heads recorded as checking ``encoder``'s labels (a dict lookup when there are none: read per call)."""
+    """The heads recorded as checking ``encoder``'s labels."""
     record = _RECORD.get(encoder)
     return [m for m, kinds in record.items() if CHECK in kinds] if record else []
 
@@ -217,12 +217,7 @@ def around(encoder: nn.Module, target: nn.Module | None = None) -> Readers:
 
 def checked_heads(encoders) -> list:
     """The heads recorded as checking the labels of any of ``encoders``, each once."""
-    heads: dict = {}
-    for encoder in encoders:
-        for module, kinds in _RECORD.get(encoder, {}).items():
-            if CHECK in kinds:
-                heads[id(module)] = module
-    return list(heads.values())
+    return list({id(head): head for encoder in encoders for head in label_heads(encoder)}.values())
 
 
 def is_checked(head: nn.Module) -> bool:

@@ -17,7 +17,7 @@ def outside_dynamo(fn, reason: str | None = None, recursive: bool = True):
     """``fn`` wrapped by ``torch.compiler.disable`` (``recursive=False``: only ``fn``'s own frame, what it calls is
     traced again), made once per ``(fn, recursive)``; ``reason`` is what dynamo says of it (e.g. under
     ``fullgraph=True``) on a torch that takes one."""
-    key = (fn, recursive)
+    key = (fn, reason, recursive)
     wrapped = _WRAPPED.get(key)
     if wrapped is None:
         try:

@@ -175,7 +175,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     raise_earlier_errors(state)  # of earlier sync-free graph calls (GraphConfig.sync_free); never waits
     request = head_request()  # a head's loss reads padded positions (adapters.token_labels)
     if request is None:
-        request = restore_bypassed(model)
+        request = restore_bypassed(model, state)
     problem = structure_check(model, state)
     names = positional_names(type(model))
     if problem is None:

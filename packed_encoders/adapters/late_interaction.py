@@ -72,6 +72,7 @@ class ExpansionWatch:
     def __init__(self, sources):
         sources = list(sources)
         self._refs = tuple(weakref.ref(s) for s in sources)
+        self._waiting = (None,) * len(sources)
         self._seen = _settings(sources)
         self._length = expansion_length(sources)
 
@@ -80,26 +81,32 @@ class ExpansionWatch:
 
     def copied(self, memo: dict) -> "ExpansionWatch":
         """This watch for a copy made by the ``copy.deepcopy`` that ``memo`` belongs to: on the copies of its sources
-        made so far (a whole target copied: its modules enter the memo before the encoder's state), on the originals
-        of the others, which a copy of a source made later takes over (:meth:`follow`)."""
+        made so far (a whole target copied: its modules enter the memo before the encoder's state). A source not
+        copied yet reads as gone (the copy keeps the length read so far) until a copy of it made later by the same
+        deepcopy takes its place (:meth:`follow`); one never copied (the encoder copied alone) stays gone."""
         new = object.__new__(ExpansionWatch)
-        sources = [r() for r in self._refs]
-        new._refs = tuple(r if s is None or id(s) not in memo else weakref.ref(memo[id(s)])
-                          for r, s in zip(self._refs, sources))
+        copies = [None if s is None else memo.get(id(s)) for s in (r() for r in self._refs)]
+        new._refs = tuple(_GONE if c is None else weakref.ref(c) for c in copies)
+        new._waiting = tuple(r if c is None else None for r, c in zip(self._refs, copies))
         new._seen, new._length = self._seen, self._length
         return new
 
     def follow(self, source, copy) -> None:
-        """Read ``copy``'s settings where this watch read ``source``'s (a source copied after the encoder)."""
-        self._refs = tuple(weakref.ref(copy) if r() is source else r for r in self._refs)
+        """Read ``copy``'s settings where this copied watch waits for ``source``'s copy (a source copied after the
+        encoder: :meth:`copied`)."""
+        pairs = [(weakref.ref(copy), None) if w is not None and w() is source else (r, w)
+                 for r, w in zip(self._refs, self._waiting)]
+        self._refs, self._waiting = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
 
     def __getstate__(self) -> dict:
         # pickled with the sources themselves: a pickled target (torch.save, a multi-process pool's workers) holds
-        # them already, so the unpickled watch follows the unpickled target's settings
+        # them already, so the unpickled watch follows the unpickled target's settings (a source a copy never got
+        # pickles as gone)
         return {"sources": [r() for r in self._refs], "seen": self._seen, "length": self._length}
 
     def __setstate__(self, state: dict) -> None:
         self._refs = tuple(_GONE if s is None else weakref.ref(s) for s in state["sources"])
+        self._waiting = (None,) * len(self._refs)
         self._seen, self._length = state["seen"], state["length"]
 
     def length(self) -> int | None:

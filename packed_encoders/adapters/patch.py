@@ -10,7 +10,7 @@ from torch import nn
 
 from .dynamo import outside_dynamo
 from .hf_call import hf_forward
-from .state import _NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state
+from .state import _NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state, instance_forward
 from .stock_calls import stock_signature
 
 
@@ -30,13 +30,19 @@ class PackedForward:
     hooks keep the forward they wrap), or a reference taken before. It then runs what ``unpack()`` restored:
     ``previous`` (the instance forward ``pack()`` replaced), or the class forward."""
 
+    # a method bound to it (state.instance_forward) pickles as getattr(module, __func__.__name__): the unpickled
+    # module's class forward, which pack() replaces again (describe() says "bypassed" until then)
+    __name__ = "forward"
+
     def __init__(self, module: nn.Module, previous=_NO_FORWARD):
         self.module = module
         self.previous = previous
 
     def __call__(self, *args, **kwargs):
-        if args and args[0] is self.module:  # bound again as a method: accelerate's unwrap_model(keep_fp32_wrapper=
-            args = args[1:]                   # False) sets MethodType(<this forward>, module) back on the instance
+        if args and args[0] is self.module:  # bound again as a method (state.instance_forward): this object again
+            args = args[1:]
+            if instance_forward(self.module) is self:
+                self.module.__dict__["forward"] = self
         if STATE_ATTR not in self.module.__dict__:  # unpacked
             previous = getattr(self, "previous", _NO_FORWARD)  # (pickled before this attribute existed)
             if isinstance(previous, str):
@@ -85,16 +91,15 @@ def replaced_forward(model: nn.Module):
     or ``None``: the packed forward runs instead of it until ``unpack()`` restores it."""
     if get_state(model) is not None:
         return None
-    current = model.__dict__.get("forward")
+    current = instance_forward(model)
     if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
         current = getattr(current, "previous", None)
     return None if current is None or isinstance(current, str) else current
 
-
 def install(model: nn.Module, state: PackState) -> None:
     outside_dynamo(hf_forward, _STRICT_EXPORT)
     existing = get_state(model)
-    current = model.__dict__.get("forward", _NO_FORWARD)
+    current = instance_forward(model, _NO_FORWARD)
     if existing is None:
         if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
             current = getattr(current, "previous", _NO_FORWARD)
@@ -115,7 +120,7 @@ def restore(model: nn.Module) -> bool:
     if state is None:
         return False
     model.__dict__.pop("_replicate_for_data_parallel", None)
-    if not isinstance(model.__dict__.get("forward"), PackedForward):
+    if not isinstance(instance_forward(model), PackedForward):
         # a forward set over the packed one after pack(), e.g. accelerate's hook wrapper: it stays, and the
         # PackedForward it calls runs the previous or class forward from now on
         return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from types import FunctionType
 from typing import Any
 
 from torch import nn
@@ -42,6 +43,7 @@ class PackState:
     ops_reason: str = ""
     trailing_max_len: int | None = None  # padded calls this narrow compute trailing masked positions
     position_zero: str | None = None  # what a classifier_pooling="cls" head around the encoder reads (token_labels)
+    label_checked: bool = False  # a head has checked this encoder's calls' labels (token_labels.restore_bypassed)
     policy: Any = None
     tuning: Tuning = field(default_factory=Tuning)  # switches and budgets read at pack()
     previous_forward: Any = _NO_FORWARD
@@ -70,6 +72,16 @@ class PackState:
 
 def get_state(model: nn.Module) -> PackState | None:
     return model.__dict__.get(STATE_ATTR)
+
+
+def instance_forward(module: nn.Module, default=None):
+    """``module``'s instance ``forward``, seen through a re-binding to the module: accelerate's
+    ``unwrap_model(keep_fp32_wrapper=False)`` sets ``MethodType(<the instance forward>, module)`` back on it."""
+    current = module.__dict__.get("forward", default)
+    func = getattr(current, "__func__", None)
+    if func is not None and getattr(current, "__self__", None) is module and not isinstance(func, FunctionType):
+        return func
+    return current
 
 
 def forward_bypassed(module: nn.Module) -> bool:

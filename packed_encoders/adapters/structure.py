@@ -108,8 +108,8 @@ def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
                 "the model)")
     if "forward" in vars(m):
         if "_hf_hook" in vars(m):  # accelerate moves weights in and out around each submodule's forward
-            return (f"{path} has an accelerate hook on its forward (device_map with CPU or disk offload), which the "
-                    "packed path would skip: load the model on one device")
+            return (f"{path} has an accelerate hook on its forward (a device_map that offloads or splits the model), "
+                    "which the packed path would skip: load the model on one device")
         return f"{path} has its own instance forward, which the packed path would skip"
     return None
 
@@ -172,7 +172,7 @@ def _layer_facts(model: nn.Module, expected: list) -> tuple[tuple[dict, ...], tu
             if name in vars(owner):
                 dicts.append(vars(owner))
                 names.append(name)
-    for _, m, _ in expected:  # (_expected(model))
+    for _, m, _ in expected:  # _expected(model), which the caller walked already
         if isinstance(m, nn.LayerNorm):
             dicts.append(vars(m))
             names.append("eps")

@@ -48,7 +48,7 @@ from torch import nn
 
 from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked, label_heads
 from .dynamo import outside_dynamo
-from .state import _NO_FORWARD, STATE_ATTR, forward_bypassed, get_state
+from .state import _NO_FORWARD, STATE_ATTR, forward_bypassed, get_state, instance_forward
 from .stock_calls import positional_names, stock_signature
 
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
@@ -133,6 +133,10 @@ class CheckedForward:
     ``padded_outputs="auto"``: a reference kept after ``unpack()`` (a wrapper set over it, such as accelerate's)
     runs ``previous`` (the instance forward it replaced) or the class forward, unchecked."""
 
+    # a method bound to it (state.instance_forward) pickles as getattr(module, __func__.__name__): the unpickled
+    # module's class forward, which pack() replaces again (describe() says "bypassed" until then)
+    __name__ = "forward"
+
     def __init__(self, module: nn.Module, previous, span: bool, encoders: tuple):
         self.module = module
         self.previous = previous
@@ -140,8 +144,10 @@ class CheckedForward:
         self.encoders = encoders
 
     def __call__(self, *args, **kwargs):
-        if args and args[0] is self.module:  # bound again as a method: accelerate's unwrap_model(keep_fp32_wrapper=
-            args = args[1:]                   # False) sets MethodType(<this forward>, module) back on the instance
+        if args and args[0] is self.module:  # bound again as a method (state.instance_forward): this object again
+            args = args[1:]
+            if instance_forward(self.module) is self:
+                self.module.__dict__["forward"] = self
         for encoder in self.encoders:
             state = encoder.__dict__.get(STATE_ATTR)
             if state is not None and state.options.padded_outputs == "auto":
@@ -246,25 +252,30 @@ def position_zero_reader(model: nn.Module, state) -> str | None:
     return reads
 
 
-def sync(heads) -> None:
+def sync(heads) -> list:
     """Put a :class:`CheckedForward` (and a :class:`CheckedReplicator`) on each of ``heads`` that is recorded as
     checking its labels (:func:`.around.is_checked`) and holds an encoder packed with ``padded_outputs="auto"``
-    (once; its ``encoders`` brought up to date), and take them off the others, restoring the head's forward (its
-    earlier instance forward, or none: the class forward). A forward set over the checked one after ``pack()`` (a
-    wrapper such as accelerate's) is kept; the checked forward it calls stops checking once its encoders are
-    unpacked."""
+    (once; its ``encoders`` brought up to date, and marked ``label_checked``), and take them off the others,
+    restoring the head's forward (its earlier instance forward, or none: the class forward). A forward set over the
+    checked one after ``pack()`` (a wrapper such as accelerate's) is kept; the checked forward it calls stops
+    checking once its encoders are unpacked. Returns the heads given a check they did not have."""
     _outside_dynamo()
+    given = []
     for head in heads:
         encoders = tuple(m for m in head.modules() if get_state(m) is not None)
-        current = head.__dict__.get("forward", _NO_FORWARD)
+        current = instance_forward(head, _NO_FORWARD)
         ours = isinstance(current, CheckedForward) and current.module is head
         if is_checked(head) and any(get_state(m).options.padded_outputs == "auto" for m in encoders):
             if ours:  # packed again
                 current.encoders = encoders
+                head.__dict__["forward"] = current
             else:
                 span = head_suffix(head) == SPAN_SUFFIX
                 head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
                 head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
+                given.append(head)
+            for encoder in encoders:
+                get_state(encoder).label_checked = True
             continue
         if ours:
             del head.__dict__["forward"]
@@ -274,14 +285,15 @@ def sync(heads) -> None:
         replicator = head.__dict__.get("_replicate_for_data_parallel")
         if isinstance(replicator, CheckedReplicator) and replicator.module is head:
             del head.__dict__["_replicate_for_data_parallel"]
+    return given
 
 
-def restore_bypassed(model: nn.Module) -> str | None:
-    """:data:`BYPASSED_REASON` when a head checking ``model``'s labels (:func:`.around.label_heads`) runs its class
-    forward instead of its check (:func:`.state.forward_bypassed`), after putting the check back (:func:`sync`), else
-    ``None``. The encoder's call runs the stock forward then: it may come from that head, whose labels no check read."""
-    bypassed = [head for head in label_heads(model) if forward_bypassed(head)]
-    if not bypassed:
+def restore_bypassed(model: nn.Module, state) -> str | None:
+    """:data:`BYPASSED_REASON` when a head checking the labels of ``model`` (whose ``state`` a head has checked)
+    ran its class forward instead of its check (:func:`.state.forward_bypassed`) and the check was put back
+    (:func:`sync`), else ``None``. The encoder's call runs the stock forward then: it may come from that head, whose
+    labels no check read."""
+    if not state.label_checked:
         return None
-    sync(bypassed)
-    return BYPASSED_REASON
+    bypassed = [head for head in label_heads(model) if forward_bypassed(head)]
+    return BYPASSED_REASON if bypassed and sync(bypassed) else None
