@@ -10,7 +10,7 @@ from torch import nn
 
 from .dynamo import outside_dynamo
 from .hf_call import hf_forward
-from .state import _NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state, instance_forward
+from .state import _NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state, instance_forward, rebound_args
 from .stock_calls import stock_signature
 
 
@@ -39,10 +39,7 @@ class PackedForward:
         self.previous = previous
 
     def __call__(self, *args, **kwargs):
-        if args and args[0] is self.module:  # bound again as a method (state.instance_forward): this object again
-            args = args[1:]
-            if instance_forward(self.module) is self:
-                self.module.__dict__["forward"] = self
+        args = rebound_args(self, args)
         if STATE_ATTR not in self.module.__dict__:  # unpacked
             previous = getattr(self, "previous", _NO_FORWARD)  # (pickled before this attribute existed)
             if isinstance(previous, str):
@@ -95,6 +92,7 @@ def replaced_forward(model: nn.Module):
     if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
         current = getattr(current, "previous", None)
     return None if current is None or isinstance(current, str) else current
+
 
 def install(model: nn.Module, state: PackState) -> None:
     outside_dynamo(hf_forward, _STRICT_EXPORT)

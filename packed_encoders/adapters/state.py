@@ -84,6 +84,17 @@ def instance_forward(module: nn.Module, default=None):
     return current
 
 
+def rebound_args(forward, args: tuple) -> tuple:
+    """``args`` of a call of ``forward`` (an instance forward of ours, holding ``module``), without the module
+    itself where a re-binding (:func:`instance_forward`) passed it first; ``forward`` is then put back as the
+    module's instance forward, so the module pickles as it did."""
+    if args and args[0] is forward.module:
+        if instance_forward(forward.module) is forward:
+            forward.module.__dict__["forward"] = forward
+        return args[1:]
+    return args
+
+
 def forward_bypassed(module: nn.Module) -> bool:
     """Whether calls of ``module`` run its class forward instead of the instance forward ``pack()`` set (the packed
     encoder's, a head's label check): its instance forward is gone, or is the class forward bound to it (accelerate's

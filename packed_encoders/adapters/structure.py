@@ -231,7 +231,8 @@ def snapshot(model: nn.Module, previous: dict | None = None) -> dict:
     return {"layers": model.layers, "children": tuple(children), "names": tuple(names), "modules": tuple(modules),
             "types": tuple(map(type, modules)), "module_dicts": tuple(vars(m) for m in modules),
             "fact_dicts": fact_dicts, "fact_names": fact_names, "facts": facts,
-            "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model),  # taken after a full check found no foreign hook
+            # (hook_counter: taken after a full check found no foreign hook)
+            "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model),
             "baked": baked, "tree": previous["tree"] if same else next(_TREES)}
 
 

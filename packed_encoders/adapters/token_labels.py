@@ -48,7 +48,7 @@ from torch import nn
 
 from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked, label_heads
 from .dynamo import outside_dynamo
-from .state import _NO_FORWARD, STATE_ATTR, forward_bypassed, get_state, instance_forward
+from .state import _NO_FORWARD, STATE_ATTR, forward_bypassed, get_state, instance_forward, rebound_args
 from .stock_calls import positional_names, stock_signature
 
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
@@ -144,10 +144,7 @@ class CheckedForward:
         self.encoders = encoders
 
     def __call__(self, *args, **kwargs):
-        if args and args[0] is self.module:  # bound again as a method (state.instance_forward): this object again
-            args = args[1:]
-            if instance_forward(self.module) is self:
-                self.module.__dict__["forward"] = self
+        args = rebound_args(self, args)
         for encoder in self.encoders:
             state = encoder.__dict__.get(STATE_ATTR)
             if state is not None and state.options.padded_outputs == "auto":
