@@ -523,3 +523,24 @@ def test_an_encoder_copied_alone_keeps_the_expansion_length_and_not_the_wrapper(
     buffer = io.BytesIO()
     torch.save(alone, buffer)
     assert b"ColBERTLike" not in buffer.getvalue()
+
+
+@pytest.mark.parametrize("cls", [transformers.ModernBertForTokenClassification,
+                                 transformers.ModernBertForQuestionAnswering])
+def test_a_replaced_encoder_is_not_kept_alive_by_its_heads_label_check(cls):
+    """``head.model = <another encoder>`` after ``pack(head)``: the head's label check holds the packed encoder it
+    checked for weakly, so the replaced encoder (and its weights) is collected; copies of the head still check."""
+    import gc
+    import pickle
+    import weakref
+
+    head = make_model("tiny", cls=cls, num_labels=4 if cls is transformers.ModernBertForTokenClassification else 2)
+    pe.pack(head)
+    twin = pickle.loads(pickle.dumps(head))
+    assert twin.__dict__["forward"].encoders == (twin.model,)
+    assert copy.deepcopy(head).__dict__["forward"].encoders[0] is not head.model
+    old = weakref.ref(head.model)
+    head.model = make_model("tiny", seed=1)
+    gc.collect()
+    assert old() is None
+    assert head.__dict__["forward"].encoders == ()

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -141,6 +142,28 @@ class CheckedForward:
         self.module = module
         self.previous = previous
         self.span = span
+        self.encoders = encoders
+
+    @property
+    def encoders(self) -> tuple:
+        """The encoders whose packed state turns the check on, held weakly: an encoder replaced on the head
+        (``head.model = other``) is not kept alive by the head's check."""
+        return tuple(e for e in (r() for r in self.__dict__.get("_encoders", ())) if e is not None)
+
+    @encoders.setter
+    def encoders(self, encoders) -> None:
+        self._encoders = tuple(weakref.ref(e) for e in encoders)
+
+    def __getstate__(self) -> dict:
+        # pickled and deep-copied with the encoders themselves (a weak reference neither pickles nor follows a copy)
+        state = {k: v for k, v in self.__dict__.items() if k != "_encoders"}
+        state["encoders"] = self.encoders
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        encoders = state.pop("encoders", ())
+        self.__dict__.update(state)
         self.encoders = encoders
 
     def __call__(self, *args, **kwargs):
