@@ -544,3 +544,26 @@ def test_a_replaced_encoder_is_not_kept_alive_by_its_heads_label_check(cls):
     gc.collect()
     assert old() is None
     assert head.__dict__["forward"].encoders == ()
+
+
+def test_a_hook_removed_after_pack_is_not_restored_by_unpack():
+    """A hook added by accelerate before ``pack()`` and removed after (the class forward set back on the instance),
+    ``pack()`` again, then ``unpack()``: the model runs and pickles as stock, not the removed hook's forward (which
+    calls the ``_hf_hook`` attribute the removal deleted)."""
+    import pickle
+
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = make_model("tiny")
+    stock = copy.deepcopy(model)
+    hooks.add_hook_to_module(model, hooks.ModelHook())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (pack() warns that it replaces the hook's forward while packed)
+        pe.pack(model)
+    hooks.remove_hook_from_module(model)
+    pe.pack(model)
+    pe.unpack(model)
+    ids, mask = padded_batch([3, 12, 7])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                   stock(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert b"packed_encoders" not in pickle.dumps(model)

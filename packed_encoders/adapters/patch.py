@@ -102,6 +102,11 @@ def install(model: nn.Module, state: PackState) -> None:
         if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
             current = getattr(current, "previous", _NO_FORWARD)
         state.previous_forward = current
+    elif forward_bypassed(model):
+        # the class forward set back over the packed one since pack() (accelerate's remove_hook_from_module restores
+        # the forward its hook saved): the forward pack() replaced then (that hook's, which calls the removed hook)
+        # is gone, and unpack() leaves the class forward
+        state.previous_forward = _NO_FORWARD
     else:
         state.previous_forward = existing.previous_forward
     model.__dict__[STATE_ATTR] = state
