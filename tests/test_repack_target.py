@@ -567,3 +567,19 @@ def test_a_hook_removed_after_pack_is_not_restored_by_unpack():
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).last_hidden_state,
                                    stock(input_ids=ids, attention_mask=mask).last_hidden_state)
     assert b"packed_encoders" not in pickle.dumps(model)
+
+
+def test_unpack_again_takes_off_a_packed_forward_a_removed_hook_put_back():
+    """``pack()``, a hook added, ``unpack()`` (the hook keeps the packed forward it wraps), the hook removed
+    (accelerate sets that packed forward back on the instance): ``unpack()`` again leaves nothing of ours."""
+    import pickle
+
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = make_model("tiny")
+    pe.pack(model)
+    hooks.add_hook_to_module(model, hooks.ModelHook())
+    pe.unpack(model)
+    hooks.remove_hook_from_module(model)
+    pe.unpack(model)
+    assert "forward" not in model.__dict__
+    assert b"packed_encoders" not in pickle.dumps(model)

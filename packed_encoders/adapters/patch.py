@@ -121,6 +121,14 @@ def restore(model: nn.Module) -> bool:
     """Remove our attributes; returns False when ``model`` was not packed."""
     state = model.__dict__.pop(STATE_ATTR, None)
     if state is None:
+        current = instance_forward(model)
+        if isinstance(current, PackedForward) and current.module is model:
+            # left by an earlier unpack() under a wrapper since removed (accelerate's remove_hook_from_module puts
+            # back the forward its hook wrapped): take it off too
+            del model.__dict__["forward"]
+            previous = getattr(current, "previous", _NO_FORWARD)
+            if previous is not _NO_FORWARD and not isinstance(previous, str):
+                model.__dict__["forward"] = previous
         return False
     model.__dict__.pop("_replicate_for_data_parallel", None)
     if not isinstance(instance_forward(model), PackedForward):
