@@ -125,17 +125,19 @@ def restore(model: nn.Module) -> bool:
         if isinstance(current, PackedForward) and current.module is model:
             # left by an earlier unpack() under a wrapper since removed (accelerate's remove_hook_from_module puts
             # back the forward its hook wrapped): take it off too
-            del model.__dict__["forward"]
-            previous = getattr(current, "previous", _NO_FORWARD)
-            if previous is not _NO_FORWARD and not isinstance(previous, str):
-                model.__dict__["forward"] = previous
+            _put_back(model, getattr(current, "previous", _NO_FORWARD))
         return False
     model.__dict__.pop("_replicate_for_data_parallel", None)
     if not isinstance(instance_forward(model), PackedForward):
         # a forward set over the packed one after pack(), e.g. accelerate's hook wrapper: it stays, and the
         # PackedForward it calls runs the previous or class forward from now on
         return True
-    model.__dict__.pop("forward")
-    if state.previous_forward is not _NO_FORWARD and not isinstance(state.previous_forward, str):
-        model.__dict__["forward"] = state.previous_forward
+    _put_back(model, state.previous_forward)
     return True
+
+
+def _put_back(model: nn.Module, previous) -> None:
+    """The instance forward ``pack()`` replaced (``previous``), or none: the class forward."""
+    model.__dict__.pop("forward", None)
+    if previous is not _NO_FORWARD and not isinstance(previous, str):
+        model.__dict__["forward"] = previous
