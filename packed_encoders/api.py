@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from .adapters import around, token_labels
+from .adapters.dynamo import outside_dynamo
 from .adapters.fsdp import gathered
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
-from .adapters.dynamo import outside_dynamo
 from .adapters.patch import install, replaced_forward, restore
 from .adapters.state import PackOptions, forward_bypassed, get_state
 from .adapters.structure import structure_check
-from .batch import from_packed
+from .batch import check_embeds_dtype, from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
 from .configure import make_state, params_of, read_around
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
@@ -368,13 +368,10 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
     if packed_ids is not None and packed_ids.dim() != 1:
         raise PackedEncodersError(f"packed_ids must be 1-D [T]; got shape {tuple(packed_ids.shape)}")
     if inputs_embeds is not None:
-        weight = encoder.embeddings.tok_embeddings.weight
         if inputs_embeds.dim() != 2 or inputs_embeds.shape[-1] != state.params.hidden_size:
             raise PackedEncodersError(f"inputs_embeds must be [T, hidden_size] = [T, {state.params.hidden_size}]; "
                                       f"got shape {tuple(inputs_embeds.shape)}")
-        if inputs_embeds.dtype != weight.dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
-            raise PackedEncodersError(f"inputs_embeds is {inputs_embeds.dtype} but the model's weights are "
-                                      f"{weight.dtype} (outside autocast); cast one to the other")
+        check_embeds_dtype(inputs_embeds, encoder.embeddings.tok_embeddings.weight.dtype)
     batch = from_packed(input_ids=packed_ids, inputs_embeds=inputs_embeds, cu_seqlens=cu_seqlens,
                         max_seqlen=max_seqlen, position_ids=position_ids,
                         vocab_size=encoder.embeddings.tok_embeddings.num_embeddings)

@@ -99,6 +99,17 @@ def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
     return input_ids if input_ids.dtype in (torch.int32, torch.int64) else input_ids.long()
 
 
+def check_embeds_dtype(inputs_embeds: torch.Tensor, weight_dtype: torch.dtype) -> None:
+    """Refuse ``inputs_embeds`` of another dtype than the model's weights outside autocast (stock HF fails in its
+    first GEMM there; under autocast both run).
+
+    Raises:
+        PackedEncodersError: naming both dtypes."""
+    if inputs_embeds.dtype != weight_dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
+        raise PackedEncodersError(f"inputs_embeds is {inputs_embeds.dtype} but the model's weights are {weight_dtype} "
+                                  "(outside autocast); cast one to the other")
+
+
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,

@@ -26,7 +26,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..batch import from_packed, is_int_like
+from ..batch import check_embeds_dtype, from_packed, is_int_like
 from ..call import empty_output, packed_route, padded_route, raise_earlier_errors, serve_batch, serve_padded
 from ..errors import PackedEncodersError, StockOnlyInput
 from .around import COLUMN_ZERO, FIRST_REAL
@@ -229,11 +229,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     if inputs_embeds is not None and (inputs_embeds.dim() == 0 or inputs_embeds.shape[-1] != state.params.hidden_size):
         raise PackedEncodersError(f"inputs_embeds has shape {tuple(inputs_embeds.shape)}; its last dimension must be "
                                   f"the model's hidden_size {state.params.hidden_size}")
-    if (inputs_embeds is not None and inputs_embeds.dtype != model.embeddings.tok_embeddings.weight.dtype
-            and not torch.is_autocast_enabled(inputs_embeds.device.type)):  # (stock fails in its first GEMM)
-        raise PackedEncodersError(f"inputs_embeds is {inputs_embeds.dtype} but the model's weights are "
-                                  f"{model.embeddings.tok_embeddings.weight.dtype} (outside autocast); cast one to "
-                                  "the other")
+    if inputs_embeds is not None:
+        check_embeds_dtype(inputs_embeds, model.embeddings.tok_embeddings.weight.dtype)
 
     vocab_size = model.embeddings.tok_embeddings.num_embeddings  # live: resize_token_embeddings after pack
     src = input_ids if input_ids is not None else inputs_embeds
