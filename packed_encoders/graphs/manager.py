@@ -48,7 +48,7 @@ class GraphManager:
         self.pool: Any = None                # torch.cuda graph pool handle, created by the first capture
         self.last_stream: Any = None         # the stream of the last replay (cross-stream ordering)
         self.precaptured_for: Any = None     # the fingerprint precapture last ran for
-        self.weights: Any = None              # what the graphs read, listed (route.Listed; see route.fingerprint)
+        self.listed: Any = None               # what the graphs read, listed (route.Listed; see route.fingerprint)
         self.stream: Any = None               # side stream for warm-up and capture
         self.inbox: Any = None                # ops.triton.stage.Inbox shared by the packed graphs (CUDA)
         self.staged_before_sync = 0           # inbox replays served as filled before the call's sync

@@ -93,11 +93,11 @@ def fingerprint(model, state, mgr: GraphManager) -> tuple:
     """
     snap = state.runtime.get("structure")
     tree = None if snap is None else snap["tree"]
-    listed = mgr.weights
+    listed = mgr.listed
     if listed is None or listed.tree != tree or not all(
             map(operator.is_, map(dict.get, map(operator.getitem, listed.module_dicts, listed.kinds), listed.names),
                 listed.values)):
-        listed = mgr.weights = _listed(model, tree)
+        listed = mgr.listed = _listed(model, tree)
     w0 = listed.params[0]
     return (w0.device, w0.dtype, tree, *map(_DATA_PTR, listed.tensors))
 
@@ -363,7 +363,7 @@ def train_forward(model, state, batch, *, bucket: Bucket | None = None, autocast
     query_only = batch.key_lens is not None
     with mgr.lock:
         mgr.check_fingerprint(fingerprint(model, state, mgr))
-        trainable = tuple(p.requires_grad for p in mgr.weights.params)
+        trainable = tuple(p.requires_grad for p in mgr.listed.params)
         if not any(trainable):
             mgr.note_fallback(B.FROZEN)
             return None
@@ -408,7 +408,7 @@ def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str
     the lock)."""
     from .training import SlotPool, TrainRunner
 
-    params = mgr.weights.params
+    params = mgr.listed.params
     buffers = mgr.train_grads  # one per parameter, shared by every slot: the node returns copies of them
     with torch.no_grad(), torch.inference_mode(False):
         grads = tuple(buffers.setdefault(i, torch.zeros_like(p)) for i, (p, t) in enumerate(zip(params, trainable))
