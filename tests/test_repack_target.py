@@ -583,3 +583,78 @@ def test_unpack_again_takes_off_a_packed_forward_a_removed_hook_put_back():
     pe.unpack(model)
     assert "forward" not in model.__dict__
     assert b"packed_encoders" not in pickle.dumps(model)
+
+
+class _CountingHook:
+    """An accelerate ``ModelHook`` that counts the calls it wraps."""
+
+    def __new__(cls):
+        hooks = pytest.importorskip("accelerate.hooks")
+
+        class Counting(hooks.ModelHook):
+            calls = 0
+
+            def pre_forward(self, module, *args, **kwargs):
+                self.calls += 1
+                return args, kwargs
+
+        return Counting()
+
+
+def _hidden(model, ids, mask):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def test_packing_again_under_a_hook_added_after_an_earlier_pack_keeps_the_hook():
+    """``pack()``, a hook added (it wraps the packed forward), ``unpack()`` (the hook stays, its packed forward runs
+    stock), ``pack()`` again: the hook keeps running, over the packed forward; the hook removed, ``unpack()`` leaves
+    the class forward (not the removed hook's forward, which calls the ``_hf_hook`` the removal deleted and does not
+    pickle)."""
+    import pickle
+
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = make_model("tiny")
+    stock = copy.deepcopy(model)
+    ids, mask = padded_batch([3, 12, 7])
+    pad = mask == 0
+    pe.pack(model)
+    hook = _CountingHook()
+    hooks.add_hook_to_module(model, hook)
+    pe.unpack(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing of the user's is replaced: no warning
+        pe.pack(model)
+    assert pe.is_packed(model)
+    got = _hidden(model, ids, mask)
+    assert hook.calls == 1 and got[pad].abs().max() == 0  # through the hook, packed (zeros at padded positions)
+    torch.testing.assert_close(got[~pad], _hidden(stock, ids, mask)[~pad], atol=1e-5, rtol=1e-5)
+    hooks.remove_hook_from_module(model)
+    pe.unpack(model)
+    assert "forward" not in model.__dict__
+    torch.testing.assert_close(_hidden(model, ids, mask), _hidden(stock, ids, mask))
+    assert b"packed_encoders" not in pickle.dumps(model)
+
+
+def test_a_hook_added_again_after_repacks_runs_stock_after_unpack():
+    """As above, then the hook removed, ``pack()`` again with other options (a new packed forward), a hook added again
+    and ``unpack()``: calls run stock (the packed forward under the hook had recorded the first hook's forward as the
+    one to restore, which calls the packed forward again through ``_old_forward``: a RecursionError)."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = make_model("tiny")
+    stock = copy.deepcopy(model)
+    ids, mask = padded_batch([3, 12, 7])
+    pe.pack(model)
+    hooks.add_hook_to_module(model, hooks.ModelHook())
+    pe.unpack(model)
+    pe.pack(model)
+    hooks.remove_hook_from_module(model)
+    pe.pack(model, padded_outputs="zeros")
+    hook = _CountingHook()
+    hooks.add_hook_to_module(model, hook)
+    pe.unpack(model)
+    torch.testing.assert_close(_hidden(model, ids, mask), _hidden(stock, ids, mask))
+    assert hook.calls == 1
+    hooks.remove_hook_from_module(model)
+    pe.unpack(model)
+    assert "forward" not in model.__dict__

@@ -10,7 +10,8 @@ from torch import nn
 
 from .dynamo import outside_dynamo
 from .hf_call import hf_forward
-from .state import _NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state, instance_forward, rebound_args
+from .state import (_NO_FORWARD, STATE_ATTR, PackState, forward_bypassed, get_state, instance_forward, own_forward,
+                    rebound_args)
 from .stock_calls import stock_signature
 
 
@@ -28,7 +29,8 @@ class PackedForward:
 
     Something may still call it after ``unpack()``: a wrapper set as ``forward`` after ``pack()`` (accelerate's
     hooks keep the forward they wrap), or a reference taken before. It then runs what ``unpack()`` restored:
-    ``previous`` (the instance forward ``pack()`` replaced), or the class forward."""
+    ``previous`` (the instance forward ``pack()`` replaced), or the class forward; ``pack()`` again keeps such a
+    wrapper, and the PackedForward under it runs packed again."""
 
     # a method bound to it (state.instance_forward) pickles as getattr(module, __func__.__name__): the unpickled
     # module's class forward, which pack() replaces again (describe() says "bypassed" until then)
@@ -89,7 +91,10 @@ def replaced_forward(model: nn.Module):
     if get_state(model) is not None:
         return None
     current = instance_forward(model)
-    if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
+    own = own_forward(model, current, PackedForward)
+    if own is not None and own is not current:  # a wrapper over ours, kept (install)
+        return None
+    if own is not None:  # left by an earlier unpack()
         current = getattr(current, "previous", None)
     return None if current is None or isinstance(current, str) else current
 
@@ -98,10 +103,13 @@ def install(model: nn.Module, state: PackState) -> None:
     outside_dynamo(hf_forward, _STRICT_EXPORT)
     existing = get_state(model)
     current = instance_forward(model, _NO_FORWARD)
+    own = own_forward(model, current, PackedForward)
     if existing is None:
-        if isinstance(current, PackedForward) and current.module is model:  # left by an earlier unpack()
-            current = getattr(current, "previous", _NO_FORWARD)
-        state.previous_forward = current
+        # ours, left by an earlier unpack() on the instance or under a wrapper set over it since (accelerate's hook
+        # calls it through module._old_forward): unpack() restores what it replaced, not the wrapper, which stays.
+        # Recorded as the forward to restore, the wrapper would outlive its hook's removal (calling the deleted
+        # _hf_hook; unpicklable), and a hook added later over the PackedForward holding it would loop with it
+        state.previous_forward = current if own is None else getattr(own, "previous", _NO_FORWARD)
     elif forward_bypassed(model):
         # the class forward set back over the packed one since pack() (accelerate's remove_hook_from_module restores
         # the forward its hook saved): the forward pack() replaced then (that hook's, which calls the removed hook)
@@ -110,10 +118,10 @@ def install(model: nn.Module, state: PackState) -> None:
     else:
         state.previous_forward = existing.previous_forward
     model.__dict__[STATE_ATTR] = state
-    if existing is None or isinstance(current, PackedForward) or forward_bypassed(model):
+    if (existing is None and own is None) or isinstance(current, PackedForward) or forward_bypassed(model):
         model.__dict__["forward"] = PackedForward(model, state.previous_forward)
-    # else: a forward set over the packed one after pack() (a wrapper such as accelerate's hooks, which calls the
-    # PackedForward it wrapped, reading this new state) is kept
+    # else: a forward set over the packed one after pack(), even one unpack() left since (a wrapper such as
+    # accelerate's hooks, which calls the PackedForward it wrapped, reading this new state) is kept
     model.__dict__["_replicate_for_data_parallel"] = PackedReplicator(model)
 
 

@@ -95,6 +95,18 @@ def rebound_args(forward, args: tuple) -> tuple:
     return args
 
 
+def own_forward(module: nn.Module, forward, cls):
+    """The instance forward of ours (a ``cls`` holding ``module``) that ``forward`` is, or wraps: a wrapper set over it
+    (accelerate's hooks, ``functools.wraps``) names it ``__wrapped__`` (``functools.update_wrapper``); else ``None``."""
+    for _ in range(16):  # (a bound on ``__wrapped__`` chains that never end)
+        if isinstance(forward, cls) and forward.module is module:
+            return forward
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return None
+    return None
+
+
 def forward_bypassed(module: nn.Module) -> bool:
     """Whether calls of ``module`` run its class forward instead of the instance forward ``pack()`` set (the packed
     encoder's, a head's label check): its instance forward is gone, or is the class forward bound to it (accelerate's
