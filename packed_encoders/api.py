@@ -36,7 +36,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     ColBERT, or any ``nn.Module`` holding them. Weights are not copied. The environment switches
     (``PACKED_ENCODERS_*``) are read here, once, into the encoder's frozen tuning (``describe()["encoders"][i]
     ["tuning"]``). Calling ``pack`` again with the same options and switches keeps the encoder's state (its graphs
-    and validation; ``validation_lengths`` validate it again); with other options (or changed switches) it
+    and validation; ``validation_lengths``, or weights moved to another dtype or device since the check, validate it
+    again); with other options (or changed switches) it
     reconfigures to exactly those (unset ones take their defaults: ``pack(model)`` after ``pack(model,
     cuda_graph=GraphConfig(...))`` returns to the automatic graphs; use :func:`~packed_encoders.set_cuda_graph` to
     change graphs alone). Either way, with
@@ -103,8 +104,13 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         # target's heads and wrappers read is applied below (a config edited since, e.g. a new local_attention,
         # makes a new state; the packed path otherwise runs stock for the unexpected geometry); lengths to
         # validate on: validated again, with a new state
+        # a validation in another dtype or device than the weights' now does not cover the kernels they run
+        weight = model.embeddings.tok_embeddings.weight
+        stale = (validate and current is not None
+                 and _validated(current.report, str(weight.dtype).replace("torch.", ""), str(weight.device)) is None)
         if (current is not None and current.options == options and same_switches(current.tuning, tuning)
-                and current.params == params_of(model) and not (validate and validation_lengths is not None)):
+                and current.params == params_of(model) and not (validate and validation_lengths is not None)
+                and not stale):
             kept.append((model, current))
             continue
         state = make_state(model, options, target, tuning)  # with what the heads and wrappers around it read

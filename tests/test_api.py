@@ -508,3 +508,14 @@ def test_describe_validated_only_for_the_dtype_it_was_checked_in():
     assert d["dtype"] == "float64" and d["validated"] is None and d["validated_as"] == "float32 on cpu"
     model.to(torch.float32)
     assert pe.describe(model)["encoders"][0]["validated"] is True
+
+
+def test_pack_again_after_a_dtype_change_validates_in_the_new_dtype():
+    """``pe.pack(model)`` with the same options keeps the state, validation included; after ``.to(dtype)`` that
+    validation is for another dtype's kernels, so ``pack()`` (``validate=True``) checks the model again in its
+    dtype now."""
+    model = pe.pack(make_model("base_like"))
+    model.to(torch.float64)
+    pe.pack(model)
+    d = pe.describe(model)["encoders"][0]
+    assert d["validated"] is True and d["validated_as"] == "float64 on cpu"
