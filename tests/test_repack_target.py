@@ -658,3 +658,51 @@ def test_a_hook_added_again_after_repacks_runs_stock_after_unpack():
     hooks.remove_hook_from_module(model)
     pe.unpack(model)
     assert "forward" not in model.__dict__
+
+
+def test_a_heads_label_check_under_a_hook_follows_its_new_encoder():
+    """A hook added over a packed head's label check, the head's encoder replaced and the head packed again: the
+    check under the hook is brought up to date (not a second one stacked over the hook), so once the hook is removed
+    (accelerate puts that check back on the instance) the new encoder's calls are checked: right-padded labels
+    counted at padded positions give stock's loss."""
+    import gc
+
+    hooks = pytest.importorskip("accelerate.hooks")
+    cls = transformers.ModernBertForTokenClassification
+    head, stock = make_model("tiny", cls=cls, num_labels=4), make_model("tiny", cls=cls, num_labels=4)
+    ids, mask = padded_batch([5, 12, 9])
+    kw = {"input_ids": ids, "attention_mask": mask, "labels": ids % 4}  # labels counted at padded positions
+    pe.pack(head)
+    hooks.add_hook_to_module(head, hooks.ModelHook())
+    head.model, stock.model = make_model("tiny", seed=1), make_model("tiny", seed=1)
+    gc.collect()  # (the replaced packed encoder, which the old check held weakly)
+    pe.pack(head)
+    hooks.remove_hook_from_module(head)
+    with torch.no_grad():
+        torch.testing.assert_close(head(**kw).loss, stock(**kw).loss, atol=1e-5, rtol=1e-5)
+    assert head.__dict__["forward"].encoders == (head.model,)
+
+
+def test_packing_a_head_again_under_a_hook_keeps_one_label_check():
+    """``pack(head)``, a hook added over its label check, ``unpack(head)``, ``pack(head)``: the hook wraps the one
+    check, which checks again (not a second check stacked over the hook); the hook removed, ``unpack()`` leaves
+    nothing of ours."""
+    import pickle
+
+    hooks = pytest.importorskip("accelerate.hooks")
+    head = make_model("tiny", cls=transformers.ModernBertForTokenClassification, num_labels=4)
+    stock = copy.deepcopy(head)
+    ids, mask = padded_batch([5, 12, 9])
+    kw = {"input_ids": ids, "attention_mask": mask, "labels": ids % 4}
+    pe.pack(head)
+    hooks.add_hook_to_module(head, hooks.ModelHook())
+    pe.unpack(head)
+    pe.pack(head)
+    assert head._old_forward.encoders == (head.model,)  # the hook calls the check, brought up to date
+    assert "CheckedForward" not in type(head.__dict__["forward"]).__name__
+    with torch.no_grad():
+        torch.testing.assert_close(head(**kw).loss, stock(**kw).loss, atol=1e-5, rtol=1e-5)
+    hooks.remove_hook_from_module(head)
+    pe.unpack(head)
+    assert "forward" not in head.__dict__
+    assert b"packed_encoders" not in pickle.dumps(head)

@@ -49,7 +49,8 @@ from torch import nn
 
 from .around import CHECK_SUFFIXES, SPAN_SUFFIX, head_suffix, is_checked, label_heads
 from .dynamo import outside_dynamo
-from .state import _NO_FORWARD, STATE_ATTR, forward_bypassed, get_state, instance_forward, rebound_args
+from .state import (_NO_FORWARD, STATE_ATTR, forward_bypassed, get_state, instance_forward, own_forward,
+                    rebound_args)
 from .stock_calls import positional_names, stock_signature
 
 IGNORE_INDEX = -100  # HF's CrossEntropyLoss default, used by both heads
@@ -278,30 +279,37 @@ def sync(heads) -> list:
     (once; its ``encoders`` brought up to date, and marked ``label_checked``), and take them off the others,
     restoring the head's forward (its earlier instance forward, or none: the class forward). A forward set over the
     checked one after ``pack()`` (a wrapper such as accelerate's) is kept; the checked forward it calls stops
-    checking once its encoders are unpacked. Returns the heads given a check they did not have."""
+    checking once its encoders are unpacked, and is the one brought up to date when the head is packed again (no
+    second check over the wrapper). Returns the heads given a check they did not have."""
     _outside_dynamo()
     given = []
     for head in heads:
         encoders = tuple(m for m in head.modules() if get_state(m) is not None)
         current = instance_forward(head, _NO_FORWARD)
-        ours = isinstance(current, CheckedForward) and current.module is head
+        # ours on the instance, or under a wrapper set over it since (accelerate's hook calls it through
+        # module._old_forward, and its removal puts it back on the instance): that one check follows the head's
+        # encoders. A new check over the wrapper would leave the old one under it checking for the encoders it held
+        # (a replaced encoder's calls unchecked once the hook is removed), and check each call twice meanwhile
+        own = own_forward(head, current, CheckedForward)
         if is_checked(head) and any(get_state(m).options.padded_outputs == "auto" for m in encoders):
-            if ours:  # packed again
-                current.encoders = encoders
-                head.__dict__["forward"] = current
+            if own is not None:  # packed again
+                own.encoders = encoders
+                if own is current:
+                    head.__dict__["forward"] = current
             else:
                 span = head_suffix(head) == SPAN_SUFFIX
                 head.__dict__["forward"] = CheckedForward(head, current, span, encoders)
-                head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
                 given.append(head)
+            head.__dict__.setdefault("_replicate_for_data_parallel", CheckedReplicator(head))
             for encoder in encoders:
                 get_state(encoder).label_checked = True
             continue
-        if ours:
+        if own is not None and own is current:
             del head.__dict__["forward"]
             if not isinstance(current.previous, str):
                 head.__dict__["forward"] = current.previous
-            current.encoders = ()  # a reference kept elsewhere runs the head's forward unchecked
+        if own is not None:  # a wrapper over it (which stays) or a reference kept elsewhere runs the head's forward
+            own.encoders = ()  # unchecked
         replicator = head.__dict__.get("_replicate_for_data_parallel")
         if isinstance(replicator, CheckedReplicator) and replicator.module is head:
             del head.__dict__["_replicate_for_data_parallel"]
