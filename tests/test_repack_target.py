@@ -706,3 +706,26 @@ def test_packing_a_head_again_under_a_hook_keeps_one_label_check():
     pe.unpack(head)
     assert "forward" not in head.__dict__
     assert b"packed_encoders" not in pickle.dumps(head)
+
+
+def test_a_wrappers_mark_stays_while_another_packed_encoder_reads_its_expansion():
+    """A ColBERT-style wrapper and a head packed through one container: the head's encoder reads the wrapper's
+    expansion settings too (every encoder inside the target does), so ``unpack(wrapper.enc)`` keeps the wrapper's
+    mark, with which a copy of the container (the head listed first: its encoder copied before the wrapper) follows
+    the copied wrapper's settings; unpacking the head as well takes the mark off."""
+    import pickle
+
+    from packed_encoders.adapters.around import MARK_ATTR
+
+    wrapper = ColBERTLike(make_model("tiny"), query_length=16)
+    head = make_model("tiny", cls=transformers.ModernBertForTokenClassification, seed=1, num_labels=4)
+    box = torch.nn.ModuleDict({"head": head, "colbert": wrapper})
+    pe.pack(box)
+    pe.unpack(wrapper.enc)
+    assert MARK_ATTR in wrapper.__dict__
+    twin = copy.deepcopy(box)
+    twin["colbert"].query_length = 8
+    assert _padded_outputs(twin["head"]) == "trailing masked positions computed for calls <= 8 wide"
+    assert _padded_outputs(head) == "trailing masked positions computed for calls <= 16 wide"
+    pe.unpack(head)
+    assert MARK_ATTR not in wrapper.__dict__ and b"packed_encoders" not in pickle.dumps(wrapper)
