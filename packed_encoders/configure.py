@@ -79,7 +79,7 @@ def read_around(model: nn.Module, state: PackState, target=None) -> None:
         return
     readers = around(model, target)
     state.position_zero = readers.position_zero
-    watch = None if readers.span else ExpansionWatch(readers.expansion)
+    watch = None if readers.span else ExpansionWatch(readers.expansion, model)
     state.trailing_max_len = ALWAYS if readers.span else watch.length()
     if watch:  # query expansion set, changed or cleared after pack() is seen per call
         state.runtime["expansion"] = watch

@@ -729,3 +729,24 @@ def test_a_wrappers_mark_stays_while_another_packed_encoder_reads_its_expansion(
     assert _padded_outputs(head) == "trailing masked positions computed for calls <= 16 wide"
     pe.unpack(head)
     assert MARK_ATTR not in wrapper.__dict__ and b"packed_encoders" not in pickle.dumps(wrapper)
+
+
+def test_a_heads_pickle_leaves_out_a_container_mates_wrapper_whose_expansion_its_encoder_reads():
+    """A head and a ColBERT-style wrapper packed through one container: the head's encoder reads the wrapper's
+    expansion settings, but pickling the head alone does not carry the wrapper (another model, whose accelerate
+    hook would make the pickle fail); the unpickled head keeps the expansion length it read."""
+    import io
+    import pickle
+
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    wrapper = ColBERTLike(make_model("tiny"), query_length=16)
+    head = make_model("tiny", cls=transformers.ModernBertForTokenClassification, seed=1, num_labels=4)
+    pe.pack(torch.nn.ModuleDict({"head": head, "colbert": wrapper}), validate=False)
+    assert b"ColBERTLike" not in pickle.dumps(head)
+    add_hook_to_module(wrapper, ModelHook())
+    buf = io.BytesIO()
+    torch.save(head, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)
+    assert _padded_outputs(back) == "trailing masked positions computed for calls <= 16 wide"

@@ -69,9 +69,12 @@ class ExpansionWatch:
     expansion switched on, off or resized after ``pack()`` is honoured. Sources are held weakly (the target owns
     the encoder)."""
 
-    def __init__(self, sources):
+    def __init__(self, sources, encoder: nn.Module | None = None):
         sources = list(sources)
         self._refs = tuple(weakref.ref(s) for s in sources)
+        # a source beside the encoder (a container-mate when packed through a container) is not pickled along: it
+        # is another model, which a pickle of this encoder's head would carry whole (and fail on its accelerate hook)
+        self._inside = tuple(encoder is None or any(m is encoder for m in s.modules()) for s in sources)
         self._waiting = (None,) * len(sources)
         self._seen = _settings(sources)
         self._length = expansion_length(sources)
@@ -88,6 +91,7 @@ class ExpansionWatch:
         copies = [None if s is None else memo.get(id(s)) for s in (r() for r in self._refs)]
         new._refs = tuple(_GONE if c is None else weakref.ref(c) for c in copies)
         new._waiting = tuple(r if c is None else None for r, c in zip(self._refs, copies))
+        new._inside = getattr(self, "_inside", (True,) * len(self._refs))
         new._seen, new._length = self._seen, self._length
         return new
 
@@ -102,11 +106,14 @@ class ExpansionWatch:
         # pickled with the sources themselves: a pickled target (torch.save, a multi-process pool's workers) holds
         # them already, so the unpickled watch follows the unpickled target's settings (a source a copy never got
         # pickles as gone)
-        return {"sources": [r() for r in self._refs], "seen": self._seen, "length": self._length}
+        inside = getattr(self, "_inside", (True,) * len(self._refs))
+        return {"sources": [r() if keep else None for r, keep in zip(self._refs, inside)], "seen": self._seen,
+                "length": self._length}
 
     def __setstate__(self, state: dict) -> None:
         self._refs = tuple(_GONE if s is None else weakref.ref(s) for s in state["sources"])
         self._waiting = (None,) * len(self._refs)
+        self._inside = (True,) * len(self._refs)
         self._seen, self._length = state["seen"], state["length"]
 
     def length(self) -> int | None:
