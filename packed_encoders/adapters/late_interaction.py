@@ -91,7 +91,7 @@ class ExpansionWatch:
         copies = [None if s is None else memo.get(id(s)) for s in (r() for r in self._refs)]
         new._refs = tuple(_GONE if c is None else weakref.ref(c) for c in copies)
         new._waiting = tuple(r if c is None else None for r, c in zip(self._refs, copies))
-        new._inside = getattr(self, "_inside", (True,) * len(self._refs))
+        new._inside = self._inside
         new._seen, new._length = self._seen, self._length
         return new
 
@@ -106,8 +106,7 @@ class ExpansionWatch:
         # pickled with the sources themselves: a pickled target (torch.save, a multi-process pool's workers) holds
         # them already, so the unpickled watch follows the unpickled target's settings (a source a copy never got
         # pickles as gone)
-        inside = getattr(self, "_inside", (True,) * len(self._refs))
-        return {"sources": [r() if keep else None for r, keep in zip(self._refs, inside)], "seen": self._seen,
+        return {"sources": [r() if keep else None for r, keep in zip(self._refs, self._inside)], "seen": self._seen,
                 "length": self._length}
 
     def __setstate__(self, state: dict) -> None:
