@@ -105,9 +105,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         # makes a new state; the packed path otherwise runs stock for the unexpected geometry); lengths to
         # validate on: validated again, with a new state
         # a validation in another dtype or device than the weights' now does not cover the kernels they run
-        weight = model.embeddings.tok_embeddings.weight
         stale = (validate and current is not None
-                 and _validated(current.report, str(weight.dtype).replace("torch.", ""), str(weight.device)) is None)
+                 and _validated(current.report, model.embeddings.tok_embeddings.weight) is None)
         if (current is not None and current.options == options and same_switches(current.tuning, tuning)
                 and current.params == params_of(model) and not (validate and validation_lengths is not None)
                 and not stale):
@@ -213,9 +212,9 @@ def is_packed(target) -> bool:
     return all(get_state(m) is not None and not forward_bypassed(m) for _, m in find_encoders(target))
 
 
-def _validated(report, dtype: str, device: str) -> bool | None:
+def _validated(report, weight: torch.Tensor) -> bool | None:
     # a check in fp32 says nothing of the bf16 kernels a later .to(torch.bfloat16) runs
-    if report is None or report.dtype != dtype or report.device != device:
+    if report is None or report.dtype != str(weight.dtype).replace("torch.", "") or report.device != str(weight.device):
         return None
     return report.passed
 
@@ -280,7 +279,7 @@ def describe(target) -> dict:
                                        "" if trailing >= ALWAYS else f" for calls <= {trailing} wide")),
                 "read_around": {"position_zero": state.position_zero,
                                 "label_checks": sorted({type(h).__name__ for h in around.checked_heads([model])})},
-                "validated": _validated(state.report, entry["dtype"], entry["device"]),
+                "validated": _validated(state.report, weight),
                 "validated_as": None if state.report is None else f"{state.report.dtype} on {state.report.device}",
             })
         out.append(entry)

@@ -304,12 +304,12 @@ def sync(heads) -> list:
             for encoder in encoders:
                 get_state(encoder).label_checked = True
             continue
-        if own is not None and own is current:
-            del head.__dict__["forward"]
-            if not isinstance(current.previous, str):
-                head.__dict__["forward"] = current.previous
-        if own is not None:  # a wrapper over it (which stays) or a reference kept elsewhere runs the head's forward
-            own.encoders = ()  # unchecked
+        if own is not None:
+            if own is current:
+                del head.__dict__["forward"]
+                if not isinstance(current.previous, str):
+                    head.__dict__["forward"] = current.previous
+            own.encoders = ()  # a wrapper over it (which stays) or a reference kept elsewhere runs the head unchecked
         replicator = head.__dict__.get("_replicate_for_data_parallel")
         if isinstance(replicator, CheckedReplicator) and replicator.module is head:
             del head.__dict__["_replicate_for_data_parallel"]
