@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import subprocess
 import sys
 import warnings
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from packed_encoders import calibrate  # noqa: E402
-from packed_encoders.attention import BACKENDS, Workload, attention_ref, resolve  # noqa: E402
+from packed_encoders.attention import BACKENDS, Workload, resolve  # noqa: E402
 from packed_encoders.attention import dispatch, triton_short  # noqa: E402
 from packed_encoders.attention.dispatch import DEFAULT_POLICY, Cell, Policy, Table, select_policy  # noqa: E402
 from packed_encoders.attention.reference import parity  # noqa: E402

@@ -353,8 +353,7 @@ def test_outside_the_envelope_takes_the_synced_path(cpu_graphs, monkeypatch):
     ids, mask = padded_batch([5, 17, 33], "mixed")
     with torch.no_grad():
         eager = eager_padded(model, ids, mask)
-        with_pos = model(input_ids=ids, attention_mask=mask,
-                         position_ids=torch.arange(ids.shape[1])[None].expand_as(ids)).last_hidden_state
+        model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None].expand_as(ids))
         embeds = model(inputs_embeds=model.embeddings.tok_embeddings(ids), attention_mask=mask).last_hidden_state
         hidden = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         fwd(model, ids, mask.float())                                           # floating mask

@@ -81,9 +81,6 @@ class ModernBertParams:
         """``None`` for a global layer, else the half window."""
         return None if self.layer_is_global[layer] else self.window
 
-    def layer_theta(self, layer: int) -> float:
-        return self.rope_theta_global if self.layer_is_global[layer] else self.rope_theta_local
-
     def attention_dropout_of(self, attn) -> float:
         """The attention-probability dropout rate stock HF applies in ``attn``'s (a layer's attention module) next
         call: 0 in eval mode, else ``attn.attention_dropout`` read live, as stock reads it per call (the config's

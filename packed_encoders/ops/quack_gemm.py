@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..tuning import QUACK_GEMM_ENV as ENV
 from . import OpSet, RouteLog
 
-ENV = "PACKED_ENCODERS_QUACK_GEMM"
 CAPABILITY = (9, 0)
 GLU_MIN_TOKENS = 1024
 GLU_ACTIVATIONS = frozenset({"gelu", "gelu_tanh", "silu", "relu"})  # ops.cute.gemm.EPILOGUES
@@ -62,7 +62,6 @@ LINEAR_MIN_TOKENS: dict[tuple[int, int], tuple[int, int]] = {
 # The q, k projection with RoPE in its epilogue (ops.cute.gemm.rope_linear) replaces the Wqkv GEMM plus the
 # separate (or attention-fused) rotation; v takes the plain linear route. (min tokens in a graph capture, eager)
 ROPE_MIN_TOKENS = (4096, 16384)
-ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"  # =0: the q, k projection stays a plain GEMM (read at pack())
 ROPE_HEAD_DIMS = frozenset({64})  # ops.cute.gemm.ROPE_HEAD_DIMS (kept here so the check imports no quack)
 
 _LOG = RouteLog("cublas: ")

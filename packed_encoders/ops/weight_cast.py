@@ -222,7 +222,3 @@ class StaticCopies:
         finally:
             _LOCAL.static = before
 
-
-def cached_count() -> int:
-    """How many copies the cache holds, a group's counted once (for tests and memory accounting)."""
-    return len(_CACHE) + len(_GROUPS)

@@ -46,5 +46,5 @@ def results(tmp_path_factory):
         return json.load(f)
 
 
-def test_sharded_indexing_after_a_kill(setup):
+def test_sharded_indexing_after_a_kill(setup):  # noqa: F811  (the imported fixture)
     check_sharded_run(*setup, world=WORLD, backend="nccl")

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 from packed_encoders.ops import quack_gemm  # noqa: E402
 from packed_encoders.ops.geglu import geglu_ref  # noqa: E402
+from packed_encoders.tuning import QUACK_ROPE_ENV  # noqa: E402
 
 DEV = torch.device("cuda")
 WHY = quack_gemm.unavailable(DEV)
@@ -148,7 +149,7 @@ def test_packed_forward_with_quack_everywhere_matches_stock(base, monkeypatch):
         layers = base.config.num_hidden_layers
         # v through linear, q / k through the RoPE epilogue
         assert calls == {"linear": 3 * layers, "glu_linear": layers, "rope_linear": layers}
-        monkeypatch.setenv(quack_gemm.ROPE_ENV, "0")
+        monkeypatch.setenv(QUACK_ROPE_ENV, "0")
         with torch.no_grad(), quack_gemm.forced():  # read at pack(): no effect until re-packed
             base(input_ids=ids, attention_mask=mask)
         assert calls == {"linear": 6 * layers, "glu_linear": 2 * layers, "rope_linear": 2 * layers}
