@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import PackedEncodersError
+from ..tuning import CACHE_ENV, POLICY_ENV
 from . import fa4_direct
 from .backends import BACKENDS, Workload
 
@@ -30,8 +31,6 @@ FLASH_FAMILY = ("fa4", "varlen")
 POLICY_FORMAT = "packed_encoders.attention_policy"
 POLICY_VERSION = 1
 SHIPPED_DIR = Path(__file__).with_name("policies")
-POLICY_ENV = "PACKED_ENCODERS_POLICY"
-CACHE_ENV = "PACKED_ENCODERS_CACHE"
 # Eager calls of at most this many tokens take FlashAttention-2 before FlashAttention-4's public entry point (where
 # fa4_direct does not serve them): its Python planning per call cost more than its GPU time saved there (H200,
 # 8 documents of ~926 tokens: 273 seq/s against 375 for stock; indexing batches of ~118k tokens kept FA4).
