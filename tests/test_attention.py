@@ -517,6 +517,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from packed_encoders.attention import triton_short_kernel, triton_short
+from packed_encoders.ops.triton._runtime import compile_options
 kernel = triton_short_kernel.packed_attn_fwd
 jit = JITFunction(getattr(kernel, "fn", kernel))
 pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "CU": "*i32", "KL": "*i32", "qk_scale": "fp32"}
@@ -528,7 +529,7 @@ for smax, local, has_kl in ((64, False, True), (triton_short.MAX_SEQLEN, True, F
              "DOT_F32": False, "HAS_KL": has_kl}
     sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in jit.arg_names}
     compiled = triton.compile(ASTSource(jit, sig, const), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **compile_options()})
     assert "ex2.approx" in compiled.asm["ptx"]  # exp2 softmax
     seen.add(cfg)
 print(len(seen))

@@ -289,6 +289,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from packed_encoders.attention import triton_short_kernel, triton_short
+from packed_encoders.ops.triton._runtime import compile_options
 jit = JITFunction(getattr(triton_short_kernel.packed_attn_rope_fwd, "fn", triton_short_kernel.packed_attn_rope_fwd))
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for head_dim, dt, smax, local, has_kl in ((64, "bf16", 64, False, False), (64, "bf16", 1024, True, True),
@@ -301,7 +302,7 @@ for head_dim, dt, smax, local, has_kl in ((64, "bf16", 64, False, False), (64, "
                 "COS": "*fp32", "SIN": "*fp32", "ROWS": "*i64", "qk_scale": "fp32"}
     sig = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in jit.arg_names}
     compiled = triton.compile(ASTSource(jit, sig, const), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **compile_options()})
     stack = "?"
     if os.path.exists(tool):
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

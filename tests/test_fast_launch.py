@@ -77,11 +77,13 @@ class FakeJit:
                        _param("BLOCK", constexpr=True)]
         self.pre_run_hooks = []
         self.slow_calls = 0
+        self.slow_kwargs = []
         self.compiled = FakeCompiled()
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.slow_calls += 1
+            self.slow_kwargs.append(kwargs)
             return self.compiled
         return run
 
@@ -231,3 +233,25 @@ def test_an_unbindable_signature_is_not_tried_again(launcher):
                         (x.data_ptr(), n, 16, 1e-5))
     assert list(cache.values()) == [False] and jit.slow_calls == 1
     assert len(runner.calls) == 2 and runner.launches == []  # the launcher's own cached path, no second bind
+
+
+def test_triton_path_pins_fp_fusion_unless_the_user_chose(launcher, monkeypatch):
+    """Every launch that reaches Triton asks for FP fusion explicitly: Triton 3.9 (torch 2.15's) warns when it is
+    left to the default, and Triton 3.10 turns the default off. A user's TRITON_DEFAULT_FP_FUSION still decides,
+    and so does an explicit ``enable_fp_fusion`` in the call."""
+    jit, fast = launcher
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    x = Cuda(torch.zeros(64))
+    fast[(1,)](x, 1, 16, 1.0, BLOCK=64)  # the first call of a specialisation (compiles)
+    assert jit.slow_kwargs[-1] == {"BLOCK": 64, "enable_fp_fusion": True}
+    fast[(1,)](x, 1, 16, 1.0, BLOCK=64)  # cached: the compiled kernel, no Triton call
+    assert jit.slow_calls == 1
+    assert fast.key(0, (x, 1, 16, 1.0), {"BLOCK": 64}) in fast.cache  # the key holds the caller's kwargs only
+    monkeypatch.setattr(R.FastLauncher, "enabled", False)  # every call through Triton (a Triton other than 3.6)
+    fast[(1,)](x, 1, 16, 1.0, BLOCK=64)
+    assert jit.slow_kwargs[-1] == {"BLOCK": 64, "enable_fp_fusion": True}
+    fast[(1,)](x, 1, 16, 1.0, BLOCK=64, enable_fp_fusion=False)
+    assert jit.slow_kwargs[-1] == {"BLOCK": 64, "enable_fp_fusion": False}
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    fast[(1,)](x, 1, 16, 1.0, BLOCK=64)
+    assert jit.slow_kwargs[-1] == {"BLOCK": 64}

@@ -22,6 +22,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from packed_encoders.ops.triton import glu as G  # noqa: E402
 from packed_encoders.ops.triton import layer_norm as L  # noqa: E402
 from packed_encoders.ops.triton import rope as R  # noqa: E402
+from packed_encoders.ops.triton._runtime import compile_options  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -29,7 +30,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 def _compile(kernel, signature: dict, constexprs: dict, num_warps: int):
     fn = JITFunction(kernel.fn, do_not_specialize=kernel.do_not_specialize)
     sig = {name: ("constexpr" if name in constexprs else signature[name]) for name in fn.arg_names}
-    return triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=TARGET, options={"num_warps": num_warps})
+    # the options every CUDA launch passes (FastLauncher.triton), so this compiles what the GPU will run
+    return triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=TARGET,
+                          options={"num_warps": num_warps, **compile_options()})
 
 
 def _resources(compiled) -> dict:
@@ -76,6 +79,17 @@ def test_layer_norm_compiles(hidden, dt, residual, bias):
         assert res.get("STACK", 0) == 0, res
     # the persistent backward's programs (BWD_WARPS_PER_SM warps) must all be resident at once
     assert _resources(bwd).get("REG", 0) * 32 * L.BWD_WARPS_PER_SM <= 65536, _resources(bwd)
+
+
+def test_launch_options_compile_with_fp_fusion(monkeypatch):
+    """:func:`compile_options` names an option this Triton's CUDA backend takes, and the kernel compiles with FP
+    fusion on, as on Triton releases before 3.10 by default (3.9 warns when it is left to the default; 3.10
+    turns it off)."""
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    block_t, block_i, warps = G.config(1152)
+    fwd = _compile(G._glu_fwd_kernel, dict(X="*bf16", Y="*bf16", n_rows="i32"),
+                   dict(I=1152, BLOCK_T=block_t, BLOCK_I=block_i, ACT=next(iter(G.ACTIVATIONS.values()))), warps)
+    assert fwd.metadata.enable_fp_fusion is True
 
 
 @pytest.mark.parametrize("stages", [2, 3])

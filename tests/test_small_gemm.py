@@ -196,6 +196,8 @@ def test_compiles_for_sm90():
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    from packed_encoders.ops.triton._runtime import compile_options
+
     fn = JITFunction(small_gemm._gemm_kernel.fn, do_not_specialize=small_gemm._gemm_kernel.do_not_specialize)
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     for glu, configs in ((False, small_gemm._HEURISTIC), (True, small_gemm._HEURISTIC_GLU)):
@@ -209,7 +211,8 @@ def test_compiles_for_sm90():
             aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                        if n in ("X", "W", "B", "Y", "sx_m", "sw_n")}
             k = triton.compile(ASTSource(fn, sig, constexprs=cx, attrs=aligned), target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                               options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                        **compile_options()})
             assert "wgmma" in k.asm["ptx"], (cfg, glu)
             if os.path.exists(tool):
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

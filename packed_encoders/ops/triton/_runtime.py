@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from typing import Callable
 
@@ -94,6 +95,16 @@ def _fast_launch_enabled() -> bool:
     from . import FAST_LAUNCH  # the switch as the last pack() set it (set_fast_launch)
 
     return FAST_LAUNCH and triton.__version__.startswith(FAST_LAUNCH_TRITON)
+
+
+def compile_options() -> dict:
+    """Triton compile options every CUDA launch here passes, so the kernels compile as checked on the H200.
+
+    FP fusion (multiply-add contracted into FMA): on, as every Triton before 3.10 defaults to. Triton 3.9 (torch
+    2.15's) warns when a launch leaves it to the default, which Triton 3.10 turns off (other rounding, slower
+    kernels). A ``TRITON_DEFAULT_FP_FUSION`` that the user set still decides (and
+    ``TRITON_FORCE_DISABLE_FP_FUSION`` overrides either in Triton)."""
+    return {} if "TRITON_DEFAULT_FP_FUSION" in os.environ else {"enable_fp_fusion": True}
 
 
 _KNOBS = None
@@ -176,20 +187,24 @@ class FastLauncher:
             call.append(a)
         return (device, len(args), tuple(parts), tuple(kwargs.items())), call
 
+    def triton(self, grid, args: tuple, kwargs: dict):
+        """Triton's own launch (compiling if needed), with :func:`compile_options` where the call sets none."""
+        return self.jit[grid](*args, **{**compile_options(), **kwargs})
+
     def launch(self, grid, *args, **kwargs):
         enabled = FastLauncher.enabled
         if enabled is None:
             enabled = FastLauncher.enabled = _fast_launch_enabled()
         if not enabled or self.jit.pre_run_hooks or _hooks_active():
-            return self.jit[grid](*args, **kwargs)
+            return self.triton(grid, args, kwargs)
         device = torch._C._cuda_getDevice()
         try:
             key, call = self._key_and_args(device, args, kwargs)
             entry = self.cache.get(key)
         except (TypeError, AttributeError):  # an unhashable or unexpected argument: Triton's path
-            return self.jit[grid](*args, **kwargs)
+            return self.triton(grid, args, kwargs)
         if entry is None:
-            compiled = self.jit[grid](*args, **kwargs)
+            compiled = self.triton(grid, args, kwargs)
             tail = self.names[len(args):]
             if compiled is not None and all(n in kwargs for n in tail):
                 self.cache[key] = (compiled, tail, _c_launch(compiled))
