@@ -291,7 +291,8 @@ def _plan_facts(plan, dropout: bool | None = None, stack_pointers_off: str | Non
     (``why_checked``: why not), ``glu``: the ``Wi`` + GLU path, ``linear``: the other projections (``"F.linear"``,
     ``"small_gemm"``: the Triton GEMM of small eager calls, or the op set's route, e.g. ``"quack"``), ``pointers``:
     the call may run as raw-pointer launches over one workspace (``model.pointers``; ``pointers_off``: why
-    they are off for the process, after a run disagreed with the tensor path), ``blocks``: the kernel family of the
+    not: off for the process after a run disagreed with the tensor path, or the fast Triton launcher is off, e.g.
+    under a Triton release it does not follow), ``blocks``: the kernel family of the
     per-block training autograd, ``stack``: every layer's blocks ran as one autograd node (``model.stack``;
     ``stack_off``: why a call with gradients did not (one node per block, or per op), ``None`` when it did or no
     gradient was wanted; ``stack_pointers``: that node launched its kernels on raw pointers
@@ -299,8 +300,9 @@ def _plan_facts(plan, dropout: bool | None = None, stack_pointers_off: str | Non
     dropout in that call (its train mode and a non-zero rate, read live)."""
     if plan is None:
         return None
+    off = pointers_off(launch=plan.pointers)  # (a plan that runs pointers has the Triton family: Triton imports)
     return {"direct": plan.direct, "why_checked": plan.why_checked, "glu": plan.glu, "linear": plan.linear_route,
-            "pointers": plan.pointers and pointers_off() is None, "pointers_off": pointers_off(),
+            "pointers": plan.pointers and off is None, "pointers_off": off,
             "blocks": None if plan.kernels is None else plan.kernels.name, "stack": plan.stack,
             "stack_off": plan.stack_off, "stack_pointers": plan.stack and stack_pointers_off is None,
             "stack_pointers_off": stack_pointers_off if plan.stack else None, "dropout": dropout}

@@ -255,3 +255,32 @@ def test_triton_path_pins_fp_fusion_unless_the_user_chose(launcher, monkeypatch)
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
     fast[(1,)](x, 1, 16, 1.0, BLOCK=64)
     assert jit.slow_kwargs[-1] == {"BLOCK": 64}
+
+
+def test_fast_launch_off_names_why(monkeypatch):
+    """Why cached and bound launches (and so the raw-pointer runs) do not run: the switch pack() read, a Triton
+    release whose C launcher the fast path does not follow (Triton 3.9 changed its calling convention), or
+    launch hooks; describe()'s eager plan reports it instead of claiming raw-pointer runs."""
+    import triton
+
+    from packed_encoders.api import _plan_facts
+    from packed_encoders.ops import triton as T
+
+    monkeypatch.setattr(T, "FAST_LAUNCH", True)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(R, "_hooks_active", lambda: False)
+    assert R.fast_launch_off() is None
+    plan = SimpleNamespace(direct=True, why_checked=None, glu="split", linear_route="F.linear", pointers=True,
+                           kernels=None, stack=False, stack_off=None)
+    assert _plan_facts(plan)["pointers"] is True and _plan_facts(plan)["pointers_off"] is None
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    why = R.fast_launch_off()
+    assert why.startswith("Triton 3.9.0: the fast launcher follows the C launcher of Triton 3.6"), why
+    assert _plan_facts(plan)["pointers"] is False and _plan_facts(plan)["pointers_off"] == why
+    plan.pointers = False  # a plan that never runs pointers names no launcher
+    assert _plan_facts(plan)["pointers_off"] is None
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
+    monkeypatch.setattr(R, "_hooks_active", lambda: True)
+    assert R.fast_launch_off() == "Triton launch hooks are set (a profiler's)"
+    monkeypatch.setattr(T, "FAST_LAUNCH", False)
+    assert R.fast_launch_off().startswith("PACKED_ENCODERS_TRITON_FAST_LAUNCH=0")

@@ -52,9 +52,15 @@ _GLU_ROUTES = ("small_gemm", "split")
 _FLASH = ("varlen", "fa4")  # attention on tensor views of the workspace, after the RoPE kernel
 
 
-def off_reason() -> str | None:
-    """Why raw-pointer runs are off for this process (a run disagreed with the tensor path), or ``None``."""
-    return _STATE["off"]
+def off_reason(launch: bool = False) -> str | None:
+    """Why raw-pointer runs are off for this process (a run disagreed with the tensor path), or ``None``;
+    ``launch``: also why they cannot launch now (the fast Triton launcher they go through is off: see
+    :func:`..ops.triton._runtime.fast_launch_off`; imports Triton)."""
+    if _STATE["off"] is not None or not launch:
+        return _STATE["off"]
+    from ..ops.triton._runtime import fast_launch_off
+
+    return fast_launch_off()
 
 
 def plan_runs_pointers(plan) -> bool:
@@ -183,7 +189,7 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
         return None
     from ..ops.triton._runtime import bound_ok
 
-    if not bound_ok():  # the fast launcher off (PACKED_ENCODERS_TRITON_FAST_LAUNCH=0) or launch hooks on
+    if not bound_ok():  # the fast launcher off (off_reason(launch=True) says why)
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index != torch._C._cuda_getDevice():

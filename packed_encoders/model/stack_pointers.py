@@ -125,12 +125,12 @@ def prepare(model, params, batch, plan, x: torch.Tensor, args, tables: dict, pre
     t, h = x.shape
     if t == 0 or x.dtype not in (_F32, *_LOW) or _ptr(x, x.dtype, x.numel(), _ALIGN) == -1:
         return "an empty batch, or an embedding output that is not a contiguous, aligned fp32 / bf16 / fp16 tensor"
-    from ..ops.triton._runtime import bound_ok
+    from ..ops.triton._runtime import bound_ok, fast_launch_off
 
     if cublaslt.status() is not None:
         return f"cuBLASLt: {cublaslt.status()}"
     if not bound_ok():
-        return "the bound Triton launcher is off (PACKED_ENCODERS_TRITON_FAST_LAUNCH=0, or launch hooks)"
+        return f"the bound Triton launcher is off: {fast_launch_off() or 'not decided before a first launch'}"
     device = x.device.index
     if device != torch._C._cuda_getDevice():
         return "the input is not on the current CUDA device"

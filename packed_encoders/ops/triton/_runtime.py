@@ -97,6 +97,25 @@ def _fast_launch_enabled() -> bool:
     return FAST_LAUNCH and triton.__version__.startswith(FAST_LAUNCH_TRITON)
 
 
+def fast_launch_off() -> str | None:
+    """Why the fast launcher's cached and :class:`Bound` launches do not run now (``None`` when they may): the
+    switch ``pack()`` read, a Triton release other than :data:`FAST_LAUNCH_TRITON`, or launch hooks (a profiler's).
+    The raw-pointer runs (``model.pointers``, ``model.stack_pointers``) need them; for ``describe()``."""
+    import triton
+
+    from . import FAST_LAUNCH
+
+    if not FAST_LAUNCH:
+        return "PACKED_ENCODERS_TRITON_FAST_LAUNCH=0 (as the last pack() read it)"
+    if not triton.__version__.startswith(FAST_LAUNCH_TRITON):
+        return (f"Triton {triton.__version__}: the fast launcher follows the C launcher of Triton "
+                f"{' / '.join(v.rstrip('.') for v in FAST_LAUNCH_TRITON)}; other releases launch through Triton's "
+                "own path")
+    if _hooks_active():
+        return "Triton launch hooks are set (a profiler's)"
+    return None
+
+
 def compile_options() -> dict:
     """Triton compile options every CUDA launch here passes, so the kernels compile as checked on the H200.
 
