@@ -168,6 +168,11 @@ def test_pair_table_cache_follows_the_live_buffer():
     del first
     gc.collect()
     assert old() is not None  # a graph captured with the old table may still read it: kept while inv lives
+    inv.data = inv.data * 0.5  # a .data swap: a new address, no version bump (the graphs' fingerprint drops them)
+    swapped = cached_pair_freq_table(inv, 4, "cpu")
+    assert swapped is not second
+    torch.testing.assert_close(swapped, pair_freq_table(inv, 4))
+    second = swapped
     other = inv.clone()
     assert cached_pair_freq_table(other, 4, "cpu") is not second
     by_theta = cached_pair_freq_table(("theta", 10000.0, 64), 4, "cpu")

@@ -134,31 +134,32 @@ _PAIR_TABLES: dict = {}
 def cached_pair_freq_table(source, heads: int, device) -> torch.Tensor:
     """:func:`pair_freq_table` on ``device``, cached per source.
 
-    ``source``: HF's live ``inv_freq`` buffer (keyed by identity and ``_version``: an in-place edit through the
-    tensor, or a new buffer, rebuilds; the entry goes when the buffer does), or a hashable
+    ``source``: HF's live ``inv_freq`` buffer (keyed by identity, ``_version`` and address: an in-place edit through
+    the tensor, a ``.data =`` swap or a new buffer rebuilds; the entry goes when the buffer does), or a hashable
     ``("theta", theta, head_dim)`` for HF's default formula. Not cached (built on each call, a few small device
     ops): while a CUDA graph is being captured (the table would live in the graph's pool), and for inference
     tensors (they have no version counter to notice edits by).
 
     Captured graphs read the table they were captured with: an in-place edit of ``inv_freq`` after a capture is
-    not seen by them (as for a swapped submodule: call ``pe.set_cuda_graph(model, True)``). Edits through
-    ``.data`` do not bump the version and are not seen at all. A replaced table is kept while its buffer lives,
-    so such a graph never reads freed memory."""
+    not seen by them (as for a swapped submodule: call ``pe.set_cuda_graph(model, True)``); a ``.data =`` swap
+    moves the buffer's address, which drops the graphs (``graphs.route.fingerprint``), and the recapture reads a
+    rebuilt table. A replaced table is kept while its buffer lives, so such a graph never reads freed memory."""
     device = torch.device(device)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if isinstance(source, torch.Tensor):
         if source.is_inference():
             return pair_freq_table(source.to(device=device, dtype=torch.float32), heads)
         key = (id(source), heads, str(device))
+        stamp = (source._version, source.data_ptr())  # (a .data swap moves the address, not the version)
         hit = _PAIR_TABLES.get(key)
-        if hit is not None and hit[0]() is source and hit[1] == source._version:
+        if hit is not None and hit[0]() is source and hit[1] == stamp:
             return hit[2]
         table = pair_freq_table(source.to(device=device, dtype=torch.float32), heads)
         if capturing:
             return table
         retired = (hit[3] + [hit[2]]) if hit is not None and hit[0]() is source else []
         ref = weakref.ref(source, lambda _, k=key: _PAIR_TABLES.pop(k, None))
-        _PAIR_TABLES[key] = (ref, source._version, table, retired)
+        _PAIR_TABLES[key] = (ref, stamp, table, retired)
         return table
     key = (source, heads, str(device))
     hit = _PAIR_TABLES.get(key)
