@@ -152,7 +152,8 @@ def test_triton_fused_rope_matches_unfused(total, window, kind):
     qkv = torch.randn(total, 3 * heads * head_dim, generator=g).to("cuda", dtype)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     pos = torch.cat([torch.arange(n) for n in lengths]).cuda()
-    if kind == "per_token":  # the forward's tables from HF's inv_freq: [T, hd/2], rows = arange(T)
+    if kind == "per_token":  # a captured forward's tables from HF's inv_freq: [T, hd/2], rows = arange(T)
+        # (eager calls read cached tables over positions, rows = position ids: the "theta" layout below)
         inv = 1.0 / (160000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
         freqs = pos.float()[:, None] * inv.cuda()[None, :]
         rope = (freqs.cos(), freqs.sin(), torch.arange(total, device="cuda"))
