@@ -175,6 +175,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
             key_lens=torch.zeros(b, dtype=torch.int32, device=device) if trailing_query_only else None)
     if attention_mask is not None:
         attention_mask = attention_mask.to(device)
+    position_zero = column_zero_stock and attention_mask is not None  # the rows padded at position 0 are counted
     if fused and _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids, b):
         stats_t, cu, ids_all, pos_all, indices_all, key_lens = _triton_unpad().unpad(
             attention_mask, input_ids, token_type_ids, position_ids, vocab_size, trailing_query_only)
@@ -182,20 +183,17 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     else:
         stats_t, cu, ids_all, embeds_all, pos_all, indices_all, key_lens = _torch_unpad(
             input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, vocab_size, trailing_query_only,
-            b, s, device)
+            b, s, device, position_zero)
     if before_sync is not None:
         before_sync(ids_all, pos_all, cu, key_lens)
-    position_zero = column_zero_stock and attention_mask is not None
-    if position_zero:  # the rows padded at position 0, read at the same sync
-        stats_t = torch.cat((stats_t, (attention_mask[:, 0] == 0).sum().reshape(1).to(stats_t.dtype)))
     far = trailing_query_only and far_padding_stock is not None and key_lens is not None
     if far:  # rows with real tokens padded more than far_padding_stock past them (segments: first real token to end)
         real = key_lens.to(stats_t.dtype)
         stats_t = torch.cat((stats_t, ((real > 0) & (stats_t[:b] - real > far_padding_stock)).sum().reshape(1)))
     stats = stats_t.tolist()  # the one sync
     n_far = stats.pop() if far else 0
-    n_zero = stats.pop() if position_zero else 0
-    host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:]
+    n_zero = stats[b + 6] if position_zero else 0  # (the Triton layout counts them always, the PyTorch one if asked)
+    host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:b + 6]
     _raise_if(n_bad, "attention_mask must hold only 0 and 1 ({count} entries that are neither)")
     _raise_if(n_holes, "attention_mask has holes inside {count} sequence(s): the packed path needs contiguous real "
                        "tokens (padding on the left and/or right only)", StockOnlyInput)
@@ -253,9 +251,10 @@ def _fused_unpad(input_ids, inputs_embeds, attention_mask, token_type_ids, posit
 
 
 def _torch_unpad(input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, vocab_size: int,
-                 trailing_query_only: bool, b: int, s: int, device):
+                 trailing_query_only: bool, b: int, s: int, device, position_zero: bool = False):
     """The PyTorch layout of :func:`unpad` (and its reference): ``(stats, cu, ids, embeds, positions, indices,
-    key_lens)``; ``stats`` is an int64 device tensor (the caller's one sync reads it)."""
+    key_lens)``; ``stats`` is an int64 device tensor (the caller's one sync reads it), laid out as
+    ``ops.triton.unpad``'s, the count of rows padded at position 0 only when ``position_zero``."""
     if attention_mask is None:
         real = torch.ones(b, s, dtype=torch.bool, device=device)
         bad_values = torch.zeros((), dtype=torch.long, device=device)
@@ -286,6 +285,8 @@ def _torch_unpad(input_ids, inputs_embeds, attention_mask, position_ids, token_t
         checks += [(used & (position_ids < 0)).sum(), big.max() if big.numel() else big.sum()]
     else:
         checks += [torch.zeros((), dtype=torch.long, device=device)] * 2
+    if position_zero:
+        checks.append(((lens == 0) | (first != 0)).sum())
 
     # Everything shaped by device values is laid out before the sync, at the padded size B * S: each used
     # position's packed row is known on the device (cu[b] + offset in its sequence), so the packed stream is

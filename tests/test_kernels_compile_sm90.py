@@ -133,3 +133,21 @@ def test_glu_compiles(inner, dt):
             bwd = _compile(G._glu_bwd_kernel, dict(DY=p, X=p, DX=p, Y=p, n_rows="i32"), dict(meta, HAS_Y=has_y), warps)
             assert _resources(bwd).get("STACK", 0) == 0, _resources(bwd)
         assert _resources(fwd).get("STACK", 0) == 0, _resources(fwd)
+
+
+@pytest.mark.parametrize("trailing", [False, True])
+@pytest.mark.parametrize("block", [256, 1024])
+def test_unpad_kernels_compile(block, trailing):
+    """``ops.triton.unpad``'s two kernels (the statistics per row, then ``cu_seqlens``, the summed checks and the
+    scatter), with an int64 mask and ids as padded calls pass them."""
+    from packed_encoders.ops.triton import unpad as U
+
+    i32 = dict.fromkeys(("S", "B", "vocab", "sm_b", "sm_s", "si_b", "si_s", "st_b", "st_s", "sp_b", "sp_s"), "i32")
+    flags = dict(HAS_MASK=True, TRAILING=trailing)
+    rows = _compile(U._rows_kernel, dict(MASK="*i64", IDS="*i64", TT_IDS="*i64", POS="*i64", ROWS="*i64", **i32),
+                    dict(BLOCK=block, HAS_IDS=True, HAS_TT=False, HAS_POS=False, **flags), 4)
+    pack = _compile(U._pack_kernel, dict(ROWS="*i64", IDS="*i64", POS="*i64", MASK="*i64", CU="*i32", STATS="*i64",
+                                         KL="*i32", OUT_IDS="*i64", OUT_POS="*i64", OUT_IDX="*i64", **i32),
+                    dict(BLOCK=block, BLOCK_B=16, HAS_IDS=True, HAS_POS=False, **flags), 4)
+    for compiled in (rows, pack):
+        assert _resources(compiled).get("STACK", 0) == 0, _resources(compiled)

@@ -179,3 +179,28 @@ def test_far_padding_is_counted_alike(far, raises):
     else:
         assert not isinstance(ref, Exception), ref
     _same(fused, ref)
+
+
+@pytest.mark.parametrize("lengths, side, padded_at_zero", [
+    ([5, 9, 12], "right", 0), ([5, 9, 12], "left", 2), ([5, 9, 12], "mixed", 1), ([0, 9, 12], "right", 1),
+    ([12, 12, 12], "left", 0),
+])
+def test_rows_padded_at_position_zero_are_counted_alike(lengths, side, padded_at_zero):
+    """``column_zero_stock`` (a ``classifier_pooling="cls"`` head reads column 0): rows whose position 0 is padding
+    (left-padded, or without real tokens) raise ``StockOnlyInput`` naming their count on both paths, counted at the
+    one sync (the Triton path in its second kernel)."""
+    from packed_encoders.errors import StockOnlyInput
+
+    ids, mask = _inputs(lengths, side, 12, seed=5)
+    fused, ref = _both(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                       token_type_ids=None, column_zero_stock=True)
+    if padded_at_zero:
+        assert isinstance(ref, StockOnlyInput) and f"pads position 0 of {padded_at_zero} row(s)" in str(ref), ref
+    else:
+        assert not isinstance(ref, Exception), ref
+    _same(fused, ref)
+    # the same batch without a head reading column 0: no count, no error
+    fused, ref = _both(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
+                       token_type_ids=None)
+    assert not isinstance(ref, Exception)
+    _same(fused, ref)

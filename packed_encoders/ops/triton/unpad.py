@@ -112,6 +112,10 @@ def _pack_kernel(ROWS, IDS, POS, MASK, CU, STATS, KL, OUT_IDS, OUT_POS, OUT_IDX,
             for f in tl.static_range(3, 8):  # bad values, holes, ids out of vocabulary, token types, negatives
                 tl.store(STATS + B + (f - 3), tl.sum(tl.load(ROWS + r * 9 + f, mask=valid, other=0), axis=0))
             tl.store(STATS + B + 5, tl.max(tl.load(ROWS + r * 9 + 8, mask=valid, other=0), axis=0))
+            # rows whose position 0 is padding: no real token, or the first one later (a cls head reads column 0)
+            firsts = tl.load(ROWS + r * 9 + 1, mask=valid, other=0)
+            lengths = tl.load(ROWS + r * 9 + 2, mask=valid, other=1)
+            tl.store(STATS + B + 6, tl.sum((valid & ((lengths == 0) | (firsts != 0))).to(tl.int64), axis=0))
     cols = tile.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < S
     if TRAILING:
@@ -151,17 +155,18 @@ def unpad(mask: torch.Tensor | None, input_ids: torch.Tensor, token_type_ids: to
     Args: ``[B, S]`` tensors (any strides; ``position_ids`` already expanded to ``[B, S]``), ``mask`` integer or
     bool (``None``: every position real), ids integer.
 
-    Returns ``(stats int64 [B + 6], cu_seqlens int32 [B + 1], ids [B*S + 1] (the ids' dtype), positions
-    [B*S + 1] (``position_ids``' dtype, else int64), indices int64 [B*S + 1], key_lens int32 [B] or None)``: ``stats`` holds each row's packed length, then the
-    counts of mask values other than 0/1 at real tokens, sequences with holes, ids outside ``[0, vocab_size)``,
-    non-zero token types, negative positions, and the largest position (0 without ``position_ids``); the first
+    Returns ``(stats int64 [B + 7], cu_seqlens int32 [B + 1], ids [B*S + 1] (the ids' dtype), positions
+    [B*S + 1] (``position_ids``' dtype, else int64), indices int64 [B*S + 1], key_lens int32 [B] or None)``:
+    ``stats`` holds each row's packed length, then the counts of mask values other than 0/1 at real tokens,
+    sequences with holes, ids outside ``[0, vocab_size)``, non-zero token types, negative positions, the largest
+    position (0 without ``position_ids``), and the count of rows whose position 0 is padding; the first
     ``sum(lengths)`` rows of the three streams are the packed batch (``batch.unpad``'s layout), the rest is
     unwritten.
     """
     b, s = input_ids.shape
     device = input_ids.device
     rows = torch.empty(b, ROW_FIELDS, dtype=torch.long, device=device)
-    stats = torch.empty(b + 6, dtype=torch.long, device=device)
+    stats = torch.empty(b + 7, dtype=torch.long, device=device)
     cu = torch.empty(b + 1, dtype=torch.int32, device=device)
     slots = b * s + 1
     out_ids = torch.empty(slots, dtype=input_ids.dtype, device=device)
