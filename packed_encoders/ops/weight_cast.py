@@ -221,4 +221,3 @@ class StaticCopies:
             yield
         finally:
             _LOCAL.static = before
-
