@@ -569,6 +569,38 @@ def test_a_hook_removed_after_pack_is_not_restored_by_unpack():
     assert b"packed_encoders" not in pickle.dumps(model)
 
 
+@pytest.mark.parametrize("copied", [False, True])
+def test_a_hook_removed_while_packed_leaves_the_model_picklable(copied):
+    """A hook added by accelerate before ``pack()`` and removed while packed (no ``pack()`` since): the model (or its
+    deepcopy, hooked and unhooked alike) pickles and copies as stock does, and ``unpack()`` of the unpickled one
+    leaves the stock model; the removed hook's wrapper (a local function) is not kept as the forward to restore."""
+    import pickle
+
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = make_model("tiny")
+    stock = copy.deepcopy(model)
+    hooks.add_hook_to_module(model, hooks.ModelHook())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (pack() warns that it replaces the hook's forward while packed)
+        pe.pack(model, validate=False)
+    if copied:
+        model = copy.deepcopy(model)
+    hooks.remove_hook_from_module(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    again = copy.deepcopy(model)
+    ids, mask = padded_batch([3, 12, 7])
+    for m in (model, loaded, again):
+        pe.pack(m, validate=False)
+        pe.unpack(m)
+        assert b"packed_encoders" not in pickle.dumps(m)
+        with torch.no_grad():
+            torch.testing.assert_close(m(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                       stock(input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
 def test_unpack_again_takes_off_a_packed_forward_a_removed_hook_put_back():
     """``pack()``, a hook added, ``unpack()`` (the hook keeps the packed forward it wraps), the hook removed
     (accelerate sets that packed forward back on the instance): ``unpack()`` again leaves nothing of ours."""

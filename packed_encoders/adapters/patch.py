@@ -4,6 +4,7 @@ record it keeps)."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import nn
@@ -118,6 +119,7 @@ def install(model: nn.Module, state: PackState) -> None:
     else:
         state.previous_forward = existing.previous_forward
     model.__dict__[STATE_ATTR] = state
+    state.runtime["owner"] = weakref.ref(model)  # (PackState._stale_previous)
     if (existing is None and own is None) or isinstance(current, PackedForward) or forward_bypassed(model):
         model.__dict__["forward"] = PackedForward(model, state.previous_forward)
     # else: a forward set over the packed one after pack(), even one unpack() left since (a wrapper such as

@@ -11,6 +11,7 @@ copied or unpickled target.
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass, field
 from types import FunctionType
 from typing import Any
@@ -52,21 +53,37 @@ class PackState:
     last_fallbacks: list = field(default_factory=list)
     runtime: dict = field(default_factory=dict)  # graphs and other device objects; never copied
 
+    def _stale_previous(self) -> bool:
+        """The forward to restore is stale: the class forward was set back on the owner's instance since
+        ``pack()`` (accelerate's ``remove_hook_from_module`` for a hook added before it), so ``unpack()`` would not
+        restore it and ``pack()`` again drops it (``patch.install``); it may be the removed hook's wrapper, which
+        neither pickles nor runs."""
+        owner = self.runtime.get("owner")
+        module = None if owner is None else owner()
+        return module is not None and module.__dict__.get(STATE_ATTR) is self and forward_bypassed(module)
+
     def __getstate__(self):
         d = dict(self.__dict__)
         watch = self.runtime.get("expansion")  # the query-expansion watch follows a pickled target
         d["runtime"] = {} if watch is None else {"expansion": watch}
+        if self._stale_previous():
+            d["previous_forward"] = _NO_FORWARD
         return d
 
     def __deepcopy__(self, memo):
         new = copy.copy(self)
+        stale = self._stale_previous()
         for k, v in self.__dict__.items():
             if k != "runtime":
-                setattr(new, k, copy.deepcopy(v, memo))
+                setattr(new, k, _NO_FORWARD if stale and k == "previous_forward" else copy.deepcopy(v, memo))
         new.runtime = {}
         watch = self.runtime.get("expansion")  # the query-expansion watch follows a copied target
         if watch is not None:
             new.runtime["expansion"] = watch.copied(memo)
+        owner = self.runtime.get("owner")
+        twin = None if owner is None else memo.get(id(owner()))
+        if twin is not None:  # (the module copied before its __dict__, as nn.Module's deepcopy does)
+            new.runtime["owner"] = weakref.ref(twin)
         return new
 
 
