@@ -573,7 +573,8 @@ def test_copies_drop_runners(cpu_graphs):
         blob = pickle.dumps(get_state(model))
     for other in (twin, torch.load(io.BytesIO(buf.getvalue()), weights_only=False)):
         st = get_state(other)
-        assert st.runtime == {} and st.options.cuda_graph == GraphConfig()
+        # no runners: at most the weak reference to the module the state belongs to (PackState._stale_previous)
+        assert set(st.runtime) <= {"owner"} and st.options.cuda_graph == GraphConfig()
         with torch.no_grad():
             assert torch.equal(_forward(other, ids, mask), ref)
         assert _graph_info(other)["misses"] == 1, "the copy captures its own graphs"
