@@ -51,7 +51,8 @@ class PackState:
     report: Any = None
     last_plan: dict = field(default_factory=dict)
     last_fallbacks: list = field(default_factory=list)
-    runtime: dict = field(default_factory=dict)  # graphs and other device objects; never copied
+    runtime: dict = field(default_factory=dict)  # graphs and other device objects; never copied (a copy gets the
+    # expansion watch and the weak reference to its own module, "owner", where the copy has them)
 
     def _stale_previous(self) -> bool:
         """The forward to restore is stale: the class forward was set back on the owner's instance since
