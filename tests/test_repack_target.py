@@ -274,16 +274,22 @@ def test_a_copied_checked_head_is_recorded_around_its_copied_encoder(how):
     torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)  # the original unchanged
 
 
+def _pack_hooked(hooks, model, **options):
+    """An accelerate hook added on ``model``, then ``pe.pack(model, **options)`` (its warning that it replaces the
+    hook's forward while packed left out)."""
+    hooks.add_hook_to_module(model, hooks.ModelHook())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pe.pack(model, **options)
+
+
 def test_a_class_forward_set_back_on_the_instance_is_reported_and_repacked():
     """accelerate's ``remove_hook_from_module`` on a module hooked before ``pack()`` sets the forward it saved (the
     class forward, bound) over the packed one: calls run stock. ``is_packed`` / ``describe()`` say so, and
     ``pack()`` again re-installs the packed forward."""
     hooks = pytest.importorskip("accelerate.hooks")
     model = make_model("tiny")
-    hooks.add_hook_to_module(model, hooks.ModelHook())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (pack() warns that it replaces the hook's forward while packed)
-        pe.pack(model)
+    _pack_hooked(hooks, model)
     assert pe.is_packed(model)
     hooks.remove_hook_from_module(model)
     entry = pe.describe(model)["encoders"][0]
@@ -555,10 +561,7 @@ def test_a_hook_removed_after_pack_is_not_restored_by_unpack():
     hooks = pytest.importorskip("accelerate.hooks")
     model = make_model("tiny")
     stock = copy.deepcopy(model)
-    hooks.add_hook_to_module(model, hooks.ModelHook())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (pack() warns that it replaces the hook's forward while packed)
-        pe.pack(model)
+    _pack_hooked(hooks, model)
     hooks.remove_hook_from_module(model)
     pe.pack(model)
     pe.unpack(model)
@@ -579,10 +582,7 @@ def test_a_hook_removed_while_packed_leaves_the_model_picklable(copied):
     hooks = pytest.importorskip("accelerate.hooks")
     model = make_model("tiny")
     stock = copy.deepcopy(model)
-    hooks.add_hook_to_module(model, hooks.ModelHook())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (pack() warns that it replaces the hook's forward while packed)
-        pe.pack(model, validate=False)
+    _pack_hooked(hooks, model, validate=False)
     if copied:
         model = copy.deepcopy(model)
     hooks.remove_hook_from_module(model)
