@@ -90,17 +90,12 @@ FAST_LAUNCH_TRITON = ("3.6.",)
 
 
 def _fast_launch_enabled() -> bool:
-    import triton
-
-    from . import FAST_LAUNCH  # the switch as the last pack() set it (set_fast_launch)
-
-    return FAST_LAUNCH and triton.__version__.startswith(FAST_LAUNCH_TRITON)
+    return _switch_or_release_off() is None
 
 
-def fast_launch_off() -> str | None:
-    """Why the fast launcher's cached and :class:`Bound` launches do not run now (``None`` when they may): the
-    switch ``pack()`` read, a Triton release other than :data:`FAST_LAUNCH_TRITON`, or launch hooks (a profiler's).
-    The raw-pointer runs (``model.pointers``, ``model.stack_pointers``) need them; for ``describe()``."""
+def _switch_or_release_off() -> str | None:
+    """Why the fast launcher is off for the process: the switch as the last ``pack()`` set it
+    (``set_fast_launch``), or a Triton release other than :data:`FAST_LAUNCH_TRITON`; ``None`` when on."""
     import triton
 
     from . import FAST_LAUNCH
@@ -111,9 +106,17 @@ def fast_launch_off() -> str | None:
         return (f"Triton {triton.__version__}: the fast launcher follows the C launcher of Triton "
                 f"{' / '.join(v.rstrip('.') for v in FAST_LAUNCH_TRITON)}; other releases launch through Triton's "
                 "own path")
-    if _hooks_active():
-        return "Triton launch hooks are set (a profiler's)"
     return None
+
+
+def fast_launch_off() -> str | None:
+    """Why the fast launcher's cached and :class:`Bound` launches do not run now (``None`` when they may): the
+    switch ``pack()`` read, a Triton release other than :data:`FAST_LAUNCH_TRITON`, or launch hooks (a profiler's).
+    The raw-pointer runs (``model.pointers``, ``model.stack_pointers``) need them; for ``describe()``."""
+    why = _switch_or_release_off()
+    if why is None and _hooks_active():
+        return "Triton launch hooks are set (a profiler's)"
+    return why
 
 
 def compile_options() -> dict:
