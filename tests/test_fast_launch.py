@@ -135,20 +135,28 @@ def test_first_call_goes_through_triton_then_direct(launcher):
     assert jit.slow_calls == 3 and len(jit.compiled.runs) == 1
 
 
+@pytest.mark.parametrize("convention", ["flat", "packed"])
 @pytest.mark.parametrize("scratch", [0, 64])
-def test_cached_launch_calls_the_c_launcher_unless_scratch_is_needed(launcher, scratch):
+def test_cached_launch_calls_the_c_launcher_unless_scratch_is_needed(launcher, scratch, convention, monkeypatch):
+    """Each C launcher convention, as the fast launcher calls it (checked against Triton's real launchers in
+    tests/test_fast_launch_record.py)."""
+    monkeypatch.setattr(R, "launch_convention", lambda: convention)
     jit, fast = launcher
     jit.compiled = FakeCompiledC(scratch)
+    jit.compiled.run.arg_annotations, jit.compiled.run.kernel_signature = "annotations", b"signature"
     x = Cuda(torch.zeros(64, dtype=torch.float32))
     fast[(3,)](x, 10, 16, 1e-5, BLOCK=64)
     fast[(4,)](x, 10, 16, 1e-5, BLOCK=64)
     runner = jit.compiled.run
+    args = (x.data_ptr(), 10, 16, 1e-5, 64)
     if scratch:  # CudaLauncher.__call__ allocates the scratch buffers: its own path
-        assert runner.launches == [] and runner.calls == [(4, 1, 1, 1234, "fn", "meta", None, None, None,
-                                                           x.data_ptr(), 10, 16, 1e-5, 64)]
-    else:  # grid, stream, function, cooperative / PDL flags, no scratch, metadata, no hooks, arguments
+        assert runner.launches == [] and runner.calls == [(4, 1, 1, 1234, "fn", "meta", None, None, None, *args)]
+    elif convention == "flat":  # grid, stream, function, cooperative / PDL flags, no scratch, metadata, no hooks
         assert runner.calls == [] and runner.launches == [(4, 1, 1, 1234, "fn", 0, 1, None, None, "meta", None,
-                                                           None, None, x.data_ptr(), 10, 16, 1e-5, 64)]
+                                                           None, None, *args)]
+    else:  # ..., metadata, no hooks, no scratch, the argument annotations and signature, the arguments as one list
+        assert runner.calls == [] and runner.launches == [(4, 1, 1, 1234, "fn", 0, 1, "meta", None, None, None,
+                                                           None, None, "annotations", b"signature", list(args))]
 
 
 def test_hooks_kill_switch_and_other_releases_take_triton_path(launcher, monkeypatch):
@@ -172,7 +180,7 @@ def test_hooks_kill_switch_and_other_releases_take_triton_path(launcher, monkeyp
     T.set_fast_launch(True)
     import triton
 
-    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
     assert R._fast_launch_enabled() is False
     monkeypatch.setattr(triton, "__version__", "3.6.0")
     assert R._fast_launch_enabled() is True
@@ -259,7 +267,7 @@ def test_triton_path_pins_fp_fusion_unless_the_user_chose(launcher, monkeypatch)
 
 def test_fast_launch_off_names_why(monkeypatch):
     """Why cached and bound launches (and so the raw-pointer runs) do not run: the switch pack() read, a Triton
-    release whose C launcher the fast path does not follow (Triton 3.9 changed its calling convention), or
+    release whose C launcher the fast path does not follow (each release may change its calling convention), or
     launch hooks; describe()'s eager plan reports it instead of claiming raw-pointer runs."""
     import triton
 
@@ -273,9 +281,9 @@ def test_fast_launch_off_names_why(monkeypatch):
     plan = SimpleNamespace(direct=True, why_checked=None, glu="split", linear_route="F.linear", pointers=True,
                            kernels=None, stack=False, stack_off=None)
     assert _plan_facts(plan)["pointers"] is True and _plan_facts(plan)["pointers_off"] is None
-    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
     why = R.fast_launch_off()
-    assert why.startswith("Triton 3.9.0: the fast launcher follows the C launcher of Triton 3.6"), why
+    assert why.startswith("Triton 3.10.0: the fast launcher follows the C launcher of Triton 3.6 / 3.7 / 3.8 / 3.9"), why
     assert _plan_facts(plan)["pointers"] is False and _plan_facts(plan)["pointers_off"] == why
     plan.pointers = False  # a plan that never runs pointers names no launcher
     assert _plan_facts(plan)["pointers_off"] is None

@@ -84,9 +84,27 @@ class Kernel:
 I32_END = 1 << 31  # a launch signature holds ``n < I32_END`` for an unspecialised int (Triton keys its 32-bit range)
 
 
-# CompiledKernel.run's calling convention (grid, stream, function, packed metadata, launch metadata, hooks,
-# arguments) as checked on the H200 with this release; other releases take Triton's own path.
-FAST_LAUNCH_TRITON = ("3.6.",)
+# The Triton releases whose C launcher (``CompiledKernel.run.launch``) the fast launcher calls, and how each takes
+# its arguments; other releases take Triton's own path. Each convention is checked byte for byte against Triton's
+# own launch over a recording libcuda (tests/test_fast_launch_record.py); "flat" on the H200 too.
+#   "flat" (3.6): launch(g0, g1, g2, stream, function, cooperative, pdl, global_scratch, profile_scratch,
+#                 kernel_metadata, launch_metadata, enter_hook, exit_hook, *args)
+#   "packed" (3.7 to 3.9): launch(g0, g1, g2, stream, function, cooperative, pdl, kernel_metadata, launch_metadata,
+#                 enter_hook, exit_hook, global_scratch, profile_scratch, arg_annotations, kernel_signature, args)
+# ``args``: every parameter in order, constexprs included, a tensor as its ``data_ptr()`` (both launchers take an
+# integer as the device pointer as it is).
+FAST_LAUNCH_TRITON = {"3.6.": "flat", "3.7.": "packed", "3.8.": "packed", "3.9.": "packed"}
+
+
+def launch_convention() -> str | None:
+    """How this Triton's C launcher takes its arguments (a value of :data:`FAST_LAUNCH_TRITON`), ``None`` for a
+    release the fast launcher does not follow."""
+    import triton
+
+    for release, convention in FAST_LAUNCH_TRITON.items():
+        if triton.__version__.startswith(release):
+            return convention
+    return None
 
 
 def _fast_launch_enabled() -> bool:
@@ -102,7 +120,7 @@ def _switch_or_release_off() -> str | None:
 
     if not FAST_LAUNCH:
         return "PACKED_ENCODERS_TRITON_FAST_LAUNCH=0 (as the last pack() read it)"
-    if not triton.__version__.startswith(FAST_LAUNCH_TRITON):
+    if launch_convention() is None:
         return (f"Triton {triton.__version__}: the fast launcher follows the C launcher of Triton "
                 f"{' / '.join(v.rstrip('.') for v in FAST_LAUNCH_TRITON)}; other releases launch through Triton's "
                 "own path")
@@ -237,9 +255,13 @@ class FastLauncher:
         n = len(grid)
         stream = torch._C._cuda_getCurrentRawStream(device)
         if direct is not None:
-            c_launch, coop, pdl = direct
-            c_launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function, coop, pdl,
-                     None, None, compiled.packed_metadata, None, None, None, *call)
+            c_launch, coop, pdl, packed = direct
+            if packed is None:
+                c_launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function, coop,
+                         pdl, None, None, compiled.packed_metadata, None, None, None, *call)
+            else:
+                c_launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function, coop,
+                         pdl, compiled.packed_metadata, None, None, None, None, None, packed[0], packed[1], call)
         else:
             compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
                          compiled.packed_metadata, None, None, None, *call)
@@ -277,26 +299,37 @@ class Bound:
     :func:`bound_ok` and on the current device. That skips the per-argument key of :meth:`FastLauncher.launch`
     (about half of a cached launch's time under cProfile on the H200 machine)."""
 
-    __slots__ = ("c_launch", "function", "coop", "pdl", "metadata", "tail")
+    __slots__ = ("c_launch", "function", "coop", "pdl", "packed", "metadata", "tail")
 
     def __init__(self, direct, compiled, tail: tuple):
-        self.c_launch, self.coop, self.pdl = direct
+        self.c_launch, self.coop, self.pdl, self.packed = direct
         self.function = compiled.function
         self.metadata = compiled.packed_metadata
         self.tail = tail
 
     def __call__(self, g0: int, g1: int, g2: int, stream: int, *args) -> None:
-        self.c_launch(g0, g1, g2, stream, self.function, self.coop, self.pdl, None, None, self.metadata, None, None,
-                      None, *args, *self.tail)
+        if self.packed is None:
+            self.c_launch(g0, g1, g2, stream, self.function, self.coop, self.pdl, None, None, self.metadata, None,
+                          None, None, *args, *self.tail)
+        else:
+            self.c_launch(g0, g1, g2, stream, self.function, self.coop, self.pdl, self.metadata, None, None, None,
+                          None, None, self.packed[0], self.packed[1], args + self.tail)
 
     def at(self, g0: int, g1: int, g2: int, stream: int) -> Callable[..., None]:
         """``launch(*args)``: this specialisation with its grid and stream fixed, for a caller launching it many
         times with other pointers (one Python frame and the C launch per call)."""
         c_launch, function, coop, pdl, metadata, tail = (self.c_launch, self.function, self.coop, self.pdl,
                                                           self.metadata, self.tail)
+        if self.packed is None:
+            def launch(*args) -> None:
+                c_launch(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None, None, None, *args,
+                         *tail)
+        else:
+            annotations, signature = self.packed
 
-        def launch(*args) -> None:
-            c_launch(g0, g1, g2, stream, function, coop, pdl, None, None, metadata, None, None, None, *args, *tail)
+            def launch(*args) -> None:
+                c_launch(g0, g1, g2, stream, function, coop, pdl, metadata, None, None, None, None, None, annotations,
+                         signature, args + tail)
 
         return launch
 
@@ -350,14 +383,24 @@ def launch_cached(cache: dict, sig, kern, ref: torch.Tensor, grid: tuple, args: 
 
 
 def _c_launch(compiled):
-    """``(launch, launch_cooperative_grid, launch_pdl)`` of a compiled kernel's C launcher when it needs no
-    scratch memory (``CudaLauncher.__call__`` then passes ``None`` for both scratch buffers), else ``None``
-    (launch through ``compiled.run``)."""
+    """``(launch, launch_cooperative_grid, launch_pdl, packed)`` of a compiled kernel's C launcher when it needs no
+    scratch memory (``CudaLauncher.__call__`` then passes ``None`` for both scratch buffers) and nothing else of
+    ``CudaLauncher.__call__`` (Triton's global sanitizer), else ``None`` (launch through ``compiled.run``).
+    ``packed``: ``(arg_annotations, kernel_signature)`` under the "packed" convention (:data:`FAST_LAUNCH_TRITON`),
+    ``None`` under "flat"."""
     runner = getattr(compiled, "run", None)
     c_launch = getattr(runner, "launch", None)
     if c_launch is None or getattr(runner, "global_scratch_size", 1) or getattr(runner, "profile_scratch_size", 1):
         return None
-    return c_launch, runner.launch_cooperative_grid, runner.launch_pdl
+    packed = None
+    if launch_convention() == "packed":
+        if getattr(runner, "gsan_enabled", False):
+            return None
+        try:
+            packed = (runner.arg_annotations, runner.kernel_signature)
+        except AttributeError:
+            return None
+    return c_launch, runner.launch_cooperative_grid, runner.launch_pdl, packed
 
 
 class _Interpreted:
