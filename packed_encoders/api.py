@@ -350,7 +350,7 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
             int nor a 0-d integer tensor), ids outside the vocabulary, ``inputs_embeds`` of another shape or dtype;
             ``params`` other than the model's; a model changed since ``pack()`` in a way the packed forward would
             skip (a forward hook, a wrapped or swapped submodule, pruned layers, a new
-            ``config.local_attention``).
+            ``config.local_attention`` or ``config.layer_types``).
     """
     if torch.compiler.is_dynamo_compiling():  # also a strict torch.export, which dynamo traces (adapters.patch)
         return outside_dynamo(packed_forward, _PACKED_FORWARD_UNTRACEABLE)(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -84,6 +85,50 @@ def test_sliding_window_changed_after_pack_is_not_skipped():
     model.config.local_attention = packed_with  # back to a window the packed state does not hold
     with pytest.warns(RuntimeWarning, match="stock forward"):
         _out(model, ids, mask)
+
+
+@pytest.mark.parametrize("edit", ["in_place", "one_type", "new_config"])
+def test_layer_types_changed_after_pack_are_not_skipped(edit):
+    """transformers v5 reads config.layer_types on every call (the rotary tables of the types it lists, while each
+    layer keeps the attention_type it was built with): an edit after pack() runs the stock forward, whatever stock
+    then does (same output, or its own error), warned and in describe(); packed_forward refuses; set back, the
+    packed path runs again."""
+    model = pe.pack(make_model("base_like"))  # full, sliding, sliding, full
+    ids, mask = padded_batch([5, 12, 16])
+    _out(model, ids, mask)  # the per-call snapshot (and its copy of the config's values) exists
+    packed_with = list(model.config.layer_types)
+    if edit == "in_place":  # the same list object: a comparison of values, not of identity
+        model.config.layer_types[0], model.config.layer_types[1] = packed_with[1], packed_with[0]
+    elif edit == "one_type":
+        model.config.layer_types = ["full_attention"] * len(packed_with)
+    else:
+        config = copy.deepcopy(model.config)
+        config.layer_types = packed_with[::-1][1:] + packed_with[:1]
+        model.config = config
+    now = model.config.layer_types
+    first = next(i for i, (a, b) in enumerate(zip(now, packed_with)) if a != b)
+    try:
+        ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    except Exception as e:  # (transformers 5.24: a KeyError for the type no longer listed)
+        ref = e
+    with pytest.warns(RuntimeWarning, match=rf"config\.layer_types\[{first}\] is '{now[first]}'"):
+        if isinstance(ref, Exception):
+            with pytest.raises(type(ref)):
+                _out(model, ids, mask)
+        else:
+            torch.testing.assert_close(_out(model, ids, mask), ref, atol=0, rtol=0)
+    assert "config.layer_types" in pe.describe(model)["encoders"][0]["attention_fallbacks"][0]
+    with pytest.raises(pe.PackedEncodersError, match=r"config\.layer_types"):
+        pe.packed_forward(model, None, ids[1, :12], torch.tensor([0, 12], dtype=torch.int32), 12)
+
+    model.config.layer_types = list(packed_with)
+    calls = pe.describe(model)["encoders"][0]["stock_forward_calls"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        real = mask.bool()
+        ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(_out(model, ids, mask)[real], ref[real], atol=1e-5, rtol=1e-5)
+    assert pe.describe(model)["encoders"][0]["stock_forward_calls"] == calls  # the packed path, not stock again
 
 
 def test_packed_forward_checks_the_modules_before_a_graph_could_run():

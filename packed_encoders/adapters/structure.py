@@ -7,7 +7,8 @@ sharding a module inside the encoder: ``adapters.fsdp``), a ``forward`` set on a
 backward-pre; per module or global) on a module the packed path skips (the rotary embedding included), layers
 reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, attention
 projections of another shape (pruned heads), token embedding options the packed lookup does not apply (``max_norm``,
-``scale_grad_by_freq``, ``sparse``), and a config value that transformers reads on every call (the sliding window). :func:`structure_problem` finds those;
+``scale_grad_by_freq``, ``sparse``), and the config values that transformers reads on every call (the sliding window,
+the layer types). :func:`structure_problem` finds those;
 the patched forward then runs the stock forward instead and says so (a one-time warning and ``describe()``);
 ``packed_forward`` raises; ``pack()`` refuses them (whatever ``validate`` is).
 """
@@ -202,11 +203,13 @@ def _layer_type_problem(model: nn.Module, params) -> str | None:
 _TREES = count()
 
 
-def snapshot(model: nn.Module, previous: dict | None = None) -> dict:
+def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
     """The module slots the packed forward was set up for, as parallel tuples for a C-level check per call:
     ``children`` (each parent's ``_modules``), ``names`` (the attribute), ``modules``, ``types`` and
     ``module_dicts`` (each module's instance ``__dict__``); and the per-layer attention attributes stock reads
-    per call (``fact_dicts``, ``fact_names``, ``facts``); ``hook_counter`` (see :func:`_no_new_hooks`); ``dropout``:
+    per call (``fact_dicts``, ``fact_names``, ``facts``); the config and what :func:`config_problem` compares its
+    per-call values with (``config``, ``config_dict``, ``layer_types``); ``hook_counter`` (see
+    :func:`_no_new_hooks`); ``dropout``:
     the dropout-applying modules (:func:`~packed_encoders.model.dropout.dropout_modules`) whose modes and rates the
     router reads per call (kept here: a snapshot is rebuilt whenever a module changes); ``baked``: the modules but
     the dropout slots'; ``tree``: ``previous``'s when the same ``baked`` modules sit in the same slots with the same
@@ -228,7 +231,10 @@ def snapshot(model: nn.Module, previous: dict | None = None) -> dict:
     baked, facts = tuple(baked), tuple(map(dict.get, fact_dicts, fact_names))
     same = (previous is not None and len(previous["baked"]) == len(baked)
             and all(map(operator.is_, previous["baked"], baked)) and previous["facts"] == facts)
-    return {"layers": model.layers, "children": tuple(children), "names": tuple(names), "modules": tuple(modules),
+    config = model.config
+    return {"layers": model.layers, "config": config, "config_dict": _config_dict(config),
+            "layer_types": _layer_type_names(params),
+            "children": tuple(children), "names": tuple(names), "modules": tuple(modules),
             "types": tuple(map(type, modules)), "module_dicts": tuple(vars(m) for m in modules),
             "fact_dicts": fact_dicts, "fact_names": fact_names, "facts": facts,
             # (hook_counter: taken after a full check found no foreign hook)
@@ -266,21 +272,65 @@ def _snapshot_holds(snap: dict) -> bool:
             and _no_new_hooks(snap))
 
 
-def config_problem(model: nn.Module, params) -> str | None:
+# transformers' config classes override __getattribute__ (attribute_map, per-layer attributes): one attribute read
+# costs ~3 µs (transformers 5.24), so the per-call check reads the values below from the config's instance __dict__,
+# which the snapshot keeps when it holds them as getattr gives them
+_PER_CALL_CONFIG = ("local_attention", "layer_types")
+_ABSENT = object()
+
+
+def _config_dict(config) -> dict | None:
+    """``config``'s instance ``__dict__`` when it holds :data:`_PER_CALL_CONFIG` as ``getattr`` reads them (plain
+    attributes: no property or ``attribute_map`` entry in the way), else ``None``."""
+    d = getattr(config, "__dict__", None)
+    if not isinstance(d, dict):
+        return None
+    same = all(d.get(name, _ABSENT) is getattr(config, name, _ABSENT) for name in _PER_CALL_CONFIG)
+    return d if same else None
+
+
+def _layer_type_names(params) -> list[str]:
+    """``config.layer_types`` as the packed model runs it (v5 names; the packed params accept no others)."""
+    return ["full_attention" if is_global else "sliding_attention" for is_global in params.layer_is_global]
+
+
+def config_problem(model: nn.Module, params, snap: dict | None = None) -> str | None:
     """A config change after ``pack`` that stock HF honours on its next call but the packed state does not.
 
-    Only the local attention window qualifies: transformers builds the sliding-window mask from
-    ``config.sliding_window`` (``= local_attention // 2``) on every call, while the layer types, RoPE, norms,
-    activation and dropout are read into modules when the model is built (the packed forward reads those modules
-    live). The packed window, the attention plan and any captured graph come from :class:`ModernBertParams` read
-    at ``pack()``.
+    transformers reads two config values on every call: ``config.sliding_window`` (``= local_attention // 2``),
+    from which it builds the sliding-window mask, and (v5) ``config.layer_types``, whose set of types picks the
+    rotary tables it computes (a layer keeps the ``attention_type`` it was built with; stock fails on a type no
+    longer listed). RoPE, norms, activation and dropout are read into modules when the model is built (the packed
+    forward reads those modules live). The packed window, layer kinds, attention plan and any captured graph come
+    from :class:`ModernBertParams` read at ``pack()``. With a ``snap`` of this config (:func:`snapshot`) the check
+    is a few dict reads and one list comparison.
     """
-    local = getattr(model.config, "local_attention", None)
-    if local is None or local == params.local_attention:
+    config = model.config
+    if snap is not None and snap["config"] is config and snap["config_dict"] is not None:
+        d, expected = snap["config_dict"], snap["layer_types"]
+        local, types = d.get("local_attention"), d.get("layer_types")
+        if (local is None or local == params.local_attention) and (types is None or types == expected):
+            return None
+    else:
+        local, types = getattr(config, "local_attention", None), getattr(config, "layer_types", None)
+        expected = _layer_type_names(params)
+    if local is not None and local != params.local_attention:
+        return (f"config.local_attention is {local} (sliding_window {local // 2}) but the model was packed with "
+                f"{params.local_attention} (sliding_window {params.local_attention // 2}); pe.pack(model) again "
+                "packs the new window")
+    if types is None:
         return None
-    return (f"config.local_attention is {local} (sliding_window {local // 2}) but the model was packed with "
-            f"{params.local_attention} (sliding_window {params.local_attention // 2}); pe.pack(model) again packs "
-            "the new window")
+    types = list(types)
+    if types == expected:  # (the same types in another sequence type)
+        return None
+    if len(types) != len(expected):
+        what = f" has {len(types)} entries but the model was packed with {len(expected)}"
+    else:
+        i = next(i for i, (now, then) in enumerate(zip(types, expected)) if now != then)
+        what = f"[{i}] is {types[i]!r} but the model was packed with {expected[i]!r} there"
+    return (f"config.layer_types{what} (transformers reads the list on every call: the rotary tables of the types "
+            "it lists, while each layer runs the attention_type it was built with); set it back, or give the layers "
+            "matching attention types and pe.pack(model) again")
 
 
 def _global_hooks_problem() -> str | None:
@@ -298,13 +348,14 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
 
     With a current ``snapshot`` this is a few identity, type and dict checks per module run in C (tens of
     microseconds for ModernBERT-base), cheap enough for every call."""
-    problem = _global_hooks_problem() or config_problem(model, params)
+    problem = _global_hooks_problem() or config_problem(model, params, snap)
     if problem is not None:
         return problem, False
     if len(model.layers) != params.num_hidden_layers:
         return (f"model.layers has {len(model.layers)} layers but the packed config has {params.num_hidden_layers} "
                 "(re-pack after pruning or adding layers)"), False
-    if snap is not None and snap["layers"] is model.layers and _snapshot_holds(snap):
+    if (snap is not None and snap["layers"] is model.layers and snap["config"] is model.config
+            and _snapshot_holds(snap)):
         return None, True
     # something changed (or no snapshot yet): find and name the problem; FSDP2 before the hooks, which would name
     # fully_shard's hooks without saying why
@@ -327,5 +378,5 @@ def structure_check(model: nn.Module, state) -> str | None:
     snap = state.runtime.get("structure")
     problem, unchanged = structure_problem(model, state.params, snap)
     if problem is None and not unchanged:
-        state.runtime["structure"] = snapshot(model, snap)
+        state.runtime["structure"] = snapshot(model, state.params, snap)
     return problem
