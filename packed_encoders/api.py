@@ -13,7 +13,7 @@ from .adapters.fsdp import gathered
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import install, replaced_forward, restore
-from .adapters.state import PackOptions, forward_bypassed, get_state
+from .adapters.state import PackOptions, forward_bypassed, get_state, own_state
 from .adapters.structure import structure_check
 from .batch import check_embeds_dtype, from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
@@ -98,7 +98,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     encoders = find_encoders(target)
     planned, kept = [], []
     for path, model in encoders:
-        current = get_state(model)
+        current = own_state(model)  # (a shallow copy's is its original's: a new state for the copy)
         tuning = read_tuning(_device(model))
         # the same options, switches and config: the state is kept (its graphs and validation), and only what the
         # target's heads and wrappers read is applied below (a config edited since, e.g. a new local_attention,

@@ -274,6 +274,26 @@ def test_a_copied_checked_head_is_recorded_around_its_copied_encoder(how):
     torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)  # the original unchanged
 
 
+def test_packing_a_shallow_copy_of_a_packed_encoder_leaves_the_original_as_it_was():
+    """``copy.copy`` of a packed encoder shares its ``__dict__`` values (the state, and the forward that runs the
+    original): ``pe.pack(copy)`` gives the copy a state and forward of its own, and the original's state, which its
+    question-answering head reads, stays as it was; ``pe.unpack(copy)`` leaves the original packed."""
+    qa = _qa()
+    stock = copy.deepcopy(qa)
+    pe.pack(qa)
+    state = get_state(qa.model)
+    twin = copy.copy(qa.model)
+    assert get_state(twin) is state  # (what copy.copy makes)
+    pe.pack(twin)
+    assert _padded_outputs(qa) == "trailing masked positions computed"
+    torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
+    assert get_state(qa.model) is state and get_state(twin) is not state
+    assert twin.__dict__["forward"].module is twin and qa.model.__dict__["forward"].module is qa.model
+    pe.unpack(twin)
+    assert pe.is_packed(qa) and get_state(qa.model) is state
+    torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
+
+
 def _pack_hooked(hooks, model, **options):
     """An accelerate hook added on ``model``, then ``pe.pack(model, **options)`` (its warning that it replaces the
     hook's forward while packed left out)."""
