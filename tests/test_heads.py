@@ -225,6 +225,32 @@ def test_direct_forward_of_a_copied_or_unpickled_packed_head_is_checked(head):
         assert _stock_calls(twin) == 1
 
 
+@pytest.mark.parametrize("repack", [False, True])
+def test_a_shallow_copy_of_a_packed_head_keeps_nothing_of_ours_once_unpacked(repack):
+    """``copy.copy`` of a packed head shares its encoder and its ``__dict__`` values (the label check, which runs the
+    original's forward): ``pe.pack(copy)`` gives the copy a check of its own, and ``pe.unpack(copy)`` unpacks the
+    encoder they share, leaving nothing of ours on either head."""
+    import copy
+
+    cls = transformers.ModernBertForTokenClassification
+    model = make_model("tiny", cls=cls, num_labels=4)
+    stock = copy.deepcopy(model)
+    before = _instance_state(model)
+    pe.pack(model)
+    twin = copy.copy(model)
+    ids, mask = padded_batch([5, 12, 9], side="left")
+    kw = dict(input_ids=ids, attention_mask=mask, labels=ids % 4)
+    if repack:
+        pe.pack(twin)
+        assert twin.__dict__["forward"].module is twin and twin.__dict__["forward"].previous == model.forward.previous
+        assert model.__dict__["forward"].module is model
+    with torch.no_grad():
+        torch.testing.assert_close(twin.forward(**kw).loss, stock(**kw).loss, atol=1e-5, rtol=1e-5)
+    pe.unpack(twin)
+    assert _instance_state(model) == before
+    assert not {"forward", "_replicate_for_data_parallel", "_packed_encoders_reads"} & set(twin.__dict__)
+
+
 def _instance_state(model) -> dict:
     """Every module's instance attributes and hooks, to compare before ``pack()`` and after ``unpack()``."""
     return {name: (dict(m.__dict__), dict(m._forward_pre_hooks), dict(m._forward_hooks))

@@ -285,6 +285,7 @@ def sync(heads) -> list:
     given = []
     for head in heads:
         encoders = tuple(m for m in head.modules() if get_state(m) is not None)
+        _drop_shared(head)
         current = instance_forward(head, _NO_FORWARD)
         # ours on the instance, or under a wrapper set over it since (accelerate's hook calls it through
         # module._old_forward, and its removal puts it back on the instance): that one check follows the head's
@@ -314,6 +315,20 @@ def sync(heads) -> list:
         if isinstance(replicator, CheckedReplicator) and replicator.module is head:
             del head.__dict__["_replicate_for_data_parallel"]
     return given
+
+
+def _drop_shared(head: nn.Module) -> None:
+    """Take off ``head`` the check and replicator of another head: a shallow copy (``copy.copy``) shares its
+    original's ``__dict__`` values, whose check runs the original's forward and, once the shared encoder is
+    unpacked, would stay on the copy; the copy gets its own where it is checked (:func:`sync`)."""
+    current = head.__dict__.get("forward")
+    if isinstance(current, CheckedForward) and current.module is not head:
+        del head.__dict__["forward"]
+        if not isinstance(current.previous, str):
+            head.__dict__["forward"] = current.previous
+    replicator = head.__dict__.get("_replicate_for_data_parallel")
+    if isinstance(replicator, CheckedReplicator) and replicator.module is not head:
+        del head.__dict__["_replicate_for_data_parallel"]
 
 
 def restore_bypassed(model: nn.Module, state) -> str | None:
