@@ -189,6 +189,8 @@ def unpack(target):
     for model in encoders:
         restore(model)
     around.forget(target)
+    # a head holding one of them since pack(head) replaced its encoder: found in no record of theirs
+    heads += [h for h in around.replaced_reads(encoders) if all(h is not known for known in heads)]
     around.mark_readers(encoders, target)  # as do the marks of readers left reading no packed encoder
     token_labels.sync(heads)  # the checks of heads left holding no packed encoder come off too
     return target

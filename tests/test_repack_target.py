@@ -294,6 +294,36 @@ def test_packing_a_shallow_copy_of_a_packed_encoder_leaves_the_original_as_it_wa
     torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("head", ["ModernBertForTokenClassification", "ModernBertForSequenceClassification",
+                                  "ModernBertForQuestionAnswering"])
+def test_a_head_whose_encoder_was_replaced_keeps_nothing_of_ours_once_its_new_encoder_is_unpacked(head, keep):
+    """``pe.pack(head)``, then ``head.model = <another encoder>``: a copy or a save of the head does not carry the
+    replaced encoder along, and ``pe.unpack(head.model)`` takes off what ``pack(head)`` put on the head (its mark,
+    its label check), which names the replaced encoder; that one, outside the head now, stays packed."""
+    import gc
+
+    model = make_model("tiny", cls=getattr(transformers, head), num_labels=2)
+    pe.pack(model)
+    old = model.model
+    model.model = make_model("tiny", seed=1)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert [m for m in twin.modules() if type(m).__name__ == "ModernBertModel"] == [twin.model]
+        assert getattr(twin.__dict__.get("forward"), "encoders", ()) == ()  # (a check's: the old one's copy)
+    if not keep:
+        del old
+        gc.collect()
+    pe.unpack(model.model)
+    assert not {"forward", "_replicate_for_data_parallel", "_packed_encoders_reads"} & set(model.__dict__)
+    if keep:
+        assert pe.is_packed(old)
+        pe.unpack(old)
+        assert not {"forward", "_replicate_for_data_parallel", "_packed_encoders"} & set(old.__dict__)
+
+
 def _pack_hooked(hooks, model, **options):
     """An accelerate hook added on ``model``, then ``pe.pack(model, **options)`` (its warning that it replaces the
     hook's forward while packed left out)."""

@@ -21,6 +21,10 @@ reads. Packing a copy's encoder again alone then treats the copy's heads as the 
 encoders it copied before the mark: those inside the reader (a module's submodules come first in its ``__dict__``)
 or listed before it in a container; unpickling, the encoders inside the reader. A copy taken while the encoders are
 unpacked carries no record (the reader holds nothing of ours then): pack the copy's head, not its encoder alone.
+
+A head reads the encoder inside it: after ``head.model = other`` its entries around the replaced encoder are stale,
+and ``unpack()`` of the new encoder, which no record leads to the head, finds the head among the marked readers
+(:func:`replaced_reads`), drops them and takes off what ``pack(head)`` put on the head.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ EXPANSION = "query expansion"  # a module holding ColBERT query-expansion settin
 # encoder -> {reader module -> frozenset of kinds}, both weak
 _RECORD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 MARK_ATTR = "_packed_encoders_reads"
+# every module given a ReaderMark, weakly: the record leads from an encoder to its readers only, and a head whose
+# encoder was replaced since pack(head) (head.model = other) is found from the new one here (replaced_reads)
+_MARKED: weakref.WeakSet = weakref.WeakSet()
+_HEAD_KINDS = frozenset({SPAN, CHECK, COLUMN_ZERO, FIRST_REAL})  # recorded around an encoder inside the reader
 
 
 class Readers(NamedTuple):
@@ -127,6 +135,29 @@ def _mark(reader: nn.Module) -> None:
         del reader.__dict__[MARK_ATTR]
 
 
+def replaced_reads(encoders) -> list:
+    """The marked readers holding one of ``encoders``, each marked again (:func:`_mark`) once the record no longer
+    holds it as a head around an encoder it does not hold now: a head reads the encoder inside it, and after
+    ``head.model = other`` its mark and label check still name the replaced encoder, which ``unpack()`` of the new
+    one would otherwise leave on the head (the replaced encoder, outside it, stays packed)."""
+    wanted = {id(e) for e in encoders}
+    found = []
+    for reader in list(_MARKED):
+        inside = {id(m) for m in reader.modules()}
+        if not wanted & inside:
+            continue
+        for encoder, record in list(_RECORD.items()):
+            kinds = record.get(reader)
+            if kinds and kinds & _HEAD_KINDS and id(encoder) not in inside:
+                if kinds - _HEAD_KINDS:
+                    record[reader] = kinds - _HEAD_KINDS
+                else:
+                    del record[reader]
+        _mark(reader)
+        found.append(reader)
+    return found
+
+
 def forget(target: nn.Module, encoders=None) -> None:
     """Drop the readers inside ``target`` (``target`` included) from the records of ``encoders`` (default: every
     encoder's), and their marks where they read no packed encoder now."""
@@ -154,6 +185,7 @@ class ReaderMark:
 
     def __init__(self, reader: nn.Module):
         self._reader = weakref.ref(reader)
+        _MARKED.add(reader)
 
     def names(self, reader: nn.Module) -> bool:
         """This mark is ``reader``'s own (a shallow copy of a module shares its original's)."""

@@ -156,9 +156,11 @@ class CheckedForward:
         self._encoders = tuple(weakref.ref(e) for e in encoders)
 
     def __getstate__(self) -> dict:
-        # pickled and deep-copied with the encoders themselves (a weak reference neither pickles nor follows a copy)
+        # pickled and deep-copied with the encoders themselves (a weak reference neither pickles nor follows a copy),
+        # those still inside the head: one replaced since (head.model = other) would be saved or copied along
         state = {k: v for k, v in self.__dict__.items() if k != "_encoders"}
-        state["encoders"] = self.encoders
+        inside = {id(m) for m in self.module.modules()}
+        state["encoders"] = tuple(e for e in self.encoders if id(e) in inside)
         return state
 
     def __setstate__(self, state: dict) -> None:
