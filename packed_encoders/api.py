@@ -12,8 +12,8 @@ from .adapters.dynamo import outside_dynamo
 from .adapters.fsdp import gathered
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
-from .adapters.patch import install, replaced_forward, restore
-from .adapters.state import PackOptions, forward_bypassed, get_state, own_state
+from .adapters.patch import install, own_state, replaced_forward, restore
+from .adapters.state import PackOptions, forward_bypassed, get_state
 from .adapters.structure import structure_check
 from .batch import check_embeds_dtype, from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch

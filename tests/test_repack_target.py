@@ -274,13 +274,20 @@ def test_a_copied_checked_head_is_recorded_around_its_copied_encoder(how):
     torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)  # the original unchanged
 
 
-def test_packing_a_shallow_copy_of_a_packed_encoder_leaves_the_original_as_it_was():
+@pytest.mark.parametrize("how", ["packed", "unpickled"])
+def test_packing_a_shallow_copy_of_a_packed_encoder_leaves_the_original_as_it_was(how):
     """``copy.copy`` of a packed encoder shares its ``__dict__`` values (the state, and the forward that runs the
     original): ``pe.pack(copy)`` gives the copy a state and forward of its own, and the original's state, which its
-    question-answering head reads, stays as it was; ``pe.unpack(copy)`` leaves the original packed."""
+    question-answering head reads, stays as it was; ``pe.unpack(copy)`` leaves the original packed. The same for a
+    packed head saved and loaded (whose state names no owner)."""
     qa = _qa()
     stock = copy.deepcopy(qa)
     pe.pack(qa)
+    if how == "unpickled":
+        buffer = io.BytesIO()
+        torch.save(qa, buffer)
+        buffer.seek(0)
+        qa = torch.load(buffer, weights_only=False)
     state = get_state(qa.model)
     twin = copy.copy(qa.model)
     assert get_state(twin) is state  # (what copy.copy makes)

@@ -86,6 +86,22 @@ class PackedReplicator:
         return replica
 
 
+def own_state(model: nn.Module) -> PackState | None:
+    """``model``'s state when ``pack()`` installed it on ``model`` (or a copy of it was made for ``model``: deepcopy,
+    unpickling, a data-parallel replica), else ``None``. A shallow copy (``copy.copy``) shares its original's
+    ``__dict__`` values, this state and the forward running the original included: keeping that state for the
+    copy would let ``pack(copy)`` rewrite what the original's calls compute (its heads' reads)."""
+    state = get_state(model)
+    if state is None:
+        return None
+    owner = state.runtime.get("owner")
+    if owner is not None:
+        return state if owner() is model else None
+    # (an unpickled state names no owner) a shallow copy's forward is its original's
+    forward = instance_forward(model)
+    return None if isinstance(forward, PackedForward) and forward.module is not model else state
+
+
 def replaced_forward(model: nn.Module):
     """The instance ``forward`` (not the packed one) that :func:`install` would replace on a model not packed yet,
     or ``None``: the packed forward runs instead of it until ``unpack()`` restores it."""

@@ -92,15 +92,6 @@ def get_state(model: nn.Module) -> PackState | None:
     return model.__dict__.get(STATE_ATTR)
 
 
-def own_state(model: nn.Module) -> PackState | None:
-    """``model``'s state when ``pack()`` installed it on ``model`` (or a copy of it was made for ``model``: deepcopy,
-    unpickling, a data-parallel replica), else ``None``. A shallow copy (``copy.copy``) shares its original's
-    ``__dict__`` values, this state and the forward running the original included: keeping that state for the
-    copy would let ``pack(copy)`` rewrite what the original's calls compute (its heads' reads)."""
-    state = model.__dict__.get(STATE_ATTR)
-    owner = None if state is None else state.runtime.get("owner")
-    return state if owner is None or owner() is model else None
-
 
 def instance_forward(module: nn.Module, default=None):
     """``module``'s instance ``forward``, seen through a re-binding to the module: accelerate's
