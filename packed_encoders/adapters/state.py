@@ -92,7 +92,6 @@ def get_state(model: nn.Module) -> PackState | None:
     return model.__dict__.get(STATE_ATTR)
 
 
-
 def instance_forward(module: nn.Module, default=None):
     """``module``'s instance ``forward``, seen through a re-binding to the module: accelerate's
     ``unwrap_model(keep_fp32_wrapper=False)`` sets ``MethodType(<the instance forward>, module)`` back on it."""
