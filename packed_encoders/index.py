@@ -305,7 +305,7 @@ class Encoder:
         if pooling not in POOLINGS:
             raise PackedEncodersError(f"pooling={pooling!r} is not one of {POOLINGS}")
         encoders = find_encoders(model)
-        self.bare = len(encoders) == 1 and (encoders[0][0] == "" or _is_hf_model(model))
+        self.bare = pools_here(model)
         self.model = encoders[0][1] if self.bare else model
         self.output, self.pooling, self.pad_id = output, pooling, pad_id
         self.device = encoders[0][1].embeddings.tok_embeddings.weight.device
@@ -336,6 +336,16 @@ class Encoder:
         if self.output == "pooled":
             return out["sentence_embedding"]
         return out["token_embeddings"][mask.to(self.device).bool()]
+
+
+def pools_here(model) -> bool:
+    """Whether ``--pooling`` shapes this model's pooled vectors: a bare ``ModernBertModel`` (or the encoder of a HF
+    task head), run on the flat batch and pooled here; a sentence-transformers or PyLate model pools (or not) as its
+    own modules say."""
+    from .adapters.locate import find_encoders
+
+    encoders = find_encoders(model)
+    return len(encoders) == 1 and (encoders[0][0] == "" or _is_hf_model(model))
 
 
 def _is_hf_model(model) -> bool:
@@ -723,7 +733,10 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", required=True, help="JSONL of {'id', 'input_ids'}")
     ap.add_argument("--out", required=True, help="output directory (resumes when it holds a run of this corpus)")
     ap.add_argument("--output", choices=OUTPUTS, default="pooled")
-    ap.add_argument("--pooling", choices=POOLINGS, default="mean")
+    ap.add_argument("--pooling", choices=POOLINGS, default=None,
+                    help="mean (default) or cls: pools a bare ModernBERT checkpoint's output (--output pooled); "
+                         "a sentence-transformers folder pools as its own modules say, and token vectors are not "
+                         "pooled, so it is refused there")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--chunk-tokens", type=int, default=1 << 20)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
@@ -752,6 +765,11 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model = load_model(args.model, device, dtype)
+    if args.pooling is not None and (args.output == "tokens" or not pools_here(model)):
+        # asked for and never applied: refused rather than silently giving other vectors than requested
+        why = ("--output tokens writes token vectors, which are not pooled" if args.output == "tokens" else
+               f"{args.model} is a {type(model).__name__} folder, which pools as its own modules say")
+        ap.error(f"--pooling {args.pooling} has no effect here: {why}; leave --pooling out")
     pe.pack(model)
     pad_id = args.pad_id
     if pad_id is None:
@@ -759,7 +777,7 @@ def main(argv=None) -> int:
 
         pad_id = getattr(find_encoders(model)[0][1].config, "pad_token_id", None) or 0
     try:
-        manifest = index_corpus(model, args.corpus, args.out, output=args.output, pooling=args.pooling,
+        manifest = index_corpus(model, args.corpus, args.out, output=args.output, pooling=args.pooling or "mean",
                                 batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
                                 out_dtype=getattr(torch, args.out_dtype), pad_id=pad_id)
     except PackedEncodersError as exc:  # (every rank raises rank 0's: all exit alike)

@@ -370,6 +370,34 @@ def test_command_line_errors_exit_2_with_a_message(setup, tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err and not (tmp_path / "o2").exists()
 
 
+def test_command_line_pooling_that_would_not_apply_is_refused(setup, tmp_path, capsys):
+    """``--pooling`` given where it shapes nothing (a sentence-transformers folder pools as its own modules say;
+    token vectors are not pooled) exits 2 naming why, rather than writing other vectors than asked for; left out,
+    the same runs go through, and a bare checkpoint's pooled output takes it."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    from packed_encoders.index import main
+
+    tmp, model_dir, corpus = setup
+    st_dir = str(tmp_path / "st")
+    transformer = Transformer(model_dir)
+    SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
+                        device="cpu").save(st_dir)
+    for model, extra, why in ((st_dir, [], "pools as its own modules say"),
+                              (model_dir, ["--output", "tokens"], "not pooled")):
+        out = tmp_path / f"refused-{len(extra)}"
+        with pytest.raises(SystemExit) as info:
+            main(["--model", model, "--corpus", corpus, "--out", str(out), "--pooling", "cls", *extra])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "--pooling cls has no effect here" in err and why in err, err
+        assert not out.exists()
+        assert main(["--model", model, "--corpus", corpus, "--out", str(tmp_path / f"ok-{len(extra)}"), *extra]) == 0
+    out = str(tmp_path / "cls")
+    assert main(["--model", model_dir, "--corpus", corpus, "--out", out, "--pooling", "cls"]) == 0
+    assert json.load(open(os.path.join(out, "plan.json")))["settings"]["pooling"] == "cls"
+
+
 def _stop_after_chunk(stop_at):
     def stop(index, rows, tokens):
         if index == stop_at:
