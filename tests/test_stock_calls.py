@@ -67,6 +67,40 @@ def test_calls_stock_serves_run_the_stock_forward(case):
     assert "stock forward" not in str(pe.describe(model)["encoders"][0]["attention_fallbacks"])
 
 
+def _stock_takes_transformers_kwargs() -> bool:
+    """Whether stock ``ModernBertModel.forward`` takes HF v5's ``TransformersKwargs`` (``is_causal``,
+    ``output_router_logits``, ...) as ``**kwargs``; v4's named its arguments and raises a TypeError for these."""
+    from transformers import ModernBertModel
+
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(ModernBertModel.forward).parameters.values())
+
+
+def test_is_causal_true_runs_the_stock_forward_and_no_op_kwargs_are_ignored():
+    """``is_causal`` and ``output_router_logits`` are keys of HF's ``TransformersKwargs``, which stock's forward
+    takes: a false ``is_causal`` and any ``output_router_logits`` (ModernBERT has no router) cannot change stock's
+    output and are ignored; ``is_causal=True`` asks for causal attention, which the packed path does not run, so the
+    call runs the stock forward, warned and counted (both were refused as unsupported keyword arguments)."""
+    if not _stock_takes_transformers_kwargs():
+        pytest.skip("this transformers' ModernBertModel.forward takes no **kwargs (stock refuses these too)")
+    model = pe.pack(make_model("base_like"))
+    ids, mask = padded_batch([5, 12, 9])
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # packed, silently
+            for kw in (dict(is_causal=False), dict(output_router_logits=False), dict(output_router_logits=True),
+                       dict(is_causal=None)):
+                got = model(input_ids=ids, attention_mask=mask, **kw).last_hidden_state
+                torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert pe.describe(model)["encoders"][0]["stock_forward_calls"] == {}
+        with pytest.warns(RuntimeWarning, match="running the stock forward: is_causal=True"):
+            for kw in (dict(is_causal=True), dict(is_causal=True, attention_mask=mask)):  # no mask: stock is causal
+                ref = stock(model, input_ids=ids, **kw).last_hidden_state
+                torch.testing.assert_close(model(input_ids=ids, **kw).last_hidden_state, ref, atol=0, rtol=0)
+    calls = pe.describe(model)["encoders"][0]["stock_forward_calls"]
+    assert sum(n for reason, n in calls.items() if reason.startswith("is_causal=True")) == 2, calls
+
+
 def test_mask_values_other_than_0_and_1_still_raise():
     model = pe.pack(make_model("base_like"))
     ids, mask = padded_batch([5, 12])

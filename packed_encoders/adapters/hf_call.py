@@ -36,13 +36,16 @@ from .token_labels import TRAILING, head_request, position_zero_reader, restore_
 
 # Keyword arguments that do not change the encoder's output, accepted and not used:
 # num_items_in_batch is a loss-normalisation count HF heads forward to every submodule; use_cache has no
-# meaning for a bidirectional encoder.
+# meaning for a bidirectional encoder; output_router_logits (in HF v5's TransformersKwargs, which stock's forward
+# takes) asks for a mixture-of-experts router's logits, and ModernBERT has no router; is_causal, also one of them,
+# is ignored only when false (bidirectional, as the packed path attends): a true one runs the stock forward before
+# this (adapters.stock_calls).
 # sentence-transformers' modules write their outputs into the features dict, and its Transformer module passes every
 # feature as a keyword to a forward taking **kwargs: a dict that went through the pipeline once carries these into
 # the next call (CachedGISTEmbedLoss runs the model, then its guide, on one dict). Stock hands them to its attention
 # function, which does not read them; they are outputs of an earlier call, never inputs.
-IGNORED_KWARGS = ("num_items_in_batch", "use_cache", "token_embeddings", "sentence_embedding", "all_layer_embeddings",
-                  "token_weights_sum", "cls_token_embeddings")
+IGNORED_KWARGS = ("num_items_in_batch", "use_cache", "output_router_logits", "is_causal", "token_embeddings",
+                  "sentence_embedding", "all_layer_embeddings", "token_weights_sum", "cls_token_embeddings")
 # transformers v4's internal unpadding kwargs (passed by v4 heads under flash_attention_2).
 _V4_UNPADDED = ("sliding_window_mask", "indices", "cu_seqlens", "max_seqlen", "batch_size", "seq_len")
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")

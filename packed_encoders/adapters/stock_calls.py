@@ -1,8 +1,9 @@
 """Calls stock HF serves that the packed path does not reproduce: the patched forward runs the stock forward for
 them (a one-time ``RuntimeWarning``, the reason in ``describe()``), so code written for stock HF keeps working.
 
-Named before the call: attention probabilities (``output_attentions=True``), HF's precomputed per-layer-type mask
-mapping (a dict ``attention_mask``), a mask per query and key (a 3-D / 4-D tensor ``attention_mask``),
+Named before the call: attention probabilities (``output_attentions=True``), causal attention (``is_causal=True``),
+HF's precomputed per-layer-type mask mapping (a dict ``attention_mask``), a mask per query and key (a 3-D / 4-D
+tensor ``attention_mask``),
 layer-selecting ``output_hidden_states`` (a list or tuple), tracing by ``torch.export`` or ``torch.jit.trace`` (the
 exported program / trace is the stock graph: the packed forward syncs the host on the lengths), and calls inside a
 ``torch.func`` transform.
@@ -54,6 +55,9 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
         # with every batch shape a service sees
         return (f"attention_mask is a {mask.dim()}-D tensor (a mask per query and key); "
                 "the packed path reads a [batch, seq_len] padding mask")
+    if kwargs.get("is_causal"):
+        return ("is_causal=True asks for causal attention; the packed path attends both ways (stock applies it where "
+                "its attention function does)")
     attentions = kwargs.get("output_attentions")
     if attentions is None:
         attentions = getattr(model.config, "output_attentions", False)
