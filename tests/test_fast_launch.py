@@ -90,6 +90,11 @@ class FakeJit:
 
 @pytest.fixture
 def launcher(monkeypatch):
+    import triton
+
+    # the fakes stand for Triton 3.6's C launcher, whatever Triton is installed (each convention:
+    # test_cached_launch_calls_the_c_launcher_unless_scratch_is_needed)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     jit = FakeJit()
