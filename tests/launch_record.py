@@ -1,8 +1,8 @@
 """Triton's real C launchers on a machine without a GPU, over a libcuda that records launches (recording_cuda.c).
 
 ``recording_driver(tmp)`` builds the stand-in ``libcuda.so.1`` with the C compiler, loads it, points Triton at it and
-makes a ``CudaDriver`` Triton's active driver, so ``triton.compile(..., target=sm_90)`` gives a ``CompiledKernel``
-whose ``run`` is Triton's own launcher for this release, compiled here. ``Recorder.launch`` then reads back what
+makes a ``CudaDriver`` over it Triton's active driver, so a ``JITFunction`` compiles for sm_90 and launches through
+Triton's own C launcher for this release, compiled here. ``Recorder.launch`` then reads back what
 the driver was handed (grid, block, shared memory, stream, function, launch attributes, every parameter's bytes).
 Used by tests/test_fast_launch_record.py, in the test environment (Triton 3.6) and, through tests/envs/triton.sh,
 with the newest Triton.
@@ -95,18 +95,3 @@ def recording_driver(tmp: Path) -> Recorder:
     torch._C._cuda_getCurrentRawStream = lambda device: STREAM
     return Recorder(lib)
 
-
-def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int = 4):
-    """``fn`` (a plain kernel body) compiled for sm_90 and loaded through the active (recording) driver."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-
-    jit = JITFunction(fn)
-    sig = {name: ("constexpr" if name in constexprs else ty) for name, ty in signature.items()}
-    compiled = triton.compile(ASTSource(jit, sig, constexprs={(jit.arg_names.index(k),): v
-                                                              for k, v in constexprs.items()}),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    compiled._init_handles()
-    return compiled
