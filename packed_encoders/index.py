@@ -305,7 +305,7 @@ class Encoder:
         if pooling not in POOLINGS:
             raise PackedEncodersError(f"pooling={pooling!r} is not one of {POOLINGS}")
         encoders = find_encoders(model)
-        self.bare = pools_here(model)
+        self.bare = _bare(model, encoders)
         self.model = encoders[0][1] if self.bare else model
         self.output, self.pooling, self.pad_id = output, pooling, pad_id
         self.device = encoders[0][1].embeddings.tok_embeddings.weight.device
@@ -344,7 +344,11 @@ def pools_here(model) -> bool:
     own modules say."""
     from .adapters.locate import find_encoders
 
-    encoders = find_encoders(model)
+    return _bare(model, find_encoders(model))
+
+
+def _bare(model, encoders) -> bool:
+    # (encoders: find_encoders(model), which the Encoder has found already)
     return len(encoders) == 1 and (encoders[0][0] == "" or _is_hf_model(model))
 
 
