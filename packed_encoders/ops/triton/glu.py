@@ -19,7 +19,9 @@ ACTIVATIONS = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3}
 _FWD_BOUND: dict = {}
 _BWD_BOUND: dict = {}
 
-# kernels may only read globals declared as Triton constexprs
+# kernels may only read globals declared as Triton constexprs, and a product takes them after a tensor: interpreted,
+# ``C * a`` is plain Python, whose ``constexpr.__mul__`` wraps the tensor product in a constexpr that Triton 3.9's
+# builtins refuse ("cannot convert ... to tensor"); compiled, either order is the same multiply
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
@@ -52,7 +54,7 @@ def _glu_fwd_kernel(X, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_
     if ACT == 0:
         act = 0.5 * a * (1.0 + tl.math.erf(a * _SQRT1_2))
     elif ACT == 1:
-        t = 2.0 * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (a + _TANH_C * a * a * a)) - 1.0  # tanh
+        t = 2.0 * tl.sigmoid((a + a * _TANH_C * a * a) * (2.0 * _SQRT_2_OVER_PI)) - 1.0  # tanh
         act = 0.5 * a * (1.0 + t)
     elif ACT == 2:
         act = a * tl.sigmoid(a)
@@ -77,9 +79,9 @@ def _glu_bwd_kernel(DY, X, DX, Y, n_rows, I: tl.constexpr, BLOCK_T: tl.constexpr
         act = a * cdf
         dact = cdf + a * _INV_SQRT_2PI * tl.exp(-0.5 * a * a)
     elif ACT == 1:
-        t = 2.0 * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (a + _TANH_C * a * a * a)) - 1.0
+        t = 2.0 * tl.sigmoid((a + a * _TANH_C * a * a) * (2.0 * _SQRT_2_OVER_PI)) - 1.0
         act = 0.5 * a * (1.0 + t)
-        dact = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_C * a * a)
+        dact = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + a * (3.0 * _TANH_C) * a)
     elif ACT == 2:
         sig = tl.sigmoid(a)
         act = a * sig

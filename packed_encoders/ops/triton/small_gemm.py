@@ -38,7 +38,7 @@ import triton.language as tl
 from ._runtime import I32_END, cdiv, kernel, launch_cached
 from .glu import ACTIVATIONS
 
-# kernels may only read globals declared as Triton constexprs (glu.py's values)
+# kernels may only read globals declared as Triton constexprs, after a tensor in a product (glu.py's values and why)
 _SQRT1_2 = tl.constexpr(0.7071067811865476)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _TANH_C = tl.constexpr(0.044715)
@@ -210,7 +210,7 @@ def _gemm_kernel(
         if ACT == 0:
             act = 0.5 * a * (1.0 + tl.math.erf(a * _SQRT1_2))
         elif ACT == 1:
-            t = 2.0 * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (a + _TANH_C * a * a * a)) - 1.0  # tanh
+            t = 2.0 * tl.sigmoid((a + a * _TANH_C * a * a) * (2.0 * _SQRT_2_OVER_PI)) - 1.0  # tanh
             act = 0.5 * a * (1.0 + t)
         elif ACT == 2:
             act = a * tl.sigmoid(a)
