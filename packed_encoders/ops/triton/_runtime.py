@@ -460,12 +460,17 @@ def _interpreter_fixes():
     - The interpreter casts fp32 -> bf16 by truncating the mantissa, while compiled Triton rounds to
       nearest even (``cvt.rn.bf16.f32``); the cast uses torch's round-to-nearest-even so that interpreted
       results carry the rounding the GPU will.
+    - A comparison's result keeps its operands' NumPy dtype as its own, so a scalar one (``h < H``) broadcast
+      into a block mask holds int32 0/1; Triton 3.9's loads and stores refuse a mask that is not bool (3.6's
+      took nonzero as true), so masks reach them as bool.
     """
     scope = _interp._LangPatchScope()
     stack: list[_TrackedScope] = []
     original_patch_lang = _interp._patch_lang
     original_patch_tensor = _interp._patch_lang_tensor
     original_cast = _interp.InterpreterBuilder.cast_impl
+    original_load = _interp.InterpreterBuilder.create_masked_load
+    original_store = _interp.InterpreterBuilder.create_masked_store
 
     def patch_lang(fn):
         tracked = _TrackedScope(original_patch_lang(fn), stack)
@@ -482,6 +487,15 @@ def _interpreter_fixes():
             return _interp.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
         return original_cast(self, src, dst_type)
 
+    def bool_mask(mask):
+        return mask if mask.data.dtype == np.bool_ else _interp.TensorHandle(mask.data != 0, tl.int1)
+
+    def masked_load(self, ptrs, mask, *rest):
+        return original_load(self, ptrs, bool_mask(mask), *rest)
+
+    def masked_store(self, ptrs, value, mask, *rest):
+        return original_store(self, ptrs, value, bool_mask(mask), *rest)
+
     for module in _STDLIB:
         for name, value in list(vars(module).items()):
             if isinstance(value, JITFunction):
@@ -489,6 +503,8 @@ def _interpreter_fixes():
     scope.set_attr(_interp, "_patch_lang", patch_lang)
     scope.set_attr(_interp, "_patch_lang_tensor", patch_tensor)
     scope.set_attr(_interp.InterpreterBuilder, "cast_impl", cast_impl)
+    scope.set_attr(_interp.InterpreterBuilder, "create_masked_load", masked_load)
+    scope.set_attr(_interp.InterpreterBuilder, "create_masked_store", masked_store)
     try:
         yield
     finally:
