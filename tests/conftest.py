@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 
 import pytest
 import torch
@@ -27,6 +29,52 @@ except ImportError:  # no Triton: its tests skip
     pass
 
 
+# The interpreter pass: ``PE_INTERPRETER_TRITON=3.9.0`` (CI runs it after the suite, with that release first on
+# PYTHONPATH: ``.ci/run``) keeps only the tests that interpret kernels on CPU, those that ask for the fixtures
+# below (in their signature, a ``usefixtures`` mark or ``request.getfixturevalue``), and refuses to run unless the
+# Triton imported is that release and its interpreter is supported: a pass whose tests all skipped would check
+# nothing.
+INTERPRETER_PASS = os.environ.get("PE_INTERPRETER_TRITON")
+INTERPRETER_FIXTURES = ("triton_interpret", "supported_interpreter", "interpret_on_cpu")
+
+
+def pytest_configure(config):
+    if not INTERPRETER_PASS:
+        return
+    try:
+        import triton
+    except ImportError as e:
+        raise pytest.UsageError(f"PE_INTERPRETER_TRITON={INTERPRETER_PASS}: no Triton ({e})")
+    from packed_encoders.ops.triton._runtime import unsupported_interpreter
+
+    if triton.__version__ != INTERPRETER_PASS:
+        raise pytest.UsageError(f"PE_INTERPRETER_TRITON={INTERPRETER_PASS}, but this is Triton {triton.__version__} "
+                                f"({triton.__file__})")
+    why = unsupported_interpreter()
+    if why:
+        raise pytest.UsageError(f"PE_INTERPRETER_TRITON={INTERPRETER_PASS}: {why}")
+
+
+def interprets(item) -> bool:
+    """Whether a test asks for an interpreter fixture (for the interpreter pass)."""
+    if set(INTERPRETER_FIXTURES) & set(getattr(item, "fixturenames", ())):
+        return True
+    fn = getattr(item, "function", None)
+    try:
+        source = inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    return any(re.search(rf"\b{name}\b", source) for name in INTERPRETER_FIXTURES)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not INTERPRETER_PASS:
+        return
+    keep = [interprets(item) for item in items]
+    config.hook.pytest_deselected(items=[item for item, k in zip(items, keep) if not k])
+    items[:] = [item for item, k in zip(items, keep) if k]
+
+
 @pytest.fixture(params=PARITY_CONFIGS)
 def config_name(request):
     return request.param
@@ -37,6 +85,8 @@ def _skip_unsupported_interpreter():
     from packed_encoders.ops.triton._runtime import unsupported_interpreter
 
     why = unsupported_interpreter()
+    if why and INTERPRETER_PASS:
+        pytest.fail(f"PE_INTERPRETER_TRITON={INTERPRETER_PASS}: {why}")
     if why:
         pytest.skip(f"{why}; CI installs the lock's Triton and runs these")
 
