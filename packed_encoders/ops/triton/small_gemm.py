@@ -36,12 +36,8 @@ import torch
 import triton.language as tl
 
 from ._runtime import I32_END, cdiv, kernel, launch_cached
-from .glu import ACTIVATIONS
-
-# kernels may only read globals declared as Triton constexprs, after a tensor in a product (glu.py's values and why)
-_SQRT1_2 = tl.constexpr(0.7071067811865476)
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-_TANH_C = tl.constexpr(0.044715)
+# the GLU kernel's activation constants (Triton constexprs, taken after a tensor in a product: glu.py says why)
+from .glu import _SQRT1_2, _SQRT_2_OVER_PI, _TANH_C, ACTIVATIONS
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # launch signature -> _runtime.Bound (launches that skip Triton's per-argument key; see _runtime.launch_cached)
