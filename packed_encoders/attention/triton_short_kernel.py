@@ -32,11 +32,28 @@ short; on long documents the fused kernel costs about what the separate RoPE pas
 them into one tile saved 1-3 % there.
 """
 
+import re
+
 import triton
 import triton.language as tl
 
 # Finite start for the running max: exp2(-inf - M0) == 0 and exp2(M0 - M0) == 1 for fully masked tiles.
 _M0 = tl.constexpr(-1.0e30)
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+# Pipelining depth of the fused RoPE entry's rerun loop (the rare second pass with non-finite values masked); None:
+# the launch's num_stages, as the first pass. Triton up to 3.6 (the GPU's; the kernel measured there) keeps that.
+# Under newer Triton (3.9 checked) the pipelined rerun's peeled first iteration shares the first pass's prologue
+# (the first key tile's table-row pointers and masks), held live through the first pass: sm_90 code spilled 24 B at
+# (head_dim 64, max_seqlen 64), 72 B at (64, 1024 local), 184 B at (128, 1024). One stage peels nothing: 0 / 0 /
+# 56 B. One stage under 3.6 spills instead (16 B at (64, 1024 local)), hence per release. The plain entry keeps its
+# loops under every release. Stages only reorder loads: the same bits come out.
+_RERUN_STAGES = tl.constexpr(None if _release(triton.__version__) <= (3, 6) else 1)
 
 
 @triton.jit
@@ -82,7 +99,7 @@ def _key_loop(q1, q2, K, V, COS, SIN, ROWS, qk_scale, k_begin, k_end, k_lo, k_hi
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     poison = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start in range(k_begin, k_end, BLOCK_N):
+    for start in tl.range(k_begin, k_end, BLOCK_N, num_stages=_RERUN_STAGES if MASK_NONFINITE and ROPE else None):
         kt = start + offs_n
         kt_ok = kt < k_end
         kt64 = kt.to(tl.int64)
