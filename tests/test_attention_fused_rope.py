@@ -317,7 +317,8 @@ for head_dim, dt, smax, local, has_kl in ((64, "bf16", 64, False, False), (64, "
 def test_fused_kernel_compiles_for_sm90_without_spills():
     # The interpreter accepts programs the compiler rejects: compile the fused entry for Hopper ahead of time (in a
     # fresh process without TRITON_INTERPRET, as tests/test_attention.py does for the plain entry). ModernBERT-base
-    # geometry (head_dim 64) must not spill.
+    # geometry (head_dim 64) must not spill, under both releases this module runs with (3.6, the GPU's, and 3.9:
+    # the rerun loop's pipelining depth is chosen per release for that, see triton_short_kernel._RERUN_STAGES).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", _AOT], capture_output=True, text=True, env=env, timeout=600,
@@ -326,13 +327,6 @@ def test_fused_kernel_compiles_for_sm90_without_spills():
     rows = [line.split() for line in proc.stdout.strip().splitlines()]
     assert len(rows) == 3
     spilled = [row for row in rows if row[0] == "64" and row[4] not in ("0", "?")]
-    import triton
-
-    if spilled and not triton.__version__.startswith("3.6."):
-        # the no-spill budget is for the Triton the GPU runs (3.6, the H200 image's)
-        stacks = "; ".join(f"head_dim {r[0]}, max_seqlen {r[1]}, local {r[2]}: {r[4]} B" for r in rows)
-        pytest.skip(f"Triton {triton.__version__} spills the fused kernel at head_dim 64 (stack {stacks}); the "
-                    "budget holds with Triton 3.6, the GPU's")
     assert not spilled, proc.stdout
 
 
