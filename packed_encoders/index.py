@@ -310,6 +310,11 @@ class Encoder:
         self.output, self.pooling, self.pad_id = output, pooling, pad_id
         self.device = encoders[0][1].embeddings.tok_embeddings.weight.device
         self.vocab_size = int(encoders[0][1].config.vocab_size)
+        if type(pad_id) is not int or not 0 <= pad_id < self.vocab_size:
+            # the padded [B, S] batches carry it to the embedding wherever a call runs HF's own forward, which
+            # would index out of the table (a device-side assert on CUDA, which ends the process's CUDA context)
+            raise PackedEncodersError(f"pad_id={pad_id!r} is not a token id of the model's vocabulary "
+                                      f"[0, {self.vocab_size})")
 
     @torch.inference_mode()
     def __call__(self, items: list[list[int]]) -> torch.Tensor:
@@ -526,17 +531,19 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         batch_tokens: real tokens per forward (items are sorted by length inside a chunk).
         chunk_tokens: tokens per chunk file (the unit of resumption).
         out_dtype: dtype of the stored vectors.
+        pad_id: the token id filling the padding of ``[B, S]`` batches (models other than a bare encoder, which runs
+            on the flat batch); padding is masked, so the vectors do not depend on it.
         on_chunk: called ``(chunk_index, rows, tokens)`` after each chunk this rank completes.
 
     Returns:
         The manifest (a dict) on rank 0, ``None`` on the others.
 
     Raises:
-        PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, or
-            ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings
-            (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`), or ranks
-            called with different ones (or corpus files of different size or modification time), or a damaged
-            ``plan.json`` in ``out_dir`` (naming it).
+        PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1,
+            ``pad_id`` outside the model's vocabulary, or ``out_dir`` holding an index of another corpus (its size
+            or modification time differ) or settings (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the
+            model: :func:`model_fingerprint`), or ranks called with different ones (or corpus files of different
+            size or modification time), or a damaged ``plan.json`` in ``out_dir`` (naming it).
     """
     for name, value in (("batch_tokens", batch_tokens), ("chunk_tokens", chunk_tokens)):
         if type(value) is not int or value < 1:
@@ -746,7 +753,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                     help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--out-dtype", choices=("bfloat16", "float16", "float32"), default="float32")
-    ap.add_argument("--pad-id", type=int, default=None, help="padding id (default: the model config's)")
+    ap.add_argument("--pad-id", type=int, default=None, help="token id filling the padding of [B, S] batches (default: the model config's pad_token_id); "
+                         "padding is masked, so the vectors do not depend on it")
     args = ap.parse_args(argv)
     for name in ("batch_tokens", "chunk_tokens"):
         if getattr(args, name) < 1:

@@ -475,6 +475,25 @@ def test_a_refused_corpus_or_output_path_writes_nothing(setup, tmp_path, capsys)
     assert "cannot make the output directory" in capsys.readouterr().err
 
 
+def test_a_pad_id_outside_the_vocabulary_is_refused_before_anything_is_written(setup, tmp_path, capsys):
+    """Padding carries ``pad_id`` into the embedding wherever a call runs HF's own forward: an id outside the table
+    (or not an integer) is refused up front, by the API and the command line, rather than failing mid-run."""
+    import packed_encoders as pe
+    from packed_encoders.index import main
+
+    _, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    vocab = model.config.vocab_size
+    for bad in (-1, vocab, 10 ** 9, 1.0, True, None):
+        with pytest.raises(pe.PackedEncodersError, match=re.escape(f"pad_id={bad!r} is not a token id")):
+            index_corpus(model, corpus, str(tmp_path / "out"), pad_id=bad, progress=False)
+    assert not (tmp_path / "out").exists()
+    assert main(["--model", model_dir, "--corpus", corpus, "--out", str(tmp_path / "o2"), "--pad-id", "-1"]) == 2
+    assert f"pad_id=-1 is not a token id of the model's vocabulary [0, {vocab})" in capsys.readouterr().err
+    assert not (tmp_path / "o2").exists()
+    index_corpus(model, corpus, str(tmp_path / "ok"), pad_id=vocab - 1, progress=False)  # the last id is one
+
+
 def test_blank_lines_between_items_are_skipped_when_encoding(setup, tmp_path):
     """scan_corpus skips blank lines; the chunk reader read consecutive lines from the chunk's first offset and
     so hit a blank line inside a chunk (JSONDecodeError after the plan was written)."""
