@@ -138,6 +138,24 @@ def test_subclass_without_its_own_forward_stays_packed():
     _assert_stays_packed(model)
 
 
+def test_dropout_removed_with_identity_stays_packed_in_train_mode():
+    """``nn.Identity`` in a dropout slot (how code removes dropout) is no dropout, as stock's forward makes it: the
+    packed path keeps serving the call, and with the other slots' rates at 0 it equals stock in train mode too."""
+    model = _packed_and_called(embedding_dropout=0.0, mlp_dropout=0.0, attention_dropout=0.0)
+    model.embeddings.drop = nn.Identity()
+    for layer in model.layers:
+        layer.mlp.drop = nn.Identity()
+    _assert_stays_packed(model)
+    model.train()
+    ids, mask = padded_batch([5, 9])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = _call(model, ids, mask)
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+    assert not pe.describe(model)["encoders"][0]["stock_forward_calls"]
+
+
 @pytest.mark.parametrize("change", ["swap", "other_type"])
 def test_layers_of_another_attention_type_run_stock(change):
     model = _packed_and_called(num_hidden_layers=3)  # layer 0 global, 1 and 2 local

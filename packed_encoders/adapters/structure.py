@@ -35,9 +35,9 @@ KNOWN_HOOKS = ("output_capturing_hook", "make_inputs_require_grads")
 _LINEAR = (nn.Linear,)
 _NORM = (nn.LayerNorm,)
 # dropout slots: read per call (a call with dropout in force never replays a graph), so a module swapped in there
-# leaves captured graphs as they are (see snapshot's ``tree``)
-_DROPOUT = (nn.Dropout,)
-_OUT_DROP = (nn.Identity, nn.Dropout)
+# leaves captured graphs as they are (see snapshot's ``tree``); nn.Identity is no dropout (HF's own attn.out_drop at
+# attention_dropout 0, and what code removing dropout puts in any slot: every reader applies none for it)
+_DROPOUT = (nn.Identity, nn.Dropout)
 # The HF container classes whose forward the packed path reproduces (a slot's ``kind`` names one).
 _CONTAINERS = ("ModernBertEmbeddings", "ModernBertEncoderLayer", "ModernBertAttention", "ModernBertMLP",
                "ModernBertRotaryEmbedding")
@@ -60,7 +60,7 @@ def _expected(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
                   (f"{p}.attn_norm", layer.attn_norm, (nn.Identity, nn.LayerNorm)),
                   (f"{p}.attn", layer.attn, "ModernBertAttention"), (f"{p}.attn.Wqkv", layer.attn.Wqkv, _LINEAR),
                   (f"{p}.attn.Wo", layer.attn.Wo, _LINEAR),
-                  (f"{p}.attn.out_drop", layer.attn.out_drop, _OUT_DROP),
+                  (f"{p}.attn.out_drop", layer.attn.out_drop, _DROPOUT),
                   (f"{p}.mlp_norm", layer.mlp_norm, _NORM), (f"{p}.mlp", layer.mlp, "ModernBertMLP"),
                   (f"{p}.mlp.Wi", layer.mlp.Wi, _LINEAR), (f"{p}.mlp.Wo", layer.mlp.Wo, _LINEAR),
                   (f"{p}.mlp.act", layer.mlp.act, _ACT), (f"{p}.mlp.drop", layer.mlp.drop, _DROPOUT)]
@@ -225,7 +225,7 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
         children.append(parent._modules)
         names.append(name)
         modules.append(m)
-        if kind not in (_DROPOUT, _OUT_DROP):
+        if kind is not _DROPOUT:
             baked.append(m)
     fact_dicts, fact_names = _layer_facts(model, expected)
     baked, facts = tuple(baked), tuple(map(dict.get, fact_dicts, fact_names))
