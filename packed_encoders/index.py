@@ -753,8 +753,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                     help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--out-dtype", choices=("bfloat16", "float16", "float32"), default="float32")
-    ap.add_argument("--pad-id", type=int, default=None, help="token id filling the padding of [B, S] batches (default: the model config's pad_token_id); "
-                         "padding is masked, so the vectors do not depend on it")
+    ap.add_argument("--pad-id", type=int, default=None,
+                    help="token id filling the padding of [B, S] batches (default: the model config's "
+                         "pad_token_id); padding is masked, so the vectors do not depend on it")
     args = ap.parse_args(argv)
     for name in ("batch_tokens", "chunk_tokens"):
         if getattr(args, name) < 1:
