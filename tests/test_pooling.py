@@ -79,6 +79,18 @@ def test_maxsim_gradient_goes_to_the_max_token_only():
     assert q.grad.tolist() == [[2.0, 1.0]]
 
 
+def test_maxsim_gradient_is_shared_among_tied_maxima():
+    """Two document tokens tied for the maximum share its gradient equally (the subgradient ``amax`` takes)."""
+    q = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    d = torch.tensor([[2.0, 0.0], [0.5, 0.0], [2.0, 1.0], [0.0, 1.0]], requires_grad=True)
+    cu_q, cu_d = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 3, 4], dtype=torch.int32)
+    s = maxsim(q, cu_q, d, cu_d)
+    assert s.tolist() == [[2.0, 0.0]]
+    s.sum().backward()
+    assert d.grad.tolist() == [[0.5, 0.0], [0.0, 0.0], [0.5, 0.0], [1.0, 0.0]]
+    assert q.grad.tolist() == [[2.0, 1.5]]  # 0.5 * d0 + 0.5 * d2 + d3
+
+
 def test_errors():
     x, cu = _packed([2, 3], 4, seed=0)
     with pytest.raises(PackedEncodersError, match="end at T = 5"):
