@@ -529,3 +529,68 @@ def test_residual_norm_in_place_writes_the_sum_over_x(fused):
     half = x.to(torch.bfloat16)
     s, _ = fused.DIRECT_OPS.residual_in_place(half, d, w, b, 1e-5)  # the sum is fp32: not in the bf16 x
     assert s.dtype == torch.float32 and s.data_ptr() != half.data_ptr()
+
+
+@pytest.mark.parametrize("out_dtype", [BF16, FP16])
+def test_norm_out_dtype_is_one_rounding_of_the_default_output(fused, out_dtype):
+    """``out_dtype`` (what the packed forward asks for under autocast, where the normed output only feeds a
+    projection) gives exactly the default output cast to it, in every op set and launch path; the residual sum
+    keeps its own dtype."""
+    g = _gen(7)
+    x, d = torch.randn(37, 96, generator=g) * 3, torch.randn(37, 96, generator=g)
+    w, b = torch.randn(96, generator=g), torch.randn(96, generator=g)
+    for ops in (TORCH_OPS, fused.TRITON_OPS, fused.DIRECT_OPS):
+        want = ops.layer_norm(x, w, b, 1e-5)
+        got = ops.layer_norm(x, w, b, 1e-5, out_dtype=out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, want.to(out_dtype)), ops.name
+        s_want, y_want = ops.residual_layer_norm(x, d, w, b, 1e-5)
+        s, y = ops.residual_layer_norm(x, d, w, b, 1e-5, out_dtype=out_dtype)
+        assert s.dtype == FP32 and torch.equal(s, s_want), ops.name
+        assert y.dtype == out_dtype and torch.equal(y, y_want.to(out_dtype)), ops.name
+    own = x.clone()
+    s, y = fused.DIRECT_OPS.residual_in_place(own, d, w, b, 1e-5, out_dtype=out_dtype)
+    assert s.data_ptr() == own.data_ptr() and torch.equal(s, s_want) and torch.equal(y, y_want.to(out_dtype))
+
+
+def test_autocast_forward_norms_write_the_projection_dtype(fused):
+    """Under autocast without gradient the packed forward asks its attention and MLP norms for their output in the
+    autocast dtype (no separate cast per norm), and the result is bitwise that of norms whose output is cast
+    afterwards (an op set that ignores ``out_dtype``); the embedding and final norms keep their default."""
+    from dataclasses import replace
+
+    from packed_encoders.batch import from_packed
+    from packed_encoders.model.forward import encoder_forward
+    from packed_encoders.model.params import ModernBertParams
+
+    model, config = _tiny_modernbert()
+    params = ModernBertParams.from_hf_config(config)
+    lengths = [3, 11, 1, 20]
+    ids = torch.randint(3, 101, (sum(lengths),), generator=_gen(43))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    batch = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=max(lengths),
+                        position_ids=None, vocab_size=101)
+    asked = []
+
+    def ln(x, w, b, eps, out_dtype=None, **kw):
+        asked.append(out_dtype)
+        return fused.layer_norm(x, w, b, eps, out_dtype, **kw)
+
+    def res_ln(x, d, w, b, eps, out_dtype=None, **kw):
+        asked.append(out_dtype)
+        return fused.residual_layer_norm(x, d, w, b, eps, out_dtype, **kw)
+
+    def ln_default(x, w, b, eps, out_dtype=None):
+        return fused.layer_norm(x, w, b, eps)
+
+    def res_ln_default(x, d, w, b, eps, out_dtype=None):
+        return fused.residual_layer_norm(x, d, w, b, eps)
+
+    spying = replace(fused.TRITON_OPS, name="spy", layer_norm=ln, residual_layer_norm=res_ln, direct=None)
+    cast_after = replace(spying, name="cast after", layer_norm=ln_default, residual_layer_norm=res_ln_default)
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        got = encoder_forward(model, params, batch, ops=spying, attention_backend="sdpa")
+        want = encoder_forward(model, params, batch, ops=cast_after, attention_backend="sdpa")
+    assert torch.equal(got, want)
+    layers = params.num_hidden_layers
+    # embedding norm, then per layer attn_norm (an Identity on layer 0) and mlp_norm, then final_norm
+    assert asked == [None] + [BF16] * (2 * layers - 1) + [None], asked

@@ -247,9 +247,10 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     # documents of ~940 tokens, ModernBERT-base: 2.7 GiB peak allocated with them all held).
     else:
         # autocast without gradient: each fp32 weight's low-precision copy is made once and reused while the
-        # weight is unchanged (ops.weight_cast), rather than cast again by every call; a norm's output (fp32 under
-        # CUDA autocast, as F.layer_norm's) is cast once for the projection, which autocast would do inside
-        # F.linear: the GEMM routes (quack, the Triton Wi + GLU) then see the operands a bf16 model gives them
+        # weight is unchanged (ops.weight_cast), rather than cast again by every call; a norm feeding a projection
+        # writes its output in the projection's dtype (fp32 under CUDA autocast as F.layer_norm's, then cast
+        # inside F.linear: the same rounding, one pass and one launch fewer): the GEMM routes (quack, the Triton
+        # Wi + GLU) then see the operands a bf16 model gives them
         wdt = compute_dtype(device.type) if not grad else None
         if grad:  # a training step whose backward is autograd's own: copies cached before it are not reused
             expire()
@@ -277,9 +278,9 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                     x = x + pending
                 normed = x
             elif pending is not None:
-                x, normed = res_ln(x, pending, *_norm_args(attn_norm))
+                x, normed = res_ln(x, pending, *_norm_args(attn_norm), out_dtype=wdt)
             else:
-                normed = run.layer_norm(x, *_norm_args(attn_norm))
+                normed = run.layer_norm(x, *_norm_args(attn_norm), out_dtype=wdt)
             pending = None
             normed = to_wdt(normed)
             w, b = cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)
@@ -304,7 +305,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             wo = attn.Wo
             o = _dropout(linear(a.reshape(total, nh * hd), cast(wo.weight, wdt), cast(wo.bias, wdt)), attn.out_drop)
             a = None
-            x, normed = res_ln(x, o, *_norm_args(layer.mlp_norm))
+            x, normed = res_ln(x, o, *_norm_args(layer.mlp_norm), out_dtype=wdt)
             o = None
             normed = to_wdt(normed)
             mlp = layer.mlp

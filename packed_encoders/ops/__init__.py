@@ -56,8 +56,10 @@ TORCH_KERNELS = Kernels("torch", layer_norm_fwd_torch, layer_norm_bwd_torch, _ro
 class OpSet:
     """One implementation of every per-token op.
 
-    - ``layer_norm(x [T, H], weight [H] | None, bias [H] | None, eps) -> [T, H]``
-    - ``residual_layer_norm(x, delta, weight, bias, eps) -> (x + delta, LN(x + delta))``
+    - ``layer_norm(x [T, H], weight [H] | None, bias [H] | None, eps, out_dtype=None) -> [T, H]``
+    - ``residual_layer_norm(x, delta, weight, bias, eps, out_dtype=None) -> (x + delta, LN(x + delta))``
+      (``out_dtype``: the normed output's dtype, rounded once from the fp32 result, for a caller that feeds it
+      to a projection in that dtype; ``None``: ``F.layer_norm``'s, i.e. fp32 under CUDA autocast)
     - ``rope_qkv(qkv [T, 3*nh*hd], cos, sin, position_ids [T], nh, hd) -> (q, k, v)``, each ``[T, nh, hd]`` (a
       forward-only op set may rotate q and k inside ``qkv``: the caller does not read ``qkv`` afterwards)
     - ``glu(x [T, 2I], activation) -> [T, I]``

@@ -307,14 +307,16 @@ def _direct(*tensors: Tensor | None) -> bool:
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
-def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-    """LayerNorm over the last dim of ``x`` ``[..., H]``; output in ``x.dtype`` (fp32 under CUDA autocast)."""
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+               out_dtype: torch.dtype | None = None) -> Tensor:
+    """LayerNorm over the last dim of ``x`` ``[..., H]``; output in ``out_dtype``, by default ``x.dtype`` (fp32
+    under CUDA autocast)."""
     why = _ln_unsupported(x, None, weight, bias)
     if why:
         _record("layer_norm", why)
-        return layer_norm_torch(x, weight, bias, eps)
+        return layer_norm_torch(x, weight, bias, eps, out_dtype)
     shape = x.shape
-    out_dtype = _norm_out_dtype(x.dtype, x.device)
+    out_dtype = out_dtype or _norm_out_dtype(x.dtype, x.device)
     if _direct(x, weight, bias):
         _, y, _, _ = _ln.forward(x.reshape(-1, shape[-1]), None, weight, bias, float(eps), out_dtype)
     else:
@@ -323,20 +325,22 @@ def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 
 
 def residual_layer_norm(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None,
-                        eps: float) -> tuple[Tensor, Tensor]:
-    """``(s, LN(s))`` with ``s = x + delta`` rounded to ``promote_types(x, delta)`` first (the policy)."""
+                        eps: float, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """``(s, LN(s))`` with ``s = x + delta`` rounded to ``promote_types(x, delta)`` first (the policy); ``LN(s)``
+    in ``out_dtype`` (default: as :func:`layer_norm`'s)."""
     why = _ln_unsupported(x, delta, weight, bias)
     if why:
         _record("residual_layer_norm", why)
-        return residual_layer_norm_torch(x, delta, weight, bias, eps)
+        return residual_layer_norm_torch(x, delta, weight, bias, eps, out_dtype)
     shape = x.shape
     res_dtype = torch.promote_types(x.dtype, delta.dtype)
+    out_dtype = out_dtype or _norm_out_dtype(res_dtype, x.device)
     if _direct(x, delta, weight, bias):
         s, y, _, _ = _ln.forward(x.reshape(-1, shape[-1]), delta.reshape(-1, shape[-1]), weight, bias, float(eps),
-                                 _norm_out_dtype(res_dtype, x.device), res_dtype)
+                                 out_dtype, res_dtype)
     else:
         s, y, _, _ = _res_ln_fwd(x.reshape(-1, shape[-1]), delta.reshape(-1, shape[-1]), weight, bias, float(eps),
-                                 res_dtype, _norm_out_dtype(res_dtype, x.device))
+                                 res_dtype, out_dtype)
     return s.view(shape), y.view(shape)
 
 
@@ -481,27 +485,28 @@ def _into(out: Tensor | None, x: Tensor, dtype: torch.dtype) -> Tensor | None:
 
 
 def _layer_norm_direct(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
-                       out: Tensor | None = None) -> Tensor:
-    dtype = _norm_out_dtype(x.dtype, x.device)
+                       out: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+    dtype = out_dtype or _norm_out_dtype(x.dtype, x.device)
     return _ln.forward(x, None, weight, bias, eps, dtype, stats=False, out=_into(out, x, dtype))[1]
 
 
 def _residual_layer_norm_direct(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None,
-                                eps: float, out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                                eps: float, out: Tensor | None = None,
+                                out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     res_dtype = x.dtype if x.dtype is delta.dtype else torch.promote_types(x.dtype, delta.dtype)
-    dtype = _norm_out_dtype(res_dtype, x.device)
+    dtype = out_dtype or _norm_out_dtype(res_dtype, x.device)
     s, y, _, _ = _ln.forward(x, delta, weight, bias, eps, dtype, res_dtype, stats=False, out=_into(out, x, dtype))
     return s, y
 
 
 def _residual_layer_norm_in_place(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None,
-                                  eps: float) -> tuple[Tensor, Tensor]:
+                                  eps: float, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     # the residual sum written over x (each program reads its rows before writing them): one allocation fewer per
     # norm, for the packed forward, which owns x (see OpSet.residual_in_place)
     if (x.dtype is not delta.dtype and torch.promote_types(x.dtype, delta.dtype) is not x.dtype
             or not x.is_contiguous()):
-        return _residual_layer_norm_direct(x, delta, weight, bias, eps)
-    dtype = _norm_out_dtype(x.dtype, x.device)
+        return _residual_layer_norm_direct(x, delta, weight, bias, eps, out_dtype=out_dtype)
+    dtype = out_dtype or _norm_out_dtype(x.dtype, x.device)
     _, y, _, _ = _ln.forward(x, delta, weight, bias, eps, dtype, x.dtype, stats=False, residual_out=x)
     return x, y
 

@@ -31,17 +31,21 @@ def residual_layer_norm_ref(x, delta, weight, bias, eps):
     return s, layer_norm_ref(s, weight, bias, eps)
 
 
-def layer_norm_torch(x: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
-    """Plain PyTorch LayerNorm in the activation dtype (fp32 statistics inside ATen), as HF's nn.LayerNorm."""
+def layer_norm_torch(x: torch.Tensor, weight, bias, eps: float,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plain PyTorch LayerNorm in the activation dtype (fp32 statistics inside ATen), as HF's nn.LayerNorm;
+    ``out_dtype``: the result cast to it (``None``: as ``F.layer_norm`` returns it)."""
     w = None if weight is None else weight.to(x.dtype)
     b = None if bias is None else bias.to(x.dtype)
-    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    y = F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
-def residual_layer_norm_torch(x: torch.Tensor, delta: torch.Tensor, weight, bias, eps: float):
+def residual_layer_norm_torch(x: torch.Tensor, delta: torch.Tensor, weight, bias, eps: float,
+                              out_dtype: torch.dtype | None = None):
     """Plain PyTorch residual + LayerNorm: ``s = x + delta`` (rounded to dtype), returns ``(s, LN(s))``."""
     s = x + delta
-    return s, layer_norm_torch(s, weight, bias, eps)
+    return s, layer_norm_torch(s, weight, bias, eps, out_dtype)
 
 
 def layer_norm_fwd_torch(x: torch.Tensor, delta: torch.Tensor | None, weight, bias, eps: float,

@@ -43,7 +43,8 @@ def reset_fallbacks() -> None:
     _triton.reset_fallbacks()
 
 
-def _quack_refuses(s: Tensor, weight: Tensor | None, bias: Tensor | None) -> str | None:
+def _quack_refuses(s: Tensor, weight: Tensor | None, bias: Tensor | None,
+                   out_dtype: torch.dtype | None = None) -> str | None:
     why = _triton._ln_unsupported(s, None, weight, bias)
     if why:
         return why
@@ -51,30 +52,34 @@ def _quack_refuses(s: Tensor, weight: Tensor | None, bias: Tensor | None) -> str
         return f"{s.device.type} tensors"
     if weight is None:
         return "no weight (quack's layernorm_fwd needs one)"
-    if _triton._norm_out_dtype(s.dtype, s.device) != s.dtype:
+    if out_dtype is None and _triton._norm_out_dtype(s.dtype, s.device) != s.dtype:
         return "fp32 output under CUDA autocast"
+    if out_dtype is not None and out_dtype != s.dtype:
+        return f"{out_dtype} output for {s.dtype} input"
     if s.shape[-1] % 8:
         return f"hidden size {s.shape[-1]} not a multiple of 8"
     return None
 
 
-def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-    why = _quack_refuses(x, weight, bias)
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+               out_dtype: torch.dtype | None = None) -> Tensor:
+    why = _quack_refuses(x, weight, bias, out_dtype)
     if why:
         _route("layer_norm", why)
-        return _triton.layer_norm(x, weight, bias, eps)
+        return _triton.layer_norm(x, weight, bias, eps, out_dtype)
     shape = x.shape
     return _cute_ln.layer_norm(x.reshape(-1, shape[-1]), weight, bias, eps).view(shape)
 
 
-def residual_layer_norm(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float):
+def residual_layer_norm(x: Tensor, delta: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                        out_dtype: torch.dtype | None = None):
     probe = x if x.dtype == torch.promote_types(x.dtype, delta.dtype) else delta  # carries the dtype of s
-    why = _triton._ln_unsupported(x, delta, weight, bias) or _quack_refuses(probe, weight, bias)
+    why = _triton._ln_unsupported(x, delta, weight, bias) or _quack_refuses(probe, weight, bias, out_dtype)
     if why:
         _route("residual_layer_norm", why)
-        return _triton.residual_layer_norm(x, delta, weight, bias, eps)
+        return _triton.residual_layer_norm(x, delta, weight, bias, eps, out_dtype)
     s = x + delta  # rounded to the stream dtype: the package's rounding policy
-    return s, layer_norm(s, weight, bias, eps)
+    return s, layer_norm(s, weight, bias, eps, out_dtype)
 
 
 def smoke(device) -> None:
