@@ -1,4 +1,5 @@
-"""Shared benchmark machinery: environment row, timing, memory, parity gate, batching, result rows.
+"""Shared benchmark machinery: environment row, variants of another tree's package (``NAME@DIR``), timing, memory,
+parity gate, batching, result rows.
 
 Units: times in seconds unless a key says ``_ms``; memory in bytes (``_gib`` keys are GiB); throughput in
 sequences/s and real (non-pad) tokens/s.
@@ -23,8 +24,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python benchmarks/x.py` as well as `python -m benchmarks.x`
     sys.path.insert(0, str(ROOT))
-
-from packed_encoders.calibrate import dist_version  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------ environment
@@ -56,6 +55,9 @@ def _driver() -> str | None:
 
 def environment(device: str) -> dict:
     """Versions and hardware of this run (one dict, repeated in every result row)."""
+    # imported here: importing this module must leave packed_encoders unimported (see code_tree_first)
+    from packed_encoders.calibrate import dist_version
+
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -102,6 +104,63 @@ def _module_version(name: str) -> str | None:
         return getattr(__import__(name), "__version__", None)
     except Exception:  # noqa: BLE001
         return None
+
+
+# ------------------------------------------------------------------------ another tree's package (NAME@DIR)
+
+def code_tree_first(argv: list[str]) -> None:
+    """Put the tree ``DIR`` of ``--code DIR`` in ``argv`` (a ``NAME@DIR`` variant's child process) first on
+    ``sys.path``; without ``--code`` nothing changes.
+
+    A harness calls it at the top of its module, before anything imports ``packed_encoders``: a package cannot be
+    swapped once imported, which is why importing this module leaves it unimported."""
+    if "--code" in argv[:-1]:
+        sys.path.insert(0, str(Path(argv[argv.index("--code") + 1]).resolve()))
+
+
+def parse_variant(spec: str, names) -> tuple[str, str, str | None]:
+    """``(spec, NAME, DIR or None)`` of a variant spec ``NAME`` or ``NAME@DIR``, ``NAME`` one of ``names``, ``DIR``
+    resolved to an absolute path.
+
+    Raises:
+        SystemExit: naming the spec, for a ``NAME`` not in ``names`` or a ``DIR`` without a
+            ``packed_encoders/__init__.py``.
+    """
+    spec = spec.strip()
+    name, at, code = spec.partition("@")
+    if name not in names:
+        raise SystemExit(f"unknown variant {name!r} in {spec!r}; choose from {', '.join(names)}")
+    if at and not (Path(code) / "packed_encoders" / "__init__.py").is_file():
+        raise SystemExit(f"{spec!r}: {code} holds no packed_encoders package")
+    return spec, name, (str(Path(code).resolve()) if at else None)
+
+
+def import_package(code: str | None):
+    """``packed_encoders``; with ``code`` (a ``NAME@DIR`` child's ``DIR``) checked to come from that tree.
+
+    Raises:
+        SystemExit: naming both paths, when the package was imported from elsewhere (``code_tree_first`` ran too
+            late, or not at all).
+    """
+    import packed_encoders as pe
+
+    if code and not Path(pe.__file__).resolve().is_relative_to(Path(code).resolve()):
+        raise SystemExit(f"packed_encoders came from {pe.__file__}, not from {code}")
+    return pe
+
+
+def code_fields(code: str | None, package) -> dict:
+    """What a row records of the tree it ran: nothing for this checkout's package; for a ``NAME@DIR`` child
+    ``code_dir`` (``DIR``, absolute) and ``package_file`` (the ``__init__.py`` the child imported)."""
+    if not code:
+        return {}
+    return {"code_dir": str(Path(code).resolve()), "package_file": package.__file__}
+
+
+def file_name(spec: str) -> str:
+    """``spec`` (a ``NAME@DIR`` variant names a path) as one file or folder name: ``-_.`` and alphanumerics kept,
+    anything else ``_``."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
 
 
 # ------------------------------------------------------------------------------------------ timing

@@ -22,7 +22,8 @@ Variants (environment of the child process):
 
 A variant may name another source tree of the package: ``new_eager@/path/to/tree`` runs ``new_eager``'s environment
 with ``packed_encoders`` imported from that tree (e.g. ``git worktree add /tmp/before <commit>``), so code before
-and after a change are timed by the same harness in one run; its rows carry ``code_dir`` and ``code_sha``.
+and after a change are timed by the same harness in one run; its rows carry ``code_dir``, ``code_sha`` and
+``package_file`` (the package the child imported, checked to lie in that tree).
 ``--rounds R`` runs every variant R times, round-robin, each run a fresh process: the host's speed drifts between
 runs (up to 3x on the H200 machine), so before / after pairs compare within a round, and the table shows each
 variant's median over rounds with its range.
@@ -53,16 +54,17 @@ import sys
 import time
 from pathlib import Path
 
-# A child timing another tree's package (``NAME@DIR``, its hidden ``--code DIR``) puts that tree first before
-# anything imports packed_encoders (benchmarks.common does): the package cannot be swapped once imported.
-if __name__ == "__main__" and "--code" in sys.argv[:-1]:
-    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--code") + 1]).resolve()))
-
 import numpy as np
 import torch
 
+from benchmarks import common
 from benchmarks.common import (ROOT, device_work, environment, finish_rows, git_sha, run_child, synchronize,
                                write_rows)
+
+# A child timing another tree's package (``NAME@DIR``, its hidden ``--code DIR``) puts that tree first before
+# anything imports packed_encoders (the imports above do not): the package cannot be swapped once imported.
+if __name__ == "__main__":
+    common.code_tree_first(sys.argv)
 
 VARIANTS = {
     "stock": {},
@@ -165,22 +167,12 @@ def _measure(step, args, device: str, reps: int, counts: dict, profile_to: Path 
             "python_calls": pstats.Stats(pr).total_calls, "aten_ops": aten, "launches": launches, "memsets": memsets}
 
 
-def _import_package(code: str | None):
-    """``packed_encoders``, checked to come from the tree ``code`` when given (put first on ``sys.path`` at the
-    child's start)."""
-    import packed_encoders as pe
-
-    if code and not Path(pe.__file__).resolve().is_relative_to(Path(code).resolve()):
-        raise SystemExit(f"packed_encoders came from {pe.__file__}, not from {code}")
-    return pe
-
-
 def _profile_path(args, workload: str) -> Path | None:
     return Path(args.profile_dir) / f"{workload}.txt" if args.profile_dir else None
 
 
 def child(args) -> dict:
-    pe = _import_package(args.code)
+    pe = common.import_package(args.code)
     from benchmarks.data import load_corpus
     from benchmarks.models import make_config
 
@@ -262,8 +254,7 @@ def child(args) -> dict:
                    layers=config.num_hidden_layers,
                    host_us_per_layer=row["host_ms"] * 1e3 / config.num_hidden_layers,
                    describe=pe.describe(model)["encoders"][0].get("kernels") if packed else None)
-        if args.code:
-            row["code_dir"] = str(Path(args.code).resolve())
+        row.update(common.code_fields(args.code, pe))
         rows.append(row)
         del model
         if device.startswith("cuda"):
@@ -306,8 +297,8 @@ def main(argv=None) -> int:
                           "--workloads", args.workloads] + (["--tokens", args.tokens] if args.tokens else []) \
                 + (["--quick"] if args.quick else []) + (["--code", code] if code else [])
             if args.profile_dir and round_ == 0:
-                name = "".join(c if c.isalnum() or c in "-_." else "_" for c in spec)
-                argv_child += ["--profile-dir", str(Path(args.profile_dir) / f"round{round_}_{name}")]
+                folder = Path(args.profile_dir) / f"round{round_}_{common.file_name(spec)}"
+                argv_child += ["--profile-dir", str(folder)]
             rc, out, secs = run_child(argv_child, timeout=args.timeout, env=VARIANTS[variant])
             line = next((ln for ln in out.splitlines() if ln.startswith("HOSTJSON ")), None)
             if rc != 0 or line is None:
@@ -331,14 +322,8 @@ def main(argv=None) -> int:
 
 
 def parse_variant(spec: str) -> tuple[str, str, str | None]:
-    """``(spec, variant, code tree or None)`` of ``NAME`` or ``NAME@DIR``; ``SystemExit`` naming what is wrong."""
-    spec = spec.strip()
-    variant, at, code = spec.partition("@")
-    if variant not in VARIANTS:
-        raise SystemExit(f"unknown variant {variant!r} in {spec!r}; choose from {', '.join(VARIANTS)}")
-    if at and not (Path(code) / "packed_encoders" / "__init__.py").is_file():
-        raise SystemExit(f"{spec!r}: {code} holds no packed_encoders package")
-    return spec, variant, (code if at else None)
+    """:func:`benchmarks.common.parse_variant` against this harness's ``VARIANTS``."""
+    return common.parse_variant(spec, VARIANTS)
 
 
 def table(rows: list[dict]) -> str:

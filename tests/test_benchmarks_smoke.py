@@ -92,6 +92,7 @@ def test_host_rounds_and_a_second_code_tree(tmp_path):
     assert [(r["variant"], r["round"], r["status"]) for r in rows] == [
         ("new_eager", 0, "ok"), (f"new_eager@{tree}", 0, "ok"), ("new_eager", 1, "ok"), (f"new_eager@{tree}", 1, "ok")]
     assert "code_dir" not in rows[0] and rows[1]["code_dir"] == str(tree.resolve())
+    assert rows[1]["package_file"] == str(tree.resolve() / "packed_encoders" / "__init__.py")
     assert all(r["host_ms"] > 0 and r["token_cos_min"] > 0.9999 for r in rows)
     assert all(r["launches"] == 0 and r["memsets"] == 0 for r in rows)  # no CUDA runtime calls on CPU
     text = host.table(rows)
@@ -139,3 +140,45 @@ def test_host_rows_are_kept_as_each_variant_ends(tmp_path, monkeypatch):
     (path,) = done.glob("host_*.jsonl")
     assert not list(done.glob("*.partial"))
     assert [r["variant"] for r in map(json.loads, path.read_text().splitlines())] == ["new_eager", "stock"]
+
+
+def test_variant_specs_name_a_harness_variant_and_a_package_tree(tmp_path, monkeypatch):
+    """``benchmarks.common``'s ``NAME@DIR`` pieces, shared by the host and training harnesses: the parser checks
+    NAME against the harness's list and DIR for a package, the child's package is checked to come from DIR."""
+    import re
+
+    import pytest
+
+    from benchmarks import common
+
+    tree = tmp_path / "tree"
+    (tree / "packed_encoders").mkdir(parents=True)
+    (tree / "packed_encoders" / "__init__.py").write_text("")
+    names = ("pack", "hf_sdpa")
+    assert common.parse_variant(" pack ", names) == ("pack", "pack", None)
+    monkeypatch.chdir(tmp_path)
+    assert common.parse_variant("pack@tree", names) == ("pack@tree", "pack", str(tree.resolve()))
+    with pytest.raises(SystemExit, match=r"unknown variant 'packs' in 'packs@tree'; choose from pack, hf_sdpa"):
+        common.parse_variant("packs@tree", names)
+    empty = re.escape(f"'pack@{tmp_path}': {tmp_path} holds no packed_encoders package")
+    with pytest.raises(SystemExit, match=empty):
+        common.parse_variant(f"pack@{tmp_path}", names)
+    assert common.import_package(None).__file__ == str(ROOT / "packed_encoders" / "__init__.py")
+    assert common.code_fields(None, None) == {}
+    with pytest.raises(SystemExit, match=re.escape(f"not from {tree}")):  # this process imported this checkout's package
+        common.import_package(str(tree))
+    path = [str(tmp_path)]
+    monkeypatch.setattr(common.sys, "path", path)
+    common.code_tree_first(["benchmarks.training", "--child", "--code"])  # no DIR after the flag: nothing to do
+    common.code_tree_first(["benchmarks.training", "--child", "--code", "tree"])
+    assert path == [str(tree.resolve()), str(tmp_path)]
+    assert common.file_name(f"pack@{tree}") == "pack_" + str(tree).replace("/", "_")
+
+
+def test_harness_modules_leave_the_package_unimported():
+    """A ``NAME@DIR`` child puts DIR first on ``sys.path`` after importing its harness module and
+    ``benchmarks.common``: neither may have imported ``packed_encoders`` by then."""
+    code = ("import sys; import benchmarks.common, benchmarks.host, benchmarks.training; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'packed_encoders'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
