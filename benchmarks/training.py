@@ -39,6 +39,12 @@ pylate_pack        plain loop (workload colbert), stock or packed, on the same i
                    query expansion, empty skiplist); skipped where pylate does not import
 =================  ================================================================================================
 
+A variant may name another source tree of the package: ``pack@/path/to/tree`` runs ``pack`` as above (its calls,
+its child environment, its skip rules) with ``packed_encoders`` imported from that tree (e.g. ``git worktree add
+/tmp/before <commit>``; the child checks where the package came from), so code before and after a change are
+trained by the same harness in one run, on the same texts. Its rows keep the whole spec as ``variant`` (a table
+line of their own, ratios against the run's ``hf_sdpa``) and carry ``code_dir``, ``code_sha`` and ``package_file``.
+
 Every plain-loop variant computes the loss with the same code from packed token vectors
 (:mod:`packed_encoders.pooling`): padded outputs are gathered to their real tokens first, so variants differ only
 in the encoder.
@@ -65,6 +71,7 @@ the loss of every step. Then ``--profile-steps`` more steps under ``torch.profil
     python -m benchmarks.training --workloads single --config modernbert-base      # one workload, all variants
     python -m benchmarks.training --quick                                           # 12 steps, a few minutes
     python -m benchmarks.training --quick --device cpu --config tiny               # CPU smoke run
+    python -m benchmarks.training --workloads colbert --variants hf_sdpa,pack,pack@/tmp/before   # before / after
 """
 
 from __future__ import annotations
@@ -87,6 +94,11 @@ import torch.nn.functional as F
 
 from benchmarks import common
 from benchmarks.common import ROOT, device_work
+
+# A child training with another tree's package (``NAME@DIR``, its hidden ``--code DIR``) puts that tree first before
+# anything imports packed_encoders (the imports above do not): the package cannot be swapped once imported.
+if __name__ == "__main__":
+    common.code_tree_first(sys.argv)
 
 VARIANTS = ("hf_sdpa", "hf_eager", "compile", "pack", "pack_train_graphs", "packed", "st_sdpa", "st_pack",
             "pylate_sdpa", "pylate_pack")
@@ -453,7 +465,7 @@ def run_child(args) -> int:
     env = common.environment(device)
     import transformers  # noqa: F401 - imported before the clock starts, as the trainer variants import it
 
-    import packed_encoders  # noqa: F401
+    pe = common.import_package(args.code)
     t_start = time.perf_counter()
     if args.variant in TRAINER_VARIANTS:
         return run_trainer_child(args, wl, corpus, env)
@@ -502,8 +514,6 @@ def run_child(args) -> int:
     prof = profile_steps(next_step, args.profile_steps, device) if args.profile_steps else {}
     describe = None
     if args.variant not in ("hf_sdpa", "hf_eager", "compile", "pylate_sdpa"):
-        import packed_encoders as pe
-
         describe = pe.describe(trainee.model)["encoders"]
     ms = [s * 1e3 for s in step_s]
     row = {
@@ -520,8 +530,8 @@ def run_child(args) -> int:
         "padded_tokens_per_step": statistics.mean(b.padded_tokens for b in batches),
         "doc_lengths": length_stats([len(d) for _, ds in texts for d in ds]),
         "query_lengths": length_stats([len(q) for qs, _ in texts for q in qs]),
-        "describe": describe, "notes": trainee.notes, **trainee.info, "env": env,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "describe": describe, "notes": trainee.notes, **trainee.info, **common.code_fields(args.code, pe),
+        "env": env, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     common.write_rows(Path(args.row_out), [row])
     return 0
@@ -622,7 +632,7 @@ def run_trainer_child(args, wl: Workload, corpus, env) -> int:
         "query_lengths": length_stats([len(q) for qs, _ in texts for q in qs]),
         "describe": pe.describe(model)["encoders"] if args.variant == "st_pack" else None,
         "notes": ["step time includes the trainer's own per-step work (collate, accelerate, callbacks)"],
-        "env": env, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **common.code_fields(args.code, pe), "env": env, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     common.write_rows(Path(args.row_out), [row])
     return 0
@@ -677,10 +687,8 @@ def run_parent(args) -> int:
     if args.steps < 20 and not args.quick:
         print(f"note: --steps {args.steps} < 20 (the protocol asks for >= 20 timed steps)", file=sys.stderr)
     wls = workloads(args.workloads, quick_cpu)
-    variants = [v.strip() for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
-    bad = [v for v in variants if v not in VARIANTS + NAMED_VARIANTS]
-    if bad:
-        raise SystemExit(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS + NAMED_VARIANTS)}")
+    specs = [common.parse_variant(v, VARIANTS + NAMED_VARIANTS)
+             for v in (args.variants or ",".join(VARIANTS)).split(",") if v.strip()]
     try:
         from benchmarks.data import load_corpus
 
@@ -707,15 +715,17 @@ def run_parent(args) -> int:
         command = " ".join([os.path.basename(sys.executable), "-m", "benchmarks.training"] + sys.argv[1:])
         rows = []
         for wl in wls:
-            for variant in variants:
-                base = {"runner": "training", "workload": wl.name, "variant": variant, "model": label, "env": env,
+            for spec, name, code in specs:
+                base = {"runner": "training", "workload": wl.name, "variant": spec, "model": label, "env": env,
                         "run_id": run_id, "command": command}
-                reason = why_skip(variant, wl, device, quick_cpu, bool(args.variants))
+                if code:
+                    base.update(code_dir=code, code_sha=common.git_sha(code))
+                reason = why_skip(name, wl, device, quick_cpu, bool(args.variants))
                 if reason:
                     row = {**base, "status": "skipped", "reason": reason}
-                    print(f"  [{wl.name}/{variant}] skipped: {reason}")
+                    print(f"  [{wl.name}/{spec}] skipped: {reason}")
                 else:
-                    row = _spawn(args, work, model_dir, label, wl, variant, device, base)
+                    row = _spawn(args, work, model_dir, label, wl, name, code, device, base)
                 common.write_rows(partial, [row])
                 rows.append(row)
         common.finish_rows(path, partial, rows, t_start)
@@ -725,25 +735,32 @@ def run_parent(args) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _spawn(args, work, model_dir, label, wl, variant, device, base) -> dict:
-    row_out = work / f"row-{wl.name}-{variant}.jsonl"
-    argv = ["benchmarks.training", "--child", "--variant", variant, "--model-dir", model_dir, "--model-label", label,
+def _spawn(args, work, model_dir, label, wl, name, code, device, base) -> dict:
+    """Run variant ``name`` (with the package of the tree ``code``, if given) on ``wl`` in a child process: its
+    row, or an error row; ``base``: the row's fields from the parent (``variant`` is the full spec)."""
+    spec = base["variant"]
+    row_out = work / f"row-{wl.name}-{common.file_name(spec)}.jsonl"
+    argv = ["benchmarks.training", "--child", "--variant", name, "--model-dir", model_dir, "--model-label", label,
             "--row-out", str(row_out), "--workload-json", json.dumps(asdict(wl)), "--device", device,
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps),
             "--seed", str(args.seed), "--cpu-threads", str(args.cpu_threads)]
     if args.tokens:
         argv += ["--tokens", args.tokens]
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{wl.name}-{variant}"), "TOKENIZERS_PARALLELISM": "false"}
+    if code:
+        argv += ["--code", code]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor-{wl.name}-{common.file_name(spec)}"),
+           "TOKENIZERS_PARALLELISM": "false"}
     if device == "cpu":
         env["OMP_NUM_THREADS"] = str(args.cpu_threads)
     rc, tail, secs = common.run_child(argv, args.timeout, env)
     if rc != 0 or not row_out.exists():
         reason = tail.strip().splitlines()[-1] if tail.strip() else f"exit code {rc}"
-        print(f"  [{wl.name}/{variant}] ERROR (exit {rc}): {reason}")
+        print(f"  [{wl.name}/{spec}] ERROR (exit {rc}): {reason}")
         return {**base, "status": "error", "reason": reason, "log_tail": tail[-2000:]}
-    row = {**common.read_rows([row_out])[0], "run_id": base["run_id"], "command": base["command"],
-           "process_wall_s": round(secs, 1)}
-    print(f"  [{wl.name}/{variant}] {row['step_ms_median']:,.1f} ms/step (host {_ms(row['host_ms_per_step'])}, "
+    # the child knows its variant by NAME and its own environment; the row names the full spec
+    row = {**common.read_rows([row_out])[0], **{k: base[k] for k in ("variant", "run_id", "command", "code_sha")
+                                                if k in base}, "process_wall_s": round(secs, 1)}
+    print(f"  [{wl.name}/{spec}] {row['step_ms_median']:,.1f} ms/step (host {_ms(row['host_ms_per_step'])}, "
           f"GPU {_ms(row['gpu_ms_per_step'])}), first loss {row['losses'][0]:.4f}, "
           f"peak reserved {(row.get('peak_reserved_bytes') or 0) / 2**30:.2f} GiB, wall {row['wall_s']:.0f} s")
     return row
@@ -764,7 +781,9 @@ def main(argv=None) -> int:
                                                                 "e.g. modernbert-large")
     ap.add_argument("--model", default=None, help="local checkpoint directory instead of a random model")
     ap.add_argument("--workloads", default="single,colbert,long", help="comma list of single, colbert, long")
-    ap.add_argument("--variants", default=None, help=f"comma list (default: all of {', '.join(VARIANTS)})")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma list (default: all of {', '.join(VARIANTS)}; {', '.join(NAMED_VARIANTS)} only when "
+                         "named); NAME@DIR: NAME with the package of the tree DIR")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 47; --quick 10)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 3; --quick 2)")
     ap.add_argument("--profile-steps", type=int, default=None, help="steps under torch.profiler after the timed "
@@ -775,7 +794,7 @@ def main(argv=None) -> int:
                                                    "run id); default: model label @ time")
     ap.add_argument("--timeout", type=float, default=560, help="seconds per child process")
     ap.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU")
-    for name in ("--child", "--variant", "--workload-json", "--model-dir", "--model-label", "--row-out"):
+    for name in ("--child", "--variant", "--workload-json", "--model-dir", "--model-label", "--row-out", "--code"):
         ap.add_argument(name, help=argparse.SUPPRESS, **({"action": "store_true"} if name == "--child" else {}))
     args = ap.parse_args(argv)
     if args.child:

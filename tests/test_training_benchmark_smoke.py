@@ -1,32 +1,46 @@
 """Smoke test of benchmarks/training.py: the quick CPU path on the tiny config, real parent/child machinery.
 
 Stock HF and fully packed on the single-vector and ColBERT GradCache workloads, plus sentence-transformers'
-trainer on the packed model: 1 warm-up + 3 timed + 1 profiled steps each, JSON rows, the markdown table and plots.
+trainer on the packed model: 1 warm-up + 3 timed + 1 profiled steps each, JSON rows, the markdown table and plots;
+and ``pack`` against ``pack@DIR``, the package of another tree.
 """
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_training_quick_cpu(tmp_path):
-    from benchmarks import render
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    """A token cache built from the package's sample (no wheel, no network)."""
     from benchmarks.data import cache_from_sample
 
-    tokens = cache_from_sample(tmp_path / "tokens.npz")
-    out = tmp_path / "results"
+    return cache_from_sample(tmp_path_factory.mktemp("tokens") / "tokens.npz")
+
+
+def _run(tokens, out, workloads, variants):
+    """Rows of one quick CPU run of the training harness (tiny config)."""
     cmd = [sys.executable, "-m", "benchmarks.training", "--quick", "--device", "cpu", "--config", "tiny",
-           "--workloads", "single,colbert", "--variants", "hf_sdpa,packed,pack_train_graphs,st_pack,pack_varlen",
-           "--tokens", str(tokens), "--out", str(out)]
+           "--workloads", workloads, "--variants", variants, "--tokens", str(tokens), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = list(out.glob("training_*.jsonl"))
     assert len(files) == 1
-    rows = [json.loads(line) for line in files[0].read_text().splitlines()]
+    return [json.loads(line) for line in files[0].read_text().splitlines()]
+
+
+def test_training_quick_cpu(tmp_path, tokens):
+    from benchmarks import render
+
+    rows = _run(tokens, tmp_path / "results", "single,colbert",
+                "hf_sdpa,packed,pack_train_graphs,st_pack,pack_varlen")
     status = {(r["workload"], r["variant"]): r["status"] for r in rows}
     assert status == {("single", "hf_sdpa"): "ok", ("single", "packed"): "ok", ("single", "st_pack"): "ok",
                       ("single", "pack_train_graphs"): "ok", ("colbert", "hf_sdpa"): "ok",
@@ -58,6 +72,35 @@ def test_training_quick_cpu(tmp_path):
         assert ok[(wl, "pack_train_graphs")]["describe"][0]["cuda_graph"]["config"]["training"]
     if importlib.util.find_spec("matplotlib"):  # the bench extra
         assert len(render.training_plots(rows, tmp_path / "plots")) == 2
+
+
+def test_training_with_the_package_of_another_tree(tmp_path, tokens):
+    """``pack@DIR`` trains as ``pack`` with the package of the tree DIR (here a copy of this one, a git repository
+    of its own): the child imports it from there, the row names the whole spec and DIR's commit, and the variant
+    keeps NAME's skip rules (``pack_varlen@DIR`` needs CUDA as ``pack_varlen`` does)."""
+    from benchmarks import render
+
+    tree = tmp_path / "before"
+    shutil.copytree(ROOT / "packed_encoders", tree / "packed_encoders", ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tree)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "before"]):
+        subprocess.run(git + args, check=True, capture_output=True)
+    sha = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = _run(tokens, tmp_path / "results", "single", f"hf_sdpa,pack,pack@{tree},pack_varlen@{tree}")
+    by_variant = {r["variant"]: r for r in rows}
+    assert [r["variant"] for r in rows] == ["hf_sdpa", "pack", f"pack@{tree}", f"pack_varlen@{tree}"]
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "skipped"]
+    ours, before = by_variant["pack"], by_variant[f"pack@{tree}"]
+    assert "code_dir" not in ours and "package_file" not in ours
+    assert ours["describe"][0]["packed"] and before["describe"][0]["packed"]
+    assert before["code_dir"] == str(tree.resolve()) and before["code_sha"] == sha
+    assert before["package_file"] == str(tree.resolve() / "packed_encoders" / "__init__.py")
+    assert ours["losses"] == before["losses"]  # the same code on the same texts, fp32 on one CPU thread
+    skipped = by_variant[f"pack_varlen@{tree}"]
+    assert skipped["reason"] == "torch varlen needs CUDA" and skipped["code_sha"] == sha
+    text = render.training_markdown(rows)
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| pack@{tree}")]
+    assert line.split("|")[3].strip().endswith("x"), line  # its own ratio against the run's hf_sdpa
 
 
 def test_gpu_time_counts_kernels_not_annotation_spans():
