@@ -12,7 +12,8 @@ host / GPU time per step, loss curves, all against the run's ``hf_sdpa`` row.
     python -m benchmarks.render benchmarks/results/h200 --readme README.md   # the README's results block
 
 A row's ``code_commit`` (when set) names the commit whose tree ran; ``env.git_sha`` is what ``git`` said in the
-run's copy of the tree (a device copy may carry another checkout's ``.git``).
+run's copy of the tree (a device copy may carry another checkout's ``.git``). A training row of a ``NAME@DIR``
+variant (the package of another tree) shows DIR's commit, its ``code_sha``, after the variant.
 """
 
 from __future__ import annotations
@@ -125,9 +126,18 @@ def _cpu_note(env: dict) -> str:
 
 def code_of(r: dict) -> str:
     """The commit whose code produced row ``r`` (abbreviated; ``-dirty`` kept)."""
-    sha = r.get("code_commit") or (r.get("env") or {}).get("git_sha") or "-"
+    return _short_sha(r.get("code_commit") or (r.get("env") or {}).get("git_sha") or "-")
+
+
+def _short_sha(sha: str) -> str:
     head, dirty = sha.removesuffix("-dirty"), sha.endswith("-dirty")
     return head[:7] + ("-dirty" if dirty else "")
+
+
+def _variant_cell(r: dict) -> str:
+    """A row's variant; a ``NAME@DIR`` row's with the commit of DIR where git knows it, since its spec names only a
+    local path and the table's header names the harness's commit."""
+    return r["variant"] + (f" (code {_short_sha(r['code_sha'])})" if r.get("code_sha") else "")
 
 
 README_BEGIN, README_END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -330,12 +340,12 @@ def training_table(group: list[dict]) -> str:
     for r in group:
         v = r["variant"]
         if r.get("status") != "ok":
-            lines.append(f"| {v} | {r.get('status')}: {r.get('reason', '')} |" + " |" * 9)
+            lines.append(f"| {_variant_cell(r)} | {r.get('status')}: {r.get('reason', '')} |" + " |" * 9)
             continue
         med = r["step_ms_median"]
         mem = r.get("peak_reserved_bytes")
         lines.append(
-            f"| {v} | {_fmt(med)} ({_fmt(r['step_ms_min'])}-{_fmt(r['step_ms_max'])}) "
+            f"| {_variant_cell(r)} | {_fmt(med)} ({_fmt(r['step_ms_min'])}-{_fmt(r['step_ms_max'])}) "
             f"| {_ratio(sdpa.get('step_ms_median'), med)} | {_ratio(comp.get('step_ms_median'), med)} "
             f"| {_host_cell(r)} | {_fmt(gpu_ms(r))} "
             f"| {_fmt(mem / GIB if mem else None, 2)} | {_ratio(mem, sdpa.get('peak_reserved_bytes'))} "

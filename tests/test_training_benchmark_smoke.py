@@ -99,8 +99,9 @@ def test_training_with_the_package_of_another_tree(tmp_path, tokens):
     skipped = by_variant[f"pack_varlen@{tree}"]
     assert skipped["reason"] == "torch varlen needs CUDA" and skipped["code_sha"] == sha
     text = render.training_markdown(rows)
-    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| pack@{tree}")]
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"| pack@{tree} (code {sha[:7]}) |")]
     assert line.split("|")[3].strip().endswith("x"), line  # its own ratio against the run's hf_sdpa
+    assert f"| pack_varlen@{tree} (code {sha[:7]}) | skipped: torch varlen needs CUDA |" in text
 
 
 def test_gpu_time_counts_kernels_not_annotation_spans():
