@@ -256,7 +256,7 @@ def child(args) -> dict:
                    describe=pe.describe(model)["encoders"][0].get("kernels") if packed else None)
         row.update(common.code_fields(args.code, pe))
         rows.append(row)
-        del model
+        model = None  # dropped before empty_cache; not `del`: the closures above read the name
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return {"rows": rows}

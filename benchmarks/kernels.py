@@ -191,7 +191,7 @@ def _liger_ops():
     """Liger's LayerNorm (its GEGLU is tanh-only, so not comparable to ModernBERT's erf GELU)."""
     from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
-    from packed_encoders.ops import TORCH_OPS, OpSet
+    from packed_encoders.ops import OpSet
 
     def ln(x, w, b, eps):
         return LigerLayerNormFunction.apply(x, w, b if b is not None else torch.zeros_like(w), eps)
@@ -291,7 +291,7 @@ def kernel_rows(tokens_list, with_compile: bool, copy_gbps: float) -> list[dict]
                     print(f"[kernels] {op:20s} {direction} T={t:7d} {name:14s} {ms:8.4f} ms (eager {eager_ms:8.4f}) "
                           f"{gbps:8.1f} GB/s "
                           f"({100 * gbps / copy_gbps:5.1f}% copy) err {err[direction]:.3g} ok={ok}", flush=True)
-            del case
+            case = None  # dropped before empty_cache; not `del`: the timers above read the name
             torch.cuda.empty_cache()
     return rows
 
