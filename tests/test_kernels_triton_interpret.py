@@ -375,20 +375,25 @@ def _tiny_modernbert(hidden=64, heads=2, inner=96, layers=3, vocab=101):
     return model.eval(), config
 
 
+def _tiny_packed_batch(lengths, seed, vocab=101):
+    """A packed batch of random ids (``3 .. vocab - 1``) for :func:`_tiny_modernbert`, sequences of ``lengths``."""
+    from packed_encoders.batch import from_packed
+
+    ids = torch.randint(3, vocab, (sum(lengths),), generator=_gen(seed))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    return from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=max(lengths),
+                       position_ids=None, vocab_size=vocab)
+
+
 def test_packed_forward_matches_torch_ops(fused):
     """A tiny random ModernBERT-shaped model, packed forward with the Triton op set vs the plain-torch op set
     (fp32): outputs and every parameter gradient."""
-    from packed_encoders.batch import from_packed
     from packed_encoders.model.forward import encoder_forward
     from packed_encoders.model.params import ModernBertParams
 
     model, config = _tiny_modernbert()
     params = ModernBertParams.from_hf_config(config)
-    lengths = [3, 11, 1, 20]
-    ids = torch.randint(3, 101, (sum(lengths),), generator=_gen(40))
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    batch = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=max(lengths),
-                        position_ids=None, vocab_size=101)
+    batch = _tiny_packed_batch([3, 11, 1, 20], seed=40)
     results = []
     for ops in (TORCH_OPS, fused.TRITON_OPS):
         model.zero_grad()
@@ -405,18 +410,13 @@ def test_second_derivatives_name_the_way_out(fused):
     """Differentiating twice through the Triton path (the layers' stack node, and the embedding / final norms'
     custom ops, whose backward ops are recorded under ``create_graph=True``) raises the library's message naming
     ``pe.unpack``, not torch's "no autograd formula"."""
-    from packed_encoders.batch import from_packed
     from packed_encoders.errors import SECOND_DERIVATIVE
     from packed_encoders.model.forward import encoder_forward
     from packed_encoders.model.params import ModernBertParams
 
     model, config = _tiny_modernbert()
     params = ModernBertParams.from_hf_config(config)
-    lengths = [4, 7]
-    ids = torch.randint(3, 101, (sum(lengths),), generator=_gen(42))
-    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
-    batch = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=7, position_ids=None,
-                        vocab_size=101)
+    batch = _tiny_packed_batch([4, 7], seed=42)
     out = encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa")
     for p in (model.final_norm.weight, model.layers[0].attn.Wqkv.weight):
         (g,) = torch.autograd.grad(out.square().mean(), p, create_graph=True, retain_graph=True)
@@ -558,17 +558,12 @@ def test_autocast_forward_norms_write_the_projection_dtype(fused):
     afterwards (an op set that ignores ``out_dtype``); the embedding and final norms keep their default."""
     from dataclasses import replace
 
-    from packed_encoders.batch import from_packed
     from packed_encoders.model.forward import encoder_forward
     from packed_encoders.model.params import ModernBertParams
 
     model, config = _tiny_modernbert()
     params = ModernBertParams.from_hf_config(config)
-    lengths = [3, 11, 1, 20]
-    ids = torch.randint(3, 101, (sum(lengths),), generator=_gen(43))
-    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    batch = from_packed(input_ids=ids, inputs_embeds=None, cu_seqlens=cu, max_seqlen=max(lengths),
-                        position_ids=None, vocab_size=101)
+    batch = _tiny_packed_batch([3, 11, 1, 20], seed=43)
     asked = []
 
     def ln(x, w, b, eps, out_dtype=None, **kw):
