@@ -119,7 +119,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
-    token unless ``position_ids`` ``[B, S]`` (or ``[1, S]``, broadcast) is given, which is then read
+    token unless ``position_ids`` ``[B, S]`` (or ``[1, S]`` or ``[S]``, broadcast) is given, which is then read
     at the real tokens. With ``trailing_query_only``, the padded positions after each non-empty row's last
     real token join its sequence as query-only tokens (see ``PackedBatch.key_lens``), positions continuing;
     padding before a row's real tokens stays zeros, or with ``leading_stock`` raises ``StockOnlyInput`` (ColBERT
@@ -158,11 +158,11 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     if position_ids is not None:
         if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
             raise PackedEncodersError(f"position_ids must be an integer tensor (got {position_ids.dtype})")
+        given = tuple(position_ids.shape)
         if position_ids.dim() == 1:
             position_ids = position_ids[None]
         if position_ids.dim() != 2 or position_ids.shape[1] != s or position_ids.shape[0] not in (1, b):
-            raise PackedEncodersError(
-                f"position_ids has shape {tuple(position_ids.shape)}; expected {(b, s)} or {(1, s)}")
+            raise PackedEncodersError(f"position_ids has shape {given}; expected {(b, s)}, {(1, s)} or {(s,)}")
         position_ids = position_ids.expand(b, s)
 
     if b == 0 or s == 0:  # nothing to encode (and argmax has no empty-dimension form)

@@ -49,6 +49,11 @@ def test_user_position_ids_are_gathered():
     b = _unpad(ids, mask, position_ids=pos)
     assert b.position_ids.tolist() == [20, 30, 0, 10, 20, 30]
     assert b.max_position == 31
+    # one row of positions for the whole batch, [S] or [1, S], broadcast alike; a wrong shape is named as given
+    for shared in (pos[0], pos[:1]):
+        assert _unpad(ids, mask, position_ids=shared).position_ids.tolist() == b.position_ids.tolist()
+    with pytest.raises(PackedEncodersError, match=r"shape \(3,\); expected \(2, 4\), \(1, 4\) or \(4,\)"):
+        _unpad(ids, mask, position_ids=torch.arange(3))
 
 
 @pytest.mark.parametrize("mutate, match", [
