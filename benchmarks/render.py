@@ -3,7 +3,9 @@
 Ratios are computed only between rows of the same run (same ``run_id``): ``x sdpa`` against that run's
 ``hf_sdpa`` row and ``x compile`` against its ``compile`` row (steady state, medians). Training rows
 (``runner == "training"``, from ``benchmarks/training.py``) get their own tables and plots: step time, memory,
-host / GPU time per step, loss curves, all against the run's ``hf_sdpa`` row.
+host / GPU time per step, loss curves, all against the run's ``hf_sdpa`` row. Host rows (``runner == "host"``, from
+``benchmarks/host.py``, one file per run) get that runner's table per file; rows of other runners (``host_ops``,
+``gemm_eager``: their runners print their own tables) are counted on stderr, not rendered.
 
     python -m benchmarks.render benchmarks/results                 # every *.jsonl in the folder
     python -m benchmarks.render FILE.jsonl --md results.md --png-dir benchmarks/results/plots
@@ -451,6 +453,22 @@ def training_plots(rows: list[dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+_INFERENCE_RUNNERS = ("inference", "indexing")
+
+
+def host_markdown(path: Path, rows: list[dict]) -> str:
+    """``benchmarks.host``'s table for the rows of one of its runs (``path``: the run's file), under a heading
+    naming the run's card, software and code."""
+    from benchmarks.host import table
+
+    env = next((r["env"] for r in rows if isinstance(r.get("env"), dict)), {})
+    config = next((r["config"] for r in rows if r.get("config")), "?")
+    return (f"### host / {config} -- {path.name}\n\n{env.get('gpu', '?')}; torch {env.get('torch', '?')}, "
+            f"triton {env.get('triton', '?')}; code {env.get('git_sha', '?')}. Host ms: the call's return with the "
+            f"GPU idle at its start; GPU ms: its kernels (torch.profiler); wall ms: back to back (CUDA events)."
+            f"\n\n{table(rows)}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("inputs", nargs="+", help="JSON-lines files or folders holding them")
@@ -468,17 +486,27 @@ def main(argv=None) -> int:
 
         if importlib.util.find_spec("matplotlib") is None:
             ap.error("--png-dir needs matplotlib (pip install -e \".[bench]\")")
-    rows = read_rows(files)
+    per_file = [(f, read_rows([f])) for f in files]
+    rows = [r for _, rs in per_file for r in rs]
     if not rows:
         ap.error(f"no result rows in {', '.join(args.inputs)} (JSON lines the benchmark runners wrote)")
     if args.readme:
         path = Path(args.readme)
         path.write_text(replace_readme_block(path.read_text(encoding="utf-8"), readme_block(rows)), encoding="utf-8")
         return 0
-    inference = [r for r in rows if r.get("runner") != "training"]
+    inference = [r for r in rows if r.get("runner") in _INFERENCE_RUNNERS]
     training = [r for r in rows if r.get("runner") == "training"]
+    host = [(f, [r for r in rs if r.get("runner") == "host"]) for f, rs in per_file]
+    other = defaultdict(int)
+    for r in rows:
+        if r.get("runner") not in (*_INFERENCE_RUNNERS, "training", "host"):
+            other[r.get("runner")] += 1
+    if other:
+        print("render: not rendered (their runners print their own tables): "
+              + ", ".join(f"{n} rows of runner {k!r}" for k, n in sorted(other.items(), key=str)), file=sys.stderr)
     text = "\n\n".join(([markdown(inference)] if inference else []) + ([training_markdown(training)] if training
-                                                                          else []))
+                                                                          else [])
+                        + [host_markdown(f, rs) for f, rs in host if rs])
     if args.md:
         Path(args.md).write_text(text, encoding="utf-8")
     else:

@@ -65,3 +65,21 @@ def test_render_names_inputs_it_cannot_use(tmp_path, capsys):
         with pytest.raises(SystemExit) as info:
             main(args)
         assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_render_takes_host_rows_and_names_runners_it_leaves_out(tmp_path, capsys):
+    import json
+
+    from benchmarks.render import main
+
+    host = {"runner": "host", "workload": "documents", "variant": "new_eager", "status": "ok", "config": "base",
+            "host_ms": 2.0, "gpu_ms": 5.0, "wall_ms": 5.5, "layers": 22, "python_calls": 100, "aten_ops": 40,
+            "launches": 180, "memsets": 22, "token_cos_min": 0.99999, "env": {"gpu": "G", "git_sha": "abc"}}
+    lines = [host, dict(host, variant="stock", host_ms=20.0),
+             {"runner": "host_ops", "op": "ln"}, {"runner": "host_ops", "op": "gemm"}]
+    (tmp_path / "run.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines), encoding="utf-8")
+    assert main([str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "### host / base -- run.jsonl" in out and "| documents | new_eager | 1 | 2.00 | 91 | 5.00 |" in out
+    assert "| documents | stock | 1 | 20.00 |" in out
+    assert "2 rows of runner 'host_ops'" in err
