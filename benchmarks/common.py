@@ -338,10 +338,6 @@ def workload_stats(token_set, indices: np.ndarray, batch: int) -> dict:
 
 # ------------------------------------------------------------------------------------------ parity
 
-class ParityError(RuntimeError):
-    """A variant's outputs disagree with stock HF: the run aborts and publishes nothing for it."""
-
-
 # Thresholds: bf16/fp16 as in packed_encoders.validation (per-token min 0.995, mean 0.999), pooled per text
 # min 0.999; fp32 much tighter.
 THRESHOLDS = {

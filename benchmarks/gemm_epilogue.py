@@ -49,22 +49,21 @@ MS = (7424, 122880)  # 8 and 128 real documents of ~930 tokens (the inference an
 TOLERANCE = 2e-2
 
 
-def quack_configs():
+def _config(m, n, pingpong, cm, cn):
     from quack.gemm_config import GemmConfig
 
-    def c(m, n, pingpong, cm, cn):
-        return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cm, cluster_n=cn,
-                          is_dynamic_persistent=False, device_capacity=9)
+    return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cm, cluster_n=cn, is_dynamic_persistent=False,
+                      device_capacity=9)
+
+
+def quack_configs():
+    c = _config
     return [c(128, 192, True, 2, 1), c(128, 128, True, 2, 1), c(128, 256, False, 2, 1), c(256, 128, False, 2, 1),
             c(256, 192, False, 2, 1), c(128, 192, True, 1, 2), c(256, 160, False, 1, 2)]
 
 
 def rope_configs():
-    from quack.gemm_config import GemmConfig
-
-    def c(m, n, pingpong, cm, cn):
-        return GemmConfig(tile_m=m, tile_n=n, pingpong=pingpong, cluster_m=cm, cluster_n=cn,
-                          is_dynamic_persistent=False, device_capacity=9)
+    c = _config
     # tile_n / cluster_m must hold whole 64-wide heads of the pair layout
     return [c(128, 192, True, 1, 1), c(128, 256, False, 2, 1), c(256, 128, False, 2, 1), c(128, 128, True, 1, 2),
             c(128, 192, True, 1, 2), c(256, 192, False, 1, 1)]

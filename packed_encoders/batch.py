@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention.sdpa import token_coords
 from .errors import TOKEN_TYPES, PackedEncodersError, StockOnlyInput
 
 
@@ -69,13 +70,6 @@ class PackedBatch:
         # output, not a view, allows.
         out.view(b * s, *packed.shape[1:]).index_copy_(0, self.indices, packed)
         return out
-
-
-def _token_coords(cu: torch.Tensor, total: int):
-    cu = cu.long()
-    t = torch.arange(total, device=cu.device)
-    seq = torch.searchsorted(cu[1:], t, right=True)
-    return seq, t - cu[seq]
 
 
 def _raise_if(count: int, message: str, error: type = PackedEncodersError) -> None:
@@ -389,7 +383,7 @@ def from_packed(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor |
     _raise_if(n_tt, TOKEN_TYPES)
     _raise_if(n_neg, "position_ids has {count} negative entries")
     if position_ids is None:
-        _, position_ids = _token_coords(cu, total)
+        _, position_ids = token_coords(cu, total)
         max_position = true_max
     else:
         max_position = int(max_pos) + 1

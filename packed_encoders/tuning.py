@@ -9,7 +9,7 @@ the Triton fast launcher (``ops.triton.set_fast_launch``), set by every ``pack()
 ``pe.pack(model, ...)`` again re-reads it (and re-packs when anything changed); ``describe()`` shows it under
 ``"tuning"``. Direct users of ``ops/`` or ``attention/`` get the defaults of a default :class:`Tuning`.
 
-Imports nothing from the package but the switch parsing rule, so every layer may use it.
+Imports nothing from the package but the switch parsing rule and the error types, so every layer may use it.
 """
 
 from __future__ import annotations

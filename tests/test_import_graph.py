@@ -151,3 +151,31 @@ def test_the_known_layers_point_down():
                       ("packed_encoders.model.forward", "packed_encoders.graphs.route"),
                       ("packed_encoders.ops", "packed_encoders.attention.dispatch")):
         assert not reaches(low, high), f"{low} imports {high} (directly or not): imports must point down"
+
+
+def _diagram_units() -> list[str]:
+    """The units of ``docs/architecture.md``'s "Layers (imports point down)" diagram, top to bottom: module files
+    (``call.py``) and packages (``graphs/``), as the diagram's unindented lines name them."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## Layers (imports point down)", 1)[1].split("```", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line and not line[0].isspace()]
+
+
+def test_the_architecture_diagram_lists_layers_in_import_order():
+    units = _diagram_units()
+    assert "batch.py" in units and "ops/" in units and "switches.py" in units
+
+    def unit(module: str) -> str | None:
+        parts = module.split(".")[1:]
+        if not parts:
+            return None
+        name = parts[0] + ("/" if len(parts) > 1 or (ROOT / parts[0]).is_dir() else ".py")
+        return name if name in units else None
+
+    upward = []
+    for src, targets in import_graph().items():
+        for dst in targets:
+            a, b = unit(src), unit(dst)
+            if a is not None and b is not None and a != b and units.index(a) > units.index(b):
+                upward.append(f"{src} ({a}) imports {dst} ({b})")
+    assert not upward, "the diagram lists these imports as pointing up:\n" + "\n".join(sorted(upward))

@@ -122,7 +122,7 @@ def _stock_flags(model, return_dict, output_hidden_states) -> tuple[bool, bool]:
     return return_dict is False, bool(output_hidden_states)
 
 
-def _output(model, last, hidden, as_tuple):
+def _output(last, hidden, as_tuple):
     from transformers.modeling_outputs import BaseModelOutput
 
     out = BaseModelOutput(last_hidden_state=last, hidden_states=hidden, attentions=None)
@@ -252,7 +252,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
             route = packed_route(model, state, batch, hidden_states=output_hidden_states)
             out = serve_batch(model, state, route, batch, hidden_states=hidden, hidden_pre_norm_last=pre_norm_last)
         hidden_t = None if hidden is None else tuple(squeeze(h) for h in hidden)
-        return _output(model, squeeze(out), hidden_t, as_tuple)
+        return _output(squeeze(out), hidden_t, as_tuple)
     width = src.shape[1]
     watch = state.runtime.get("expansion")
     if watch is not None:
@@ -275,7 +275,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
                                       **padded)
     except StockOnlyInput as error:  # raised by unpad at the call's one sync, before any layer ran
         return _stock_fallback(model, state, mask_holes_reason(error), args, call)
-    return _output(model, last, hidden_t, as_tuple)
+    return _output(last, hidden_t, as_tuple)
 
 
 def _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids, token_type_ids, packed_kw):

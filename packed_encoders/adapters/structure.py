@@ -38,15 +38,12 @@ _NORM = (nn.LayerNorm,)
 # leaves captured graphs as they are (see snapshot's ``tree``); nn.Identity is no dropout (HF's own attn.out_drop at
 # attention_dropout 0, and what code removing dropout puts in any slot: every reader applies none for it)
 _DROPOUT = (nn.Identity, nn.Dropout)
-# The HF container classes whose forward the packed path reproduces (a slot's ``kind`` names one).
-_CONTAINERS = ("ModernBertEmbeddings", "ModernBertEncoderLayer", "ModernBertAttention", "ModernBertMLP",
-               "ModernBertRotaryEmbedding")
 _ACT = "act"
 
 
 def _expected(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
     """``(path, module, kind)`` for every module whose forward the packed path skips. ``kind``: a tuple of the
-    exact leaf types it reproduces, a container class name of :data:`_CONTAINERS`, or :data:`_ACT`."""
+    exact leaf types it reproduces, the name of the HF container class whose forward it reproduces, or :data:`_ACT`."""
     emb = model.embeddings
     items = [("embeddings", emb, "ModernBertEmbeddings"),
              ("embeddings.tok_embeddings", emb.tok_embeddings, (nn.Embedding,)),

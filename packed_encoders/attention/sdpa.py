@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _token_coords(cu_seqlens: torch.Tensor, total: int):
+def token_coords(cu_seqlens: torch.Tensor, total: int):
     """For each packed token: (sequence index, position within its sequence), int64 on device."""
     cu = cu_seqlens.long()
     t = torch.arange(total, device=cu.device)
@@ -44,7 +44,7 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sca
     cu = cu_seqlens.long()
     lens = cu[1:] - cu[:-1]
     klens = lens if key_lens is None else key_lens.long()
-    seq, pos = _token_coords(cu_seqlens, total)
+    seq, pos = token_coords(cu_seqlens, total)
     if window is None or window >= max_seqlen - 1:
         s = max(int(max_seqlen), 1)
         p = torch.arange(s, device=q.device)

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..ops.triton import interpret_enabled
 from .backends import Backend, Workload, register
 
 MAX_SEQLEN = 1024
@@ -104,10 +104,6 @@ VARIANTS = {
 }
 # The benchmark times the variants only where they matter most (and compile time stays bounded).
 VARIANT_MAX_SEQLEN = 128
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,7 +220,7 @@ def triton_short_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise ValueError("q, k, v need unit stride on head_dim")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.stride(0) != 1:
         raise ValueError("cu_seqlens must be a contiguous 1-D int32 tensor")
-    if not q.is_cuda and not _interpreting():
+    if not q.is_cuda and not interpret_enabled():
         raise ValueError("the Triton attention kernel needs CUDA tensors (CPU only under TRITON_INTERPRET=1)")
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 or None (got {window})")
