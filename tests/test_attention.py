@@ -571,6 +571,15 @@ def test_triton_refuses_grad_and_custom_op_runs():
     assert shaped.shape == q.shape and shaped.is_contiguous()
 
 
+@pytest.mark.parametrize("value", ["0", "false", "off", ""])
+def test_triton_on_cpu_needs_the_interpreter_switched_on(monkeypatch, value):
+    # the switch reads as Triton's own knobs read it: "false" / "off" are off (not just "0")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    q, k, v, cu, smax = packed([9, 4])
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        run(q, k, v, cu, smax, None)
+
+
 def test_load_policy_by_device_and_refreshes(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
