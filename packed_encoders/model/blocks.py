@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from ..errors import SECOND_DERIVATIVE
 from ..ops.weight_cast import cast, expire
+from .dropout import rate
 from .live import param, sub
 from .params import ModernBertParams
 
@@ -76,11 +77,6 @@ def _norm_params(m: nn.Module):
     if isinstance(m, nn.Identity):
         return None, None, 0.0, False
     return param(m, "weight"), param(m, "bias", None), m.eps, True
-
-
-def _drop_p(m: nn.Module) -> float:
-    """The rate an HF dropout slot applies now (0 in eval mode or for ``nn.Identity``)."""
-    return m.p if isinstance(m, nn.Dropout) and m.training and m.p > 0 else 0.0
 
 
 def _dropout(x: torch.Tensor, p: float):
@@ -379,7 +375,7 @@ def layer_args(layer: nn.Module, params: ModernBertParams, kernels, cdt: torch.d
             (kernels, eps, has_norm, cdt, params.num_attention_heads, params.head_dim),
             (param(wo, "weight"), param(wo, "bias", None), m_w, m_b, param(wi, "weight"), param(wi, "bias", None),
              param(wo2, "weight"), param(wo2, "bias", None)),
-            (kernels, m_eps, cdt, params.activation, _drop_p(sub(attn, "out_drop")), _drop_p(sub(mlp, "drop"))))
+            (kernels, m_eps, cdt, params.activation, rate(sub(attn, "out_drop")), rate(sub(mlp, "drop"))))
 
 
 def run_layer_blocks(layer: nn.Module, step, params: ModernBertParams, batch, kernels, carry: list, rope_tables_for,

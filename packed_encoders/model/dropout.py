@@ -24,6 +24,12 @@ _TRAINING = operator.itemgetter("training")
 _P = operator.itemgetter("p")
 
 
+def rate(m: nn.Module) -> float:
+    """The rate one HF dropout slot applies now: an ``nn.Dropout``'s ``p`` in train mode, else 0 (eval mode, a rate
+    of 0, or ``nn.Identity``)."""
+    return m.p if isinstance(m, nn.Dropout) and m.training and m.p > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class DropoutModules:
     """Instance ``__dict__`` of the modules whose dropout the packed forward applies: ``dropouts`` (every

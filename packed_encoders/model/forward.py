@@ -24,7 +24,7 @@ from ..ops import TORCH_OPS, OpSet, rope_tables
 from ..ops.rope import cached_pair_freq_table, cached_position_tables
 from ..ops.weight_cast import cast, expire
 from .blocks import compute_dtype, run_layer_blocks
-from .dropout import applies_attention_dropout, dropout_modules
+from .dropout import applies_attention_dropout, dropout_modules, rate
 from .params import ModernBertParams
 from .plan import NOT_ASKED, Rules, plan_for
 from .pointers import run as run_pointers
@@ -33,9 +33,8 @@ from .stack import run_stack, stack_problem
 
 def _dropout(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """Apply an HF dropout module's rate in its own mode (``nn.Identity`` or eval: nothing)."""
-    if isinstance(module, nn.Dropout) and module.training and module.p > 0:
-        return F.dropout(x, module.p, training=True)
-    return x
+    p = rate(module)
+    return F.dropout(x, p, training=True) if p else x
 
 
 def _norm_args(m: nn.Module):

@@ -40,7 +40,9 @@ from ..attention import fa4_direct
 from ..batch import PackedBatch
 from ..ops import cublaslt
 from . import workspace
+from .dropout import rate
 from .live import param, sub
+from .workspace import pointer as _ptr
 from .params import ModernBertParams
 
 _ALIGN = workspace.ALIGN  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
@@ -90,21 +92,6 @@ def _layout(tokens: int, widths: tuple[int, ...], itemsize: int, lt: bool) -> tu
     offsets = tuple(arena.add(tokens * width * itemsize) for width in widths)
     lt_at = arena.add(cublaslt.WORKSPACE_BYTES) if lt else None
     return arena.size, offsets, lt_at
-
-
-def _ptr(t: torch.Tensor | None, dtype: torch.dtype, numel: int) -> int | None:
-    """``t``'s data pointer when it is a contiguous, 16-byte aligned ``dtype`` tensor of ``numel`` elements
-    (``None``: no tensor); ``-1`` otherwise (the call then takes the tensor path)."""
-    if t is None:
-        return None
-    if t.dtype is not dtype or t.numel() != numel or not t.is_contiguous():
-        return -1
-    p = t.data_ptr()
-    return -1 if p & 15 else p
-
-
-def _dropout_active(m: nn.Module) -> bool:
-    return isinstance(m, nn.Dropout) and m.training and m.p > 0
 
 
 def run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, rope_inputs,
@@ -181,7 +168,7 @@ def _run(model: nn.Module, params: ModernBertParams, batch: PackedBatch, plan, r
     if batch.inputs_embeds is not None or batch.key_lens is not None or batch.cu_seqlens.dtype is not torch.int32:
         return None
     emb = sub(model, "embeddings")
-    if _dropout_active(sub(emb, "drop")):
+    if rate(sub(emb, "drop")):
         return None
     table = param(sub(emb, "tok_embeddings"), "weight")
     device = batch.device
@@ -353,8 +340,8 @@ def _enqueue(model, params, batch, plan, rope_inputs, ws, offsets, widths, dtype
     for i, layer in enumerate(sub(model, "layers")):
         step = steps[i]
         attn, mlp = sub(layer, "attn"), sub(layer, "mlp")
-        if attn.training and params.attention_dropout_of(attn) or _dropout_active(sub(attn, "out_drop")) \
-                or _dropout_active(sub(mlp, "drop")):
+        if attn.training and params.attention_dropout_of(attn) or rate(sub(attn, "out_drop")) \
+                or rate(sub(mlp, "drop")):
             return None
         lqkv, lo, li, lo2 = sub(attn, "Wqkv"), sub(attn, "Wo"), sub(mlp, "Wi"), sub(mlp, "Wo")
         wqkv, wo, wi, wo2 = param(lqkv, "weight"), param(lo, "weight"), param(li, "weight"), param(lo2, "weight")

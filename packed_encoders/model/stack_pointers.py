@@ -35,21 +35,11 @@ from . import workspace
 from .blocks import SLOTS_PER_LAYER as _PER_LAYER
 from .blocks import as_dtype, check_versions, first_order, slot_needs, take_layers
 from .workspace import Arena as _Arena
+from .workspace import pointer as _ptr
 
 _ALIGN = workspace.ALIGN  # what cuBLASLt's heuristic assumes of its operands (the Triton kernels: 16)
 _LOW = (torch.bfloat16, torch.float16)
 _F32 = torch.float32
-
-
-def _ptr(t: torch.Tensor | None, dtype: torch.dtype, numel: int, align: int = 16) -> int | None:
-    """``t``'s data pointer if it is a contiguous, ``align``-byte aligned ``dtype`` tensor of ``numel`` elements
-    (``None`` for no tensor, ``-1`` otherwise)."""
-    if t is None:
-        return None
-    if t.dtype is not dtype or t.numel() != numel or not t.is_contiguous():
-        return -1
-    p = t.data_ptr()
-    return -1 if p & (align - 1) else p
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

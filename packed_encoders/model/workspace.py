@@ -48,4 +48,15 @@ class Arena:
         return at
 
 
-__all__ = ["ALIGN", "Arena", "empty", "size_class"]
+def pointer(t: torch.Tensor | None, dtype: torch.dtype, numel: int, align: int = 16) -> int | None:
+    """``t``'s data pointer if it is a contiguous, ``align``-byte aligned ``dtype`` tensor of ``numel`` elements;
+    ``None`` for no tensor, ``-1`` otherwise (the caller then takes its tensor path)."""
+    if t is None:
+        return None
+    if t.dtype is not dtype or t.numel() != numel or not t.is_contiguous():
+        return -1
+    p = t.data_ptr()
+    return -1 if p & (align - 1) else p
+
+
+__all__ = ["ALIGN", "Arena", "empty", "pointer", "size_class"]

@@ -16,8 +16,9 @@ import triton.language as tl
 
 from ._runtime import cdiv, device_guard, kernel, next_pow2
 
-# per-row statistics written by the first kernel, in this order
-SEG, FIRST, LENS, BAD, HOLES, OOV, TT, NEGPOS, MAXPOS = range(9)
+# per-row statistics written by the first kernel (offsets 0-8 of a row, as its stores and the second kernel's loads
+# spell them): segment start, first real column, real length, bad mask values, holes, out-of-vocabulary ids,
+# non-zero token types, negative positions, largest position
 ROW_FIELDS = 9
 BLOCK = 1024       # columns per step of a row (256 for rows up to 256 wide: two compiled variants in all)
 MAX_ROWS = 1024    # every program of the second kernel sums the row lengths before its row (O(B) lanes each):
