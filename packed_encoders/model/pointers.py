@@ -42,8 +42,8 @@ from ..ops import cublaslt
 from . import workspace
 from .dropout import rate
 from .live import param, sub
-from .workspace import pointer as _ptr
 from .params import ModernBertParams
+from .workspace import pointer as _ptr
 
 _ALIGN = workspace.ALIGN  # bytes between buffers: every pointer 16-byte aligned, as the bound signatures require
 _VERIFIED: set = set()  # launch classes whose first run matched the tensor path
