@@ -181,6 +181,43 @@ def device_work(events) -> list:
             and e.name not in ranges]
 
 
+def device_idle(device_events, step_starts: Sequence[float], top: int = 10, min_gap_us: float = 20.0) -> dict:
+    """Where the GPU waits inside profiled steps: ``{"gpu_idle_ms_per_step", "idle_gaps"}``.
+
+    ``device_events``: :func:`device_work`'s events (``name``, ``time_range.start`` / ``.end`` in us);
+    ``step_starts``: each profiled step's start on the profiler's clock (us, ascending). A device event belongs to
+    the last step started before it; a step's idle is its device span (first start to last end) less the time any
+    of its events runs. ``idle_gaps``: the ``top`` places by idle time, each gap of at least ``min_gap_us`` named by
+    the device events on either side (``before -> after``, names cut to 60 characters), with its ms and count per
+    step. Under the profiler the host is slower than without it, so the gaps are larger than in an unprofiled step.
+    """
+    n = max(len(step_starts), 1)
+    per_step: list[list] = [[] for _ in range(n)]
+    for e in sorted(device_events, key=lambda e: e.time_range.start):
+        i = sum(1 for s in step_starts[1:] if s <= e.time_range.start)
+        per_step[i].append(e)
+    idle_us, places = 0.0, {}
+    for events in per_step:
+        if not events:
+            continue
+        end, prev = events[0].time_range.start, None
+        for e in events:
+            start, stop = e.time_range.start, e.time_range.end
+            if start > end:
+                idle_us += start - end
+                if start - end >= min_gap_us and prev is not None:
+                    key = f"{prev.name[:60]} -> {e.name[:60]}"
+                    place = places.setdefault(key, [0.0, 0])
+                    place[0] += start - end
+                    place[1] += 1
+            if stop >= end:
+                end, prev = stop, e
+    ranked = sorted(places.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"gpu_idle_ms_per_step": idle_us / 1e3 / n,
+            "idle_gaps": [{"place": k, "ms": round(us / 1e3 / n, 3), "count": round(c / n, 1)}
+                          for k, (us, c) in ranked]}
+
+
 def timed_pass(step: Callable, batches: Sequence, device: str) -> float:
     """Seconds for one pass of ``step`` over ``batches`` (CUDA events on GPU, perf_counter on CPU)."""
     synchronize(device)

@@ -349,7 +349,7 @@ def training_table(group: list[dict]) -> str:
         lines.append(
             f"| {_variant_cell(r)} | {_fmt(med)} ({_fmt(r['step_ms_min'])}-{_fmt(r['step_ms_max'])}) "
             f"| {_ratio(sdpa.get('step_ms_median'), med)} | {_ratio(comp.get('step_ms_median'), med)} "
-            f"| {_host_cell(r)} | {_fmt(gpu_ms(r))} "
+            f"| {_host_cell(r)} | {_fmt(gpu_ms(r))}{_idle(r)} "
             f"| {_fmt(mem / GIB if mem else None, 2)} | {_ratio(mem, sdpa.get('peak_reserved_bytes'))} "
             f"| {_fmt(r.get('wall_s'))} ({_fmt(r.get('warmup_s'))}) | {r['losses'][0]:.4f} "
             f"| {_curve_vs(r, sdpa) if v != 'hf_sdpa' else '-'} |")
@@ -366,6 +366,12 @@ def gpu_ms(r: dict) -> float | None:
     if ms is None or prof.get("gpu_kernels_only"):
         return ms
     return ms - sum(k["ms"] for k in prof.get("top_device_ms_per_step") or () if k["name"].startswith("Optimizer."))
+
+
+def _idle(r: dict) -> str:
+    """`` (idle X)``: the GPU's idle time per step inside the step's device span, for rows that measured it."""
+    idle = (r.get("profile") or {}).get("gpu_idle_ms_per_step")
+    return "" if idle is None else f" (idle {_fmt(idle)})"
 
 
 def _timers(r: dict) -> str:
@@ -402,7 +408,8 @@ def training_markdown(rows: list[dict]) -> str:
     parts.append("Step ms: wall clock of one synchronised step (forward, loss, backward, optimizer). Host ms: CPU "
                  "time of the step's Python and dispatch, excluding time blocked on the GPU; GPU ms: summed device "
                  "time of its kernels and copies (both from torch.profiler over the profiled steps; see "
-                 "benchmarks/training.py); after the semicolon, where a row has it, the host span by host timers "
+                 "benchmarks/training.py), and where a row has it, in brackets, the time the GPU waited inside the "
+                 "step's device span (under the profiler, which slows the host); after the semicolon, where a row has it, the host span by host timers "
                  "over the timed steps (median), without the profiler's per-op overhead.")
     cmds = sorted({r.get("command") for r in rows if r.get("command")})
     parts += [f"Command: `{c}`" for c in cmds]

@@ -67,6 +67,10 @@ the loss of every step. Then ``--profile-steps`` more steps under ``torch.profil
   median): no profiler overhead, but any wait on the GPU inside the step counts (e.g. a padded call's length
   read, which waits for the work queued before it).
 * ``top_device_ms_per_step`` (in ``profile``): the 40 kernels with the most device time, ms and calls per step.
+* ``gpu_idle_ms_per_step`` and ``idle_gaps`` (in ``profile``, plain-loop variants): the time the GPU waits inside a
+  step's device span and the 10 places with the most of it, each named by the kernels on either side
+  (:func:`benchmarks.common.device_idle`): where a step that should be GPU-bound waits on its host. Measured under
+  the profiler, whose per-op host cost makes the gaps larger than in an unprofiled step.
 
     python -m benchmarks.training --workloads single --config modernbert-base      # one workload, all variants
     python -m benchmarks.training --quick                                           # 12 steps, a few minutes
@@ -399,6 +403,9 @@ _BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchro
              "cudaMemcpyAsync")
 
 
+STEP_RANGE = "benchmarks.training.step"  # the profiler range around each profiled step (where its GPU work starts)
+
+
 def profile_steps(run_step, n: int, device: str) -> dict:
     """Run ``n`` steps under ``torch.profiler``; host / GPU ms per step as defined in the module docstring."""
     host = []
@@ -406,7 +413,8 @@ def profile_steps(run_step, n: int, device: str) -> dict:
         for _ in range(n):
             common.synchronize(device)
             t0 = time.perf_counter()
-            run_step()
+            with torch.profiler.record_function(STEP_RANGE):
+                run_step()
             host.append(time.perf_counter() - t0)
             common.synchronize(device)
     return _profile_summary(prof, host, device.startswith("cuda"))
@@ -426,6 +434,7 @@ def _profile_summary(prof, host_s: list[float], cuda: bool) -> dict:
     n = len(host_s)
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     device_events = device_work(events)
+    starts = sorted(e.time_range.start for e in cpu if e.name == STEP_RANGE)
     # an asynchronous host-to-device copy returns at once; a cudaMemcpyAsync that lasts waits for the GPU
     blocked_us = sum(e.time_range.elapsed_us() for e in cpu if e.name in _BLOCKING
                      and (e.name != "cudaMemcpyAsync" or e.time_range.elapsed_us() > 20))
@@ -435,7 +444,9 @@ def _profile_summary(prof, host_s: list[float], cuda: bool) -> dict:
             "gpu_kernels_only": True,  # rows without it counted Optimizer.step's GPU span too (render.gpu_ms)
             "device_events_per_step": len(device_events) / n,
             "aten_ops_per_step": sum(e.name.startswith("aten::") for e in cpu) / n,
-            "top_device_ms_per_step": _top_device(device_events, n) if cuda else None}
+            "top_device_ms_per_step": _top_device(device_events, n) if cuda else None,
+            # (steps run by the trainer's own loop carry no STEP_RANGE: their idle is not split by step)
+            **(common.device_idle(device_events, starts) if cuda and starts else {})}
 
 
 def _top_device(device_events, n: int, top: int = 40) -> list[dict]:

@@ -123,3 +123,28 @@ def test_gpu_time_counts_kernels_not_annotation_spans():
               event("Optimizer.step#AdamW.step", DeviceType.CUDA),  # not flagged: known by its CPU range's name
               event("aten::mm", DeviceType.CPU)]
     assert device_work(events) == [kernel, memset]
+
+
+def test_device_idle_splits_steps_and_names_the_gaps():
+    """Two profiled steps: the GPU idles 30 us in step 1 (20 + 10) and 40 us in step 2; the gap between the steps
+    (the harness's sync and the next step's start) is no step's idle. Gaps of 20 us and more are named by the kernels
+    on either side; an event that ends inside an earlier, longer one opens no gap."""
+    from types import SimpleNamespace
+
+    from benchmarks import render
+    from benchmarks.common import device_idle
+
+    def ev(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    step1 = [ev("gemm", 100, 200), ev("ln", 150, 160), ev("rope", 220, 240), ev("attn", 250, 300)]
+    step2 = [ev("gemm", 1000, 1100), ev("rope", 1140, 1150)]
+    idle = device_idle(step2 + step1, step_starts=[90, 900])
+    assert idle["gpu_idle_ms_per_step"] == (30 + 40) / 1e3 / 2
+    assert idle["idle_gaps"] == [{"place": "gemm -> rope", "ms": 0.03, "count": 1.0}]
+    row = {"variant": "pack", "status": "ok", "step_ms_median": 5.0, "step_ms_min": 4.0, "step_ms_max": 6.0,
+           "gpu_ms_per_step": 3.0, "profile": {"gpu_kernels_only": True, "gpu_idle_ms_per_step": 12.34},
+           "losses": [1.0]}
+    assert "| 3.0 (idle 12.3) |" in render.training_table([row])
+    row["profile"].pop("gpu_idle_ms_per_step")  # rows from before the harness measured it
+    assert "| 3.0 |" in render.training_table([row])
