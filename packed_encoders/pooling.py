@@ -106,8 +106,9 @@ def maxsim(q: torch.Tensor, q_cu_seqlens: torch.Tensor, d: torch.Tensor, d_cu_se
     n_q, n_d = q_cu_seqlens.numel() - 1, d_cu_seqlens.numel() - 1
     sim = torch.matmul(q, d.t()).float()  # [Tq, Td]
     # unsafe: no check of the offsets, which would read them on the host (a sync); they are checked above on the
-    # CPU. The backward shares a document's gradient among tied maxima, as scatter_reduce's amax does.
-    offsets = d_cu_seqlens.long().expand(q.shape[0], -1)
+    # CPU, and clamped to d's columns so that a malformed cu_seqlens on CUDA reads nothing past them. The backward
+    # shares a document's gradient among tied maxima, as scatter_reduce's amax does.
+    offsets = d_cu_seqlens.long().clamp(0, d.shape[0]).expand(q.shape[0], -1)
     best = torch.segment_reduce(sim, "max", offsets=offsets, axis=1, unsafe=True)  # [Tq, Nd]
     return best.new_zeros((n_q, n_d)).index_add(0, sequence_ids(q_cu_seqlens, q.shape[0]), best)
 
