@@ -2,14 +2,17 @@
 
 Conventions (flash-attn names): ``cu_seqlens`` int32 ``[N + 1]``, ``max_seqlen`` a host int,
 ``position_ids`` int64 ``[T]`` restarting at 0 for every sequence whatever the padding side.
-Building a batch from padded inputs costs exactly one device-to-host transfer (lengths plus the
-input checks); nothing else reads device values.
+Building a batch from padded inputs costs one device-to-host transfer (lengths plus the input checks), or none
+when the caller lets :func:`unpad` reuse the host facts of an earlier call on the very same input tensors
+(:class:`LengthsMemo`); nothing else reads device values.
 """
 
 from __future__ import annotations
 
 import functools
 import numbers
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +75,68 @@ class PackedBatch:
         return out
 
 
+class LengthsMemo:
+    """The host facts (each row's length, the largest position) of recent :func:`unpad` calls that passed every
+    check, keyed by their input tensors, so a later call over the same, unchanged tensors skips the sync.
+
+    GradCache (sentence-transformers' cached losses, PyLate's ``CachedContrastive``) runs every chunk twice: a
+    no-grad forward, then a forward with gradients over the same tensors (views sliced from the batch's features
+    at the same offsets). The second sync waits for the GPU to finish the previous chunk's backward, and the host
+    work after it (the training stack's preparation, the weight casts) leaves the GPU idle.
+
+    A tensor is the same and unchanged while its data address, shape, strides, dtype, device and version counter
+    (``Tensor._version``: bumped by every in-place op on it or on a view of it, ``copy_`` included) are, and the
+    tensor owning its storage (``_base``, or itself) is the same live object, held by a weak reference (so the
+    address cannot have been freed and reused). Not seen: writes that bump no version counter (through ``.data``,
+    a raw pointer, or a DLPack alias); :func:`unpad` therefore reads a memo only when its caller asks (training
+    forwards, see ``call.serve_padded``). Inference tensors (no version counter) are never remembered.
+    """
+
+    MAX_ENTRIES = 256  # a GradCache step's chunks, with room; the oldest go first
+
+    def __init__(self):
+        self._entries: dict = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(tensors: tuple, flags: tuple):
+        """``(key, owners)`` of a call over ``tensors`` (``None`` entries allowed) with ``flags`` (everything else
+        the checks depend on), or ``None`` when one of them is an inference tensor (or under tracing)."""
+        if torch.compiler.is_compiling():
+            return None
+        sig, owners = [], []
+        for t in tensors:
+            if t is None:
+                sig.append(None)
+                continue
+            if t.is_inference():
+                return None
+            owner = t._base if t._base is not None else t
+            sig.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version))
+            owners.append(owner)
+        return (tuple(sig), flags), tuple(owners)
+
+    def get(self, key, owners) -> list | None:
+        entry = self._entries.get(key)
+        if entry is None or len(entry[0]) != len(owners) or any(r() is not o for r, o in zip(entry[0], owners)):
+            return None
+        return list(entry[1])
+
+    def put(self, key, owners, stats: list) -> None:
+        refs = tuple(weakref.ref(o) for o in owners)
+        with self._lock:
+            if len(self._entries) >= self.MAX_ENTRIES and key not in self._entries:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = (refs, tuple(stats))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+LENGTHS = LengthsMemo()
+
+
 def _raise_if(count: int, message: str, error: type = PackedEncodersError) -> None:
     if count:
         if error is StockOnlyInput:  # its reason must not vary with the count: one warning, one describe() entry
@@ -109,8 +174,9 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
           token_type_ids: torch.Tensor | None, vocab_size: int,
           trailing_query_only: bool = False, leading_stock: bool = False, column_zero_stock: bool = False,
           empty_rows_stock: bool = False, far_padding_stock: int | None = None, before_sync=None,
-          fused: bool = True) -> PackedBatch:
-    """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer.
+          fused: bool = True, remember: bool = False, reuse: bool = False) -> PackedBatch:
+    """Turn a padded ``[B, S]`` call into a :class:`PackedBatch` with one device-to-host transfer (none on a
+    ``reuse`` hit).
 
     The attention mask may pad on either side; positions restart at 0 at each sequence's first real
     token unless ``position_ids`` ``[B, S]`` (or ``[1, S]`` or ``[S]``, broadcast) is given, which is then read
@@ -126,6 +192,9 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     ``cu_seqlens[-1]`` of them the batch's; ``ids`` is ``None`` for ``inputs_embeds``); it must not sync.
     ``fused``: unpad with the Triton kernels where they can take the call (a packed encoder passes its tuning's
     ``fused_unpad``: ``PACKED_ENCODERS_FUSED_UNPAD`` as read at ``pack()``).
+    ``remember``: keep this call's host facts in :data:`LENGTHS` once its checks pass; ``reuse``: take them from
+    there, without the sync, when the same unchanged tensors were unpadded with the same options before (see
+    :class:`LengthsMemo` for what "unchanged" can and cannot see). The device work is the same either way.
 
     Raises:
         StockOnlyInput: a mask with holes inside a sequence, padding before a sequence's real tokens with
@@ -138,6 +207,13 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
             negative ``position_ids``.
     """
     src = input_ids if input_ids is not None else inputs_embeds
+    memo = None
+    if remember or reuse:  # the caller's tensors, before any conversion below makes new ones
+        memo = LengthsMemo.key(
+            (input_ids, attention_mask, position_ids, token_type_ids),
+            (None if inputs_embeds is None else tuple(inputs_embeds.shape), vocab_size, trailing_query_only,
+             leading_stock, column_zero_stock, empty_rows_stock, far_padding_stock))
+    known = LENGTHS.get(*memo) if reuse and memo is not None else None
     if input_ids is not None and input_ids.dim() != 2:
         raise PackedEncodersError(f"input_ids must be [batch, seq_len]; got shape {tuple(input_ids.shape)}")
     if inputs_embeds is not None and inputs_embeds.dim() != 3:
@@ -181,10 +257,12 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     if before_sync is not None:
         before_sync(ids_all, pos_all, cu, key_lens)
     far = trailing_query_only and far_padding_stock is not None and key_lens is not None
-    if far:  # rows with real tokens padded more than far_padding_stock past them (segments: first real token to end)
-        real = key_lens.to(stats_t.dtype)
+    if far and known is None:  # rows with real tokens padded more than far_padding_stock past them
+        real = key_lens.to(stats_t.dtype)  # (segments: first real token to end)
         stats_t = torch.cat((stats_t, ((real > 0) & (stats_t[:b] - real > far_padding_stock)).sum().reshape(1)))
-    stats = stats_t.tolist()  # the one sync
+    stats = stats_t.tolist() if known is None else known  # the one sync, unless the facts are known
+    if remember and memo is not None and known is None:
+        remembered = list(stats)  # stored below, once every check passed
     n_far = stats.pop() if far else 0
     n_zero = stats[b + 6] if position_zero else 0  # (the Triton layout counts them always, the PyTorch one if asked)
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:b + 6]
@@ -209,6 +287,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     _raise_if(n_tt, TOKEN_TYPES)
     _raise_if(n_negpos, "position_ids has {count} negative entries")
 
+    if remember and memo is not None and known is None:
+        LENGTHS.put(*memo, remembered)
     total = sum(host_lens)
     max_seqlen = max(host_lens, default=0)
     max_position = int(max_pos) + 1 if position_ids is not None else max_seqlen

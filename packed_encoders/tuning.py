@@ -25,6 +25,7 @@ PREFIX = "PACKED_ENCODERS_"
 GRAPH_ENV = "PACKED_ENCODERS_GRAPH"                  # =0: no CUDA graph replays (kill switch)
 PRESTAGE_ENV = "PACKED_ENCODERS_GRAPH_PRESTAGE"      # =0: stage a graph's batch after the call's sync
 FUSED_UNPAD_ENV = "PACKED_ENCODERS_FUSED_UNPAD"      # =0: unpad with PyTorch ops instead of two Triton launches
+UNPAD_REUSE_ENV = "PACKED_ENCODERS_UNPAD_REUSE"      # =0: every padded call reads its lengths from the device
 QUACK_GEMM_ENV = "PACKED_ENCODERS_QUACK_GEMM"        # =0: projections stay on cuBLAS
 QUACK_ROPE_ENV = "PACKED_ENCODERS_QUACK_ROPE"        # =0: no RoPE in the q, k projection's epilogue
 FAST_LAUNCH_ENV = "PACKED_ENCODERS_TRITON_FAST_LAUNCH"  # =0: Triton's own launcher
@@ -36,7 +37,8 @@ CACHE_ENV = "PACKED_ENCODERS_CACHE"                  # where calibrated policies
 GRAPH_MEMORY_ENV = "PACKED_ENCODERS_GRAPH_MEMORY"    # fraction of free GPU memory the graphs may hold
 
 # each on / off switch and the Tuning field it sets
-SWITCHES = {GRAPH_ENV: "graphs", PRESTAGE_ENV: "prestage", FUSED_UNPAD_ENV: "fused_unpad", QUACK_GEMM_ENV: "quack_gemm",
+SWITCHES = {GRAPH_ENV: "graphs", PRESTAGE_ENV: "prestage", FUSED_UNPAD_ENV: "fused_unpad",
+            UNPAD_REUSE_ENV: "unpad_reuse", QUACK_GEMM_ENV: "quack_gemm",
             QUACK_ROPE_ENV: "quack_rope", FAST_LAUNCH_ENV: "triton_fast_launch", FUSED_ROPE_ENV: "fused_rope",
             FUSED_GLU_ENV: "fused_glu_gemm", LEAN_ENV: "lean"}
 KNOWN = (*SWITCHES, POLICY_ENV, CACHE_ENV, GRAPH_MEMORY_ENV)
@@ -52,6 +54,8 @@ class Tuning:
         graphs: CUDA-graph replay allowed (``PACKED_ENCODERS_GRAPH`` not off).
         prestage: a graph call copies its batch into the inbox before its host sync.
         fused_unpad: padded calls unpad with the Triton kernels where they can.
+        unpad_reuse: a padded call with gradients over the very input tensors of an earlier call, unchanged, takes
+            that call's lengths without a host sync (``batch.LengthsMemo``; GradCache's second forward).
         quack_gemm, quack_rope: quack's GEMMs (and the RoPE epilogue of the q, k projection) in the op set
             built at ``pack()``.
         triton_fast_launch: the Triton fast launcher (process-wide; the last ``pack()`` sets it).
@@ -70,6 +74,7 @@ class Tuning:
     graphs: bool = True
     prestage: bool = True
     fused_unpad: bool = True
+    unpad_reuse: bool = True
     quack_gemm: bool = True
     quack_rope: bool = True
     triton_fast_launch: bool = True

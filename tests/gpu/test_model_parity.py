@@ -93,6 +93,36 @@ def test_one_host_sync_per_padded_call(model):
         pe.unpack(model)
 
 
+def test_no_host_sync_in_a_gradcache_forward_with_gradients():
+    """GradCache's second forward of a chunk (with gradients, over the views a no-grad forward unpadded) reuses
+    that forward's lengths: neither it nor its backward syncs (the sync would wait for the previous chunk's
+    backward)."""
+    master = make_model("base", dtype=torch.float32, device=DEV).train()
+    ids, mask = _batch([17, 300, 45, 2, 130, 9])
+    pe.pack(master)
+    try:
+        for measured in (False, True):  # the first round compiles and binds the kernels of both passes
+            for a, b in ((0, 3), (3, 6)):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    with torch.no_grad():
+                        ref = master(input_ids=ids[a:b], attention_mask=mask[a:b]).last_hidden_state
+                    torch.cuda.synchronize()
+                    if measured:
+                        torch.cuda.set_sync_debug_mode("warn")
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        out = master(input_ids=ids[a:b], attention_mask=mask[a:b]).last_hidden_state
+                        out.float().sum().backward()
+                    torch.cuda.set_sync_debug_mode(0)
+                syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+                assert not measured or not syncs, [str(w.message)[:120] for w in syncs]
+                cos = token_cosines(out, ref, mask[a:b])
+                assert cos.min() >= 0.999, float(cos.min())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        pe.unpack(master)
+
+
 def test_gradients_bf16_autocast_vs_stock(model):
     """fp32 master weights under bf16 autocast (the training setup): packed vs stock gradients."""
     master = model.float()

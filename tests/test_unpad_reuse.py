@@ -1,0 +1,158 @@
+"""`unpad(remember=, reuse=)`: a call over the same, unchanged input tensors takes the earlier call's lengths
+without the host sync (GradCache's second forward); anything that changed them, or a new tensor, reads them again."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import packed_encoders as pe
+from packed_encoders.batch import LENGTHS, unpad
+from packed_encoders.errors import PackedEncodersError, StockOnlyInput
+from tests.helpers import padded_batch, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo():
+    LENGTHS.clear()
+    yield
+    LENGTHS.clear()
+
+
+@pytest.fixture
+def syncs(monkeypatch):
+    """How many ``Tensor.tolist`` calls (the unpad's one sync) ran."""
+    count = [0]
+    original = torch.Tensor.tolist
+
+    def counted(self):
+        count[0] += 1
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    return count
+
+
+def _unpad(ids, mask, remember=True, reuse=True, **kw):
+    return unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=kw.pop("position_ids", None),
+                 token_type_ids=None, vocab_size=kw.pop("vocab_size", 211), remember=remember, reuse=reuse, **kw)
+
+
+def _same(a, b):
+    assert (a.max_seqlen, a.max_position, a.total_tokens, a.padded_shape) == \
+        (b.max_seqlen, b.max_position, b.total_tokens, b.padded_shape)
+    for name in ("input_ids", "cu_seqlens", "position_ids", "indices", "key_lens"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
+
+
+def test_views_sliced_again_at_the_same_offsets_reuse_the_lengths(syncs):
+    """PyLate / sentence-transformers slice each chunk from the batch's features in both passes: new view objects
+    over the same memory."""
+    ids, mask = padded_batch([3, 7, 1, 5, 2, 6], side="right", pad_to=8)
+    first = _unpad(ids[2:5], mask[2:5])
+    assert syncs[0] == 1
+    again = _unpad(ids[2:5], mask[2:5])
+    assert syncs[0] == 1  # no sync
+    _same(again, first)
+    other = _unpad(ids[0:3], mask[0:3])  # another chunk of the same batch: its own lengths
+    assert syncs[0] == 2 and other.cu_seqlens.tolist() == [0, 3, 10, 11]
+
+
+def test_an_in_place_change_reads_the_lengths_again(syncs):
+    ids, mask = padded_batch([3, 7], side="right", pad_to=8)
+    _unpad(ids, mask)
+    mask[1, 6:] = 0  # through the tensor: its version counter moves
+    b = _unpad(ids, mask)
+    assert syncs[0] == 2 and b.cu_seqlens.tolist() == [0, 3, 9]
+    base_ids = ids.clone()
+    view = base_ids[:, :8]
+    _unpad(view, mask)
+    base_ids[0, 0] = 500  # through the base: a view shares its version counter; id 500 is out of the vocabulary
+    with pytest.raises(PackedEncodersError, match="outside the vocabulary"):
+        _unpad(base_ids[:, :8], mask)
+
+
+def test_a_new_tensor_is_not_mistaken_for_a_freed_one():
+    """The memo holds its tensors weakly: once the owner of the memory is gone, an entry is never read again (the
+    caching allocator may hand the same address to the next tensor)."""
+    ids, mask = padded_batch([3, 7], side="right", pad_to=8)
+    _unpad(ids, mask)
+    key = LENGTHS.key((ids, mask, None, None), (None, 211, False, False, False, False, None))
+    assert LENGTHS.get(*key) is not None
+    sig = key[0]
+    del ids, mask, key
+    gc.collect()
+    ids2, mask2 = padded_batch([4, 4], side="right", pad_to=8)
+    fake_owners = (ids2, mask2)  # whatever sits at those addresses now is another object
+    assert LENGTHS.get(sig, fake_owners) is None
+
+
+@pytest.mark.parametrize("flags", [dict(reuse=False), dict(remember=False)])
+def test_either_flag_off_syncs_every_call(syncs, flags):
+    ids, mask = padded_batch([3, 7], side="right", pad_to=8)
+    _unpad(ids, mask, **flags)
+    _unpad(ids, mask, **flags)
+    assert syncs[0] == 2
+
+
+def test_options_are_part_of_the_key(syncs):
+    ids, mask = padded_batch([3, 7], side="right", pad_to=8)
+    plain = _unpad(ids, mask)
+    trailing = _unpad(ids, mask, trailing_query_only=True)
+    assert syncs[0] == 2 and trailing.total_tokens == 16 and plain.total_tokens == 10
+    with pytest.raises(PackedEncodersError, match="outside the vocabulary"):
+        _unpad(ids, mask, vocab_size=100)  # ids drawn below 211; a smaller vocabulary is checked again
+    pos = torch.arange(8)[None].expand(2, 8) * 3
+    assert _unpad(ids, mask, position_ids=pos).max_position == 19 and syncs[0] == 4
+
+
+def test_failed_calls_are_not_remembered(syncs):
+    ids, mask = padded_batch([3, 7], side="right", pad_to=8)
+    holes = mask.clone()
+    holes[1, 2] = 0
+    for _ in range(2):
+        with pytest.raises(StockOnlyInput):
+            _unpad(ids, holes)
+    assert syncs[0] == 2
+
+
+def test_inference_tensors_are_not_remembered(syncs):
+    with torch.inference_mode():
+        ids, mask = padded_batch([3, 7], side="right", pad_to=8)
+    _unpad(ids, mask)
+    _unpad(ids, mask)
+    assert syncs[0] == 2
+
+
+def test_a_gradcache_loop_on_a_packed_model(syncs, monkeypatch):
+    """The no-grad pass remembers, the pass with gradients over the same slices reuses; the gradients equal
+    those of calls that read their lengths (the switch off, re-packed)."""
+    model = tiny_model().train()
+    pe.pack(model)
+    ids, mask = padded_batch([5, 9, 3, 12, 7, 1], side="right", pad_to=12, vocab_size=model.config.vocab_size)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        chunks = [(0, 3), (3, 6)]
+        with torch.no_grad():
+            reps = [model(input_ids=ids[a:b], attention_mask=mask[a:b]).last_hidden_state for a, b in chunks]
+        before = syncs[0]
+        for (a, b), r in zip(chunks, reps):
+            out = model(input_ids=ids[a:b], attention_mask=mask[a:b]).last_hidden_state
+            torch.testing.assert_close(out, r, rtol=0, atol=0)
+            (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return syncs[0] - before, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reused, grads = step()
+    assert reused == 0
+    monkeypatch.setenv("PACKED_ENCODERS_UNPAD_REUSE", "0")
+    pe.pack(model)
+    assert pe.describe(model)["encoders"][0]["tuning"]["unpad_reuse"] is False
+    read, grads_off = step()
+    assert read == 2
+    assert grads.keys() == grads_off.keys() and len(grads) > 10
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_off[name], rtol=0, atol=0, msg=name)
