@@ -160,6 +160,7 @@ def _measure(step, args, device: str, reps: int, counts: dict, profile_to: Path 
         stats = pstats.Stats(pr, stream=text)
         stats.sort_stats("tottime").print_stats(40)
         stats.sort_stats("cumulative").print_stats(30)
+        stats.sort_stats("ncalls").print_stats(40)  # the many small calls that add up
         profile_to.parent.mkdir(parents=True, exist_ok=True)
         profile_to.write_text(f"cProfile, one call\n{text.getvalue()}\ntorch.profiler, {counts['profiled']} calls\n"
                               f"{table[0]}\n")
