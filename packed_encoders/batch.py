@@ -37,6 +37,7 @@ class PackedBatch:
         key_lens: int32 ``[N]`` or ``None``. When set, only the first ``key_lens[s]`` tokens of sequence ``s``
             are keys; the tokens after them are query-only (they attend, nobody attends to them): HF's
             semantics for trailing positions with ``attention_mask == 0``, which ColBERT query expansion uses.
+        lengths_reused: :func:`unpad` took the host facts from :data:`LENGTHS` (no sync).
     """
 
     input_ids: torch.Tensor | None
@@ -48,6 +49,7 @@ class PackedBatch:
     indices: torch.Tensor | None = None
     padded_shape: tuple[int, int] | None = None
     key_lens: torch.Tensor | None = None
+    lengths_reused: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -101,19 +103,23 @@ class LengthsMemo:
     @staticmethod
     def key(tensors: tuple, flags: tuple):
         """``(key, owners)`` of a call over ``tensors`` (``None`` entries allowed) with ``flags`` (everything else
-        the checks depend on), or ``None`` when one of them is an inference tensor (or under tracing)."""
+        the checks depend on), or ``None`` when one of them is an inference tensor or has no storage or version
+        counter to read (traced, functorch-wrapped or other tensor subclasses)."""
         if torch.compiler.is_compiling():
             return None
         sig, owners = [], []
-        for t in tensors:
-            if t is None:
-                sig.append(None)
-                continue
-            if t.is_inference():
-                return None
-            owner = t._base if t._base is not None else t
-            sig.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version))
-            owners.append(owner)
+        try:
+            for t in tensors:
+                if t is None:
+                    sig.append(None)
+                    continue
+                if t.is_inference() or type(t) is not torch.Tensor:
+                    return None
+                owner = t._base if t._base is not None else t
+                sig.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version))
+                owners.append(owner)
+        except RuntimeError:
+            return None
         return (tuple(sig), flags), tuple(owners)
 
     def get(self, key, owners) -> list | None:
@@ -302,6 +308,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         indices=indices_all[:total],
         padded_shape=(b, s),
         key_lens=key_lens,
+        lengths_reused=known is not None,
     )
 
 

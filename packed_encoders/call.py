@@ -216,6 +216,8 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
                   empty_rows_stock=empty_rows_stock, far_padding_stock=far_padding_stock,
                   before_sync=before_sync, fused=state.tuning.fused_unpad, remember=state.tuning.unpad_reuse,
                   reuse=state.tuning.unpad_reuse and torch.is_grad_enabled())
+    if batch.lengths_reused:
+        state.runtime["unpad_syncs_skipped"] = state.runtime.get("unpad_syncs_skipped", 0) + 1
     hidden = [] if hidden_states else None
     if batch.total_tokens == 0:
         out = empty_output(model, state, input_ids if input_ids is not None else inputs_embeds)

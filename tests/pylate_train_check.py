@@ -105,6 +105,7 @@ def main() -> int:
                     return 1
                 extra = {k: info[k] for k in ("calls", "training") if k in info}
                 print(json.dumps({**case, **result, **extra, "padded_outputs": info["padded_outputs"],
+                                  "unpad_syncs_skipped": info["unpad_syncs_skipped"],
                                   "attention": info["last_attention"],
                                   "seconds": round(time.perf_counter() - start, 1)}), flush=True)
     return 0

@@ -44,6 +44,8 @@ def test_pylate_training_matches_stock():
     for r in results:
         assert r["max_loss_diff"] < 1e-5 and r["max_weight_update"] > 1e-4
         assert "16 wide" in r["padded_outputs"]  # masked query expansion: the expansion tokens are trained too
+        # CachedContrastive's forward with gradients over the chunk its no-grad forward unpadded: no second sync
+        assert (r["unpad_syncs_skipped"] > 0) == (r["loss"] == "cached_contrastive"), r
     # training graphs (route forced as on CUDA): queries, positives and negatives embedded with gradients, three
     # slots pending until the one backward; every such call served by the node, nothing run eagerly
     graphs = results[2]

@@ -62,6 +62,8 @@ def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: boo
     if packed:
         info = pe.describe(model)["encoders"][0]
         assert info["packed"] and info["last_attention"], info  # the packed path really ran
+        # GradCache's second forward of each chunk (with gradients, over the same slices) skips the unpad's sync
+        assert (info["unpad_syncs_skipped"] > 0) == (loss_name == "cached_mnrl"), info["unpad_syncs_skipped"]
     assert model[0].auto_model.is_gradient_checkpointing == checkpointing
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return rec, weights, model

@@ -147,12 +147,12 @@ def test_a_gradcache_loop_on_a_packed_model(syncs, monkeypatch):
         return syncs[0] - before, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     reused, grads = step()
-    assert reused == 0
+    assert reused == 0 and pe.describe(model)["encoders"][0]["unpad_syncs_skipped"] == 2
     monkeypatch.setenv("PACKED_ENCODERS_UNPAD_REUSE", "0")
     pe.pack(model)
     assert pe.describe(model)["encoders"][0]["tuning"]["unpad_reuse"] is False
     read, grads_off = step()
-    assert read == 2
+    assert read == 2 and pe.describe(model)["encoders"][0]["unpad_syncs_skipped"] == 0  # (a new state, re-packed)
     assert grads.keys() == grads_off.keys() and len(grads) > 10
     for name in grads:
         torch.testing.assert_close(grads[name], grads_off[name], rtol=0, atol=0, msg=name)
