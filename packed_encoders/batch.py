@@ -267,8 +267,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         real = key_lens.to(stats_t.dtype)  # (segments: first real token to end)
         stats_t = torch.cat((stats_t, ((real > 0) & (stats_t[:b] - real > far_padding_stock)).sum().reshape(1)))
     stats = stats_t.tolist() if known is None else known  # the one sync, unless the facts are known
-    if remember and memo is not None and known is None:
-        remembered = list(stats)  # stored below, once every check passed
+    remembered = list(stats) if remember and memo is not None and known is None else None  # kept once checked
     n_far = stats.pop() if far else 0
     n_zero = stats[b + 6] if position_zero else 0  # (the Triton layout counts them always, the PyTorch one if asked)
     host_lens, (n_bad, n_holes, n_oov, n_tt, n_negpos, max_pos) = stats[:b], stats[b:b + 6]
@@ -293,7 +292,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     _raise_if(n_tt, TOKEN_TYPES)
     _raise_if(n_negpos, "position_ids has {count} negative entries")
 
-    if remember and memo is not None and known is None:
+    if remembered is not None:
         LENGTHS.put(*memo, remembered)
     total = sum(host_lens)
     max_seqlen = max(host_lens, default=0)
