@@ -235,10 +235,10 @@ def describe(target) -> dict:
     ``kernel_fallbacks``, ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided:
     ``direct``, ``why_checked``, ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``,
     ``stack_off``, ``stack_pointers``, ``stack_pointers_off``, ``dropout``; see :func:`_plan_facts`), ``cuda_graph``,
-    ``tuning`` (the switches read at ``pack()``), ``padded_outputs``, ``read_around`` (what heads around the encoder read besides trailing positions:
-    ``position_zero``, a ``classifier_pooling="cls"`` head's ``"column 0"`` / ``"first real token"`` or ``None``, and
-    ``label_checks``, the classes of the heads whose calls' labels are checked), ``validated`` (``True`` /
-    ``False``: what ``pack()``'s check against stock found;
+    ``tuning`` (the switches read at ``pack()``), ``padded_outputs``, ``read_around`` (what heads around the
+    encoder read besides trailing positions: ``position_zero``, a ``classifier_pooling="cls"`` head's
+    ``"column 0"`` / ``"first real token"`` or ``None``, and ``label_checks``, the classes of the heads whose calls'
+    labels are checked), ``validated`` (``True`` / ``False``: what ``pack()``'s check against stock found;
     ``None``: not validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype
     and device it was checked in).
 
