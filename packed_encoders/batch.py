@@ -79,7 +79,7 @@ class PackedBatch:
 
 class LengthsMemo:
     """The host facts (each row's length, the largest position) of recent :func:`unpad` calls that passed every
-    check, keyed by their input tensors, so a later call over the same, unchanged tensors skips the sync.
+    check, keyed by their input tensors, so one later call over the same, unchanged tensors skips the sync.
 
     GradCache (sentence-transformers' cached losses, PyLate's ``CachedContrastive``) runs every chunk twice: a
     no-grad forward, then a forward with gradients over the same tensors (views sliced from the batch's features
@@ -87,14 +87,16 @@ class LengthsMemo:
     work after it (the training stack's preparation, the weight casts) leaves the GPU idle.
 
     A tensor is the same and unchanged while its data address, shape, strides, dtype, device and version counter
-    (``Tensor._version``: bumped by every in-place op on it or on a view of it, ``copy_`` included) are, and the
-    tensor owning its storage (``_base``, or itself) is the same live object, held by a weak reference (so the
-    address cannot have been freed and reused). Not seen: writes that bump no version counter (through ``.data``,
-    a raw pointer, or a DLPack alias); :func:`unpad` therefore reads a memo only when its caller asks (training
-    forwards, see ``call.serve_padded``). Inference tensors (no version counter) are never remembered.
+    (``Tensor._version``: bumped by every in-place op on it or on a view of it, ``copy_`` and ``out=`` included)
+    are, and the tensor owning its storage (``_base``, or itself) is the same live object, held by a weak reference
+    (so the address cannot have been freed and reused). Not seen: writes that bump no version counter (through
+    ``.data``, ``untyped_storage()``, a raw pointer, or an alias the tensor shares with NumPy or DLPack, e.g.
+    ``torch.from_numpy`` buffers refilled in place). Hence the narrow use (``call.serve_padded``): only a no-grad
+    call of an encoder in train mode is remembered, only a call with gradients reads an entry, and reading it
+    removes it. Inference tensors and tensor subclasses are never keyed.
     """
 
-    MAX_ENTRIES = 256  # a GradCache step's chunks, with room; the oldest go first
+    MAX_ENTRIES = 4096  # chunks x columns of a large GradCache step (e.g. 6,144 texts x 3 columns in chunks of 8)
 
     def __init__(self):
         self._entries: dict = {}
@@ -113,7 +115,7 @@ class LengthsMemo:
                 if t is None:
                     sig.append(None)
                     continue
-                if t.is_inference() or type(t) is not torch.Tensor:
+                if type(t) is not torch.Tensor or t.is_inference():
                     return None
                 owner = t._base if t._base is not None else t
                 sig.append((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version))
@@ -122,8 +124,10 @@ class LengthsMemo:
             return None
         return (tuple(sig), flags), tuple(owners)
 
-    def get(self, key, owners) -> list | None:
-        entry = self._entries.get(key)
+    def take(self, key, owners) -> list | None:
+        """The facts stored under ``key`` for these ``owners`` (removed: an entry serves one call), or ``None``."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
         if entry is None or len(entry[0]) != len(owners) or any(r() is not o for r, o in zip(entry[0], owners)):
             return None
         return list(entry[1])
@@ -131,9 +135,14 @@ class LengthsMemo:
     def put(self, key, owners, stats: list) -> None:
         refs = tuple(weakref.ref(o) for o in owners)
         with self._lock:
-            if len(self._entries) >= self.MAX_ENTRIES and key not in self._entries:
+            self._entries.pop(key, None)  # (re-inserted last: the oldest entries go first)
+            while self._entries and len(self._entries) >= self.MAX_ENTRIES:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = (refs, tuple(stats))
+            if self.MAX_ENTRIES > 0:
+                self._entries[key] = (refs, tuple(stats))
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def clear(self) -> None:
         with self._lock:
@@ -199,7 +208,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     ``fused``: unpad with the Triton kernels where they can take the call (a packed encoder passes its tuning's
     ``fused_unpad``: ``PACKED_ENCODERS_FUSED_UNPAD`` as read at ``pack()``).
     ``remember``: keep this call's host facts in :data:`LENGTHS` once its checks pass; ``reuse``: take them from
-    there, without the sync, when the same unchanged tensors were unpadded with the same options before (see
+    there (once), without the sync, when the same unchanged tensors were unpadded with the same options before (see
     :class:`LengthsMemo` for what "unchanged" can and cannot see). The device work is the same either way.
 
     Raises:
@@ -219,7 +228,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
             (input_ids, attention_mask, position_ids, token_type_ids),
             (None if inputs_embeds is None else tuple(inputs_embeds.shape), vocab_size, trailing_query_only,
              leading_stock, column_zero_stock, empty_rows_stock, far_padding_stock))
-    known = LENGTHS.get(*memo) if reuse and memo is not None else None
+    known = LENGTHS.take(*memo) if reuse and memo is not None else None
     if input_ids is not None and input_ids.dim() != 2:
         raise PackedEncodersError(f"input_ids must be [batch, seq_len]; got shape {tuple(input_ids.shape)}")
     if inputs_embeds is not None and inputs_embeds.dim() != 3:

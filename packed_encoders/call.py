@@ -214,7 +214,9 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
                   vocab_size=_embedding(model).num_embeddings, trailing_query_only=trailing,
                   leading_stock=leading_stock, column_zero_stock=column_zero_stock,
                   empty_rows_stock=empty_rows_stock, far_padding_stock=far_padding_stock,
-                  before_sync=before_sync, fused=state.tuning.fused_unpad, remember=state.tuning.unpad_reuse,
+                  before_sync=before_sync, fused=state.tuning.fused_unpad,
+                  # GradCache: a training step's no-grad forward of a chunk, then its forward with gradients
+                  remember=state.tuning.unpad_reuse and model.training and not torch.is_grad_enabled(),
                   reuse=state.tuning.unpad_reuse and torch.is_grad_enabled())
     if batch.lengths_reused:
         state.runtime["unpad_syncs_skipped"] = state.runtime.get("unpad_syncs_skipped", 0) + 1

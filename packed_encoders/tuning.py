@@ -54,8 +54,9 @@ class Tuning:
         graphs: CUDA-graph replay allowed (``PACKED_ENCODERS_GRAPH`` not off).
         prestage: a graph call copies its batch into the inbox before its host sync.
         fused_unpad: padded calls unpad with the Triton kernels where they can.
-        unpad_reuse: a padded call with gradients over the very input tensors of an earlier call, unchanged, takes
-            that call's lengths without a host sync (``batch.LengthsMemo``; GradCache's second forward).
+        unpad_reuse: a padded call with gradients over the very input tensors of an earlier no-grad call in train
+            mode, unchanged, takes that call's lengths without a host sync (``batch.LengthsMemo``; GradCache's
+            second forward of a chunk).
         quack_gemm, quack_rope: quack's GEMMs (and the RoPE epilogue of the q, k projection) in the op set
             built at ``pack()``.
         triton_fast_launch: the Triton fast launcher (process-wide; the last ``pack()`` sets it).

@@ -1,15 +1,17 @@
-"""`unpad(remember=, reuse=)`: a call over the same, unchanged input tensors takes the earlier call's lengths
+"""`unpad(remember=, reuse=)`: one call over the same, unchanged input tensors takes the earlier call's lengths
 without the host sync (GradCache's second forward); anything that changed them, or a new tensor, reads them again."""
 
 from __future__ import annotations
 
 import gc
+import threading
 
+import numpy as np
 import pytest
 import torch
 
 import packed_encoders as pe
-from packed_encoders.batch import LENGTHS, unpad
+from packed_encoders.batch import LENGTHS, LengthsMemo, unpad
 from packed_encoders.errors import PackedEncodersError, StockOnlyInput
 from tests.helpers import padded_batch, tiny_model
 
@@ -50,15 +52,61 @@ def _same(a, b):
 
 def test_views_sliced_again_at_the_same_offsets_reuse_the_lengths(syncs):
     """PyLate / sentence-transformers slice each chunk from the batch's features in both passes: new view objects
-    over the same memory."""
+    over the same memory. An entry serves one call."""
     ids, mask = padded_batch([3, 7, 1, 5, 2, 6], side="right", pad_to=8)
-    first = _unpad(ids[2:5], mask[2:5])
+    first = _unpad(ids[2:5], mask[2:5], reuse=False)
     assert syncs[0] == 1
-    again = _unpad(ids[2:5], mask[2:5])
-    assert syncs[0] == 1  # no sync
+    again = _unpad(ids[2:5], mask[2:5], remember=False)
+    assert syncs[0] == 1 and again.lengths_reused and not first.lengths_reused  # no sync
     _same(again, first)
+    assert not _unpad(ids[2:5], mask[2:5], remember=False).lengths_reused and syncs[0] == 2  # used up
     other = _unpad(ids[0:3], mask[0:3])  # another chunk of the same batch: its own lengths
-    assert syncs[0] == 2 and other.cu_seqlens.tolist() == [0, 3, 10, 11]
+    assert syncs[0] == 3 and other.cu_seqlens.tolist() == [0, 3, 10, 11]
+
+
+def _cut(m):
+    m[1, 4:] = 0
+
+
+def _cut_no_grad(m):
+    with torch.no_grad():
+        _cut(m)
+
+
+def _cut_inference(m):
+    with torch.inference_mode():
+        _cut(m)
+
+
+EDITS = {  # each shortens row 1 of a [4, 12] mask to 4 tokens, in place
+    "setitem": _cut,
+    "no_grad": _cut_no_grad,
+    "inference_mode": _cut_inference,
+    "out=": lambda m: torch.mul(m, (torch.arange(12) < 4) | (torch.arange(4)[:, None] != 1), out=m),
+    "masked_fill_": lambda m: m.masked_fill_((torch.arange(12) >= 4) & (torch.arange(4)[:, None] == 1), 0),
+    "index_put_": lambda m: m.index_put_((torch.tensor([1]), torch.arange(4, 12)), torch.tensor(0)),
+    "transposed_view_copy_": lambda m: m.t()[4:, 1].copy_(torch.zeros(8, dtype=m.dtype)),
+    "_foreach_copy_": lambda m: torch._foreach_copy_([m[1]], [torch.tensor([1] * 4 + [0] * 8)]),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS.values(), ids=EDITS.keys())
+def test_in_place_edits_are_seen(edit):
+    ids, mask = padded_batch([5, 9, 3, 12], pad_to=12)
+    _unpad(ids[1:3], mask[1:3])
+    edit(mask)
+    b = _unpad(ids[1:3], mask[1:3])
+    assert not b.lengths_reused and b.cu_seqlens.tolist() == [0, 4, 7]
+
+
+def test_writes_through_a_numpy_alias_are_not_seen():
+    """The documented limit (``LengthsMemo``): a write that bumps no version counter. Hence entries only from
+    no-grad calls in train mode, read by calls with gradients, once."""
+    ids, mask = padded_batch([5, 9, 3, 12], pad_to=12)
+    _unpad(ids, mask)
+    version = mask._version
+    mask.numpy()[1, 4:] = 0
+    assert mask._version == version and _unpad(ids, mask).lengths_reused
 
 
 def test_an_in_place_change_reads_the_lengths_again(syncs):
@@ -79,15 +127,50 @@ def test_a_new_tensor_is_not_mistaken_for_a_freed_one():
     """The memo holds its tensors weakly: once the owner of the memory is gone, an entry is never read again (the
     caching allocator may hand the same address to the next tensor)."""
     ids, mask = padded_batch([3, 7], side="right", pad_to=8)
+    flags = (None, 211, False, False, False, False, None)  # unpad's defaults, as _unpad passes them
     _unpad(ids, mask)
-    key = LENGTHS.key((ids, mask, None, None), (None, 211, False, False, False, False, None))
-    assert LENGTHS.get(*key) is not None
-    sig = key[0]
-    del ids, mask, key
+    sig, owners = LengthsMemo.key((ids, mask, None, None), flags)
+    assert LENGTHS.take(sig, owners) is not None  # the key is the one unpad stored
+    _unpad(ids, mask)
+    assert len(LENGTHS) == 1
+    del ids, mask, owners
     gc.collect()
     ids2, mask2 = padded_batch([4, 4], side="right", pad_to=8)
-    fake_owners = (ids2, mask2)  # whatever sits at those addresses now is another object
-    assert LENGTHS.get(sig, fake_owners) is None
+    assert LENGTHS.take(sig, (ids2, mask2)) is None  # whatever sits at those addresses now is another object
+
+
+def test_a_large_gradcache_step_reuses_its_chunks():
+    """More chunk-columns than a small memo would hold (384 here): the no-grad pass stores them in order, the pass
+    with gradients takes them in the same order."""
+    mini, chunks = 2, 192
+    columns = [padded_batch([3 + i % 9 for i in range(mini * chunks)], pad_to=12, seed=c) for c in range(2)]
+    calls = [(i[a:a + mini], m[a:a + mini]) for i, m in columns for a in range(0, mini * chunks, mini)]
+    for i, m in calls:
+        _unpad(i, m, reuse=False)
+    assert sum(_unpad(i, m, remember=False).lengths_reused for i, m in calls) == len(calls)
+
+
+def test_threads_editing_their_own_batches_never_see_stale_lengths():
+    errors = []
+
+    def worker(k):
+        g = torch.Generator().manual_seed(k)
+        ids, mask = padded_batch([3, 9, 4, 12], pad_to=12, seed=k)
+        for _ in range(50):
+            row, n = int(torch.randint(0, 4, (1,), generator=g)), int(torch.randint(1, 13, (1,), generator=g))
+            mask[row] = 0
+            mask[row, :n] = 1
+            _unpad(ids, mask)
+            b = _unpad(ids[1:3], mask[1:3])
+            if b.cu_seqlens.diff().tolist() != mask[1:3].sum(1).tolist():
+                errors.append(k)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
 
 
 @pytest.mark.parametrize("flags", [dict(reuse=False), dict(remember=False)])
@@ -127,12 +210,30 @@ def test_inference_tensors_are_not_remembered(syncs):
     assert syncs[0] == 2
 
 
+def test_non_tensor_token_type_ids_are_ignored_as_before():
+    """Stock ignores ``token_type_ids``; a NumPy array there is not keyed (nor an error)."""
+    model = tiny_model().train()
+    pe.pack(model)
+    ids, mask = padded_batch([5, 9, 3, 12], pad_to=12)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, token_type_ids=np.zeros((4, 12), dtype=np.int64))
+        ref = model(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=0, atol=0)
+
+
 def test_a_gradcache_loop_on_a_packed_model(syncs, monkeypatch):
-    """The no-grad pass remembers, the pass with gradients over the same slices reuses; the gradients equal
-    those of calls that read their lengths (the switch off, re-packed)."""
+    """The no-grad pass (train mode) remembers, the pass with gradients over the same slices reuses, once; the
+    gradients equal those of calls that read their lengths (the switch off, re-packed). Eval-mode and gradient
+    calls are not remembered."""
     model = tiny_model().train()
     pe.pack(model)
     ids, mask = padded_batch([5, 9, 3, 12, 7, 1], side="right", pad_to=12, vocab_size=model.config.vocab_size)
+    model(input_ids=ids[:3], attention_mask=mask[:3])
+    with torch.no_grad():
+        model.eval()
+        model(input_ids=ids[:3], attention_mask=mask[:3])
+        model.train()
+    assert len(LENGTHS) == 0
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -148,6 +249,9 @@ def test_a_gradcache_loop_on_a_packed_model(syncs, monkeypatch):
 
     reused, grads = step()
     assert reused == 0 and pe.describe(model)["encoders"][0]["unpad_syncs_skipped"] == 2
+    before = syncs[0]
+    model(input_ids=ids[:3], attention_mask=mask[:3])  # the entry was used: this call syncs
+    assert syncs[0] == before + 1
     monkeypatch.setenv("PACKED_ENCODERS_UNPAD_REUSE", "0")
     pe.pack(model)
     assert pe.describe(model)["encoders"][0]["tuning"]["unpad_reuse"] is False
