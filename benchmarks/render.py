@@ -409,8 +409,9 @@ def training_markdown(rows: list[dict]) -> str:
                  "time of the step's Python and dispatch, excluding time blocked on the GPU; GPU ms: summed device "
                  "time of its kernels and copies (both from torch.profiler over the profiled steps; see "
                  "benchmarks/training.py), and where a row has it, in brackets, the time the GPU waited inside the "
-                 "step's device span (under the profiler, which slows the host); after the semicolon, where a row has it, the host span by host timers "
-                 "over the timed steps (median), without the profiler's per-op overhead.")
+                 "step's device span (under the profiler, which slows the host); after the semicolon, where a row "
+                 "has it, the host span by host timers over the timed steps (median), without the profiler's per-op "
+                 "overhead.")
     cmds = sorted({r.get("command") for r in rows if r.get("command")})
     parts += [f"Command: `{c}`" for c in cmds]
     return "\n\n".join(parts) + "\n"
