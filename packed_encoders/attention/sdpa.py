@@ -11,6 +11,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Calls of at most this many padded query rows (``[B, H, S, D]``: B x S) run torch's memory-efficient kernel
+# directly. Left to choose, torch takes cuDNN's attention for masked bf16 / fp16 calls on Hopper: it builds a graph
+# for each new shape (85 ms to 1.7 s per first forward + backward of a 16-row batch of a new width, H100, against
+# 2-5 ms here) and its steady host cost is higher too (2.1 ms against 1.6 ms per forward + backward of 16 x 32,
+# gather and scatter included). PyLate's training query chunks (query expansion, ``key_lens``: 16-64 queries of
+# <= 32) meet a new width every few steps. Past ~4k rows of global attention cuDNN's kernel is the faster one
+# (8 x 512: 388 against 543 us of GPU; 8 x 2048: 2.3 against 4.7 ms).
+EFFICIENT_MAX_ROWS = 2048
+_EFFICIENT_ALIGN = 8  # the kernel reads bias rows at 16-byte aligned strides (torch's sdpa pads them alike)
+
 
 def token_coords(cu_seqlens: torch.Tensor, total: int):
     """For each packed token: (sequence index, position within its sequence), int64 on device."""
@@ -29,6 +39,22 @@ def _gather_keys(x: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor) -> to
     sequence's token) and get probability 0, but 0 * NaN is NaN: a non-finite value in one sequence must not
     reach the others (stock HF keeps rows independent)."""
     return _gather(x, idx).masked_fill(~inside.view(*inside.shape, 1, 1), 0)
+
+
+def _attend(q, k, v, allowed: torch.Tensor, dropout_p: float, scale: float) -> torch.Tensor:
+    """Attention of ``q`` ``[B, H, Sq, D]`` over ``k`` / ``v`` ``[B, H, Sk, D]`` where the boolean ``allowed``
+    (broadcast to ``[B, H, Sq, Sk]``) is True; every query row must allow at least one key."""
+    b, heads, sq, _ = q.shape
+    sk = k.shape[2]
+    if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and b * sq <= EFFICIENT_MAX_ROWS
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
+    width = -(-sk // _EFFICIENT_ALIGN) * _EFFICIENT_ALIGN
+    bias = q.new_zeros((*allowed.shape[:-1], width))[..., :sk]
+    bias.masked_fill_(~allowed, float("-inf"))
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias.expand(b, heads, sq, sk), grad, dropout_p, False, scale=scale)[0]
 
 
 def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
@@ -55,8 +81,7 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sca
         key_ok = p[None, :] < klens[:, None]
         has_key = key_ok.any(-1)                                            # [N]
         key_ok = key_ok | ~has_key[:, None]                                 # keep empty rows NaN-free
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=key_ok[:, None, None, :],
-                                             dropout_p=dropout_p, scale=scale)
+        out = _attend(qp, kp, vp, key_ok[:, None, None, :], dropout_p, scale)
         out = out * has_key[:, None, None, None].to(out.dtype)             # no key: zeros, as torch SDPA
         out = out.transpose(1, 2).reshape(n * s, heads, dim)
         return out.index_select(0, seq * s + pos)
@@ -81,8 +106,7 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, sca
     qb = _gather(q, q_idx).view(n * nb, blk, heads, dim).transpose(1, 2)
     kb = _gather_keys(k, k_idx, k_in).view(n * nb, 3 * blk, heads, dim).transpose(1, 2)
     vb = _gather_keys(v, k_idx, k_in).view(n * nb, 3 * blk, heads, dim).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.view(n * nb, 1, blk, 3 * blk),
-                                         dropout_p=dropout_p, scale=scale)
+    out = _attend(qb, kb, vb, mask.view(n * nb, 1, blk, 3 * blk), dropout_p, scale)
     # A query with no key in its window (query-only tokens past the window) gets zeros, as torch SDPA gives HF.
     out = out * has_key.view(n * nb, 1, blk, 1).to(out.dtype)
     out = out.transpose(1, 2).reshape(n * sp, heads, dim)

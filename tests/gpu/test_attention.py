@@ -87,6 +87,32 @@ def test_backward_matches_reference(name, heads, head_dim, window):
     assert bool((err <= allowed).all()), f"{name}: dq/dk/dv err {err.tolist()} > {allowed.tolist()}"
 
 
+@pytest.mark.parametrize("window", [None, 64, 3])
+@pytest.mark.parametrize("efficient", [True, False])
+def test_sdpa_small_calls_either_kernel_with_key_lens(monkeypatch, window, efficient):
+    """Small sdpa calls (ColBERT query chunks in training: query-only tails, ``key_lens``) take torch's
+    memory-efficient kernel directly; larger ones torch's own choice. Both within the parity rule, forward and
+    dq / dk / dv, with rows whose tails have no key in their window (zeros, as stock)."""
+    from packed_encoders.attention import sdpa
+
+    monkeypatch.setattr(sdpa, "EFFICIENT_MAX_ROWS", 1 << 30 if efficient else 0)
+    lengths, key_lens = [32, 17, 32, 9, 1, 30, 25, 32], [12, 17, 3, 9, 1, 20, 2, 31]
+    qkv, q, k, v, cu, smax = inputs(lengths, 12, 64, torch.bfloat16, grad=True)
+    kl = torch.tensor(key_lens, dtype=torch.int32, device="cuda")
+    scale = 64 ** -0.5
+    out = sdpa.sdpa_varlen(q, k, v, cu, smax, window=window, scale=scale, key_lens=kl)
+    err, allowed = parity(out, q, k, v, cu, window, key_lens=kl)
+    assert err <= allowed, f"forward: max err {err:.4g} > {allowed:.4g}"
+    dout = torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    got = _grads(lambda: sdpa.sdpa_varlen(q, k, v, cu, smax, window=window, scale=scale, key_lens=kl), qkv, dout)
+    leaf32 = qkv.detach().float().requires_grad_(True)
+    q32, k32, v32 = leaf32.unbind(1)
+    ref = _grads(lambda: attention_ref(q32, k32, v32, cu, window, scale, kl), leaf32, dout)
+    same = _grads(lambda: attention_same_dtype(q, k, v, cu, window, scale, kl), qkv, dout)
+    err = (got - ref).abs().amax(dim=(0, 2, 3))
+    assert bool((err <= 2 * (same - ref).abs().amax(dim=(0, 2, 3)) + 1e-3).all()), err.tolist()
+
+
 def test_triton_isolation_determinism_and_tiles():
     lengths = [7, 12, 9, 64, 65, 1, 128, 129, 40]
     _, q, k, v, cu, smax = inputs(lengths, 12, 64, torch.bfloat16)
