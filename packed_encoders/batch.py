@@ -93,7 +93,10 @@ class LengthsMemo:
     ``.data``, ``untyped_storage()``, a raw pointer, or an alias the tensor shares with NumPy or DLPack, e.g.
     ``torch.from_numpy`` buffers refilled in place). Hence the narrow use (``call.serve_padded``): only a no-grad
     call of an encoder in train mode is remembered, only a call with gradients reads an entry, and reading it
-    removes it. Inference tensors and tensor subclasses are never keyed.
+    removes it. Inference tensors and tensor subclasses are never keyed. Should such a write happen anyway, a call on
+    the CPU (where reading the device facts costs no sync) compares them with the entry and raises
+    :data:`STALE_LENGTHS`; on CUDA the call's layout is bounded by the entry (``_in_bounds``): wrong values, never an
+    index past a buffer or a table.
     """
 
     MAX_ENTRIES = 4096  # chunks x columns of a large GradCache step (e.g. 6,144 texts x 3 columns in chunks of 8)
@@ -275,6 +278,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     if far and known is None:  # rows with real tokens padded more than far_padding_stock past them
         real = key_lens.to(stats_t.dtype)  # (segments: first real token to end)
         stats_t = torch.cat((stats_t, ((real > 0) & (stats_t[:b] - real > far_padding_stock)).sum().reshape(1)))
+    if known is not None and device.type == "cpu" and stats_t[:b + 6].numpy().tolist() != known[:b + 6]:
+        raise PackedEncodersError(STALE_LENGTHS)  # (no GPU to wait for: the remembered facts are checked)
     stats = stats_t.tolist() if known is None else known  # the one sync, unless the facts are known
     remembered = list(stats) if remember and memo is not None and known is None else None  # kept once checked
     n_far = stats.pop() if far else 0
@@ -306,6 +311,10 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     total = sum(host_lens)
     max_seqlen = max(host_lens, default=0)
     max_position = int(max_pos) + 1 if position_ids is not None else max_seqlen
+    if known is not None:
+        cu, ids_all, pos_all, indices_all, key_lens = _in_bounds(
+            total, int(max_seqlen), max(int(max_position), 1), vocab_size, b * s, cu, ids_all, pos_all, indices_all,
+            key_lens)
     return PackedBatch(
         input_ids=None if ids_all is None else ids_all[:total],
         inputs_embeds=None if embeds_all is None else embeds_all[:total],
@@ -318,6 +327,29 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
         key_lens=key_lens,
         lengths_reused=known is not None,
     )
+
+
+# A reused entry whose tensors were written without a version bump (LengthsMemo: .data, NumPy or DLPack aliases)
+STALE_LENGTHS = ("the inputs of this call with gradients changed since the no-grad call whose lengths it reuses, by "
+                 "writes that bump no version counter (through .data, a raw pointer or a NumPy / DLPack alias): edit "
+                 "the tensors themselves (under torch.no_grad()), pass new ones, or set PACKED_ENCODERS_UNPAD_REUSE=0")
+
+
+def _in_bounds(total: int, max_seqlen: int, max_position: int, vocab_size: int, slots: int, cu, ids, positions,
+               indices, key_lens):
+    """The device layout of a call that reused remembered lengths, bounded by them without a sync: every
+    sequence at most ``max_seqlen`` long and all of them within the first ``total`` rows (``cu_seqlens``), ids in
+    the vocabulary, positions below ``max_position``, indices within the padded call, ``key_lens`` within each
+    sequence. Unchanged inputs are unchanged by it; inputs written since without a version bump (what
+    :class:`LengthsMemo` cannot see) get wrong values, never an index past a buffer or a table. Returns
+    ``(cu_seqlens, ids, positions, indices, key_lens)`` (``ids``, ``positions``, ``indices``: ``total`` rows, new
+    tensors)."""
+    lens = (cu[1:] - cu[:-1]).clamp_(0, max_seqlen)
+    cu = torch.cat((cu[:1], lens.cumsum(0))).clamp_(0, total).to(torch.int32)
+    if key_lens is not None:
+        key_lens = torch.minimum(key_lens, cu[1:] - cu[:-1])
+    return (cu, None if ids is None else ids[:total].clamp(0, vocab_size - 1),
+            positions[:total].clamp(0, max_position - 1), indices[:total].clamp(0, slots - 1), key_lens)
 
 
 @functools.cache
