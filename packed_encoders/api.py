@@ -231,7 +231,8 @@ def describe(target) -> dict:
     last call's backend per layer kind: ``"global"`` and ``"window N"``, ``N`` the half window, keys within
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
     reason), ``unpad_syncs_skipped`` (calls with gradients that reused an earlier call's lengths instead of
-    syncing: ``batch.LengthsMemo``), ``attention_policy``, ``kernels`` / ``kernels_reason``, ``gemm``,
+    syncing: ``batch.LengthsMemo``), ``restarting_position_ids_calls`` (calls of batch 1 without a mask read as
+    several sequences from their restarting ``position_ids``), ``attention_policy``, ``kernels`` / ``kernels_reason``, ``gemm``,
     ``kernel_fallbacks``, ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided:
     ``direct``, ``why_checked``, ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``,
     ``stack_off``, ``stack_pointers``, ``stack_pointers_off``, ``dropout``; see :func:`_plan_facts`), ``cuda_graph``,
@@ -268,6 +269,7 @@ def describe(target) -> dict:
                 "attention_fallbacks": list(state.last_fallbacks),
                 "stock_forward_calls": dict(state.runtime.get("stock_forward_calls", {})),
                 "unpad_syncs_skipped": state.runtime.get("unpad_syncs_skipped", 0),
+                "restarting_position_ids_calls": state.runtime.get("restarting_position_ids_calls", 0),
                 "attention_policy": None if state.policy is None else state.policy.name,
                 "kernels": state.ops.name,
                 "kernels_reason": state.ops_reason,

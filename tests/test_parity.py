@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -188,10 +190,37 @@ def test_hf_packed_kwargs_and_packed_position_ids():
         pe.pack(model)
         out = model(input_ids=flat_ids, position_ids=pos[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(),
                     max_length_q=max(lengths), max_length_k=max(lengths), seq_idx=torch.zeros(1)).last_hidden_state
-        by_pos = model(input_ids=flat_ids, position_ids=pos[None]).last_hidden_state
+        with pytest.warns(RuntimeWarning, match="restart at 0"):  # base_like: not loaded with FlashAttention
+            by_pos = model(input_ids=flat_ids, position_ids=pos[None]).last_hidden_state
     assert out.shape == (1, sum(lengths), model.config.hidden_size)
     torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(by_pos[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_restarting_position_ids_are_counted_and_warned_where_stock_reads_one_sequence():
+    model = pe.pack(make_model("base_like", attn_implementation="sdpa"))
+    ids, cu, pos = _packed_inputs([5, 12])
+    flat = torch.cat(ids)[None]
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=flat, position_ids=torch.arange(flat.shape[1])[None])  # one sequence: as stock
+        assert not caught and pe.describe(model)["encoders"][0]["restarting_position_ids_calls"] == 0
+        model(input_ids=flat, position_ids=pos[None])
+        model(input_ids=flat, position_ids=pos[None])
+    assert [str(w.message) for w in caught if "restart at 0" in str(w.message)] and len(caught) == 1, caught
+    assert caught[0].filename == __file__  # the warning names this call
+    assert pe.describe(model)["encoders"][0]["restarting_position_ids_calls"] == 2
+    # loaded with FlashAttention, stock reads the restarts too: counted, not warned
+    from types import SimpleNamespace
+
+    from packed_encoders.adapters.hf_call import _note_restarts
+
+    flash = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
+    state = SimpleNamespace(runtime={})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _note_restarts(flash, state)
+    assert not caught and state.runtime["restarting_position_ids_calls"] == 1
 
 
 def test_sequences_are_isolated():

@@ -172,6 +172,20 @@ def _stock_fallback(model, state, reason: str, args, kwargs):
     return type(model).forward(model, *args, **kwargs)
 
 
+def _note_restarts(model, state) -> None:
+    """A call read as several sequences from its restarting ``position_ids`` (batch 1, no mask, no
+    ``cu_seq_lens_q``): counted (``describe()["encoders"][i]["restarting_position_ids_calls"]``), and warned once
+    where stock would read it as one sequence (every attention implementation but FlashAttention's)."""
+    n = state.runtime["restarting_position_ids_calls"] = state.runtime.get("restarting_position_ids_calls", 0) + 1
+    impl = getattr(model.config, "_attn_implementation", None)
+    if n == 1 and not str(impl).startswith("flash"):
+        warnings.warn(
+            "packed_encoders: position_ids that restart at 0 in a call of batch 1 without attention_mask start a new "
+            "sequence at every 0 (the FlashAttention packing convention, as transformers' flash_attention_2 reads "
+            f"them); stock with attn_implementation={impl!r} attends across them. Pass an attention_mask to have one "
+            "sequence", RuntimeWarning, stacklevel=_caller_stacklevel())
+
+
 def hf_forward(model: nn.Module, *args, **kwargs):
     """Drop-in for ``type(model).forward(model, *args, **kwargs)`` running the packed path."""
     state = model._packed_encoders
@@ -243,6 +257,8 @@ def hf_forward(model: nn.Module, *args, **kwargs):
     if packed or src.dim() == (1 if input_ids is not None else 2):
         batch, squeeze = _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids,
                                        token_type_ids, packed_kw)
+        if not packed_kw and position_ids is not None and batch.num_seqs > 1:
+            _note_restarts(model, state)
         hidden = [] if output_hidden_states else None
         if batch.total_tokens == 0:
             out = empty_output(model, state, src)
