@@ -232,10 +232,11 @@ def describe(target) -> dict:
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
     reason), ``unpad_syncs_skipped`` (calls with gradients that reused an earlier call's lengths instead of
     syncing: ``batch.LengthsMemo``), ``restarting_position_ids_calls`` (calls of batch 1 without a mask read as
-    several sequences from their restarting ``position_ids``), ``attention_policy``, ``kernels`` / ``kernels_reason``, ``gemm``,
-    ``kernel_fallbacks``, ``kernel_substitutions``, ``eager_plan`` (what the last eager call's plan decided:
-    ``direct``, ``why_checked``, ``glu``, ``linear``, ``pointers``, ``pointers_off``, ``blocks``, ``stack``,
-    ``stack_off``, ``stack_pointers``, ``stack_pointers_off``, ``dropout``; see :func:`_plan_facts`), ``cuda_graph``,
+    several sequences from their restarting ``position_ids``), ``attention_policy``, ``kernels`` /
+    ``kernels_reason``, ``gemm``, ``kernel_fallbacks``, ``kernel_substitutions``, ``eager_plan`` (what the last
+    eager call's plan decided: ``direct``, ``why_checked``, ``glu``, ``linear``, ``pointers``, ``pointers_off``,
+    ``blocks``, ``stack``, ``stack_off``, ``stack_pointers``, ``stack_pointers_off``, ``dropout``; see
+    :func:`_plan_facts`), ``cuda_graph``,
     ``tuning`` (the switches read at ``pack()``), ``padded_outputs``, ``read_around`` (what heads around the
     encoder read besides trailing positions: ``position_zero``, a ``classifier_pooling="cls"`` head's
     ``"column 0"`` / ``"first real token"`` or ``None``, and ``label_checks``, the classes of the heads whose calls'
