@@ -10,6 +10,7 @@ when the caller lets :func:`unpad` reuse the host facts of an earlier call on th
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 import threading
 import weakref
@@ -95,8 +96,8 @@ class LengthsMemo:
     call of an encoder in train mode is remembered, only a call with gradients reads an entry, and reading it
     removes it. Inference tensors and tensor subclasses are never keyed. Should such a write happen anyway, a call on
     the CPU (where reading the device facts costs no sync) compares them with the entry and raises
-    :data:`STALE_LENGTHS`; on CUDA the call's layout is bounded by the entry (``_in_bounds``): wrong values, never an
-    index past a buffer or a table.
+    :data:`STALE_LENGTHS`; on CUDA the call's layout is made to agree with the entry (``_in_bounds``): wrong values,
+    never an index past a buffer or a table.
     """
 
     MAX_ENTRIES = 4096  # chunks x columns of a large GradCache step (e.g. 6,144 texts x 3 columns in chunks of 8)
@@ -313,8 +314,7 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     max_position = int(max_pos) + 1 if position_ids is not None else max_seqlen
     if known is not None:
         cu, ids_all, pos_all, indices_all, key_lens = _in_bounds(
-            total, int(max_seqlen), max(int(max_position), 1), vocab_size, b * s, cu, ids_all, pos_all, indices_all,
-            key_lens)
+            host_lens, max(int(max_position), 1), vocab_size, b * s, device, ids_all, pos_all, indices_all, key_lens)
     return PackedBatch(
         input_ids=None if ids_all is None else ids_all[:total],
         inputs_embeds=None if embeds_all is None else embeds_all[:total],
@@ -335,17 +335,19 @@ STALE_LENGTHS = ("the inputs of this call with gradients changed since the no-gr
                  "the tensors themselves (under torch.no_grad()), pass new ones, or set PACKED_ENCODERS_UNPAD_REUSE=0")
 
 
-def _in_bounds(total: int, max_seqlen: int, max_position: int, vocab_size: int, slots: int, cu, ids, positions,
-               indices, key_lens):
-    """The device layout of a call that reused remembered lengths, bounded by them without a sync: every
-    sequence at most ``max_seqlen`` long and all of them within the first ``total`` rows (``cu_seqlens``), ids in
-    the vocabulary, positions below ``max_position``, indices within the padded call, ``key_lens`` within each
+def _in_bounds(host_lens: list, max_position: int, vocab_size: int, slots: int, device, ids, positions, indices,
+               key_lens):
+    """The device layout of a call that reused remembered lengths, made to agree with them without a sync:
+    ``cu_seqlens`` from the remembered lengths (a copy from pinned memory that does not wait), ids in the
+    vocabulary, positions below ``max_position``, indices within the padded call, ``key_lens`` within each
     sequence. Unchanged inputs are unchanged by it; inputs written since without a version bump (what
     :class:`LengthsMemo` cannot see) get wrong values, never an index past a buffer or a table. Returns
-    ``(cu_seqlens, ids, positions, indices, key_lens)`` (``ids``, ``positions``, ``indices``: ``total`` rows, new
-    tensors)."""
-    lens = (cu[1:] - cu[:-1]).clamp_(0, max_seqlen)
-    cu = torch.cat((cu[:1], lens.cumsum(0))).clamp_(0, total).to(torch.int32)
+    ``(cu_seqlens, ids, positions, indices, key_lens)`` (``ids``, ``positions``, ``indices``: ``sum(host_lens)``
+    rows, new tensors)."""
+    total = sum(host_lens)
+    bounds = torch.tensor(list(itertools.accumulate(host_lens, initial=0)), dtype=torch.int32,
+                          pin_memory=device.type == "cuda")
+    cu = bounds.to(device, non_blocking=True)
     if key_lens is not None:
         key_lens = torch.minimum(key_lens, cu[1:] - cu[:-1])
     return (cu, None if ids is None else ids[:total].clamp(0, vocab_size - 1),

@@ -70,6 +70,23 @@ def test_key_lens_query_only_tails(window):
         assert out[6 + 12 + 5 + 2 + 3:].abs().max() == 0  # sequence 4, rows past key 1 + window 3: no key
 
 
+def test_small_sdpa_calls_leave_torchs_choice_where_its_efficient_kernel_is_off_or_missing(monkeypatch):
+    """Small CUDA calls take the memory-efficient kernel directly only where torch's own choice could: not when
+    the user switched it off, nor bf16 below sm_80 (torch has no such kernel there)."""
+    from packed_encoders.attention import sdpa
+
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(sdpa, "_capability", lambda index: (9, 0))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert not sdpa._efficient_kernel(cuda0, torch.bfloat16)
+    assert sdpa._efficient_kernel(cuda0, torch.bfloat16) is (torch.version.hip is None)
+    monkeypatch.setattr(sdpa, "_capability", lambda index: (7, 5))
+    assert not sdpa._efficient_kernel(cuda0, torch.bfloat16)
+    assert sdpa._efficient_kernel(cuda0, torch.float16) is (torch.version.hip is None)
+
+
 # ------------------------------------------------------------------------------------------------ triton kernel
 
 SMALL = TileConfig(16, 16)  # small tiles: many tile boundaries on tiny inputs

@@ -114,25 +114,30 @@ def test_writes_without_a_version_bump_are_not_seen_by_the_memo(edit):
 
 
 def test_a_stale_layout_stays_inside_its_buffers():
-    """On CUDA nothing is read back: a reused call's device layout (here one whose mask grew and shrank since,
-    written without a version bump) is bounded by the remembered lengths, so every kernel after it reads and
-    writes inside its buffers and tables (wrong values, not an index past them)."""
+    """On CUDA nothing is read back: a reused call's device layout (here one whose mask changed since, written
+    without a version bump) is made to agree with the remembered lengths, so every kernel after it reads and writes
+    inside its buffers and tables (wrong values, not an index past them)."""
+    from packed_encoders.attention.sdpa import sdpa_varlen
     from packed_encoders.batch import _in_bounds
 
-    cu = torch.tensor([0, 7, 9, 30], dtype=torch.int32)  # the device's lengths now: 7, 2, 21 (30 tokens)
+    # cu_seqlens come from the remembered lengths, whatever the device computed (its mask may have grown or shrunk)
     ids = torch.tensor([4, -3, 900, 7] + [1] * 27)         # 31 rows (B * S + 1), some never written (garbage)
     positions = torch.arange(31) * 5 - 20
     indices = torch.arange(31) * 3 - 2
     key_lens = torch.tensor([9, 1, 25], dtype=torch.int32)
-    # remembered: lengths 5, 3, 4 (12 tokens, longest 5), positions below 6, a [3, 10] call, vocabulary 100
-    got_cu, got_ids, got_pos, got_idx, got_kl = _in_bounds(12, 5, 6, 100, 30, cu, ids, positions, indices, key_lens)
-    assert got_cu.dtype == torch.int32 and got_cu.tolist() == [0, 5, 7, 12]
+    # remembered: lengths 5, 3, 4 (12 tokens), positions below 6, a [3, 10] call, vocabulary 100
+    got_cu, got_ids, got_pos, got_idx, got_kl = _in_bounds([5, 3, 4], 6, 100, 30, torch.device("cpu"), ids,
+                                                           positions, indices, key_lens)
+    assert got_cu.dtype == torch.int32 and got_cu.tolist() == [0, 5, 8, 12]
     assert got_ids.shape == (12,) and int(got_ids.min()) >= 0 and int(got_ids.max()) < 100
     assert int(got_pos.min()) >= 0 and int(got_pos.max()) < 6 and got_pos.shape == (12,)
     assert int(got_idx.min()) >= 0 and int(got_idx.max()) < 30 and got_idx.shape == (12,)
-    assert got_kl.tolist() == [5, 1, 5]
+    assert got_kl.tolist() == [5, 1, 4]
     assert ids[1] == -3 and positions[0] == -20  # the streams themselves are not written
-    same = _in_bounds(12, 5, 6, 100, 30, got_cu, got_ids, got_pos, got_idx, got_kl)
+    q = torch.randn(12, 2, 8)
+    for window in (None, 1):  # the attention after it stays in its rows
+        assert sdpa_varlen(q, q, q, got_cu, 5, window=window, scale=0.3, key_lens=got_kl).shape == q.shape
+    same = _in_bounds([5, 3, 4], 6, 100, 30, torch.device("cpu"), got_ids, got_pos, got_idx, got_kl)
     assert all(torch.equal(a, b) for a, b in zip(same, (got_cu, got_ids, got_pos, got_idx, got_kl)))
 
 

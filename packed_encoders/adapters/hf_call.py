@@ -174,15 +174,15 @@ def _stock_fallback(model, state, reason: str, args, kwargs):
 
 def _note_restarts(model, state) -> None:
     """A call read as several sequences from its restarting ``position_ids`` (batch 1, no mask, no
-    ``cu_seq_lens_q``): counted (``describe()["encoders"][i]["restarting_position_ids_calls"]``), and warned once
-    where stock would read it as one sequence (every attention implementation but FlashAttention's)."""
+    ``cu_seq_lens_q``): counted (``describe()["encoders"][i]["restarting_position_ids_calls"]``) and warned once.
+    Stock ModernBERT reads such a call as one sequence whatever its attention implementation (its layers get the
+    positions for RoPE only, so even FlashAttention-2 sees no restart)."""
     n = state.runtime["restarting_position_ids_calls"] = state.runtime.get("restarting_position_ids_calls", 0) + 1
-    impl = getattr(model.config, "_attn_implementation", None)
-    if n == 1 and not str(impl).startswith("flash"):
+    if n == 1:
         warnings.warn(
             "packed_encoders: position_ids that restart at 0 in a call of batch 1 without attention_mask start a new "
-            "sequence at every 0 (the FlashAttention packing convention, as transformers' flash_attention_2 reads "
-            f"them); stock with attn_implementation={impl!r} attends across them. Pass an attention_mask to have one "
+            "sequence at every 0 (the FlashAttention packing convention of transformers' flattening collators); "
+            "stock ModernBERT attends across them. Pass cu_seq_lens_q to say so, or an attention_mask to have one "
             "sequence", RuntimeWarning, stacklevel=_caller_stacklevel())
 
 

@@ -8,6 +8,8 @@ through one constant ``[window, 3 * window]`` band, so memory grows with tokens 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -41,13 +43,29 @@ def _gather_keys(x: torch.Tensor, idx: torch.Tensor, inside: torch.Tensor) -> to
     return _gather(x, idx).masked_fill(~inside.view(*inside.shape, 1, 1), 0)
 
 
+def _efficient_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's own choice could take its memory-efficient kernel here: the user has not switched it off
+    (``torch.backends.cuda.enable_mem_efficient_sdp``, ``sdpa_kernel``), a CUDA (not ROCm) build, and for bf16 an
+    sm_80+ card (torch has no bf16 kernel below)."""
+    if not torch.backends.cuda.mem_efficient_sdp_enabled() or torch.version.hip is not None:
+        return False
+    return dtype is not torch.bfloat16 or _capability(device.index if device.index is not None else
+                                                      torch.cuda.current_device()) >= (8, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _attend(q, k, v, allowed: torch.Tensor, dropout_p: float, scale: float) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, Sq, D]`` over ``k`` / ``v`` ``[B, H, Sk, D]`` where the boolean ``allowed``
     (broadcast to ``[B, H, Sq, Sk]``) is True; every query row must allow at least one key."""
     b, heads, sq, _ = q.shape
     sk = k.shape[2]
     if not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and b * sq <= EFFICIENT_MAX_ROWS
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256):
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
+            and _efficient_kernel(q.device, q.dtype)):  # (traced: inductor picks the kernel)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale)
     width = -(-sk // _EFFICIENT_ALIGN) * _EFFICIENT_ALIGN
     bias = q.new_zeros((*allowed.shape[:-1], width))[..., :sk]
