@@ -230,7 +230,8 @@ def test_a_capture_warms_up_on_an_empty_inbox(inbox_graphs, monkeypatch, left_be
         pos = torch.cat([torch.arange(5), torch.arange(6)])
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a failed capture warns
-            model(input_ids=ids[None], position_ids=pos[None])  # captures a seqlen-16 bucket
+            cu = torch.tensor([0, 5, 11], dtype=torch.int32)
+            model(input_ids=ids[None], position_ids=pos[None], cu_seq_lens_q=cu, max_length_q=6)  # a seqlen-16 bucket
     info = pe.describe(model)["encoders"][0]["cuda_graph"]
     assert not info["capture_failures"] and info["misses"] >= 1
 
