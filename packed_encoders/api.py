@@ -14,7 +14,7 @@ from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import install, own_state, replaced_forward, restore
 from .adapters.state import PackOptions, forward_bypassed, get_state
-from .adapters.structure import structure_check
+from .adapters.structure import snapshot, structure_check, structure_problem
 from .batch import check_embeds_dtype, from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
 from .configure import make_state, params_of, read_around
@@ -98,6 +98,11 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     encoders = find_encoders(target)
     planned, kept = [], []
     for path, model in encoders:
+        # first: what follows reads the module tree (the weights' device), which a wrapper in a slot may not hold
+        params = params_of(model)
+        problem, _ = structure_problem(model, params, None)
+        if problem is not None:
+            raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
         current = own_state(model)  # (a shallow copy's is its original's: a new state for the copy)
         tuning = read_tuning(_device(model))
         # the same options, switches and config: the state is kept (its graphs and validation), and only what the
@@ -108,16 +113,13 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         stale = (validate and current is not None
                  and _validated(current.report, model.embeddings.tok_embeddings.weight) is None)
         if (current is not None and current.options == options and same_switches(current.tuning, tuning)
-                and current.params == params_of(model) and not (validate and validation_lengths is not None)
+                and current.params == params and not (validate and validation_lengths is not None)
                 and not stale):
             kept.append((model, current))
             continue
         state = make_state(model, options, target, tuning)  # with what the heads and wrappers around it read
-        # whatever validate is; with no problem the snapshot is taken now, so graphs precaptured at pack() carry
-        # the module tree the first call checks against
-        problem = structure_check(model, state)
-        if problem is not None:
-            raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
+        # the snapshot taken now, so graphs precaptured at pack() carry the module tree the first call checks
+        state.runtime["structure"] = snapshot(model, state.params)
         if validate and model.embeddings.tok_embeddings.weight.is_meta:
             raise PackedEncodersError(f"cannot validate {path or type(model).__name__}: its weights are on the meta "
                                       "device (no values to compare); load them first, or pack with validate=False")
@@ -249,7 +251,10 @@ def describe(target) -> dict:
     """
     out = []
     for path, model in find_encoders(target):
-        weight = model.embeddings.tok_embeddings.weight
+        try:
+            weight = model.embeddings.tok_embeddings.weight
+        except AttributeError:  # a wrapper put in its slot since pack(): calls run stock, and this says why
+            weight = next(model.parameters())
         state = get_state(model)
         entry = {"path": path, "packed": state is not None, "device": str(weight.device),
                  "dtype": str(weight.dtype).replace("torch.", "")}

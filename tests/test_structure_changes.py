@@ -130,6 +130,50 @@ def test_container_subclass_with_its_own_forward_runs_stock(slot):
     _assert_runs_stock(model, f"{cls.__qualname__}, whose forward is not HF's")
 
 
+class Scaled(nn.Module):
+    """A plain wrapper (an ablation or adapter experiment): none of HF's attribute names, its own forward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        return (out[0] * 0.5, *out[1:]) if isinstance(out, tuple) else out * 0.5
+
+
+WRAPPED = ["layers.1", "layers.1.attn", "layers.1.mlp", "embeddings", "embeddings.tok_embeddings"]
+
+
+def _wrap(model, path):
+    parent, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent) if parent else model
+    parent._modules[name] = Scaled(parent._modules[name])
+
+
+@pytest.mark.parametrize("path", WRAPPED)
+def test_pack_refuses_a_plain_wrapper_in_a_slot_naming_it(path):
+    model = _model()
+    _wrap(model, path)
+    with pytest.raises(pe.UnsupportedTargetError, match=rf"cannot pack .*: {re.escape(path)} is a .*Scaled"):
+        pe.pack(model)
+    assert not pe.is_packed(model)
+
+
+@pytest.mark.parametrize("path", [p for p in WRAPPED if p != "layers.1"])  # (stock cannot run a wrapped layer)
+def test_a_plain_wrapper_put_in_after_pack_runs_stock(path):
+    model = _packed_and_called()
+    _wrap(model, path)
+    _assert_runs_stock(model, rf"{re.escape(path)} is a .*Scaled")
+
+
+def test_pack_refuses_a_missing_module_naming_it():
+    model = _model()
+    del model.layers[1].mlp.drop
+    with pytest.raises(pe.UnsupportedTargetError, match="layers.1.mlp.drop is missing"):
+        pe.pack(model)
+
+
 def test_subclass_without_its_own_forward_stays_packed():
     model = _packed_and_called()
     new = QuietMLP(model.config)

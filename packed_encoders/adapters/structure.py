@@ -2,9 +2,10 @@
 
 The packed forward reads parameters straight off the HF modules and never calls their ``forward``. Anything that
 would run in stock HF's forward but not in the packed one is found here: a module replaced (a LoRA wrapper, a
-quantised Linear, a container such as ``ModernBertMLP`` replaced by a subclass with its own ``forward``, FSDP2
-sharding a module inside the encoder: ``adapters.fsdp``), a ``forward`` set on a module instance, a hook of any kind (forward, forward-pre, backward,
-backward-pre; per module or global) on a module the packed path skips (the rotary embedding included), layers
+quantised Linear, a container such as ``ModernBertMLP`` replaced by a subclass with its own ``forward`` or by a
+wrapper, FSDP2 sharding a module inside the encoder: ``adapters.fsdp``) or deleted, a ``forward`` set on a module
+instance, a hook of any kind (forward, forward-pre, backward, backward-pre; per module or global) on a module the
+packed path skips (the rotary embedding included), layers
 reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, attention
 projections of another shape (pruned heads), token embedding options the packed lookup does not apply (``max_norm``,
 ``scale_grad_by_freq``, ``sparse``), and the config values that transformers reads on every call (the sliding window,
@@ -41,28 +42,37 @@ _DROPOUT = (nn.Identity, nn.Dropout)
 _ACT = "act"
 
 
-def _expected(model: nn.Module) -> list[tuple[str, nn.Module, object]]:
+def _child(parent: nn.Module | None, name: str) -> nn.Module | None:
+    """``parent``'s submodule ``name`` (from ``_modules``: a wrapper that proxies attributes does not count), or
+    ``None`` where ``parent`` is missing or has none."""
+    return None if parent is None else parent._modules.get(name)
+
+
+def _expected(model: nn.Module) -> list[tuple[str, nn.Module | None, object]]:
     """``(path, module, kind)`` for every module whose forward the packed path skips. ``kind``: a tuple of the
-    exact leaf types it reproduces, the name of the HF container class whose forward it reproduces, or :data:`_ACT`."""
-    emb = model.embeddings
+    exact leaf types it reproduces, the name of the HF container class whose forward it reproduces, or :data:`_ACT`.
+    ``module`` is ``None`` where the slot is empty; a container listed before its children, so a wrapper put in
+    its place (which holds none of HF's children) is the problem found first."""
+    emb = _child(model, "embeddings")
     items = [("embeddings", emb, "ModernBertEmbeddings"),
-             ("embeddings.tok_embeddings", emb.tok_embeddings, (nn.Embedding,)),
-             ("embeddings.norm", emb.norm, _NORM), ("embeddings.drop", emb.drop, _DROPOUT),
-             ("final_norm", model.final_norm, _NORM)]
+             ("embeddings.tok_embeddings", _child(emb, "tok_embeddings"), (nn.Embedding,)),
+             ("embeddings.norm", _child(emb, "norm"), _NORM), ("embeddings.drop", _child(emb, "drop"), _DROPOUT),
+             ("final_norm", _child(model, "final_norm"), _NORM)]
     if "rotary_emb" in model._modules:  # transformers v5: one rotary module for the model
         items.append(("rotary_emb", model.rotary_emb, "ModernBertRotaryEmbedding"))
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}"
+        attn, mlp = _child(layer, "attn"), _child(layer, "mlp")
         items += [(p, layer, "ModernBertEncoderLayer"),
-                  (f"{p}.attn_norm", layer.attn_norm, (nn.Identity, nn.LayerNorm)),
-                  (f"{p}.attn", layer.attn, "ModernBertAttention"), (f"{p}.attn.Wqkv", layer.attn.Wqkv, _LINEAR),
-                  (f"{p}.attn.Wo", layer.attn.Wo, _LINEAR),
-                  (f"{p}.attn.out_drop", layer.attn.out_drop, _DROPOUT),
-                  (f"{p}.mlp_norm", layer.mlp_norm, _NORM), (f"{p}.mlp", layer.mlp, "ModernBertMLP"),
-                  (f"{p}.mlp.Wi", layer.mlp.Wi, _LINEAR), (f"{p}.mlp.Wo", layer.mlp.Wo, _LINEAR),
-                  (f"{p}.mlp.act", layer.mlp.act, _ACT), (f"{p}.mlp.drop", layer.mlp.drop, _DROPOUT)]
-        if "rotary_emb" in layer.attn._modules:  # transformers v4: one per attention module
-            items.append((f"{p}.attn.rotary_emb", layer.attn.rotary_emb, "ModernBertRotaryEmbedding"))
+                  (f"{p}.attn_norm", _child(layer, "attn_norm"), (nn.Identity, nn.LayerNorm)),
+                  (f"{p}.attn", attn, "ModernBertAttention"), (f"{p}.attn.Wqkv", _child(attn, "Wqkv"), _LINEAR),
+                  (f"{p}.attn.Wo", _child(attn, "Wo"), _LINEAR),
+                  (f"{p}.attn.out_drop", _child(attn, "out_drop"), _DROPOUT),
+                  (f"{p}.mlp_norm", _child(layer, "mlp_norm"), _NORM), (f"{p}.mlp", mlp, "ModernBertMLP"),
+                  (f"{p}.mlp.Wi", _child(mlp, "Wi"), _LINEAR), (f"{p}.mlp.Wo", _child(mlp, "Wo"), _LINEAR),
+                  (f"{p}.mlp.act", _child(mlp, "act"), _ACT), (f"{p}.mlp.drop", _child(mlp, "drop"), _DROPOUT)]
+        if attn is not None and "rotary_emb" in attn._modules:  # transformers v4: one per attention module
+            items.append((f"{p}.attn.rotary_emb", attn.rotary_emb, "ModernBertRotaryEmbedding"))
     return items
 
 
@@ -361,6 +371,8 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
         return problem, False
     hf = _hf_module(model)
     for path, m, kind in _expected(model):
+        if m is None:
+            return (f"{path} is missing (stock HF's forward reads it; the packed path reads its parameters)"), False
         problem = (_kind_problem(path, m, kind, hf, params) or _embedding_problem(path, m)
                    or _attention_shape_problem(path, m, params) or _hooks_problem(path, m))
         if problem is not None:
