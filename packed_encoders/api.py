@@ -17,7 +17,7 @@ from .adapters.state import PackOptions, forward_bypassed, get_state
 from .adapters.structure import snapshot, structure_check, structure_problem
 from .batch import check_embeds_dtype, from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
-from .configure import make_state, params_of, read_around
+from .configure import device_of, make_state, params_of, read_around
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .graph_check import check_graph_path
 from .graphs.config import normalize as normalize_graph_option
@@ -104,7 +104,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         if problem is not None:
             raise UnsupportedTargetError(f"cannot pack {path or type(model).__name__}: {problem}")
         current = own_state(model)  # (a shallow copy's is its original's: a new state for the copy)
-        tuning = read_tuning(_device(model))
+        tuning = read_tuning(device_of(model))
         # the same options, switches and config: the state is kept (its graphs and validation), and only what the
         # target's heads and wrappers read is applied below (a config edited since, e.g. a new local_attention,
         # makes a new state; the packed path otherwise runs stock for the unexpected geometry); lengths to
@@ -160,19 +160,15 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         around.forget(target, packed)
     around.mark_readers(packed)
     token_labels.sync(_heads(target, packed))
-    idle = sorted({str(_device(model)) for model, state in planned
+    idle = sorted({str(device_of(model)) for model, state in planned
                    if state.options.cuda_graph is not None and not state.options.graph_auto
-                   and _device(model).type != "cuda"})
+                   and device_of(model).type != "cuda"})
     if idle:
         warnings.warn(f"pack(cuda_graph=...): the model is on {', '.join(idle)}; CUDA graphs start once it is on a "
                       "CUDA device, calls run eagerly until then (describe(model)['encoders'][i]['cuda_graph']"
                       "['idle_reason'])", stacklevel=2)
     precapture_encoders(planned)
     return target
-
-
-def _device(model: nn.Module) -> torch.device:
-    return model.embeddings.tok_embeddings.weight.device
 
 
 def unpack(target):
