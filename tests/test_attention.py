@@ -84,7 +84,60 @@ def test_small_sdpa_calls_leave_torchs_choice_where_its_efficient_kernel_is_off_
     assert sdpa._efficient_kernel(cuda0, torch.bfloat16) is (torch.version.hip is None)
     monkeypatch.setattr(sdpa, "_capability", lambda index: (7, 5))
     assert not sdpa._efficient_kernel(cuda0, torch.bfloat16)
-    assert sdpa._efficient_kernel(cuda0, torch.float16) is (torch.version.hip is None)
+X, [([6, 12, 0, 5, 9], [4, 12, 0, 1, 2]), ([3], [3]), ([1, 1], [1, 0]),
+                                              ([32] * 4, [5, 32, 1, 17])])
+def test_key_layout_is_flash_attentions_view_of_query_only_tails(lengths, key_lens):
+    """The varlen backend's query-only tails: each sequence's first ``key_lens`` tokens become its own key
+    sequence (``cu_seqlens_k``). Attention with separate query / key sequences over them (FlashAttention's varlen
+    contract, fp32 per sequence here) equals the ``key_lens`` reference."""
+    from packed_encoders.attention import flash
+
+    q, k, v, cu, smax = packed(lengths, heads=2, head_dim=8, dtype=torch.float32)
+    kl = torch.tensor(key_lens, dtype=torch.int32, device=DEV)
+    cu_k, src, real = flash.key_layout(cu, kl, q.shape[0])
+    n_keys = sum(key_lens)
+    assert cu_k.dtype == torch.int32 and cu_k.tolist() == [sum(key_lens[:i]) for i in range(len(key_lens) + 1)]
+    assert real.tolist() == [j < n_keys for j in range(q.shape[0])]
+    starts = cu.tolist()
+    assert src[:n_keys].tolist() == [starts[s] + p for s, n in enumerate(key_lens) for p in range(n)]
+    assert bool((src[n_keys:] == 0).all())
+    k2, v2 = k.index_select(0, src), v.index_select(0, src)
+    out = torch.zeros_like(q)
+    bounds = cu_k.tolist()
+    for s in range(len(lengths)):
+        rows, keys = slice(starts[s], starts[s + 1]), slice(bounds[s], bounds[s + 1])
+        if keys.stop > keys.start:
+            att = torch.einsum("qhd,khd->hqk", q[rows], k2[keys]) * 8 ** -0.5
+            out[rows] = torch.einsum("hqk,khd->qhd", att.softmax(-1), v2[keys])
+    check(out, q, k, v, cu, None, key_lens=kl)
+
+
+def test_keys_only_backward_drops_the_rows_past_the_last_key():
+    """FlashAttention leaves the key / value gradients of rows past the last key unwritten; whatever they hold,
+    nothing of them reaches token 0 (where those rows were gathered from)."""
+    from packed_encoders.attention import flash
+
+    q, k, v, cu, smax = packed([6, 12, 5], heads=2, head_dim=8, dtype=torch.float32)
+    k, v = k.detach().clone().requires_grad_(True), v.detach().clone().requires_grad_(True)
+    kl = torch.tensor([4, 12, 1], dtype=torch.int32, device=DEV)
+    cu_k, k2, v2 = flash._keys_only(k, v, cu, kl, None)
+    grad = torch.ones_like(k2)
+    grad[17:] = float("nan")  # rows past the 17 keys
+    torch.autograd.backward((k2, v2), (grad, grad))
+    for g in (k.grad, v.grad):
+        assert bool(g.isfinite().all())
+        assert g[:4].eq(1).all() and g[4:6].eq(0).all() and g[6:18].eq(1).all() and g[18:19].eq(1).all()
+        assert g[19:].eq(0).all()
+    with pytest.raises(ValueError, match="window"):
+        flash._keys_only(k, v, cu, kl, 64)
+
+
+def test_varlen_takes_key_lens_on_global_layers_only():
+    varlen = dataclasses.replace(BACKENDS["varlen"], availability=lambda: None)
+    w = Workload(4, 100, 32, 12, 64, None, True, torch.bfloat16, "cuda", query_only=True)
+    assert varlen.why_not(w) is None
+    assert "global layers only" in varlen.why_not(dataclasses.replace(w, window=8))
+    assert BACKENDS["sdpa"].why_not(dataclasses.replace(w, window=8)) is None
 
 
 # ------------------------------------------------------------------------------------------------ triton kernel

@@ -3,9 +3,10 @@
 Every backend takes ``q, k, v`` ``[T, heads, head_dim]``, ``cu_seqlens`` int32 ``[N + 1]``, the host int
 ``max_seqlen``, ``window`` (half window or ``None`` for global) and ``scale``; it returns ``[T, heads, head_dim]``.
 Backends with ``supports_key_lens`` also take ``key_lens`` int32 ``[N]``: only the first ``key_lens[s]`` tokens
-of each sequence are keys (the rest are query-only, see ``PackedBatch.key_lens``). Backends with ``fuses_rope``
-also take ``rope=(cos, sin, rows)`` with unrotated ``q, k`` and apply the rotary embedding themselves, forward only
-(:meth:`Backend.fuse_rope` says when the packed forward hands it over).
+of each sequence are keys (the rest are query-only, see ``PackedBatch.key_lens``; with ``key_lens_local`` False,
+on global layers only). Backends with ``fuses_rope`` also take ``rope=(cos, sin, rows)`` with unrotated ``q, k``
+and apply the rotary embedding themselves, forward only (:meth:`Backend.fuse_rope` says when the packed forward
+hands it over).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class Backend:
     availability: Callable[[], str | None]
     envelope: Callable[[Workload], str | None]
     supports_key_lens: bool = False
+    # key_lens on local layers too (False: global layers only, and local ones whose window covers the call)
+    key_lens_local: bool = True
     fuses_rope: bool = False  # fn takes rope=(cos, sin, rows) with unrotated q, k (forward only, no grad)
     # fn without its per-call argument checks, for forwards that produced q, k, v, cu_seqlens and the RoPE tables
     # themselves in the layouts fn checks for (model/plan.py's unchecked no-grad path); None: fn is cheap already
@@ -93,6 +96,9 @@ class Backend:
             reason = f"{self.name} cannot apply attention dropout (attention_dropout > 0 in train mode)"
         if reason is None and w.query_only and not self.supports_key_lens:
             reason = f"{self.name} cannot mask query-only tokens out of the keys (ColBERT query expansion)"
+        if reason is None and w.query_only and w.window is not None and not self.key_lens_local:
+            reason = (f"{self.name} masks query-only tokens out of the keys on global layers only (with fewer keys "
+                      "than queries it aligns a window to a sequence's last key)")
         return reason if reason is not None else self.envelope(w)
 
 
@@ -116,7 +122,8 @@ def _fa4_envelope(w: Workload) -> str | None:
 BACKENDS: dict[str, Backend] = {
     "sdpa": Backend("sdpa", sdpa.sdpa_varlen, True, True, lambda: None, lambda w: None, supports_key_lens=True),
     "varlen": Backend("varlen", flash.torch_varlen, True, False, flash.torch_varlen_status, _flash_envelope,
-                      direct=flash.torch_varlen_direct, direct_grad=True),
+                      supports_key_lens=True, key_lens_local=False, direct=flash.torch_varlen_direct,
+                      direct_grad=True),
     "fa4": Backend("fa4", flash.fa4_varlen, True, False, flash.fa4_status, _fa4_envelope,
                    finite_v=flash.fa4_varlen_finite_v),
 }

@@ -44,20 +44,54 @@ def fa4_status() -> str | None:
     return None
 
 
+def key_layout(cu_seqlens: torch.Tensor, key_lens: torch.Tensor, total: int):
+    """Query-only tails (``key_lens``, ColBERT query expansion) as FlashAttention's own key sequences, made on the
+    device (no sync): ``(cu_seqlens_k int32 [N + 1], src int64 [total], real bool [total])``. Row ``j`` of
+    ``k.index_select(0, src)`` is token ``src[j]``: the first ``key_lens[s]`` tokens of sequence ``s`` become rows
+    ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``; rows past the last key (``real`` False) repeat token 0 and are never
+    read."""
+    n = key_lens.numel()
+    cu_k = torch.zeros(n + 1, dtype=torch.int32, device=key_lens.device)
+    cu_k[1:] = key_lens.cumsum(0)
+    ends = cu_k[1:].long()
+    j = torch.arange(total, device=key_lens.device)
+    seq = torch.searchsorted(ends, j, right=True).clamp_(max=max(n - 1, 0))
+    real = j < ends[-1]
+    src = torch.where(real, cu_seqlens.long()[seq] + j - cu_k.long()[seq], 0)
+    return cu_k, src, real
+
+
+def _keys_only(k, v, cu_seqlens, key_lens, window):
+    """``(cu_seqlens_k, k, v)`` of the keys only (:func:`key_layout`); global attention only: with fewer keys
+    than queries FlashAttention aligns a window to a sequence's last key, not its first."""
+    if window is not None:
+        raise ValueError("key_lens with a local window: FlashAttention aligns the window to the last key")
+    cu_k, src, real = key_layout(cu_seqlens, key_lens, k.shape[0])
+    keep = real.view(-1, 1, 1)
+    # torch.where, not a product: the backward zeroes the rows past the last key, whose key / value gradients
+    # the kernel leaves unwritten, before they are added into token 0's
+    return cu_k, torch.where(keep, k.index_select(0, src), 0), torch.where(keep, v.index_select(0, src), 0)
+
+
 def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
-                 dropout_p: float = 0.0) -> torch.Tensor:
-    """torch ``varlen_attn``; ``q, k, v`` ``[T, heads, head_dim]`` bf16/fp16 CUDA, ``cu_seqlens`` int32."""
+                 dropout_p: float = 0.0, key_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """torch ``varlen_attn``; ``q, k, v`` ``[T, heads, head_dim]`` bf16/fp16 CUDA, ``cu_seqlens`` int32;
+    ``key_lens`` (int32 ``[N]``, global layers only): only the first ``key_lens[s]`` tokens of sequence ``s`` are
+    keys (a query with none gets zeros)."""
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout_p:
         raise ValueError("torch varlen_attn has no attention dropout")
+    cu_k = cu_seqlens
+    if key_lens is not None:
+        cu_k, k, v = _keys_only(k, v, cu_seqlens, key_lens, window)
     ws = (-1, -1) if window is None else (int(window), int(window))
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, int(max_seqlen), int(max_seqlen),
+    return varlen_attn(q, k, v, cu_seqlens, cu_k, int(max_seqlen), int(max_seqlen),
                        scale=scale, window_size=ws)
 
 
 def torch_varlen_direct(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
-                        dropout_p: float = 0.0) -> torch.Tensor:
+                        dropout_p: float = 0.0, key_lens: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`torch_varlen` without ``varlen_attn``'s Python custom ops, for the packed forward's unchecked no-grad
     path and its per-block training path: the FlashAttention-2 forward op that ``varlen_attn`` runs
     (``aten::_flash_attention_forward``), called directly. With gradients it records aten's own C++ autograd node,
@@ -68,9 +102,12 @@ def torch_varlen_direct(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | N
     if dropout_p:
         raise ValueError("torch varlen_attn has no attention dropout")
     if torch.compiler.is_compiling():
-        return torch_varlen(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale)
+        return torch_varlen(q, k, v, cu_seqlens, max_seqlen, window=window, scale=scale, key_lens=key_lens)
+    cu_k = cu_seqlens
+    if key_lens is not None:
+        cu_k, k, v = _keys_only(k, v, cu_seqlens, key_lens, window)
     ws = -1 if window is None else int(window)
-    return _FLASH_FORWARD(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale,
+    return _FLASH_FORWARD(q, k, v, cu_seqlens, cu_k, max_seqlen, max_seqlen, 0.0, False, False, scale=scale,
                           window_size_left=ws, window_size_right=ws)[0]
 
 

@@ -185,7 +185,9 @@ class RectRunner:
             self.fused = fused_unpad_available(device) if fused is None else fused
             if dead_padding is None:
                 dead_padding = all(d.backend == "triton" for d in self.plan.values())
-            elif dead_padding and not all(BACKENDS[d.backend].supports_key_lens for d in self.plan.values()):
+            elif dead_padding and not all(BACKENDS[d.backend].supports_key_lens
+                                          and (w is None or BACKENDS[d.backend].key_lens_local)
+                                          for w, d in self.plan.items()):
                 raise ValueError(f"dead_padding needs key_lens support; the plan is {self.plan_summary}")
             self.dead_padding = dead_padding
             forward = rect_forward_fn(model, params, state.ops, self.plan, bucket, self.bufs, fused=self.fused,

@@ -114,6 +114,35 @@ def test_sdpa_small_calls_either_kernel_with_key_lens(monkeypatch, window, effic
     assert bool((err <= allowed).all()), f"dq/dk/dv err {err.tolist()} > {allowed.tolist()}"
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_varlen_key_lens_on_global_layers(direct):
+    """torch's FlashAttention-2 with query-only tails (ColBERT query expansion in training): each sequence's keys
+    gathered into their own key sequence. Forward and dq / dk / dv within the parity rule, a sequence whose
+    queries have no key included (zeros, as stock); a local window is refused."""
+    from packed_encoders.attention import flash
+
+    if not available("varlen"):
+        pytest.skip("varlen unavailable")
+    fn = flash.torch_varlen_direct if direct else flash.torch_varlen
+    lengths, key_lens = [32, 17, 32, 9, 1, 30, 25, 32, 5], [12, 17, 3, 9, 1, 20, 2, 31, 0]
+    qkv, q, k, v, cu, smax = inputs(lengths, 12, 64, torch.bfloat16, grad=True)
+    kl = torch.tensor(key_lens, dtype=torch.int32, device="cuda")
+    scale = 64 ** -0.5
+    out = fn(q, k, v, cu, smax, window=None, scale=scale, key_lens=kl)
+    err, allowed = parity(out, q, k, v, cu, None, key_lens=kl)
+    assert err <= allowed, f"forward: max err {err:.4g} > {allowed:.4g}"
+    dout = torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    got = _grads(lambda: fn(q, k, v, cu, smax, window=None, scale=scale, key_lens=kl), qkv, dout)
+    leaf32 = qkv.detach().float().requires_grad_(True)
+    q32, k32, v32 = leaf32.unbind(1)
+    ref = _grads(lambda: attention_ref(q32, k32, v32, cu, None, scale, kl), leaf32, dout)
+    same = _grads(lambda: attention_same_dtype(q, k, v, cu, None, scale, kl), qkv, dout)
+    err = (got - ref).abs().amax(dim=(0, 2, 3))
+    assert bool((err <= 2 * (same - ref).abs().amax(dim=(0, 2, 3)) + 1e-3).all()), err.tolist()
+    with pytest.raises(ValueError, match="window"):
+        fn(q, k, v, cu, smax, window=8, scale=scale, key_lens=kl)
+
+
 def test_triton_isolation_determinism_and_tiles():
     lengths = [7, 12, 9, 64, 65, 1, 128, 129, 40]
     _, q, k, v, cu, smax = inputs(lengths, 12, 64, torch.bfloat16)

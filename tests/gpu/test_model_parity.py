@@ -155,6 +155,43 @@ def test_gradients_bf16_autocast_vs_stock(model):
         master.to(torch.bfloat16).eval()
 
 
+def test_query_expansion_training_call_vs_stock(model):
+    """ColBERT query expansion in training (``padded_outputs=32``: trailing masked positions computed as
+    query-only tokens, as PyLate's CachedContrastive re-forwards its query chunks): under bf16 autocast with
+    gradients, every position's output (trailing ones included) and the last layer's gradients match stock, and
+    the call's attention is FlashAttention-2 with the tails' keys gathered, not sdpa."""
+    master = model.float()
+    ids, mask = padded_batch([12, 30, 5, 32, 17, 9], "right", vocab_size=50000, device=DEV)
+    torch.manual_seed(2)
+    target = torch.randn(*ids.shape, model.config.hidden_size, device=DEV)
+
+    def run(fn):
+        master.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn()
+        ((out.float() - target) ** 2).mean().backward()  # every position counts, trailing ones too
+        return out.detach().float(), {n: p.grad.float().clone() for n, p in master.named_parameters()
+                                      if p.grad is not None}
+
+    master.train()
+    try:
+        ref_out, ref = run(lambda: master(input_ids=ids, attention_mask=mask,
+                                          position_ids=stock_positions(mask)).last_hidden_state)
+        pe.pack(master, padded_outputs=32)
+        got_out, got = run(lambda: master(input_ids=ids, attention_mask=mask).last_hidden_state)
+        info = pe.describe(master)["encoders"][0]
+        assert set(info["last_attention"].values()) == {"varlen"}, info["last_attention"]
+        cos = torch.nn.functional.cosine_similarity(got_out.flatten(0, 1), ref_out.flatten(0, 1), dim=-1)
+        assert cos.min() >= 0.999, float(cos.min())
+        last = master.config.num_hidden_layers - 1
+        for name in [n for n in ref if n.startswith(f"layers.{last}.") or n.startswith("final_norm")]:
+            c = torch.nn.functional.cosine_similarity(got[name].flatten(), ref[name].flatten(), dim=0)
+            assert c > 0.99, (name, float(c))
+    finally:
+        pe.unpack(master)
+        master.to(torch.bfloat16).eval()
+
+
 def test_cpu_labels_of_a_cuda_call_get_the_stock_loss():
     """Labels on the CPU with a CUDA mask (stock's heads move them to the logits' device): the label check reads
     them all the same, so labels at trailing padded positions get the computed positions, and stock's loss."""
