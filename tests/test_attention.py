@@ -84,7 +84,10 @@ def test_small_sdpa_calls_leave_torchs_choice_where_its_efficient_kernel_is_off_
     assert sdpa._efficient_kernel(cuda0, torch.bfloat16) is (torch.version.hip is None)
     monkeypatch.setattr(sdpa, "_capability", lambda index: (7, 5))
     assert not sdpa._efficient_kernel(cuda0, torch.bfloat16)
-X, [([6, 12, 0, 5, 9], [4, 12, 0, 1, 2]), ([3], [3]), ([1, 1], [1, 0]),
+    assert sdpa._efficient_kernel(cuda0, torch.float16) is (torch.version.hip is None)
+
+
+@pytest.mark.parametrize("lengths,key_lens", [([6, 12, 0, 5, 9], [4, 12, 0, 1, 2]), ([3], [3]), ([1, 1], [1, 0]),
                                               ([32] * 4, [5, 32, 1, 17])])
 def test_key_layout_is_flash_attentions_view_of_query_only_tails(lengths, key_lens):
     """The varlen backend's query-only tails: each sequence's first ``key_lens`` tokens become its own key
@@ -110,6 +113,18 @@ def test_key_layout_is_flash_attentions_view_of_query_only_tails(lengths, key_le
             att = torch.einsum("qhd,khd->hqk", q[rows], k2[keys]) * 8 ** -0.5
             out[rows] = torch.einsum("hqk,khd->qhd", att.softmax(-1), v2[keys])
     check(out, q, k, v, cu, None, key_lens=kl)
+
+
+def test_key_layout_counts_a_sequences_own_tokens_only():
+    """A CUDA graph's static ``key_lens`` keeps the bucket's length (here 32) for the dummy sequences that fill it:
+    the key rows stay within each sequence and within the tokens."""
+    from packed_encoders.attention import flash
+
+    cu = torch.tensor([0, 20, 40, 60, 128, 128, 128, 128, 128], dtype=torch.int32)  # 3 chunks, a 68-token dummy
+    kl = torch.tensor([10, 10, 10, 32, 32, 32, 32, 32], dtype=torch.int32)
+    cu_k, src, real = flash.key_layout(cu, kl, 128)
+    assert cu_k.tolist() == [0, 10, 20, 30, 62, 62, 62, 62, 62]
+    assert int(src.max()) < 128 and int(real.sum()) == 62
 
 
 def test_keys_only_backward_drops_the_rows_past_the_last_key():

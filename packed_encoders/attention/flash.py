@@ -49,10 +49,11 @@ def key_layout(cu_seqlens: torch.Tensor, key_lens: torch.Tensor, total: int):
     device (no sync): ``(cu_seqlens_k int32 [N + 1], src int64 [total], real bool [total])``. Row ``j`` of
     ``k.index_select(0, src)`` is token ``src[j]``: the first ``key_lens[s]`` tokens of sequence ``s`` become rows
     ``cu_seqlens_k[s]:cu_seqlens_k[s + 1]``; rows past the last key (``real`` False) repeat token 0 and are never
-    read."""
+    read. A ``key_lens`` entry past its sequence's end counts that sequence's tokens only (a CUDA graph's static
+    ``key_lens`` keeps the bucket's length for its dummy sequences)."""
     n = key_lens.numel()
     cu_k = torch.zeros(n + 1, dtype=torch.int32, device=key_lens.device)
-    cu_k[1:] = key_lens.cumsum(0)
+    cu_k[1:] = torch.minimum(key_lens.long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()).cumsum(0)
     ends = cu_k[1:].long()
     j = torch.arange(total, device=key_lens.device)
     seq = torch.searchsorted(ends, j, right=True).clamp_(max=max(n - 1, 0))
