@@ -372,7 +372,7 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
     hf = _hf_module(model)
     for path, m, kind in _expected(model):
         if m is None:
-            return (f"{path} is missing (stock HF's forward reads it; the packed path reads its parameters)"), False
+            return f"{path} is missing (stock HF's forward reads it; the packed path reads its parameters)", False
         problem = (_kind_problem(path, m, kind, hf, params) or _embedding_problem(path, m)
                    or _attention_shape_problem(path, m, params) or _hooks_problem(path, m))
         if problem is not None:
