@@ -9,7 +9,7 @@ from torch import nn
 
 from .adapters import around, token_labels
 from .adapters.dynamo import outside_dynamo
-from .adapters.fsdp import gathered
+from .adapters.fsdp import sharded, gathered
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import install, own_state, replaced_forward, restore
@@ -323,6 +323,28 @@ def _single_encoder(model) -> nn.Module:
     return encoders[0][1]
 
 
+def _bypassed_wrapper(model: nn.Module, encoder: nn.Module) -> str | None:
+    """What a distributed wrapper's own forward would have done that a direct ``packed_forward`` skips: DDP's
+    gradient all-reduce (its forward prepares the reducer; without it each rank keeps its local gradients), FSDP's
+    weight all-gather (the encoder's weights are still shards). Looked for only in a torch.distributed world."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = next((type(m).__name__ for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+    if ddp is not None:
+        return (f"the model is wrapped in {ddp}, whose forward prepares the gradient all-reduce that a direct call "
+                "skips (each rank would keep its own gradients): call packed_forward on the wrapped module from "
+                "inside its forward (the module DDP wraps), or call the DDP model")
+    if sharded(encoder):
+        return ("the encoder's weights are sharded (DTensor, e.g. FSDP2's fully_shard), which the sharded module's "
+                "forward gathers and a direct call does not: call packed_forward from inside that module's forward, "
+                "or call the model")
+    return None
+
+
 # packed_forward reads cu_seqlens on the host and picks its kernels and graphs per call, as the patched HF forward does:
 # under torch.compile it runs as it is, outside the compiled graph (traced, every host read would break the graph, a
 # graph per fragment and token count); an exported graph could only record the example's segmentation, so a
@@ -358,7 +380,9 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
             int nor a 0-d integer tensor), ids outside the vocabulary, ``inputs_embeds`` of another shape or dtype;
             ``params`` other than the model's; a model changed since ``pack()`` in a way the packed forward would
             skip (a forward hook, a wrapped or swapped submodule, pruned layers, a new
-            ``config.local_attention`` or ``config.layer_types``).
+            ``config.local_attention`` or ``config.layer_types``); in a ``torch.distributed`` world, a model wrapped
+            in ``DistributedDataParallel`` or an encoder whose weights are sharded (their wrapper's forward, which
+            a direct call skips, all-reduces the gradients / gathers the weights).
     """
     if torch.compiler.is_dynamo_compiling():  # also a strict torch.export, which dynamo traces (adapters.patch)
         return outside_dynamo(packed_forward, _PACKED_FORWARD_UNTRACEABLE)(
@@ -367,6 +391,9 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
     if torch.compiler.is_exporting():
         raise PackedEncodersError(_PACKED_FORWARD_UNTRACEABLE)
     encoder = _single_encoder(model)
+    problem = _bypassed_wrapper(model, encoder)
+    if problem is not None:
+        raise PackedEncodersError(f"packed_forward: {problem}")
     state = get_state(encoder)
     if state is not None:
         raise_earlier_errors(state)  # of earlier sync-free graph calls (never waits)

@@ -284,6 +284,26 @@ def _fsdp_check(rank, world, ref):
     return out
 
 
+def _packed_forward_check(rank, world):
+    """packed_forward called directly on what a distributed wrapper's forward would prepare: refused, naming it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import packed_encoders as pe
+
+    ids = torch.randint(5, 100, (12,), device=DEVICE)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    out = {}
+    for name, make in (("ddp", lambda: DDP(pe.pack(_model()))), ("fsdp2", lambda: fully_shard(pe.pack(_model())))):
+        try:
+            pe.packed_forward(make(), None, ids, cu, 7)
+            out[name] = None
+        except pe.PackedEncodersError as exc:
+            out[name] = str(exc)
+    out["plain_shape"] = list(pe.packed_forward(pe.pack(_model()), None, ids, cu, 7).shape)  # unwrapped: served
+    return out
+
+
 def _train_worker(rank, world, rendezvous, out_dir, model_dir, backend="gloo"):
     import torch.distributed as dist
 
@@ -303,6 +323,7 @@ def _train_worker(rank, world, rendezvous, out_dir, model_dir, backend="gloo"):
         "gradcache_loop": lambda: _gradcache_check(rank, world),
         "st_cached_mnrl": lambda: _st_check(rank, world, model_dir),
         "fsdp2": lambda: _fsdp_check(rank, world, ref),
+        "packed_forward": lambda: _packed_forward_check(rank, world),
     }
     # fp32 on both sides; CUDA attention kernels may round their products to TF32
     results = {"tolerance": 1e-4 if backend == "gloo" else 5e-3, "world": world}
@@ -370,6 +391,13 @@ def test_fsdp2(results):
     assert entry["layers_warning"] and "FSDP2" in entry["layers_warning"][0]
     assert any("FSDP2" in f and "layers.0" in f for f in entry["layers_describe"])
     assert entry["pack_error"] and "FSDP2" in entry["pack_error"] and "fully_shard" in entry["pack_error"]
+
+
+def test_packed_forward_refuses_what_a_distributed_wrapper_would_prepare(results):
+    r = _get(results, "packed_forward")
+    assert "DistributedDataParallel" in r["ddp"] and "all-reduce" in r["ddp"], r
+    assert "sharded" in r["fsdp2"] and "gathers" in r["fsdp2"], r
+    assert r["plain_shape"][0] == 12, r
 
 
 def test_grad_cache_sync_without_ddp_is_a_no_op():

@@ -42,7 +42,9 @@ def fsdp_problem(model: nn.Module) -> str | None:
     return None
 
 
-def _sharded(model: nn.Module) -> bool:
+def sharded(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is a ``DTensor`` (a shard: FSDP2 outside its forward, or tensor
+    parallelism)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch without distributed support
@@ -64,7 +66,7 @@ def gathered(target: nn.Module, path: str, model: nn.Module) -> Iterator[None]:
         PackedEncodersError: sharded weights whose FSDP2 unit is not inside ``target`` (or sharded by something
             else, such as tensor parallelism).
     """
-    if not _sharded(model):
+    if not sharded(model):
         yield
         return
     fsdp = _fsdp_module_type()
