@@ -19,7 +19,8 @@ Output in ``DIR``:
                                    and ``sha256`` (hex, of the bytes just written; the value ``sha256sum`` prints),
                                    the rank, world size and seconds it took
     manifest.json                  written by rank 0 when every chunk is done: chunks (file, rows, tokens, first
-                                   item, bytes, sha256), items, tokens, dim, dtype
+                                   item, bytes, sha256), the plan's fingerprint (``plan``), items, tokens, dim,
+                                   dtype; removed when a new plan is written
 Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
 A run killed at any point resumes by running the same command again (any number of ranks): a chunk is kept when
@@ -39,8 +40,9 @@ so are ranks started with different corpora, models or options (every rank raise
 deleted ``plan.json`` is written again by the next run (which keeps the chunks made under the same plan); a damaged
 ``plan.json`` or ``manifest.json`` is refused, naming the file and the way out.
 
-:func:`load_index` reads the result back, checks each chunk file against the manifest's size and SHA-256 as it
-reads it (a manifest without digests, from an older version, is loaded unchecked with a warning) and checks that
+:func:`load_index` reads the result back, checks that the manifest was written under ``plan.json`` as it is,
+checks each chunk file against the manifest's size and SHA-256 as it reads it (a manifest without digests, from an
+older version, is loaded unchecked with a warning) and checks that
 every chunk holds the plan's items for it (naming the chunk files that do not) and every corpus id appears
 exactly once.
 """
@@ -420,6 +422,10 @@ def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world
     tmp = os.path.join(out_dir, PLAN + ".tmp")
     with open(tmp, "w") as f:
         json.dump(plan, f)
+    # a manifest left by an earlier plan describes another index: gone before the new plan is in place, so a run
+    # that stops before its own manifest leaves "not finished", never the old vectors under the new plan
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, MANIFEST))
     os.replace(tmp, os.path.join(out_dir, PLAN))
     return plan
 
@@ -642,7 +648,8 @@ def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, 
                                   "changed since); run the command again")
     first = (_load_chunk(out_dir, _chunk_path(out_dir, chunks[0].index, "pt"), states[0][1]["bytes"])
              if chunks else None)  # (for its width: its digest was checked this run)
-    manifest = {"corpus": plan["corpus"], "output": output, "items": plan["items"], "tokens": plan["tokens"],
+    manifest = {"corpus": plan["corpus"], "plan": fingerprint, "output": output, "items": plan["items"],
+                "tokens": plan["tokens"],
                 "dim": None if first is None else int(first["embeddings"].shape[-1]),
                 "dtype": str(out_dtype).replace("torch.", ""),
                 "chunks": [{"file": os.path.relpath(_chunk_path(out_dir, c.index, "pt"), out_dir), "rows": c.stop - c.start,
@@ -676,6 +683,17 @@ def _load_chunk(out_dir: str, path: str, size: int | None = None, sha256: str | 
         raise PackedEncodersError(f"{path}: unreadable ({exc.__class__.__name__}); {again}") from None
 
 
+def _chunk_entry_ok(entry) -> bool:
+    """A manifest chunk entry of the types :func:`load_index` reads (``bytes`` / ``sha256`` absent in a manifest of
+    an older version, never of another type)."""
+    def count(x):
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    return (isinstance(entry, dict) and isinstance(entry.get("file"), str) and count(entry.get("rows"))
+            and count(entry.get("first_item")) and ("bytes" not in entry or count(entry["bytes"]))
+            and ("sha256" not in entry or (isinstance(entry["sha256"], str) and len(entry["sha256"]) == 64)))
+
+
 def load_index(out_dir: str) -> dict:
     """Read a finished index: ``{"ids": [...], "embeddings": tensor, "cu_seqlens": tensor (tokens output)}``, rows
     in corpus order.
@@ -684,8 +702,8 @@ def load_index(out_dir: str) -> dict:
     digests (written by an older version) is loaded unchecked, with a warning.
 
     Raises:
-        PackedEncodersError: no manifest (the run did not finish), a damaged manifest or a missing or damaged plan
-            (naming the file), a chunk file that cannot be read or whose SHA-256 differs from the manifest's, or ids
+        PackedEncodersError: no manifest (the run did not finish), a damaged manifest (entries of other types
+            included) or one written for another plan, a missing or damaged plan (naming the file), a chunk file that cannot be read or whose SHA-256 differs from the manifest's, or ids
             missing / duplicated against the plan (naming the chunk files that hold other items than the plan's).
     """
     path = os.path.join(out_dir, MANIFEST)
@@ -693,11 +711,16 @@ def load_index(out_dir: str) -> dict:
         raise PackedEncodersError(f"{out_dir} has no {MANIFEST}: the indexing run has not finished")
     again = f"run the indexing command on {out_dir} again, which writes it again"
     manifest = _read_json(path, ("chunks",), again)
-    if not isinstance(manifest["chunks"], list) or not all(
-            isinstance(entry, dict) and all(k in entry for k in ("file", "rows", "first_item"))
-            for entry in manifest["chunks"]):
+    if not isinstance(manifest["chunks"], list) or not all(map(_chunk_entry_ok, manifest["chunks"])):
         raise PackedEncodersError(f"{path}: a malformed chunk list; {again}")
-    expected = _read_plan(out_dir)["ids"]
+    plan = _read_plan(out_dir)
+    if "plan" in manifest and manifest["plan"] != plan_fingerprint(plan):
+        raise PackedEncodersError(f"{path} was written for another {PLAN} than {out_dir}'s (replaced since the index "
+                                  f"was finished); {again}")
+    expected = plan["ids"]
+    if not isinstance(expected, list):
+        raise PackedEncodersError(f"{os.path.join(out_dir, PLAN)}: its ids are not a list; run the indexing command "
+                                  f"on {out_dir} again (deleting the damaged {PLAN} first)")
     unchecked = [entry["file"] for entry in manifest["chunks"] if "sha256" not in entry]
     if unchecked:
         warnings.warn(f"packed_encoders.index: {path} records no SHA-256 for {len(unchecked)} chunk file(s) (written "

@@ -752,3 +752,52 @@ def test_a_missing_or_damaged_plan_or_manifest_is_named(setup, tmp_path):
     os.remove(damaged / "plan.json")  # as the message says
     assert _index_recording(model, corpus, str(damaged)) == []  # plan.json written again, every chunk kept
     assert torch.equal(load_index(str(damaged))["embeddings"], want["embeddings"])
+
+
+def test_a_new_plan_removes_the_manifest_of_the_old_one(setup, tmp_path, monkeypatch):
+    """plan.json deleted and a run with other settings stopped before its first chunk: load_index said nothing and
+    returned the old run's vectors under the new plan. The new plan removes the old manifest (the run is then
+    "not finished"), and a manifest written under another plan than plan.json's is refused."""
+    import shutil
+
+    import packed_encoders as pe
+    from packed_encoders import index as ix
+
+    tmp, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    out = str(tmp_path / "out")
+    _index_recording(model, corpus, out)
+    finished = str(tmp_path / "finished")
+    shutil.copytree(out, finished)
+    os.remove(os.path.join(out, "plan.json"))
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ix, "_encode_chunk", stopped)
+    with pytest.raises(KeyboardInterrupt), pytest.warns(UserWarning, match="written under another plan"):
+        index_corpus(model, corpus, out, pooling="cls", chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS,
+                     progress=False)
+    with pytest.raises(pe.PackedEncodersError, match="has no manifest.json: the indexing run has not finished"):
+        load_index(out)
+    shutil.copy(os.path.join(finished, "manifest.json"), os.path.join(out, "manifest.json"))  # put back by hand
+    with pytest.raises(pe.PackedEncodersError, match="manifest.json was written for another plan.json"):
+        load_index(out)
+
+
+@pytest.mark.parametrize("key,value", [("sha256", None), ("sha256", "0" * 10), ("first_item", "0"), ("rows", None),
+                                       ("rows", -1), ("file", 5), ("bytes", "12")])
+def test_a_manifest_entry_of_another_type_is_named(setup, tmp_path, key, value):
+    """A manifest chunk entry of another type than load_index reads (a null sha256 loaded the chunk unchecked; the
+    others raised bare TypeErrors): PackedEncodersError naming the manifest."""
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    out = tmp_path / "out"
+    _index_recording(pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32)), corpus, str(out))
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["chunks"][0][key] = value
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(pe.PackedEncodersError, match="manifest.json: a malformed chunk list"):
+        load_index(str(out))
