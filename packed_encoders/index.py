@@ -545,15 +545,17 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         The manifest (a dict) on rank 0, ``None`` on the others.
 
     Raises:
-        PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1,
-            ``pad_id`` outside the model's vocabulary, or ``out_dir`` holding an index of another corpus (its size
-            or modification time differ) or settings (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the
+        PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, an
+            ``out_dtype`` that is not a floating ``torch.dtype``, ``pad_id`` outside the model's vocabulary, or
+            ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the
             model: :func:`model_fingerprint`), or ranks called with different ones (or corpus files of different
             size or modification time), or a damaged ``plan.json`` in ``out_dir`` (naming it).
     """
     for name, value in (("batch_tokens", batch_tokens), ("chunk_tokens", chunk_tokens)):
         if type(value) is not int or value < 1:
             raise PackedEncodersError(f"{name}={value!r}: expected a positive number of tokens")
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise PackedEncodersError(f"out_dtype={out_dtype!r}: expected a floating torch.dtype (e.g. torch.float16)")
     if not os.path.isfile(corpus):
         raise PackedEncodersError(f"{corpus}: no such corpus file (JSON lines of pre-tokenized items)")
     dist, rank, world = _dist()

@@ -801,3 +801,18 @@ def test_a_manifest_entry_of_another_type_is_named(setup, tmp_path, key, value):
     path.write_text(json.dumps(manifest))
     with pytest.raises(pe.PackedEncodersError, match="manifest.json: a malformed chunk list"):
         load_index(str(out))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int64, torch.bool, "float16"])
+def test_an_out_dtype_that_is_not_a_floating_dtype_is_refused_before_anything_is_written(setup, tmp_path, out_dtype):
+    """torch.int64 / torch.bool stored the vectors cast to integers, silently; a string failed inside .to() after
+    plan.json was written."""
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    out = tmp_path / "out"
+    with pytest.raises(pe.PackedEncodersError, match="out_dtype=.*expected a floating torch.dtype"):
+        index_corpus(model, corpus, str(out), out_dtype=out_dtype, progress=False)
+    assert not out.exists()
+
