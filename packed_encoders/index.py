@@ -547,9 +547,10 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     Raises:
         PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, an
             ``out_dtype`` that is not a floating ``torch.dtype``, ``pad_id`` outside the model's vocabulary, or
-            ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the
-            model: :func:`model_fingerprint`), or ranks called with different ones (or corpus files of different
-            size or modification time), or a damaged ``plan.json`` in ``out_dir`` (naming it).
+            ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings
+            (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`), or
+            ranks called with different ones (or corpus files of different size or modification time), or a
+            damaged ``plan.json`` in ``out_dir`` (naming it).
     """
     for name, value in (("batch_tokens", batch_tokens), ("chunk_tokens", chunk_tokens)):
         if type(value) is not int or value < 1:
