@@ -706,8 +706,9 @@ def load_index(out_dir: str) -> dict:
 
     Raises:
         PackedEncodersError: no manifest (the run did not finish), a damaged manifest (entries of other types
-            included) or one written for another plan, a missing or damaged plan (naming the file), a chunk file that cannot be read or whose SHA-256 differs from the manifest's, or ids
-            missing / duplicated against the plan (naming the chunk files that hold other items than the plan's).
+            included) or one written for another plan, a missing or damaged plan (naming the file), a chunk file
+            that cannot be read or whose SHA-256 differs from the manifest's, or ids missing / duplicated against
+            the plan (naming the chunk files that hold other items than the plan's).
     """
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
