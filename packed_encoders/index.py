@@ -354,6 +354,18 @@ def pools_here(model) -> bool:
     return _bare(model, find_encoders(model))
 
 
+def pooling_problem(model, output: str, pooling: str | None) -> str | None:
+    """Why an explicit ``pooling`` would shape none of the vectors (token vectors are not pooled; a
+    sentence-transformers or PyLate model pools as its own modules say), or ``None``."""
+    if pooling is None:
+        return None
+    if output == "tokens":
+        return "token vectors (output tokens) are not pooled"
+    if not pools_here(model):
+        return f"a {type(model).__name__} pools as its own modules say"
+    return None
+
+
 def _bare(model, encoders) -> bool:
     # (encoders: find_encoders(model), which the Encoder has found already)
     return len(encoders) == 1 and (encoders[0][0] == "" or _is_hf_model(model))
@@ -520,7 +532,7 @@ def run_settings(model, encoder: "Encoder", output: str, pooling: str, out_dtype
             "model": model_fingerprint(model)}
 
 
-def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", pooling: str = "mean",
+def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", pooling: str | None = None,
                  batch_tokens: int = 16384, chunk_tokens: int = 1 << 20, out_dtype: torch.dtype = torch.float32,
                  pad_id: int = 0, progress: bool = True,
                  on_chunk: Callable[[int, int, int], None] | None = None) -> dict | None:
@@ -533,7 +545,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         model: a packed (or packable) model on this rank's device: a ``ModernBertModel``, SentenceTransformer,
             PyLate ColBERT, ...
         output: ``"pooled"`` (one vector per item) or ``"tokens"`` (a vector per token, flat, with ``cu_seqlens``).
-        pooling: ``"mean"`` or ``"cls"``, for a bare ``ModernBertModel`` with ``output="pooled"``.
+        pooling: ``"mean"`` or ``"cls"``, for a bare ``ModernBertModel`` with ``output="pooled"`` (``None``: mean
+            there; given where it would shape nothing, refused).
         batch_tokens: real tokens per forward (items are sorted by length inside a chunk).
         chunk_tokens: tokens per chunk file (the unit of resumption).
         out_dtype: dtype of the stored vectors.
@@ -546,7 +559,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 
     Raises:
         PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, an
-            ``out_dtype`` that is not a floating ``torch.dtype``, ``pad_id`` outside the model's vocabulary, or
+            ``out_dtype`` that is not a floating ``torch.dtype``, a ``pooling`` that would shape none of the
+            vectors (:func:`pooling_problem`), ``pad_id`` outside the model's vocabulary, or
             ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings
             (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`), or
             ranks called with different ones (or corpus files of different size or modification time), or a
@@ -557,6 +571,10 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
             raise PackedEncodersError(f"{name}={value!r}: expected a positive number of tokens")
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise PackedEncodersError(f"out_dtype={out_dtype!r}: expected a floating torch.dtype (e.g. torch.float16)")
+    problem = pooling_problem(model, output, pooling)
+    if problem is not None:  # asked for and never applied: other vectors than requested
+        raise PackedEncodersError(f"pooling={pooling!r} has no effect here: {problem}; leave pooling out")
+    pooling = "mean" if pooling is None else pooling
     if not os.path.isfile(corpus):
         raise PackedEncodersError(f"{corpus}: no such corpus file (JSON lines of pre-tokenized items)")
     dist, rank, world = _dist()
@@ -805,10 +823,8 @@ def main(argv=None) -> int:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model = load_model(args.model, device, dtype)
-    if args.pooling is not None and (args.output == "tokens" or not pools_here(model)):
-        # asked for and never applied: refused rather than silently giving other vectors than requested
-        why = ("--output tokens writes token vectors, which are not pooled" if args.output == "tokens" else
-               f"{args.model} is a {type(model).__name__} folder, which pools as its own modules say")
+    why = pooling_problem(model, args.output, args.pooling)
+    if why is not None:  # (before pack() and the corpus scan)
         ap.error(f"--pooling {args.pooling} has no effect here: {why}; leave --pooling out")
     pe.pack(model)
     pad_id = args.pad_id
@@ -817,7 +833,7 @@ def main(argv=None) -> int:
 
         pad_id = getattr(find_encoders(model)[0][1].config, "pad_token_id", None) or 0
     try:
-        manifest = index_corpus(model, args.corpus, args.out, output=args.output, pooling=args.pooling or "mean",
+        manifest = index_corpus(model, args.corpus, args.out, output=args.output, pooling=args.pooling,
                                 batch_tokens=args.batch_tokens, chunk_tokens=args.chunk_tokens,
                                 out_dtype=getattr(torch, args.out_dtype), pad_id=pad_id)
     except PackedEncodersError as exc:  # (every rank raises rank 0's: all exit alike)

@@ -344,17 +344,28 @@ def test_a_resume_removes_the_partial_writes_of_a_killed_run(setup, tmp_path):
 
 
 def test_pooling_counts_only_where_it_shapes_the_vectors(setup, tmp_path):
-    """Token vectors are not pooled: another ``pooling`` resumes such an index (for pooled vectors it is refused,
-    above)."""
+    """Token vectors are not pooled: the plan records no pooling for them, and a ``pooling`` given for them (or
+    for a sentence-transformers model, which pools as its own modules say) is refused as the command line refuses
+    ``--pooling`` there, rather than ignored."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
     import packed_encoders as pe
 
     tmp, model_dir, corpus = setup
     out = str(tmp_path / "out")
     model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
-    kw = dict(output="tokens", chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
-    index_corpus(model, corpus, out, **kw)
+    kw = dict(chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    index_corpus(model, corpus, out, output="tokens", **kw)
     assert json.load(open(os.path.join(out, "plan.json")))["settings"]["pooling"] is None
-    index_corpus(model, corpus, out, pooling="cls", **kw)  # accepted: nothing to redo
+    with pytest.raises(pe.PackedEncodersError, match="pooling='cls' has no effect here: token vectors"):
+        index_corpus(model, corpus, out, output="tokens", pooling="cls", **kw)
+    transformer = Transformer(model_dir)
+    st = pe.pack(SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
+                                     device="cpu"))
+    with pytest.raises(pe.PackedEncodersError, match="pooling='mean' has no effect here: a SentenceTransformer"):
+        index_corpus(st, corpus, str(tmp_path / "st"), pooling="mean", **kw)
+    assert not os.path.exists(tmp_path / "st")
 
 
 def test_command_line_errors_exit_2_with_a_message(setup, tmp_path, capsys):
