@@ -9,7 +9,7 @@ from torch import nn
 
 from .adapters import around, token_labels
 from .adapters.dynamo import outside_dynamo
-from .adapters.fsdp import sharded, gathered
+from .adapters.fsdp import gathered, sharded
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import install, own_state, replaced_forward, restore
