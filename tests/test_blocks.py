@@ -232,8 +232,38 @@ def test_stack_retained_graph_in_place_change_and_second_backward():
             g.sum().backward()
 
 
+def test_stack_runs_query_only_tails():
+    """A query-only batch (ColBERT query expansion: trailing masked positions computed, ``key_lens``) trains as one
+    stack node, its attention given the ``key_lens``: the outputs and gradients of one node per block."""
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    ids, mask = padded_batch([9, 30, 4], side="right")
+    batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                  vocab_size=model.config.vocab_size, trailing_query_only=True)
+    assert batch.key_lens is not None and int(batch.key_lens.sum()) < batch.total_tokens
+    model.train()
+    out_b, g_b = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=BLOCKS))
+    assert not plan_mod.last_plan().stack
+    out_s, g_s = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
+    assert plan_mod.last_plan().stack, plan_mod.last_plan().stack_off
+    torch.testing.assert_close(out_s, out_b, atol=0, rtol=0)
+    assert g_s.keys() == g_b.keys()
+    for n in g_b:
+        torch.testing.assert_close(g_s[n], g_b[n], atol=1e-6, rtol=1e-5, msg=n)
+    # the tails are queries only: no real token's output depends on them
+    ids2 = ids.clone()
+    ids2[~mask.bool()] = (ids2[~mask.bool()] + 1) % model.config.vocab_size
+    batch2 = unpad(input_ids=ids2, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                   vocab_size=model.config.vocab_size, trailing_query_only=True)
+    with torch.enable_grad():
+        out2 = encoder_forward(model, params, batch2, attention_backend="sdpa", rules=LEAN)
+    real = torch.cat([torch.arange(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i]) + int(batch.key_lens[i]))
+                      for i in range(batch.num_seqs)])
+    torch.testing.assert_close(out2.detach()[real], out_s[real], atol=0, rtol=0)
+
+
 def test_stack_steps_aside_where_the_call_needs_layers():
-    """Gradient checkpointing, hidden states and query-only batches run one node per block (with the same
+    """Gradient checkpointing and hidden states run one node per block (with the same
     gradients), as does a training graph's capture; without gradients nothing changes."""
     from packed_encoders.model.stack import stack_problem
 

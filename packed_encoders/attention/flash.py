@@ -62,16 +62,28 @@ def key_layout(cu_seqlens: torch.Tensor, key_lens: torch.Tensor, total: int):
     return cu_k, src, real
 
 
-def _keys_only(k, v, cu_seqlens, key_lens, window):
-    """``(cu_seqlens_k, k, v)`` of the keys only (:func:`key_layout`); global attention only: with fewer keys
-    than queries FlashAttention aligns a window to a sequence's last key, not its first."""
+def _gather_keys(k, v, cu_seqlens, key_lens, window):
+    """``(cu_seqlens_k, k, v, src, keep)``: the keys only (:func:`key_layout`) and what scatters their gradients
+    back (:func:`_scatter_keys`); global attention only: with fewer keys than queries FlashAttention aligns a window
+    to a sequence's last key, not its first."""
     if window is not None:
         raise ValueError("key_lens with a local window: FlashAttention aligns the window to the last key")
     cu_k, src, real = key_layout(cu_seqlens, key_lens, k.shape[0])
     keep = real.view(-1, 1, 1)
     # torch.where, not a product: the backward zeroes the rows past the last key, whose key / value gradients
     # the kernel leaves unwritten, before they are added into token 0's
-    return cu_k, torch.where(keep, k.index_select(0, src), 0), torch.where(keep, v.index_select(0, src), 0)
+    return cu_k, torch.where(keep, k.index_select(0, src), 0), torch.where(keep, v.index_select(0, src), 0), src, keep
+
+
+def _keys_only(k, v, cu_seqlens, key_lens, window):
+    """``(cu_seqlens_k, k, v)`` of :func:`_gather_keys`, differentiated by autograd."""
+    return _gather_keys(k, v, cu_seqlens, key_lens, window)[:3]
+
+
+def _scatter_keys(d: torch.Tensor, src: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The gradient of the tokens from ``d``, that of :func:`_gather_keys`'s gathered keys or values (the backward
+    of its ``index_select`` and ``torch.where``; no sync)."""
+    return torch.zeros_like(d).index_add_(0, src, torch.where(keep, d, 0))
 
 
 def torch_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
@@ -116,22 +128,29 @@ _FLASH_FORWARD = torch.ops.aten._flash_attention_forward.default
 _FLASH_BACKWARD = torch.ops.aten._flash_attention_backward.default
 
 
-def torch_varlen_forward_saving(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None,
-                                scale: float) -> tuple[torch.Tensor, tuple]:
+def torch_varlen_forward_saving(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,
+                                key_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
     """:func:`torch_varlen_direct` outside autograd, for a caller that runs the backward itself (the training stack,
     ``model/stack.py``): ``(out [T, heads, head_dim], saved)``, ``saved`` what :func:`torch_varlen_backward` reads
-    (``q, k, v``, the output, its log-sum-exp, the RNG state) — the pair of ops aten's own autograd node runs."""
+    (``q, k, v``, the output, its log-sum-exp, the RNG state) — the pair of ops aten's own autograd node runs;
+    with ``key_lens`` (global attention only) the gathered keys and what scatters their gradients back."""
     ws = -1 if window is None else int(window)
-    out, lse, seed, offset, _ = _FLASH_FORWARD(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False,
+    cu_k, gather = cu_seqlens, None
+    if key_lens is not None:
+        cu_k, k, v, *gather = _gather_keys(k, v, cu_seqlens, key_lens, window)
+    out, lse, seed, offset, _ = _FLASH_FORWARD(q, k, v, cu_seqlens, cu_k, max_seqlen, max_seqlen, 0.0, False,
                                                False, scale=scale, window_size_left=ws, window_size_right=ws)
-    return out, (q, k, v, out, lse, seed, offset, cu_seqlens, max_seqlen, scale, ws)
+    return out, (q, k, v, out, lse, seed, offset, cu_seqlens, cu_k, max_seqlen, scale, ws, gather)
 
 
 def torch_varlen_backward(dout: torch.Tensor, saved: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`torch_varlen_forward_saving` for the output gradient ``dout``."""
-    q, k, v, out, lse, seed, offset, cu_seqlens, max_seqlen, scale, ws = saved
-    return _FLASH_BACKWARD(dout, q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False,
-                           seed, offset, scale=scale, window_size_left=ws, window_size_right=ws)
+    q, k, v, out, lse, seed, offset, cu_seqlens, cu_k, max_seqlen, scale, ws, gather = saved
+    dq, dk, dv = _FLASH_BACKWARD(dout, q, k, v, out, lse, cu_seqlens, cu_k, max_seqlen, max_seqlen, 0.0, False,
+                                 seed, offset, scale=scale, window_size_left=ws, window_size_right=ws)
+    if gather is not None:
+        dk, dv = _scatter_keys(dk, *gather), _scatter_keys(dv, *gather)
+    return dq, dk, dv
 
 
 def fa4_varlen(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | None, scale: float,

@@ -14,10 +14,10 @@ The backward walks the layers in reverse and drops each layer's activations once
 per-block path frees them node by node; a stack holding them all would add every weight gradient to the peak),
 unless the graph is retained (``backward(retain_graph=True)``), when it keeps them for the next backward.
 
+Query-only tails (``key_lens``, ColBERT query expansion) reach the attention as the per-block path passes them.
 Where it does not run (:func:`stack_problem` names why): gradient checkpointing (it recomputes layer by layer),
-``output_hidden_states`` (every layer's output leaves the stack), query-only batches (``key_lens``), active
-saved-tensor hooks (``save_on_cpu`` and other offloading see what ``save_for_backward`` saves; the stack keeps its
-activations on its context), and a ``torch.distributed`` world of more than one process: DDP's reducer overlaps
+``output_hidden_states`` (every layer's output leaves the stack), active saved-tensor hooks (``save_on_cpu`` and
+other offloading see what ``save_for_backward`` saves; the stack keeps its activations on its context), and a ``torch.distributed`` world of more than one process: DDP's reducer overlaps
 each gradient bucket's all-reduce with the rest of the backward as the bucket's parameters receive their gradients,
 which a single node delivering every gradient at its end would serialise.
 """
@@ -62,8 +62,6 @@ def stack_problem(batch: PackedBatch, checkpointed: bool, hidden_states: bool) -
         return "gradient checkpointing (layers recomputed one by one)"
     if hidden_states:
         return "output_hidden_states (every layer's output is returned)"
-    if batch.key_lens is not None:
-        return "a query-only batch (key_lens)"
     if _saved_tensor_hooks_active():
         return ("saved-tensor hooks are on (e.g. torch.autograd.graph.save_on_cpu): the per-block nodes pass their "
                 "activations through them")
@@ -90,10 +88,11 @@ def _attend(call: _Call, index: int, q, k, v):
     step = call.plan.layers[index]
     batch, params = call.batch, call.params
     attn_p = params.attention_dropout_of(call.model.layers[index].attn)  # read per call, as stock HF does
+    key_lens = batch.key_lens  # (the plan gives query-only tails only to backends that take key_lens)
     if step.backend in ("varlen", "fa4") and not attn_p and not torch.compiler.is_compiling():
         if step.backend == "varlen":
             a, saved = torch_varlen_forward_saving(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window,
-                                                   scale=params.scaling)
+                                                   scale=params.scaling, key_lens=key_lens)
             return a, (torch_varlen_backward, saved)
         got = fa4_forward_saving(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window,
                                  scale=params.scaling)
@@ -102,7 +101,7 @@ def _attend(call: _Call, index: int, q, k, v):
     with torch.enable_grad():
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         a = step.attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, window=step.window, scale=params.scaling,
-                           dropout_p=attn_p)
+                           dropout_p=attn_p, **({} if key_lens is None else {"key_lens": key_lens}))
     return a.detach(), (None, (q, k, v, a))
 
 

@@ -17,7 +17,7 @@ GEMM rounding, not bit for bit.
 :func:`prepare` returns why (the tensor form runs) for a call it cannot run: not CUDA, cuBLASLt or the bound
 launcher unavailable (``PACKED_ENCODERS_TRITON_FAST_LAUNCH=0``, a profiler's launch hooks), a kernel signature no
 tensor launch has bound yet (the first step of a new dtype combination runs the tensor form and binds it), another
-attention backend than FlashAttention-2 / -4, dropout, projection biases, fp32 GEMMs, a layer after the first without
+attention backend than FlashAttention-2 / -4, query-only tails (``key_lens``), dropout, projection biases, fp32 GEMMs, a layer after the first without
 an ``attn_norm``, a weight of another dtype, non-contiguous or misaligned. GEMM operands are 256-byte aligned
 (what cuBLASLt's heuristic assumes by default): the buffers by construction, the weights checked, the incoming
 gradients and the attention's output copied where they are not.
@@ -112,6 +112,8 @@ def prepare(model, params, batch, plan, x: torch.Tensor, args, tables: dict, pre
     if x.device.type != "cuda" or torch.compiler.is_compiling() or plan.kernels is None \
             or plan.kernels.name != "triton" or batch.cu_seqlens.dtype is not torch.int32:
         return "not a CUDA call with the Triton kernel family and int32 cu_seqlens (or under torch.compile)"
+    if batch.key_lens is not None:
+        return "a query-only batch (key_lens): its attention gathers the keys on the tensor form"
     t, h = x.shape
     if t == 0 or x.dtype not in (_F32, *_LOW) or _ptr(x, x.dtype, x.numel(), _ALIGN) == -1:
         return "an empty batch, or an embedding output that is not a contiguous, aligned fp32 / bf16 / fp16 tensor"

@@ -136,6 +136,15 @@ def test_varlen_key_lens_on_global_layers(direct):
     assert bool((err <= allowed).all()), f"dq/dk/dv err {err.tolist()} > {allowed.tolist()}"
     with pytest.raises(ValueError, match="window"):
         fn(q, k, v, cu, smax, window=8, scale=scale, key_lens=kl)
+    # the training stack's pair (forward outside autograd, its own backward): aten's autograd node's results
+    q0, k0, v0 = (t.detach() for t in (q, k, v))
+    out_s, saved = flash.torch_varlen_forward_saving(q0, k0, v0, cu, smax, window=None, scale=scale, key_lens=kl)
+    torch.testing.assert_close(out_s, out.detach(), atol=0, rtol=0)
+    dout = torch.randn_like(out_s)
+    qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(fn(qa, ka, va, cu, smax, window=None, scale=scale, key_lens=kl), (qa, ka, va), dout)
+    for name, got, ref in zip("qkv", flash.torch_varlen_backward(dout, saved), want):
+        torch.testing.assert_close(got, ref, msg=name)  # (bf16 tolerances: FlashAttention-2 sums dq atomically)
 
 
 def test_triton_isolation_determinism_and_tiles():

@@ -159,7 +159,7 @@ def test_query_expansion_training_call_vs_stock(model):
     """ColBERT query expansion in training (``padded_outputs=32``: trailing masked positions computed as
     query-only tokens, as PyLate's CachedContrastive re-forwards its query chunks): under bf16 autocast with
     gradients, every position's output (trailing ones included) and the last layer's gradients match stock, and
-    the call's attention is FlashAttention-2 with the tails' keys gathered, not sdpa."""
+    the call's attention is FlashAttention-2 with the tails' keys gathered, not sdpa, inside the training stack."""
     master = model.float()
     ids, mask = padded_batch([12, 30, 5, 32, 17, 9], "right", vocab_size=50000, device=DEV)
     torch.manual_seed(2)
@@ -182,6 +182,7 @@ def test_query_expansion_training_call_vs_stock(model):
         got_out, got = run(lambda: master(input_ids=ids, attention_mask=mask).last_hidden_state)
         info = pe.describe(master)["encoders"][0]
         assert set(info["last_attention"].values()) == {"varlen"}, info["last_attention"]
+        assert info["eager_plan"]["stack"], info["eager_plan"]  # every layer in one node, the tails included
         cos = torch.nn.functional.cosine_similarity(got_out.flatten(0, 1), ref_out.flatten(0, 1), dim=-1)
         assert cos.min() >= 0.999, float(cos.min())
         last = master.config.num_hidden_layers - 1
