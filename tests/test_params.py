@@ -38,6 +38,8 @@ def test_v4_dict_layout():
 @pytest.mark.parametrize("change, match", [
     (dict(model_type="bert"), "not a ModernBERT"),
     (dict(hidden_size=65), "not divisible"),
+    (dict(num_attention_heads=64), "head_dim 1 .* odd"),
+    (dict(hidden_size=60, num_attention_heads=4), "head_dim 15 .* odd"),
     (dict(hidden_activation="mish"), "not implemented"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope"),
 ])

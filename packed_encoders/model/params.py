@@ -92,8 +92,8 @@ class ModernBertParams:
         """Read a ModernBERT config (v4 or v5 layout, object or dict).
 
         Raises:
-            ValueError: unsupported ``model_type``, ``hidden_size`` not divisible by the head count,
-                a RoPE type other than ``"default"``, an activation the path does not implement,
+            ValueError: unsupported ``model_type``, ``hidden_size`` not divisible by the head count, an odd
+                ``head_dim``, a RoPE type other than ``"default"``, an activation the path does not implement,
                 or a ``head_dim`` override that disagrees with ``hidden_size // num_attention_heads``.
         """
         model_type = _get(config, "model_type", "modernbert")
@@ -105,6 +105,11 @@ class ModernBertParams:
         heads = int(_get(config, "num_attention_heads"))
         if hidden % heads:
             raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {heads}")
+        if (hidden // heads) % 2:
+            # RoPE rotates dims d and d + head_dim / 2 of each head; stock HF breaks on an odd head_dim too
+            # (a shape error, or for head_dim 1 a broadcast to two dims that is not attention)
+            raise ValueError(f"head_dim {hidden // heads} (hidden_size {hidden} / num_attention_heads {heads}) is "
+                             "odd: rotary embeddings need an even head_dim")
         head_dim_override = _get(config, "head_dim")
         if head_dim_override not in (None, hidden // heads):
             raise ValueError(
