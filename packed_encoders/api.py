@@ -202,14 +202,21 @@ def _heads(target, encoders) -> list:
 
 
 def is_packed(target) -> bool:
-    """True when every ModernBERT encoder inside ``target`` is packed and its calls reach the packed forward (not
-    when the class forward was set on the instance since ``pack()``, as accelerate's ``remove_hook_from_module``
-    does for a hook added before it: ``pack()`` again re-installs it).
+    """True when every ModernBERT encoder inside ``target`` is packed and its calls run the packed forward. False
+    also for a packed encoder whose calls run stock HF: the class forward set on the instance since ``pack()``
+    (accelerate's ``remove_hook_from_module`` for a hook added before it: ``pack()`` again re-installs it), or
+    something in its live module tree that the packed forward would skip (a hook, a wrapped or LoRA Linear, a
+    swapped module: ``describe()`` names it under ``runs_stock``; undoing the change makes it True again).
 
     Raises:
         UnsupportedTargetError: no ModernBERT encoder inside ``target`` (nothing to be packed or not).
     """
-    return all(get_state(m) is not None and not forward_bypassed(m) for _, m in find_encoders(target))
+    return all(_runs_packed(m) for _, m in find_encoders(target))
+
+
+def _runs_packed(model: nn.Module) -> bool:
+    state = get_state(model)
+    return state is not None and not forward_bypassed(model) and structure_check(model, state) is None
 
 
 def _validated(report, weight: torch.Tensor) -> bool | None:
@@ -223,8 +230,9 @@ def describe(target) -> dict:
     """What is active for each encoder: backend requested and last chosen, kernels, device, validation.
 
     Returns ``{"encoders": [ {...}, ... ]}``, one JSON-serialisable dict per ModernBERT encoder, with ``path``,
-    ``packed`` (``False`` too, with ``bypassed`` saying why, when the class forward was set on the instance after
-    ``pack()``), ``device``, ``dtype`` (on CUDA also ``gpu``, the device name, and ``capability``, e.g. ``"sm_90"``)
+    ``packed`` (as :func:`is_packed`: ``False`` too, with ``bypassed`` saying why, when the class forward was set on
+    the instance after ``pack()``, or with ``runs_stock`` naming what in the module tree the packed forward would
+    skip, so that calls run stock HF), ``device``, ``dtype`` (on CUDA also ``gpu``, the device name, and ``capability``, e.g. ``"sm_90"``)
     and, once packed: ``attention_backend`` (as requested), ``last_attention`` (the
     last call's backend per layer kind: ``"global"`` and ``"window N"``, ``N`` the half window, keys within
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
@@ -259,6 +267,11 @@ def describe(target) -> dict:
             entry["bypassed"] = ("the class forward was set on the instance after pack() (e.g. accelerate's "
                                  "remove_hook_from_module): calls run stock HF; pe.pack(target) again re-installs "
                                  "the packed forward")
+        elif state is not None:
+            problem = structure_check(model, state)
+            if problem is not None:
+                entry["packed"] = False
+                entry["runs_stock"] = problem
         if weight.device.type == "cuda":
             entry["gpu"] = torch.cuda.get_device_name(weight.device)
             entry["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(weight.device)

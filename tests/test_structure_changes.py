@@ -54,8 +54,10 @@ def _assert_runs_stock(model, reason, *, grad=False):
         warnings.filterwarnings("error", message="packed_encoders")  # said once
         with torch.set_grad_enabled(grad):
             _call(model, ids, mask)
-    calls = pe.describe(model)["encoders"][0]["stock_forward_calls"]  # kept after other calls, per reason
+    entry = pe.describe(model)["encoders"][0]
+    calls = entry["stock_forward_calls"]  # kept after other calls, per reason
     assert [n for r, n in calls.items() if re.search(reason, r)] == [2], calls
+    assert not pe.is_packed(model) and not entry["packed"] and re.search(reason, entry["runs_stock"]), entry
 
 
 def _assert_stays_packed(model):
@@ -67,6 +69,8 @@ def _assert_stays_packed(model):
             out = _call(model, ids, mask)
     ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+    entry = pe.describe(model)["encoders"][0]
+    assert pe.is_packed(model) and entry["packed"] and "runs_stock" not in entry, entry
 
 
 def _packed_and_called(**overrides):
@@ -257,6 +261,7 @@ def test_hook_of_every_kind_on_every_skipped_module_runs_stock(path):
         backward = kind.startswith("backward")
         _assert_runs_stock(model, "backward hooks" if backward else "forward hooks", grad=backward)
         handle.remove()
+        assert pe.is_packed(model)  # the hook gone, calls run packed again
         model._packed_encoders.runtime.pop("stock_forward_calls")  # the next kind warns again
         with warnings.catch_warnings():
             warnings.simplefilter("error")
