@@ -211,8 +211,12 @@ def test_resume_refuses_another_corpus(setup, tmp_path):
     other.write_text(json.dumps({"id": 1, "input_ids": [1, 5, 2]}) + "\n")
     out = str(tmp_path / "out")
     _single(model_dir, corpus, out, "pooled")
-    with pytest.raises(pe.PackedEncodersError, match="another corpus"):
+    with pytest.raises(pe.PackedEncodersError, match=r"another corpus.*-> this run: corpus: .* -> .*other\.jsonl"):
         _single(model_dir, str(other), out, "pooled")
+    with pytest.raises(pe.PackedEncodersError, match=r"-> this run: chunk_tokens: \d+ -> 7; output: 'pooled' -> "
+                                                     r"'tokens'\)"):
+        index_corpus(pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32)), corpus, out,
+                     output="tokens", chunk_tokens=7, progress=False)
 
 
 def test_resume_refuses_other_settings_or_another_model(setup, tmp_path):
