@@ -610,6 +610,10 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     if dist is not None:
         dist.broadcast_object_list(problem, src=0)  # every rank raises rank 0's error instead of waiting for it
     if problem[0] is not None:
+        if dist is not None:
+            # every rank past the broadcast before any leaves: a rank exiting while a peer still reads it reset the
+            # connection, and gloo aborted the peer (SIGABRT instead of the refusal's exit)
+            dist.barrier()
         raise PackedEncodersError(problem[0])
     os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)  # rank 0 made it (after the checks); others see it
     if rank != 0:
