@@ -232,8 +232,8 @@ def describe(target) -> dict:
     Returns ``{"encoders": [ {...}, ... ]}``, one JSON-serialisable dict per ModernBERT encoder, with ``path``,
     ``packed`` (as :func:`is_packed`: ``False`` too, with ``bypassed`` saying why, when the class forward was set on
     the instance after ``pack()``, or with ``runs_stock`` naming what in the module tree the packed forward would
-    skip, so that calls run stock HF), ``device``, ``dtype`` (on CUDA also ``gpu``, the device name, and ``capability``, e.g. ``"sm_90"``)
-    and, once packed: ``attention_backend`` (as requested), ``last_attention`` (the
+    skip, so that calls run stock HF), ``device``, ``dtype`` (on CUDA also ``gpu``, the device name, and
+    ``capability``, e.g. ``"sm_90"``) and, once packed: ``attention_backend`` (as requested), ``last_attention`` (the
     last call's backend per layer kind: ``"global"`` and ``"window N"``, ``N`` the half window, keys within
     ``|i - j| <= N``), ``attention_fallbacks``, ``stock_forward_calls`` (calls that ran the stock forward, by
     reason), ``unpad_syncs_skipped`` (calls with gradients that reused an earlier call's lengths instead of

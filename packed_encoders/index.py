@@ -482,12 +482,12 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settin
     if not os.path.exists(os.path.join(out_dir, PLAN)):
         return None
     plan = _read_plan(out_dir)
-    differs = [_difference({"chunk_tokens": plan["chunk_tokens"], "output": plan["output"]},
-                           {"chunk_tokens": chunk_tokens, "output": output})]
+    parts = [_difference({"chunk_tokens": plan["chunk_tokens"], "output": plan["output"]},
+                         {"chunk_tokens": chunk_tokens, "output": output})]
     if _corpus_changed(corpus, plan):
-        differs.insert(0, f"corpus: {plan['corpus']!r} ({plan['corpus_bytes']} bytes) -> {corpus!r} "
-                          f"({os.stat(corpus).st_size} bytes{', modified since' if corpus == plan['corpus'] else ''})")
-    differs = "; ".join(d for d in differs if d)
+        parts.insert(0, f"corpus: {plan['corpus']!r} ({plan['corpus_bytes']} bytes) -> {corpus!r} "
+                        f"({os.stat(corpus).st_size} bytes{', modified since' if corpus == plan['corpus'] else ''})")
+    differs = "; ".join(p for p in parts if p)
     if differs:
         raise PackedEncodersError(f"{out_dir} holds an index of another corpus or settings ({PLAN} -> this run: "
                                   f"{differs}); use a new --out directory or delete it")
