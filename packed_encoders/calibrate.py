@@ -514,16 +514,20 @@ def _base_policy(merge: str | None, out, gpu: str | None, capability) -> Policy 
 
 def _join(fitted: Policy, base: Policy | None, graph_timed: bool) -> tuple[Policy, str | None]:
     """``(policy to write, what was joined)``. A graph-timed fit keeps ``base``'s eager tables and replaces its
-    graph tables; an eager fit keeps ``base``'s graph tables (a recalibration must not drop them). The card
-    ``match`` and name are the fit's: the graph tables were measured on that card."""
+    inference graph tables (the graph sweep times inference only: ``base``'s training-graph tables stay); an eager
+    fit keeps ``base``'s graph tables (a recalibration must not drop them). The card ``match`` and name are the
+    fit's: the graph tables were measured on that card."""
     if graph_timed:
         if not any(t.graph for t in fitted.tables):
             raise ValueError("the graph-timed sweep has no inference rows: no graph table to fit")
         if base is None:
             return fitted, None
         joined = base.with_graph_tables(fitted)
-        return Policy(fitted.name, joined.tables, fitted.match or base.match, joined.meta), \
-            f"graph tables joined to the eager tables of {base.name!r}"
+        training = tuple(t for t in base.tables if t.graph and t.grad)
+        meta = joined.meta | ({"training_graph_tables": f"kept from {base.name!r}"} if training else {})
+        return Policy(fitted.name, joined.tables + training, fitted.match or base.match, meta), \
+            f"graph tables joined to the eager tables of {base.name!r}" + (
+                f" (its {len(training)} training-graph tables kept)" if training else "")
     if base is None or not any(t.graph for t in base.tables):
         return fitted, None
     return fitted.with_graph_tables(base), f"kept the graph tables of {base.name!r}"
@@ -568,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             out = user_policy_path(gpu, tuple(cap))
         base = _base_policy(args.merge, out, gpu, cap)  # read before the sweep: a bad file fails in seconds
         grid = QUICK if args.quick else FULL
-        if args.timing == "graph":  # training calls are never captured: graph timing covers inference only
+        if args.timing == "graph":  # inference points only: the base's training-graph tables are kept (_join)
             grid = Grid(grid.total_tokens, grid.max_seqlen, grid.geometries, grid.windows, (False,))
         data = sweep(grid, timing=args.timing, log=lambda s: print(s, file=sys.stderr))
         if args.sweep_out:

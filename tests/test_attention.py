@@ -385,6 +385,16 @@ def test_graph_timed_sweep_fits_graph_tables_joined_to_a_base(tmp_path, capsys):
     assert [t for t in kept.tables if t.graph] == [t for t in joined.tables if t.graph]
     assert kept.meta["graph_tables"] == joined.meta["graph_tables"]  # the graph tables' provenance, not the base's
     assert any(t.grad for t in kept.tables) and not any(t.grad for t in joined.tables)
+    # a graph recalibration over a base with training-graph tables keeps those (the sweep times inference only)
+    trained = Policy("trained", kept.tables + (Table(True, "global", ((None, _cells((None, ["fa4"]))),),
+                                                     graph=True),), kept.match, kept.meta)
+    trained.save(out)
+    assert calibrate.main(["--from-sweep", str(tmp_path / "sweep.json"), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    regraphed = Policy.load(out)
+    assert regraphed.order(_w(grad=True, graph=True)) == ("fa4",)
+    assert [t for t in regraphed.tables if t.graph and not t.grad] == [t for t in joined.tables if t.graph]
+    assert "1 training-graph tables kept" in said
     # a graph-timed sweep without inference rows writes nothing
     (tmp_path / "train.json").write_text(json.dumps(dict(sweep, rows=[r for r in synthetic_rows() if r["grad"]])))
     assert calibrate.main(["--from-sweep", str(tmp_path / "train.json"), "--out", str(tmp_path / "x.json")]) == 2
