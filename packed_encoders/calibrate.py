@@ -514,20 +514,19 @@ def _base_policy(merge: str | None, out, gpu: str | None, capability) -> Policy 
 
 def _join(fitted: Policy, base: Policy | None, graph_timed: bool) -> tuple[Policy, str | None]:
     """``(policy to write, what was joined)``. A graph-timed fit keeps ``base``'s eager tables and replaces its
-    inference graph tables (the graph sweep times inference only: ``base``'s training-graph tables stay); an eager
-    fit keeps ``base``'s graph tables (a recalibration must not drop them). The card ``match`` and name are the
-    fit's: the graph tables were measured on that card."""
+    inference graph tables (:meth:`Policy.with_graph_tables`: ``base``'s training-graph tables stay); an eager fit
+    keeps ``base``'s graph tables (a recalibration must not drop them). The card ``match`` and name are the fit's:
+    the graph tables were measured on that card."""
     if graph_timed:
         if not any(t.graph for t in fitted.tables):
             raise ValueError("the graph-timed sweep has no inference rows: no graph table to fit")
         if base is None:
             return fitted, None
         joined = base.with_graph_tables(fitted)
-        training = tuple(t for t in base.tables if t.graph and t.grad)
-        meta = joined.meta | ({"training_graph_tables": f"kept from {base.name!r}"} if training else {})
-        return Policy(fitted.name, joined.tables + training, fitted.match or base.match, meta), \
+        training = sum(t.graph and t.grad for t in joined.tables)
+        return Policy(fitted.name, joined.tables, fitted.match or base.match, joined.meta), \
             f"graph tables joined to the eager tables of {base.name!r}" + (
-                f" (its {len(training)} training-graph tables kept)" if training else "")
+                f" (its {training} training-graph tables kept)" if training else "")
     if base is None or not any(t.graph for t in base.tables):
         return fitted, None
     return fitted.with_graph_tables(base), f"kept the graph tables of {base.name!r}"

@@ -350,6 +350,10 @@ def test_graph_tables_serve_graph_captures_only():
     assert merged.match == {"x": 1} and merged.meta["graph_tables"] == {"date": "b"}
     with pytest.raises(ValueError, match="no graph tables"):
         merged.with_graph_tables(Policy("none", (table("global", "e"),)))
+    # graph tables replace those of their own kind only: a training-graph table stays under inference ones
+    trained = Table(True, "global", ((None, _cells((None, ["trained"]))),), graph=True)
+    kept = Policy("t", merged.tables + (trained,)).with_graph_tables(Policy("new", p.tables))
+    assert kept.order(_w(grad=True, graph=True)) == ("trained",) and kept.order(_w(graph=True)) == ("graph",)
 
 
 def test_graph_timed_sweep_fits_graph_tables_joined_to_a_base(tmp_path, capsys):

@@ -141,13 +141,17 @@ class Policy:
     def with_graph_tables(self, other: "Policy") -> "Policy":
         """This policy's eager tables plus ``other``'s graph tables, ``meta["graph_tables"]`` saying where those
         came from (``other``'s own ``graph_tables`` entry when it has one, else its meta): how calibration joins
-        a graph-timed fit to a policy, or keeps a policy's graph tables across an eager recalibration."""
+        a graph-timed fit to a policy, or keeps a policy's graph tables across an eager recalibration. ``other``'s
+        replace this policy's graph tables of the same kind (inference or training, ``grad``); a kind ``other``
+        has none of stays (a graph sweep times inference only: the training-graph tables are kept)."""
         graph = tuple(t for t in other.tables if t.graph)
         if not graph:
             raise ValueError(f"policy {other.name!r} has no graph tables")
+        kinds = {t.grad for t in graph}
         source = other.meta.get("graph_tables") or {k: v for k, v in other.meta.items() if k != "graph_tables"}
         meta = dict(self.meta) | {"graph_tables": source}
-        return Policy(self.name, tuple(t for t in self.tables if not t.graph) + graph, dict(self.match), meta)
+        kept = tuple(t for t in self.tables if not t.graph or t.grad not in kinds)
+        return Policy(self.name, kept + graph, dict(self.match), meta)
 
     def order(self, w: Workload) -> tuple[str, ...]:
         table = self.table_for(w)
