@@ -16,10 +16,11 @@ unless the graph is retained (``backward(retain_graph=True)``), when it keeps th
 
 Query-only tails (``key_lens``, ColBERT query expansion) reach the attention as the per-block path passes them.
 Where it does not run (:func:`stack_problem` names why): gradient checkpointing (it recomputes layer by layer),
-``output_hidden_states`` (every layer's output leaves the stack), active saved-tensor hooks (``save_on_cpu`` and
-other offloading see what ``save_for_backward`` saves; the stack keeps its activations on its context), and a ``torch.distributed`` world of more than one process: DDP's reducer overlaps
-each gradient bucket's all-reduce with the rest of the backward as the bucket's parameters receive their gradients,
-which a single node delivering every gradient at its end would serialise.
+``output_hidden_states`` (every layer's output leaves the stack), active saved-tensor hooks (``save_on_cpu`` and other
+offloading see what ``save_for_backward`` saves; the stack keeps its activations on its context), and a
+``torch.distributed`` world of more than one process: DDP's reducer overlaps each gradient bucket's all-reduce with the
+rest of the backward as the bucket's parameters receive their gradients, which a single node delivering every gradient
+at its end would serialise.
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ Attention runs on tensor views of ``qkv``: FlashAttention-4's compiled kernels w
 kernels that cuBLASLt's heuristic picks (not necessarily ``torch.mm``'s), so results agree with the tensor form to
 GEMM rounding, not bit for bit.
 
-:func:`prepare` returns why (the tensor form runs) for a call it cannot run: not CUDA, cuBLASLt or the bound
-launcher unavailable (``PACKED_ENCODERS_TRITON_FAST_LAUNCH=0``, a profiler's launch hooks), a kernel signature no
-tensor launch has bound yet (the first step of a new dtype combination runs the tensor form and binds it), another
-attention backend than FlashAttention-2 / -4, query-only tails (``key_lens``), dropout, projection biases, fp32 GEMMs, a layer after the first without
-an ``attn_norm``, a weight of another dtype, non-contiguous or misaligned. GEMM operands are 256-byte aligned
-(what cuBLASLt's heuristic assumes by default): the buffers by construction, the weights checked, the incoming
+:func:`prepare` returns why (the tensor form runs) for a call it cannot run: not CUDA, cuBLASLt or the bound launcher
+unavailable (``PACKED_ENCODERS_TRITON_FAST_LAUNCH=0``, a profiler's launch hooks), a kernel signature no tensor launch
+has bound yet (the first step of a new dtype combination runs the tensor form and binds it), another attention backend
+than FlashAttention-2 / -4, query-only tails (``key_lens``), dropout, projection biases, fp32 GEMMs, a layer after the
+first without an ``attn_norm``, a weight of another dtype, non-contiguous or misaligned. GEMM operands are 256-byte
+aligned (what cuBLASLt's heuristic assumes by default): the buffers by construction, the weights checked, the incoming
 gradients and the attention's output copied where they are not.
 """
 
