@@ -179,3 +179,11 @@ def test_the_architecture_diagram_lists_layers_in_import_order():
             if a is not None and b is not None and a != b and units.index(a) > units.index(b):
                 upward.append(f"{src} ({a}) imports {dst} ({b})")
     assert not upward, "the diagram lists these imports as pointing up:\n" + "\n".join(sorted(upward))
+
+
+def test_the_architecture_diagram_lists_every_module():
+    units = set(_diagram_units())
+    present = {p.name + ("/" if p.is_dir() else "") for p in ROOT.iterdir()
+               if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").exists())}
+    assert present - units == set(), f"docs/architecture.md's layer diagram leaves out {sorted(present - units)}"
+    assert units - present == set(), f"docs/architecture.md's layer diagram names {sorted(units - present)}"
