@@ -129,6 +129,58 @@ def test_labels_in_a_row_without_real_tokens_or_flattened_get_the_stock_loss(hea
         assert after == before + (m is empty_mask)  # (trailing padding elsewhere: the packed path computes it)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_sparse_masked_lm_labels_at_its_ignore_index_do_not_count(side):
+    """A masked-LM head with ``sparse_prediction`` drops every position whose label is ``sparse_pred_ignore_index``
+    before its decoder and loss, so labels padded with that value (here 7, not -100) read nothing at padding: the
+    call stays packed (no stock forward on left padding, no trailing positions on right padding), with stock's
+    loss and gradients. Labels counted at padding (other values) still get stock's loss, as any head's."""
+    import copy
+
+    from packed_encoders.adapters import token_labels
+
+    stock = make_model("base_like", cls=transformers.ModernBertForMaskedLM, sparse_prediction=True,
+                       sparse_pred_ignore_index=7).train()
+    packed = copy.deepcopy(stock)
+    pe.pack(packed)
+    ids, mask = padded_batch([5, 12, 9], side=side)
+    labels = ids.masked_fill(mask == 0, 7)
+    labels[:, ::3] = 7  # unmasked real positions: the sparse head skips them too
+    requests = []
+    real_request_for = token_labels.request_for
+
+    def spy(*args, **kwargs):
+        requests.append(real_request_for(*args, **kwargs))
+        return requests[-1]
+
+    for model in (stock, packed):
+        model.zero_grad()
+    token_labels.request_for = spy
+    try:
+        got = packed(input_ids=ids, attention_mask=mask, labels=labels).loss
+    finally:
+        token_labels.request_for = real_request_for
+    ref = stock(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    got.backward()
+    ref.backward()
+    sp, pp = dict(stock.named_parameters()), dict(packed.named_parameters())
+    for name, p in sp.items():
+        if p.grad is not None:
+            torch.testing.assert_close(pp[name].grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert requests == [None]
+    assert not pe.describe(packed)["encoders"][0].get("stock_forward_calls")
+    # -100 is no ignore index of this head's sparse filter, but its loss ignores it: still not counted
+    assert token_labels.request_for(ids.masked_fill(mask == 0, -100), mask, also_ignored=7) is None
+    # labels of another value at padding count (the sparse head keeps those positions): stock's loss, as before
+    counted = ids.clone()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(input_ids=ids, attention_mask=mask, labels=counted).loss,
+                                   stock(input_ids=ids, attention_mask=mask, labels=counted).loss, atol=1e-5,
+                                   rtol=1e-5)
+    assert bool(pe.describe(packed)["encoders"][0].get("stock_forward_calls")) == (side == "left")
+
+
 @pytest.mark.parametrize("head", ["ModernBertForTokenClassification", "ModernBertForMaskedLM",
                                   "ModernBertForQuestionAnswering"])
 def test_loss_arguments_passed_positionally_get_the_stock_loss(head):

@@ -4,6 +4,8 @@ The packed encoder's output is zero at padded positions. HF's token-classificati
 their loss over every position whose label is not the ignore index (-100): HF's collators give padded positions
 -100, but labels built by hand (``labels = input_ids.clone()``, labels padded with a class id) reach padded
 positions, and there stock's encoder output (attention of the padded query over the real keys) enters the loss.
+A masked-LM head with ``sparse_prediction`` also drops positions labelled ``sparse_pred_ignore_index`` before its
+decoder: those labels count no more than -100 does.
 
 ``pack(target)`` with ``padded_outputs="auto"`` replaces the ``forward`` of each such head inside ``target`` on the
 instance with a :class:`CheckedForward` (not a module hook: ``head.forward(...)`` runs no hook), which reads the
@@ -76,11 +78,13 @@ def _after_last(real: torch.Tensor) -> torch.Tensor:
     return real.flip(1).cumsum(1).flip(1) == 0
 
 
-def request_for(labels, attention_mask) -> str | None:
+def request_for(labels, attention_mask, also_ignored: int | None = None) -> str | None:
     """``None`` (no label at a padded position counts), :data:`TRAILING` (all of them after their row's last real
     token) or why the call must run the stock forward (:data:`STOCK_REASON`; :data:`EMPTY_ROW_REASON`: a counted
     label in a row without real tokens), for ``attention_mask`` ``[B, S]`` and ``labels`` of ``B * S`` entries
-    (HF's heads flatten them: ``[B, S]``, ``[B * S]`` and ``[B, S, 1]`` count alike); anything else ``None``."""
+    (HF's heads flatten them: ``[B, S]``, ``[B * S]`` and ``[B, S, 1]`` count alike); anything else ``None``.
+    ``also_ignored``: a second label value that does not count (a sparse masked-LM head's
+    ``sparse_pred_ignore_index``, whose positions the head drops before its decoder and loss)."""
     if not (isinstance(labels, torch.Tensor) and isinstance(attention_mask, torch.Tensor)):
         return None
     if attention_mask.dim() != 2 or labels.numel() != attention_mask.numel():
@@ -89,6 +93,8 @@ def request_for(labels, attention_mask) -> str | None:
     labels = labels.to(attention_mask.device, non_blocking=True).reshape(attention_mask.shape)
     real = attention_mask != 0
     counted = ~real & (labels != IGNORE_INDEX)
+    if also_ignored is not None:
+        counted &= labels != also_ignored
     after_last = _after_last(real)
     empty = ~real.any(1, keepdim=True)
     any_counted, inner, in_empty = torch.stack((counted.any(), (counted & ~after_last).any(),
@@ -229,7 +235,19 @@ def _request(checked: CheckedForward, args, kwargs) -> str | None:
     if checked.span:
         return span_request_for(*_arguments(module, args, kwargs, "start_positions", "end_positions",
                                             "attention_mask"))
-    return request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"))
+    return request_for(*_arguments(module, args, kwargs, "labels", "attention_mask"),
+                       also_ignored=_sparse_ignore_index(module))
+
+
+def _sparse_ignore_index(module: nn.Module) -> int | None:
+    """A masked-LM head with ``sparse_prediction`` (read live, as its forward reads it) keeps only the positions whose
+    label is not ``sparse_pred_ignore_index`` for its decoder and loss: labels of that value read nothing there, and
+    count no more than -100 does (labels padded with the configured ignore index, as a sparse-MLM collator writes
+    them, then need neither the trailing positions computed nor the stock forward)."""
+    if not getattr(module, "sparse_prediction", False):
+        return None
+    index = getattr(module, "sparse_pred_ignore_index", None)
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
 
 
 def _checked_call(checked: CheckedForward, args, kwargs, request=_request):
