@@ -71,7 +71,7 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
         return
     params = state.params
     lengths = check_lengths(config, params.window, backend_top(config, state, weight.dtype))
-    ids, mask = check_batch(lengths, params.vocab_size, weight.device, seed)
+    ids, mask = check_batch(lengths, model.embeddings.tok_embeddings.num_embeddings, weight.device, seed)
     before = graph_keys(state)
     try:
         _check(model, state, config, params, weight, lengths, ids, mask, report, seed)
@@ -80,17 +80,18 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
 
 
 def _check(model, state, config, params, weight, lengths, ids, mask, report, seed: int) -> None:
+    vocab_size = model.embeddings.tok_embeddings.num_embeddings  # the rows calls are checked against
     with eval_mode(model), torch.no_grad():
         batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
-                      token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
+                      token_type_ids=None, vocab_size=vocab_size, fused=state.tuning.fused_unpad)
         eager = run_packed(model, state, batch)
         graph = graph_forward(model, state, batch, torch.clone, prepared=prepare(model, state))
         rect = None
         if config.sync_free:
             rect_lengths = rect_check_lengths(config, lengths)
-            r_ids, r_mask = check_batch(rect_lengths, params.vocab_size, weight.device, seed)
+            r_ids, r_mask = check_batch(rect_lengths, vocab_size, weight.device, seed)
             r_batch = unpad(input_ids=r_ids, inputs_embeds=None, attention_mask=r_mask, position_ids=None,
-                            token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
+                            token_type_ids=None, vocab_size=vocab_size, fused=state.tuning.fused_unpad)
             r_eager = run_packed(model, state, r_batch)
             rect = _sync_free(model, state, config, r_ids, r_mask)
 

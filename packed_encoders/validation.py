@@ -246,7 +246,10 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
         return report
 
     t0 = time.perf_counter()
-    ids, mask = check_batch(lengths, params.vocab_size, device, seed)
+    # the rows of the embedding, as calls are checked against (config.vocab_size may say more: ids past the rows
+    # would fail stock's own lookup here, where a call's real ids never reach them)
+    vocab_size = model.embeddings.tok_embeddings.num_embeddings
+    ids, mask = check_batch(lengths, vocab_size, device, seed)
     b, s = ids.shape
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     with eval_mode(model):
@@ -254,7 +257,7 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
             stock = _stock_forward(model, input_ids=ids, attention_mask=mask, position_ids=positions,
                                    return_dict=True).last_hidden_state
             batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
-                          token_type_ids=None, vocab_size=params.vocab_size, fused=state.tuning.fused_unpad)
+                          token_type_ids=None, vocab_size=vocab_size, fused=state.tuning.fused_unpad)
             fast = batch.pad(run_packed(model, state, batch))
             # quack GEMMs engage from thousands of tokens and the check batch is short: check it again with them
             # forced on, so both the path short calls take and the one long calls take are held to the bars below

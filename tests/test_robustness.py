@@ -330,3 +330,17 @@ def test_bad_validation_lengths_are_refused_before_validation(lengths, what):
     with pytest.raises(pe.PackedEncodersError, match=what):
         pe.pack(model, validation_lengths=lengths)
     assert not pe.is_packed(model)
+
+
+def test_validation_draws_ids_within_the_embedding_when_the_config_says_more():
+    """config.vocab_size above the embedding's rows (a config edited, e.g. to a tokenizer's size, without resizing):
+    stock runs any id within the rows, and so must pack()'s validation batch, which drew up to config.vocab_size and
+    failed inside stock's own lookup with an IndexError."""
+    model = make_model("tiny")
+    reference = copy.deepcopy(model)
+    model.config.vocab_size = reference.config.vocab_size = model.embeddings.tok_embeddings.num_embeddings + 200
+    pe.pack(model)
+    assert pe.describe(model)["encoders"][0]["validated"]
+    ids, mask = padded_batch([5, 30, 12], "right")
+    torch.testing.assert_close(_out(model, ids, mask)[mask.bool()], _out(reference, ids, mask)[mask.bool()],
+                               atol=1e-4, rtol=1e-4)
