@@ -14,6 +14,7 @@ from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import install, own_state, replaced_forward, restore
 from .adapters.state import PackOptions, forward_bypassed, get_state
+from .adapters.stock_calls import deterministic_reason
 from .adapters.structure import snapshot, structure_check, structure_problem
 from .batch import check_embeds_dtype, from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
@@ -395,7 +396,9 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
             skip (a forward hook, a wrapped or swapped submodule, pruned layers, a new
             ``config.local_attention`` or ``config.layer_types``); in a ``torch.distributed`` world, a model wrapped
             in ``DistributedDataParallel`` or an encoder whose weights are sharded (their wrapper's forward, which
-            a direct call skips, all-reduces the gradients / gathers the weights).
+            a direct call skips, all-reduces the gradients / gathers the weights); a call with gradients on CUDA
+            that asks for deterministic attention (``config.deterministic_flash_attn=True`` or
+            ``torch.use_deterministic_algorithms(True)``), which the packed attention backward does not give.
     """
     if torch.compiler.is_dynamo_compiling():  # also a strict torch.export, which dynamo traces (adapters.patch)
         return outside_dynamo(packed_forward, _PACKED_FORWARD_UNTRACEABLE)(
@@ -434,7 +437,7 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         return empty_output(encoder, state, packed_ids if packed_ids is not None else inputs_embeds,
                             encoder.embeddings.tok_embeddings.weight.dtype)
     # checked before any route: a graph replay reads no module and would skip a hook or a swap
-    problem = structure_check(encoder, state)
+    problem = structure_check(encoder, state) or deterministic_reason(encoder)
     if problem is not None:
         raise PackedEncodersError(f"the packed forward cannot run this model: {problem}")
     route = packed_route(encoder, state, batch)

@@ -246,3 +246,41 @@ def test_a_4d_mask_reason_does_not_vary_with_the_batch_shape():
     said = [w for w in caught if "packed_encoders" in str(w.message)]
     assert len(said) == 1 and "4-D tensor" in str(said[0].message)
     assert list(pe.describe(model)["encoders"][0]["stock_forward_calls"].values()) == [len(widths)]
+
+
+@pytest.mark.parametrize("ask", ["config", "torch"])
+def test_a_deterministic_request_with_gradients_on_cuda_runs_the_stock_forward(monkeypatch, ask):
+    """``config.deterministic_flash_attn`` (which HF passes to FlashAttention-2's backward) and torch's deterministic
+    mode ask for a deterministic attention backward, which the packed training path does not give: a call with
+    gradients on CUDA runs the stock forward, the reason counted and warned once; without gradients, or on CPU
+    (plain PyTorch ops), the call stays packed; ``packed_forward`` with gradients raises. (The weights' device is
+    faked: this machine has no GPU.)"""
+    from packed_encoders.adapters import stock_calls
+
+    model = pe.pack(make_model("base_like")).train()
+    ids, mask = padded_batch([5, 12, 9])
+    if ask == "config":
+        model.config.deterministic_flash_attn = True
+    else:
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+
+    def stock_calls_seen():
+        return sum((pe.describe(model)["encoders"][0].get("stock_forward_calls") or {}).values())
+
+    model(input_ids=ids, attention_mask=mask)  # CPU: packed
+    assert stock_calls_seen() == 0
+    monkeypatch.setattr(stock_calls, "_on_cuda", lambda model: True)
+    with pytest.warns(RuntimeWarning, match="deterministic attention"):
+        out = model(input_ids=ids, attention_mask=mask)
+    assert stock_calls_seen() == 1
+    out.last_hidden_state[mask.bool()].square().mean().backward()  # stock's autograd graph
+    ref = stock(model, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=0, rtol=0)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # no gradients: packed
+    assert stock_calls_seen() == 1
+    flat, cu = torch.ones(17, dtype=torch.long), torch.tensor([0, 5, 17], dtype=torch.int32)
+    with pytest.raises(pe.PackedEncodersError, match="deterministic attention"):
+        pe.packed_forward(model, None, flat, cu, 12)
+    with torch.no_grad():
+        pe.packed_forward(model, None, flat, cu, 12)

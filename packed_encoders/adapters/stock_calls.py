@@ -5,8 +5,8 @@ Named before the call: attention probabilities (``output_attentions=True``), cau
 HF's precomputed per-layer-type mask mapping (a dict ``attention_mask``), a mask per query and key (a 3-D / 4-D
 tensor ``attention_mask``),
 layer-selecting ``output_hidden_states`` (a list or tuple), tracing by ``torch.export`` or ``torch.jit.trace`` (the
-exported program / trace is the stock graph: the packed forward syncs the host on the lengths), and calls inside a
-``torch.func`` transform.
+exported program / trace is the stock graph: the packed forward syncs the host on the lengths), calls inside a
+``torch.func`` transform, and calls with gradients on CUDA that ask for deterministic attention (:data:`DETERMINISTIC`).
 Found while unpacking: a mask with holes inside a row, or padding before a row's real tokens where trailing padded
 positions are computed (:class:`~packed_encoders.errors.StockOnlyInput`).
 """
@@ -33,6 +33,29 @@ JIT_TRACE = ("torch.jit.trace traces the stock forward (the packed forward reads
 _functorch_level = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
 FUNCTORCH = ("a torch.func transform (grad, vjp, jvp, vmap, ...) is active: the packed training path's autograd "
              "functions do not support functorch")
+
+
+# HF's ModernBERT passes config.deterministic_flash_attn to FlashAttention-2's backward (and torch's deterministic mode
+# makes aten's flash backward deterministic, or raises for kernels that cannot be); the packed training path's attention
+# backward (FlashAttention-4's compiled kernels, or aten's FlashAttention-2 pair) accumulates dq in an order that is
+# not fixed. Forwards are deterministic (no atomics in any packed kernel), so calls without gradients stay packed, and
+# so do CPU calls (plain PyTorch ops).
+DETERMINISTIC = ("a call with gradients on CUDA asks for deterministic attention (config.deterministic_flash_attn=True "
+                 "or torch.use_deterministic_algorithms(True)); the packed attention backward does not fix the order "
+                 "in which it accumulates the query gradients")
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    return model._modules["embeddings"]._modules["tok_embeddings"]._parameters["weight"].is_cuda
+
+
+def deterministic_reason(model: nn.Module) -> str | None:
+    """:data:`DETERMINISTIC` when this call (gradients enabled, weights on CUDA) asks for a deterministic attention
+    backward, else ``None`` (``config.deterministic_flash_attn`` read live, as HF's forward reads it)."""
+    if torch.is_grad_enabled() and (getattr(model.config, "deterministic_flash_attn", False)
+                                    or torch.are_deterministic_algorithms_enabled()) and _on_cuda(model):
+        return DETERMINISTIC
+    return None
 
 
 def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict) -> str | None:
@@ -67,7 +90,7 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
     if hidden is not None and not isinstance(hidden, bool):
         return (f"output_hidden_states={hidden!r} selects layers; the packed path returns all of them "
                 "(output_hidden_states=True) or none")
-    return None
+    return deterministic_reason(model)
 
 
 def mask_holes_reason(error: StockOnlyInput) -> str:
