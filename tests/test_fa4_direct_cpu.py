@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
+import warnings
 
 import pytest
 import torch
@@ -107,6 +108,31 @@ def test_a_recording_substitutes_the_calls_tensors_and_sizes_the_backward_scratc
     # the three scratch buffers do not overlap
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (pargs[2], pargs[4], pargs[5]))
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_a_recording_hides_cutlass_jit_argument_warnings_only():
+    """cutlass-dsl warns at each FA4 compile that flash_attn.cute's AuxData "cannot be converted to a JitArgument"
+    (harmless): a recording, which compiles on a user's first call, hides that warning and no other."""
+    def warning_interface(message):
+        iface = _fake_interface([])
+        forward = iface._flash_attn_fwd
+
+        def _flash_attn_fwd(*args, **kwargs):
+            warnings.warn(message, UserWarning)
+            return forward(*args, **kwargs)
+
+        iface._flash_attn_fwd, iface._compiling_forward = _flash_attn_fwd, forward  # (the recorder wraps its cache)
+        return iface
+
+    noise = ("Argument aux_data (position 17) cannot be converted to a JitArgument for function 'cutlass___call___"
+             "flash_attncuteflash_fwd_sm90'. Its type `<class 'flash_attn.cute.utils.AuxData'>` is not supported.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fa4_direct._record_one(torch.zeros(1, 12, 64), 40, None, 0.125, True, (128, 64),
+                               interface=warning_interface(noise))
+    with pytest.warns(UserWarning, match="something else"):
+        fa4_direct._record_one(torch.zeros(1, 12, 64), 40, None, 0.125, False, (128, 64),
+                               interface=warning_interface("something else"))
 
 
 def test_a_recording_refuses_tensors_the_interface_made_itself():

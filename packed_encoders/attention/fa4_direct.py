@@ -28,6 +28,8 @@ from __future__ import annotations
 import bisect
 import functools
 import threading
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -231,6 +233,20 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, *, window: in
     return grads
 
 
+# cutlass-dsl (4.8) warns at each FlashAttention-4 compile that an argument of flash_attn.cute's kernel classes (its
+# ``AuxData``) "cannot be converted to a JitArgument"; flash_attn.cute passes it as a compile-time value and the kernels
+# are unaffected (tests/gpu). A user's first packed call compiles: without this, it would print that internal warning.
+_JIT_ARGUMENT_NOISE = r"Argument \w+ \(position \d+\) cannot be converted to a JitArgument"
+
+
+@contextmanager
+def quiet_compile():
+    """Hide cutlass-dsl's JitArgument conversion warning (only that one) around calls that compile FA4 kernels."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_JIT_ARGUMENT_NOISE, category=UserWarning)
+        yield
+
+
 class _Recorder:
     """Wraps every compile cache of ``flash_attn.cute.interface`` for one recording (under :data:`_lock`)."""
 
@@ -311,7 +327,7 @@ def _record_one(q_like: torch.Tensor, length: int, window: int | None, scale: fl
     lse = torch.empty((heads, length), dtype=torch.float32, device=device)
     roles = {_same_tensor(t): name for t, name in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"),
                                                    (cu, "cu"))}
-    with _Recorder(interface) as rec:
+    with _Recorder(interface) as rec, quiet_compile():
         interface._flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=length,
                                   max_seqlen_k=length, softmax_scale=scale, causal=False, window_size_left=window,
                                   window_size_right=window, out=out, lse=lse, return_lse=True)
@@ -323,7 +339,7 @@ def _record_one(q_like: torch.Tensor, length: int, window: int | None, scale: fl
     dout = torch.randn_like(q)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     roles.update({_same_tensor(t): name for t, name in ((dout, "dout"), (dq, "dq"), (dk, "dk"), (dv, "dv"))})
-    with _Recorder(interface) as rec:
+    with _Recorder(interface) as rec, quiet_compile():
         interface._flash_attn_bwd(q, k, v, out, dout, lse, scale, False, 0.0, window_size_left=window,
                                   window_size_right=window, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=length,
                                   max_seqlen_k=length, dq=dq, dk=dk, dv=dv)

@@ -184,9 +184,10 @@ def fa4_varlen_finite_v(q, k, v, cu_seqlens, max_seqlen: int, *, window: int | N
     from flash_attn.cute import flash_attn_varlen_func
 
     ws = (None, None) if window is None else (int(window), int(window))
-    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
-                                 max_seqlen_q=int(max_seqlen), max_seqlen_k=int(max_seqlen),
-                                 softmax_scale=scale, causal=False, window_size=ws)
+    with fa4_direct.quiet_compile():  # (its backward compiles under autograd, outside: the warning may show there)
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                                     max_seqlen_q=int(max_seqlen), max_seqlen_k=int(max_seqlen),
+                                     softmax_scale=scale, causal=False, window_size=ws)
     return out[0] if isinstance(out, tuple) else out
 
 
