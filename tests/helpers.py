@@ -111,6 +111,27 @@ def enable_dropout(model, where: str) -> None:
         raise ValueError(f"where must be one of {DROPOUT_AFTER_PACK}, not {where!r}")
 
 
+def set_checkpointing(model, on: bool = True, **kwargs) -> None:
+    """Turn HF's gradient checkpointing on (``kwargs``: the checkpoint function's, e.g. ``use_reentrant``) or off
+    through ``activation_checkpointing_enable`` / ``_disable`` where transformers has them (5.24 and 5.25 make the
+    old ``gradient_checkpointing_*`` names deprecated aliases that warn: FutureWarning, "removed in v6")."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def is_checkpointing(model) -> bool:
+    """HF's ``is_activation_checkpointing``, or ``is_gradient_checkpointing`` (a deprecated alias where both exist)."""
+    new = hasattr(type(model), "is_activation_checkpointing")
+    return bool(getattr(model, "is_activation_checkpointing" if new else "is_gradient_checkpointing"))
+
+
 def padded_batch(lengths, side: str = "right", *, seed: int = 0, pad_to: int | None = None,
                  vocab_size: int = VOCAB, device=None):
     """Random ids ``[B, S]`` (int64, from ``[3, vocab_size)``) and a 0/1 int64 mask ``[B, S]`` with

@@ -23,7 +23,7 @@ from packed_encoders.graphs import route
 from packed_encoders.graphs.config import GraphConfig
 from packed_encoders.graphs.training import TOO_MANY_PENDING, TWICE, Lease, Slots
 from packed_encoders.router import Eager, Facts, PackedGraph, TrainingGraph, choose
-from tests.helpers import VOCAB, padded_batch, tiny_model
+from tests.helpers import VOCAB, padded_batch, set_checkpointing, tiny_model
 
 TRAIN = GraphConfig(max_seqlen=64, training=True)
 
@@ -92,9 +92,9 @@ def test_mode_facts_see_checkpointing_and_input_grads():
     model, state = packed_model()
     facts = mode_facts(model, state)
     assert facts["grad"] and not facts["checkpointing"] and not facts["input_grads"]
-    model.gradient_checkpointing_enable()
+    set_checkpointing(model)
     assert mode_facts(model, state)["checkpointing"]
-    model.gradient_checkpointing_disable()
+    set_checkpointing(model, on=False)
     model.enable_input_require_grads()
     assert mode_facts(model, state)["input_grads"]
     with torch.no_grad():

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import packed_encoders as pe
-from tests.helpers import make_model, padded_batch, stock, stock_positions
+from tests.helpers import make_model, padded_batch, set_checkpointing, stock, stock_positions
 
 
 def _grads(model, fn):
@@ -37,7 +39,7 @@ def test_gradients_match_stock(name):
 
 def test_gradient_checkpointing_is_honoured():
     model = make_model("base_like")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    set_checkpointing(model, use_reentrant=False)
     model.train()
     pe.pack(model)
     calls = []
@@ -47,7 +49,7 @@ def test_gradient_checkpointing_is_honoured():
     ids, mask = padded_batch([8, 20])
     with_ckpt = _grads(model, lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state.pow(2).mean())
     assert len(calls) == model.config.num_hidden_layers
-    model.gradient_checkpointing_disable()
+    set_checkpointing(model, on=False)
     calls.clear()
     plain = _grads(model, lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state.pow(2).mean())
     assert not calls
@@ -55,9 +57,30 @@ def test_gradient_checkpointing_is_honoured():
         torch.testing.assert_close(with_ckpt[n], plain[n], atol=1e-6, rtol=1e-5)
     model.eval()
     with torch.no_grad():
-        model.gradient_checkpointing_enable()
+        set_checkpointing(model)
         model(input_ids=ids, attention_mask=mask)
     assert not calls  # eval / no grad: nothing to recompute
+
+
+def test_packed_calls_under_checkpointing_raise_no_deprecation_warning():
+    """pack() and the packed forward read HF's checkpointing flags per call (``gradient_checkpointing`` and
+    ``_gradient_checkpointing_func`` on each layer): transformers 5.24+ deprecates the ``gradient_checkpointing_*``
+    methods and ``is_gradient_checkpointing`` (FutureWarning) but not these attributes. A user's packed training
+    step must print no FutureWarning / DeprecationWarning of ours (pyproject hides DeprecationWarning, hence the
+    explicit filter)."""
+    model = make_model("base_like")
+    set_checkpointing(model, use_reentrant=False)
+    model.train()
+    ids, mask = padded_batch([8, 20])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        pe.pack(model)
+        model(input_ids=ids, attention_mask=mask).last_hidden_state.pow(2).mean().backward()
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+    assert pe.describe(model)["encoders"][0]["packed"]
 
 
 def test_dropout_applied_in_train_mode_only():

@@ -9,9 +9,12 @@ runs see identical arithmetic up to fp32 rounding. PyLate's losses run in PyLate
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import packed_encoders as pe
+from tests.helpers import is_checkpointing
 from tests.tiny_tokenizer import save_tiny_model
 from tests.training_compare import LR, OPTIM, Recorder, compare, texts
 
@@ -36,6 +39,14 @@ def _st_model(model_dir):
                                device="cpu")
 
 
+def _checkpointing_args(args_cls, on: bool) -> dict:
+    """The training arguments that turn gradient checkpointing on or off (non-reentrant): ``activation_checkpointing``
+    where transformers has it (``gradient_checkpointing`` is its deprecated alias there, which warns)."""
+    prefix = ("activation" if "activation_checkpointing" in {f.name for f in dataclasses.fields(args_cls)}
+              else "gradient")
+    return {f"{prefix}_checkpointing": on, f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
+
+
 def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: bool, pack_kw: dict | None = None):
     """Train for ``STEPS`` steps; returns the recorder, the final weights and the model (``pack_kw``: ``pe.pack``'s
     options when ``packed``)."""
@@ -53,9 +64,9 @@ def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: boo
     args = SentenceTransformerTrainingArguments(
         output_dir=str(tmp_path / f"out-{loss_name}-{packed}-{checkpointing}"), per_device_train_batch_size=BATCH,
         max_steps=STEPS, learning_rate=LR, optim=OPTIM, warmup_steps=0, lr_scheduler_type="constant", seed=0,
-        data_seed=0, max_grad_norm=0.0, gradient_checkpointing=checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, report_to=[], save_strategy="no",
-        logging_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+        data_seed=0, max_grad_norm=0.0, **_checkpointing_args(SentenceTransformerTrainingArguments, checkpointing),
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, dataloader_num_workers=0,
+        disable_tqdm=True)
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(texts(STEPS * BATCH)),
                                          loss=loss, callbacks=[rec.callback])
     trainer.train()
@@ -64,7 +75,7 @@ def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: boo
         assert info["packed"] and info["last_attention"], info  # the packed path really ran
         # GradCache's second forward of each chunk (with gradients, over the same slices) skips the unpad's sync
         assert (info["unpad_syncs_skipped"] > 0) == (loss_name == "cached_mnrl"), info["unpad_syncs_skipped"]
-    assert model[0].auto_model.is_gradient_checkpointing == checkpointing
+    assert is_checkpointing(model[0].auto_model) == checkpointing
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return rec, weights, model
 

@@ -20,7 +20,7 @@ from packed_encoders.model import plan as plan_mod  # noqa: E402
 from packed_encoders.model.forward import encoder_forward, plan_attention  # noqa: E402
 from packed_encoders.model.params import ModernBertParams  # noqa: E402
 from packed_encoders.ops.select import select_ops  # noqa: E402
-from tests.helpers import measured_peak  # noqa: E402
+from tests.helpers import measured_peak, set_checkpointing  # noqa: E402
 
 DEV = torch.device("cuda")
 LEAN, PER_OP = plan_mod.Rules(lean=True), plan_mod.Rules(lean=False)
@@ -116,13 +116,13 @@ def test_lean_training_gradients_vs_stock(checkpointing):
     ref = grads(lambda: model(input_ids=ids, attention_mask=mask,
                               position_ids=(mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_checkpointing(model, use_reentrant=False)
     pe.pack(model, validate=False)
     try:
         got = grads(lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state)
     finally:
         pe.unpack(model)
-        model.gradient_checkpointing_disable()
+        set_checkpointing(model, on=False)
     last = model.config.num_hidden_layers - 1
     worst = min((float(torch.nn.functional.cosine_similarity(got[n].flatten(), ref[n].flatten(), dim=0)), n)
                 for n in ref)
