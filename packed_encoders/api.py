@@ -437,8 +437,12 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
         return empty_output(encoder, state, packed_ids if packed_ids is not None else inputs_embeds,
                             encoder.embeddings.tok_embeddings.weight.dtype)
     # checked before any route: a graph replay reads no module and would skip a hook or a swap
-    problem = structure_check(encoder, state) or deterministic_reason(encoder)
+    problem = structure_check(encoder, state)
     if problem is not None:
         raise PackedEncodersError(f"the packed forward cannot run this model: {problem}")
+    problem = deterministic_reason(encoder)
+    if problem is not None:
+        raise PackedEncodersError(f"packed_forward: {problem}; call the padded model, which runs the stock forward "
+                                  "for such calls")
     route = packed_route(encoder, state, batch)
     return serve_batch(encoder, state, route, batch, backend=backend)
