@@ -486,7 +486,8 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settin
                          {"chunk_tokens": chunk_tokens, "output": output})]
     if _corpus_changed(corpus, plan):
         parts.insert(0, f"corpus: {plan['corpus']!r} ({plan['corpus_bytes']} bytes) -> {corpus!r} "
-                        f"({os.stat(corpus).st_size} bytes{', modified since' if corpus == plan['corpus'] else ''})")
+                        f"({os.stat(corpus).st_size} bytes"
+                        f"{', modified since' if os.path.abspath(corpus) == plan['corpus'] else ''})")
     differs = "; ".join(p for p in parts if p)
     if differs:
         raise PackedEncodersError(f"{out_dir} holds an index of another corpus or settings ({PLAN} -> this run: "

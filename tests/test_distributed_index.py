@@ -219,6 +219,23 @@ def test_resume_refuses_another_corpus(setup, tmp_path):
                      output="tokens", chunk_tokens=7, progress=False)
 
 
+def test_resume_refusal_says_the_corpus_was_modified_when_given_by_a_relative_path(setup, tmp_path, monkeypatch):
+    """The plan records the corpus's absolute path: a corpus given relative to the working directory (as on the
+    command line) and only modified since (same size, a new mtime) must be named as modified, not as another file."""
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    local = tmp_path / "corpus.jsonl"
+    local.write_bytes(open(corpus, "rb").read())
+    monkeypatch.chdir(tmp_path)
+    out = str(tmp_path / "out")
+    _single(model_dir, "corpus.jsonl", out, "pooled")
+    st = os.stat(local)
+    os.utime(local, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(pe.PackedEncodersError, match=r"-> 'corpus\.jsonl' \(\d+ bytes, modified since\)"):
+        _single(model_dir, "corpus.jsonl", out, "pooled")
+
+
 def test_resume_refuses_other_settings_or_another_model(setup, tmp_path):
     """A resumed run must encode the missing chunks as the first run did: another model, pooling, output dtype or
     pad id is refused (naming what changed), never mixed into the index; the same settings resume."""
