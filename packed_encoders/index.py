@@ -121,11 +121,11 @@ def scan_corpus(path: str, vocab_size: int | None = None) -> tuple[list[int], li
                 if type(item["id"]) not in (str, int):
                     raise PackedEncodersError(f"{path}:{number}: the id {item['id']!r} is not a string or an integer")
                 tokens = item["input_ids"]
-                if not tokens:
-                    raise PackedEncodersError(f"{path}:{number}: item {item['id']!r} has no tokens")
                 if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
                     raise PackedEncodersError(f"{path}:{number}: item {item['id']!r}: input_ids must be a list of "
                                               "integers")
+                if not tokens:
+                    raise PackedEncodersError(f"{path}:{number}: item {item['id']!r} has no tokens")
                 lo, hi = min(tokens), max(tokens)
                 if lo < 0 or (vocab_size is not None and hi >= vocab_size):
                     raise PackedEncodersError(f"{path}:{number}: item {item['id']!r}: token id {lo if lo < 0 else hi} "

@@ -37,6 +37,9 @@ def test_corpus_lines_that_cannot_be_encoded_are_named_by_file_and_line(tmp_path
     good = json.dumps({"id": "a", "input_ids": [1, 5, 2]})
     cases = (('{"id": "b", "input_ids": [1, 2', "not a JSON line"), ('[1, 2]', "needs 'id' and 'input_ids'"),
              (json.dumps({"id": "b", "input_ids": [1, 2.5, 3]}), "'b': input_ids must be a list of integers"),
+             (json.dumps({"id": "b", "input_ids": 0}), "'b': input_ids must be a list of integers"),
+             (json.dumps({"id": "b", "input_ids": None}), "'b': input_ids must be a list of integers"),
+             (json.dumps({"id": "b", "input_ids": []}), "'b' has no tokens"),
              (json.dumps({"id": "b", "input_ids": [1, 99, 2]}), "'b': token id 99 is outside the model's vocabulary"),
              (json.dumps({"id": "b", "input_ids": [-3, 2]}), "'b': token id -3 is outside"))
     for line, message in cases:
