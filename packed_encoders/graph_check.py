@@ -69,18 +69,17 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     weight = model.embeddings.tok_embeddings.weight
     if not _eligible(config, weight, state.tuning):
         return
-    params = state.params
-    lengths = check_lengths(config, params.window, backend_top(config, state, weight.dtype))
-    ids, mask = check_batch(lengths, model.embeddings.tok_embeddings.num_embeddings, weight.device, seed)
+    lengths = check_lengths(config, state.params.window, backend_top(config, state, weight.dtype))
+    vocab_size = model.embeddings.tok_embeddings.num_embeddings  # the rows calls are checked against
+    ids, mask = check_batch(lengths, vocab_size, weight.device, seed)
     before = graph_keys(state)
     try:
-        _check(model, state, config, params, weight, lengths, ids, mask, report, seed)
+        _check(model, state, config, vocab_size, weight, lengths, ids, mask, report, seed)
     finally:
         release_check_graphs(state, before)
 
 
-def _check(model, state, config, params, weight, lengths, ids, mask, report, seed: int) -> None:
-    vocab_size = model.embeddings.tok_embeddings.num_embeddings  # the rows calls are checked against
+def _check(model, state, config, vocab_size: int, weight, lengths, ids, mask, report, seed: int) -> None:
     with eval_mode(model), torch.no_grad():
         batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None,
                       token_type_ids=None, vocab_size=vocab_size, fused=state.tuning.fused_unpad)
