@@ -1,4 +1,4 @@
-"""Public entry points: pack / unpack / describe / packed_forward."""
+"""Public entry points: pack / unpack / is_packed / describe / packed_forward."""
 
 from __future__ import annotations
 
