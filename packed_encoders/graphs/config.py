@@ -35,8 +35,9 @@ class GraphConfig:
       dummy-sequence slots to hold the padding tokens in sequences no longer than the bucket's seqlen;
     - seqlen: the smallest entry of ``seqlen_buckets`` (plus ``max_seqlen``) >= the longest sequence.
       The defaults: 128 (queries; the kernels tile queries by 64-128 rows, so every ``max_seqlen <= 128``
-      costs the same), 512 (passages; the in-tree Triton kernel's global-layer envelope) and 2048
-      (documents; FlashAttention on global layers). Each seqlen bucket bakes in its own attention plan.
+      costs the same), 512 (passages; the longest sequences for which the calibrated H200 policy
+      still picks the in-tree Triton kernel on global layers) and 2048 (documents; FlashAttention on
+      global layers). Each seqlen bucket bakes in its own attention plan.
 
     Documents are served too: with one host sync per call and ~110 launches per forward, a batch of 8
     documents of ~900 tokens is host-bound in eager mode on an H200 (see ``docs/architecture.md``).
