@@ -36,7 +36,8 @@ chunk is encoded again, with a warning. Rank 0 then checks every marker and file
 copies the digests into the manifest. A run with another corpus, chunking, output, pooling, output dtype, pad id or
 model (other weights, dtype, class, module pipeline or forward-shaping config) than ``plan.json`` records is
 refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused too, and
-so are ranks started with different corpora, models or options (every rank raises, naming the difference). A
+so are ranks started with different corpora, models or options (every rank raises, naming the difference) and a
+rank that cannot read the plan rank 0 wrote (another output directory, or one not on a file system all ranks share). A
 deleted ``plan.json`` is written again by the next run (which keeps the chunks made under the same plan); a damaged
 ``plan.json`` or ``manifest.json`` is refused, naming the file and the way out.
 
@@ -499,6 +500,22 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settin
     return plan
 
 
+def _plan_seen(out_dir: str, corpus: str, chunk_tokens: int, output: str,
+               fingerprint: str) -> tuple[dict | None, str | None]:
+    """``(plan, None)`` where a rank other than 0 reads the plan rank 0 wrote (its :func:`plan_fingerprint` is
+    ``fingerprint``) in ``out_dir``; otherwise ``(None, what it found instead)``."""
+    where = os.path.join(os.path.abspath(out_dir), PLAN)
+    try:
+        plan = _load_plan(out_dir, corpus, chunk_tokens, output, None)
+    except PackedEncodersError as exc:
+        return None, str(exc)
+    if plan is None:
+        return None, f"{where}: missing"
+    if plan_fingerprint(plan) != fingerprint:
+        return None, f"{where}: another plan than rank 0's"
+    return plan, None
+
+
 _ABSENT = object()  # _difference's filler for a key or list item only one side has
 
 
@@ -609,16 +626,31 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
             except PackedEncodersError as exc:
                 problem = [str(exc)]
     if dist is not None:
-        dist.broadcast_object_list(problem, src=0)  # every rank raises rank 0's error instead of waiting for it
+        # every rank raises rank 0's error instead of waiting for it; rank 0's plan fingerprint rides along
+        problem.append(plan_fingerprint(plan) if rank == 0 and problem[0] is None else None)
+        dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         if dist is not None:
             # every rank past the broadcast before any leaves: a rank exiting while a peer still reads it reset the
             # connection, and gloo aborted the peer (SIGABRT instead of the refusal's exit)
             dist.barrier()
         raise PackedEncodersError(problem[0])
+    if dist is not None:
+        # Every rank reads the plan rank 0 wrote. One that cannot (given another --out, or an output directory that
+        # is not on a file system every rank shares) failed alone with a TypeError while the others encoded and
+        # waited for it; now every rank raises, naming the rank and the directory.
+        blind = None
+        if rank != 0:
+            plan, blind = _plan_seen(out_dir, corpus, chunk_tokens, output, problem[1])
+        views = [None] * world
+        dist.all_gather_object(views, blind)
+        failed = [r for r, why in enumerate(views) if why is not None]
+        if failed:
+            dist.barrier()  # (as above: no rank leaves while a peer still reads)
+            raise PackedEncodersError(f"rank {failed[0]} does not see the plan rank 0 wrote ({views[failed[0]]}); "
+                                      "every rank needs the same output directory on a file system all ranks "
+                                      f"share (ranks {failed} cannot see it)")
     os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)  # rank 0 made it (after the checks); others see it
-    if rank != 0:
-        plan = _load_plan(out_dir, corpus, chunk_tokens, output, None)
     lengths = plan["lengths"]
     # owners are dealt for this run's world size: a resumed run may use another number of ranks
     chunks = plan_chunks(lengths, chunk_tokens, world)

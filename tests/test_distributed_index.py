@@ -179,6 +179,38 @@ def test_ranks_given_other_settings_are_refused(setup, tmp_path):
             assert not (tmp_path / name).exists()
 
 
+def _other_out_worker(rank, world, rendezvous, model_dir, corpus, out_root):
+    import torch.distributed as dist
+
+    import packed_encoders as pe
+
+    init(rank, world, rendezvous)
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    try:  # each rank its own output directory: rank 1 cannot see the plan rank 0 writes
+        index_corpus(model, corpus, os.path.join(out_root, f"out-{rank}"), chunk_tokens=CHUNK_TOKENS,
+                     batch_tokens=BATCH_TOKENS, progress=False)
+        error = None
+    except pe.PackedEncodersError as exc:
+        error = str(exc)
+    with open(os.path.join(out_root, f"error-{rank}.json"), "w") as f:
+        json.dump(error, f)
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_cannot_see_rank_0s_plan_is_named(setup, tmp_path):
+    """A rank given another output directory (or one on a file system the ranks do not share) failed alone with
+    ``TypeError: 'NoneType' object is not subscriptable`` while rank 0 encoded its share and waited for it: every
+    rank now raises one error naming the rank and what it found, and that rank writes nothing."""
+    _, model_dir, corpus = setup
+    spawn(_other_out_worker, 2, tmp_path, model_dir, corpus, str(tmp_path))
+    for rank in range(2):
+        message = json.load(open(tmp_path / f"error-{rank}.json"))
+        assert message and "rank 1 does not see the plan rank 0 wrote" in message, message
+        assert os.path.join(str(tmp_path), "out-1", "plan.json") in message and "all ranks share" in message, message
+    assert not (tmp_path / "out-1").exists()
+    assert not any(n.endswith(".pt") for n in os.listdir(tmp_path / "out-0" / "chunks"))
+
+
 def test_single_process_matches_stock_model(setup):
     """The index holds the stock model's mean-pooled vectors (the packed path is checked against HF elsewhere;
     this checks the batching, sorting and pooling around it)."""
