@@ -57,6 +57,7 @@ import json
 import os
 import sys
 import time
+import uuid
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -67,6 +68,10 @@ from .errors import PackedEncodersError
 
 PLAN = "plan.json"
 MANIFEST = "manifest.json"
+# an empty file rank 0 makes in the output directory for each distributed run (removed once every rank looked):
+# a rank that does not see it was given another directory, or one not shared with rank 0
+MARKER_PREFIX = ".rank0-"
+MARKER_WAIT_S = 10.0
 OUTPUTS = ("pooled", "tokens")
 POOLINGS = ("mean", "cls")
 # what a completion marker records beyond its sizes; a marker without them (an older version's) is not trusted
@@ -169,10 +174,12 @@ def _chunk_path(out_dir: str, index: int, suffix: str) -> str:
 
 
 def _remove_partial_writes(out_dir: str) -> None:
-    """Delete the temporary files a killed run left (a chunk or the manifest written halfway, before its rename).
-    Rank 0 calls it before it broadcasts the plan, which every other rank waits for: no rank of this run is writing."""
+    """Delete the temporary files a killed run left (a chunk or the manifest written halfway, before its rename; a
+    rank-0 marker, :data:`MARKER_PREFIX`). Rank 0 calls it before it broadcasts the plan, which every other rank waits
+    for: no rank of this run is writing."""
     chunks = os.path.join(out_dir, "chunks")
     names = [os.path.join(chunks, n) for n in os.listdir(chunks) if n.endswith(".tmp")] if os.path.isdir(chunks) else []
+    names += [os.path.join(out_dir, n) for n in os.listdir(out_dir) if n.startswith(MARKER_PREFIX)]
     for path in names + [os.path.join(out_dir, MANIFEST + ".tmp")]:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
@@ -500,10 +507,18 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settin
     return plan
 
 
-def _plan_seen(out_dir: str, corpus: str, chunk_tokens: int, output: str,
-               fingerprint: str) -> tuple[dict | None, str | None]:
-    """``(plan, None)`` where a rank other than 0 reads the plan rank 0 wrote (its :func:`plan_fingerprint` is
-    ``fingerprint``) in ``out_dir``; otherwise ``(None, what it found instead)``."""
+def _plan_seen(out_dir: str, corpus: str, chunk_tokens: int, output: str, fingerprint: str,
+               marker: str) -> tuple[dict | None, str | None]:
+    """``(plan, None)`` where a rank other than 0 sees, in ``out_dir``, the ``marker`` file rank 0 made for this run
+    and reads the plan rank 0 wrote (its :func:`plan_fingerprint` is ``fingerprint``); otherwise ``(None, what it
+    found instead)``. The marker tells a directory rank 0 shares from a copy holding the same plan; it is looked
+    for a few seconds (:data:`MARKER_WAIT_S`), as a network file system may show a new file late."""
+    path, wait, deadline = os.path.join(out_dir, marker), 0.05, time.monotonic() + MARKER_WAIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return None, f"{os.path.abspath(out_dir)}: not the directory rank 0 writes (no {marker} there)"
+        time.sleep(wait)
+        wait = min(2 * wait, 1.0)
     where = os.path.join(os.path.abspath(out_dir), PLAN)
     try:
         plan = _load_plan(out_dir, corpus, chunk_tokens, output, None)
@@ -625,9 +640,15 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
                 _remove_partial_writes(out_dir)
             except PackedEncodersError as exc:
                 problem = [str(exc)]
+    marker = None
     if dist is not None:
-        # every rank raises rank 0's error instead of waiting for it; rank 0's plan fingerprint rides along
-        problem.append(plan_fingerprint(plan) if rank == 0 and problem[0] is None else None)
+        # every rank raises rank 0's error instead of waiting for it; rank 0's plan fingerprint and the name of a
+        # marker file it made for this run ride along
+        if rank == 0 and problem[0] is None:
+            marker = MARKER_PREFIX + uuid.uuid4().hex
+            with open(os.path.join(out_dir, marker), "w"):
+                pass
+        problem += [plan_fingerprint(plan) if marker else None, marker]
         dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         if dist is not None:
@@ -641,9 +662,12 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         # waited for it; now every rank raises, naming the rank and the directory.
         blind = None
         if rank != 0:
-            plan, blind = _plan_seen(out_dir, corpus, chunk_tokens, output, problem[1])
+            plan, blind = _plan_seen(out_dir, corpus, chunk_tokens, output, problem[1], problem[2])
         views = [None] * world
         dist.all_gather_object(views, blind)
+        if rank == 0:  # every rank has looked
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out_dir, marker))
         failed = [r for r, why in enumerate(views) if why is not None]
         if failed:
             dist.barrier()  # (as above: no rank leaves while a peer still reads)

@@ -183,7 +183,9 @@ def _other_out_worker(rank, world, rendezvous, model_dir, corpus, out_root):
     import torch.distributed as dist
 
     import packed_encoders as pe
+    import packed_encoders.index as index
 
+    index.MARKER_WAIT_S = 0.5  # (rank 1 looks for rank 0's marker that long before it gives up)
     init(rank, world, rendezvous)
     model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
     try:  # each rank its own output directory: rank 1 cannot see the plan rank 0 writes
@@ -206,9 +208,29 @@ def test_a_rank_that_cannot_see_rank_0s_plan_is_named(setup, tmp_path):
     for rank in range(2):
         message = json.load(open(tmp_path / f"error-{rank}.json"))
         assert message and "rank 1 does not see the plan rank 0 wrote" in message, message
-        assert os.path.join(str(tmp_path), "out-1", "plan.json") in message and "all ranks share" in message, message
+        assert os.path.join(str(tmp_path), "out-1") + ": not the directory rank 0 writes" in message, message
+        assert "all ranks share" in message, message
     assert not (tmp_path / "out-1").exists()
     assert not any(n.endswith(".pt") for n in os.listdir(tmp_path / "out-0" / "chunks"))
+    assert not any(n.startswith(".rank0-") for n in os.listdir(tmp_path / "out-0"))  # the marker went
+
+
+def test_a_rank_reading_a_copy_of_rank_0s_plan_is_named(setup, tmp_path):
+    """A rank whose output directory holds a copy of the same plan (an earlier run's directory copied, or a stale
+    mirror on an unshared file system) read it as rank 0's and encoded into it; the run then ended with "chunks not
+    finished; run the command again" on every rerun. Rank 0's per-run marker tells the copy from the directory."""
+    import shutil
+
+    _, model_dir, corpus = setup
+    _single(model_dir, corpus, str(tmp_path / "out-0"), "pooled")
+    shutil.copytree(tmp_path / "out-0", tmp_path / "out-1")
+    before = sorted(os.listdir(tmp_path / "out-1" / "chunks"))
+    spawn(_other_out_worker, 2, tmp_path, model_dir, corpus, str(tmp_path))
+    for rank in range(2):
+        message = json.load(open(tmp_path / f"error-{rank}.json"))
+        assert message and "rank 1 does not see the plan rank 0 wrote" in message, message
+        assert "not the directory rank 0 writes" in message, message
+    assert sorted(os.listdir(tmp_path / "out-1" / "chunks")) == before
 
 
 def test_single_process_matches_stock_model(setup):
