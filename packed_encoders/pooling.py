@@ -22,6 +22,8 @@ import torch
 
 from .errors import PackedEncodersError
 
+_AUTOCAST_UNIFIES = frozenset((torch.float32, torch.float16, torch.bfloat16))  # what autocast casts for a GEMM
+
 
 def _check(x: torch.Tensor, cu_seqlens: torch.Tensor, name: str) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
@@ -94,15 +96,19 @@ def maxsim(q: torch.Tensor, q_cu_seqlens: torch.Tensor, d: torch.Tensor, d_cu_se
 
     Raises:
         PackedEncodersError: as :func:`mean_pool` for each input, or ``q`` and ``d`` of different widths / devices
-            (or dtypes, outside autocast).
+            (or dtypes, outside autocast; under autocast, two dtypes of which one is not fp32 / fp16 / bf16).
     """
     _check(q, q_cu_seqlens, "q")
     _check(d, d_cu_seqlens, "d")
     if q.shape[1] != d.shape[1] or q.device != d.device:
         raise PackedEncodersError(f"q [.., {q.shape[1]}] on {q.device} and d [.., {d.shape[1]}] on {d.device} must "
                                   "have the same width and device")
-    if q.dtype != d.dtype and not torch.is_autocast_enabled(q.device.type):
-        raise PackedEncodersError(f"q ({q.dtype}) and d ({d.dtype}) must have the same dtype outside autocast")
+    if q.dtype != d.dtype:
+        if not torch.is_autocast_enabled(q.device.type):
+            raise PackedEncodersError(f"q ({q.dtype}) and d ({d.dtype}) must have the same dtype outside autocast")
+        if not {q.dtype, d.dtype} <= _AUTOCAST_UNIFIES:  # autocast leaves fp64 (and integers) as they are
+            raise PackedEncodersError(f"q ({q.dtype}) and d ({d.dtype}): autocast casts only fp32 / fp16 / bf16 "
+                                      "operands to its dtype; give both one dtype")
     n_q, n_d = q_cu_seqlens.numel() - 1, d_cu_seqlens.numel() - 1
     sim = torch.matmul(q, d.t()).float()  # [Tq, Td]
     # unsafe: no check of the offsets, which would read them on the host (a sync); they are checked above on the

@@ -107,6 +107,8 @@ def test_errors():
         maxsim(x.bfloat16(), cu, x, cu)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # (autocast casts an fp32 operand)
         assert maxsim(x.bfloat16(), cu, x.float(), cu).shape == (2, 2)
+        with pytest.raises(PackedEncodersError, match="autocast casts only"):  # (it leaves fp64 as it is)
+            maxsim(x.float(), cu, x.double(), cu)
 
 
 def test_fully_packed_contrastive_step_matches_stock():
