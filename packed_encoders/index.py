@@ -38,7 +38,8 @@ model (other weights, dtype, class, module pipeline or forward-shaping config) t
 refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused too, and
 so are ranks started with different corpora, models or options (every rank raises, naming the difference) and a
 rank that does not share rank 0's output directory (another directory, one not on a file system all ranks share, or
-a copy of it: rank 0 makes a marker file per run there, which every rank must see). A deleted ``plan.json`` is written again by the next run (which keeps the chunks made under the same plan); a damaged
+a copy of it: rank 0 makes a marker file per run there, which every rank must see). A deleted ``plan.json`` is
+written again by the next run (which keeps the chunks made under the same plan); a damaged
 ``plan.json`` or ``manifest.json`` is refused, naming the file and the way out.
 
 :func:`load_index` reads the result back, checks that the manifest was written under ``plan.json`` as it is,
@@ -657,9 +658,9 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
             dist.barrier()
         raise PackedEncodersError(problem[0])
     if dist is not None:
-        # Every rank reads the plan rank 0 wrote. One that cannot (given another --out, or an output directory that
-        # is not on a file system every rank shares) failed alone with a TypeError while the others encoded and
-        # waited for it; now every rank raises, naming the rank and the directory.
+        # Every rank reads the plan rank 0 wrote. One that cannot (given another --out, an output directory not on a
+        # file system every rank shares, or a copy of it) would fail alone, or write into the copy, while the others
+        # encode and wait for it: every rank raises instead, naming the rank and the directory.
         blind = None
         if rank != 0:
             plan, blind = _plan_seen(out_dir, corpus, chunk_tokens, output, problem[1], problem[2])
