@@ -135,6 +135,27 @@ def test_a_recording_hides_cutlass_jit_argument_warnings_only():
                                interface=warning_interface("something else"))
 
 
+def test_quiet_compile_hides_deprecations_raised_in_flash_attn_and_cutlass_only():
+    """flash_attn.cute's sm_90 kernels use names cutlass-dsl deprecates: under strict warnings their first compile
+    (pack()'s validation) raised. Hidden when flash_attn's or cutlass' code raises them; others still raise."""
+    def deprecation(module):
+        warnings.warn_explicit("warpgroup.OperandMajorMode is deprecated", DeprecationWarning, "x.py", 1,
+                               module=module)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fa4_direct.quiet_compile():
+            deprecation("flash_attn.cute.flash_fwd_sm90")
+            deprecation("cutlass.cute.nvgpu.warpgroup")
+            for module in ("mine", "flash_attn_plus", "tests.cutlass"):
+                with pytest.raises(DeprecationWarning):
+                    deprecation(module)
+            with pytest.raises(UserWarning):
+                warnings.warn_explicit("something else", UserWarning, "x.py", 1, module="flash_attn.cute.interface")
+        with pytest.raises(DeprecationWarning):  # only inside
+            deprecation("flash_attn.cute.flash_fwd_sm90")
+
+
 def test_a_recording_refuses_tensors_the_interface_made_itself():
     iface = _fake_interface([], temp_shape=(3,))
     with pytest.raises(ValueError, match="made itself"):

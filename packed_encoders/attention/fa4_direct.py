@@ -235,15 +235,21 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, *, window: in
 
 # cutlass-dsl (4.8) warns at each FlashAttention-4 compile that an argument of flash_attn.cute's kernel classes (its
 # ``AuxData``) "cannot be converted to a JitArgument"; flash_attn.cute passes it as a compile-time value and the kernels
-# are unaffected (tests/gpu). A user's first packed call compiles: without this, it would print that internal warning.
+# are unaffected (tests/gpu). flash_attn.cute's sm_90 kernels also use names cutlass-dsl has deprecated
+# (``warpgroup.OperandMajorMode``): a DeprecationWarning attributed to flash_attn or cutlass. A user's first packed call
+# compiles (``pack()``'s validation included): without this, it would print the first, and under ``-W error`` (or
+# ``warnings.simplefilter("error")``) either would fail the call.
 _JIT_ARGUMENT_NOISE = r"Argument \w+ \(position \d+\) cannot be converted to a JitArgument"
+_COMPILER_MODULES = r"(flash_attn|cutlass)(\.|$)"
 
 
 @contextmanager
 def quiet_compile():
-    """Hide cutlass-dsl's JitArgument conversion warning (only that one) around calls that compile FA4 kernels."""
+    """Hide, around calls that compile FA4 kernels, cutlass-dsl's JitArgument conversion warning and the
+    DeprecationWarnings that flash_attn.cute's and cutlass-dsl's own code raises; no other warning."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_JIT_ARGUMENT_NOISE, category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=_COMPILER_MODULES)
         yield
 
 
