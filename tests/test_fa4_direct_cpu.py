@@ -137,16 +137,17 @@ def test_a_recording_hides_cutlass_jit_argument_warnings_only():
 
 def test_quiet_compile_hides_deprecations_raised_in_flash_attn_and_cutlass_only():
     """flash_attn.cute's sm_90 kernels use names cutlass-dsl deprecates: under strict warnings their first compile
-    (pack()'s validation) raised. Hidden when flash_attn's or cutlass' code raises them; others still raise."""
-    def deprecation(module):
-        warnings.warn_explicit("warpgroup.OperandMajorMode is deprecated", DeprecationWarning, "x.py", 1,
-                               module=module)
+    (pack()'s validation) raised. Hidden when flash_attn's or cutlass' code raises them or they name the
+    deprecated warpgroup names; others still raise."""
+    def deprecation(module, message="cute.Foo is deprecated"):
+        warnings.warn_explicit(message, DeprecationWarning, "x.py", 1, module=module)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with fa4_direct.quiet_compile():
             deprecation("flash_attn.cute.flash_fwd_sm90")
             deprecation("cutlass.cute.nvgpu.warpgroup")
+            deprecation("<string>", "warpgroup.OperandMajorMode is deprecated, use cute.nvgpu.OperandMajorMode")
             for module in ("mine", "flash_attn_plus", "tests.cutlass"):
                 with pytest.raises(DeprecationWarning):
                     deprecation(module)

@@ -236,11 +236,13 @@ def backward(dout, q, k, v, out, lse, cu_seqlens, max_seqlen: int, *, window: in
 # cutlass-dsl (4.8) warns at each FlashAttention-4 compile that an argument of flash_attn.cute's kernel classes (its
 # ``AuxData``) "cannot be converted to a JitArgument"; flash_attn.cute passes it as a compile-time value and the kernels
 # are unaffected (tests/gpu). flash_attn.cute's sm_90 kernels also use names cutlass-dsl has deprecated
-# (``warpgroup.OperandMajorMode``): a DeprecationWarning attributed to flash_attn or cutlass. A user's first packed call
+# (``warpgroup.OperandMajorMode``): a DeprecationWarning attributed to flash_attn (matched by its message too, should
+# cutlass-dsl's code generation run that code under another module name). A user's first packed call
 # compiles (``pack()``'s validation included): without this, it would print the first, and under ``-W error`` (or
 # ``warnings.simplefilter("error")``) either would fail the call.
 _JIT_ARGUMENT_NOISE = r"Argument \w+ \(position \d+\) cannot be converted to a JitArgument"
 _COMPILER_MODULES = r"(flash_attn|cutlass)(\.|$)"
+_DEPRECATED_NAMES = r"warpgroup\.\w+ is deprecated"
 
 
 @contextmanager
@@ -250,6 +252,7 @@ def quiet_compile():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_JIT_ARGUMENT_NOISE, category=UserWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=_COMPILER_MODULES)
+        warnings.filterwarnings("ignore", message=_DEPRECATED_NAMES, category=DeprecationWarning)
         yield
 
 
