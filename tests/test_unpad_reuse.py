@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -243,13 +244,17 @@ def test_inference_tensors_are_not_remembered(syncs):
 
 
 def test_non_tensor_token_type_ids_are_ignored_as_before():
-    """Stock ignores ``token_type_ids``; a NumPy array there is not keyed (nor an error)."""
+    """Stock ignores ``token_type_ids``; a NumPy array there is not keyed (nor an error), is checked as a tensor
+    would be, and raises no warning (NumPy 2 deprecates its ``__array_wrap__`` on a tensor operand)."""
     model = tiny_model().train()
     pe.pack(model)
     ids, mask = padded_batch([5, 9, 3, 12], pad_to=12)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = model(input_ids=ids, attention_mask=mask, token_type_ids=np.zeros((4, 12), dtype=np.int64))
         ref = model(input_ids=ids, attention_mask=mask)
+        with pytest.raises(pe.PackedEncodersError, match="token_type_ids"):  # as torch.ones_like(ids) does
+            model(input_ids=ids, attention_mask=mask, token_type_ids=np.ones((4, 12), dtype=np.int64))
     torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=0, atol=0)
 
 
