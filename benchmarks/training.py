@@ -552,7 +552,8 @@ def run_trainer_child(args, wl: Workload, corpus, env) -> int:
     """sentence-transformers' trainer + MultipleNegativesRankingLoss on pre-tokenized ids (stock or packed)."""
     from datasets import Dataset
     from sentence_transformers import (SentenceTransformer, SentenceTransformerTrainer,
-                                       SentenceTransformerTrainingArguments, losses)
+                                       SentenceTransformerTrainingArguments)
+    from sentence_transformers.sentence_transformer import losses
     from transformers import TrainerCallback
 
     import packed_encoders as pe

@@ -51,7 +51,8 @@ def _train(model_dir, tmp_path, loss_name: str, packed: bool, checkpointing: boo
     """Train for ``STEPS`` steps; returns the recorder, the final weights and the model (``pack_kw``: ``pe.pack``'s
     options when ``packed``)."""
     from datasets import Dataset
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments, losses
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer import losses
 
     model = _st_model(model_dir)
     if packed:
