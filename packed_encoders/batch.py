@@ -244,10 +244,6 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
     for name, t in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
         if t is not None and tuple(t.shape) != (b, s):
             raise PackedEncodersError(f"{name} has shape {tuple(t.shape)}; expected {(b, s)} to match the inputs")
-    if token_type_ids is not None and not isinstance(token_type_ids, torch.Tensor):
-        # (stock ignores token_type_ids, so an array there reaches us; compared as a tensor, not through NumPy's
-        # __array_wrap__ on a tensor, which NumPy 2 deprecates)
-        token_type_ids = torch.as_tensor(token_type_ids, device=device)
     if position_ids is not None:
         if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
             raise PackedEncodersError(f"position_ids must be an integer tensor (got {position_ids.dtype})")

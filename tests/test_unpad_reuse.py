@@ -244,8 +244,8 @@ def test_inference_tensors_are_not_remembered(syncs):
 
 
 def test_non_tensor_token_type_ids_are_ignored_as_before():
-    """Stock ignores ``token_type_ids``; a NumPy array there is not keyed (nor an error), is checked as a tensor
-    would be, and raises no warning (NumPy 2 deprecates its ``__array_wrap__`` on a tensor operand)."""
+    """Stock ignores ``token_type_ids``; a NumPy array (or a list) there is not keyed (nor an error), is checked as
+    a tensor would be, and raises no warning (NumPy 2 deprecates its ``__array_wrap__`` on a tensor operand)."""
     model = tiny_model().train()
     pe.pack(model)
     ids, mask = padded_batch([5, 9, 3, 12], pad_to=12)
@@ -255,6 +255,12 @@ def test_non_tensor_token_type_ids_are_ignored_as_before():
         ref = model(input_ids=ids, attention_mask=mask)
         with pytest.raises(pe.PackedEncodersError, match="token_type_ids"):  # as torch.ones_like(ids) does
             model(input_ids=ids, attention_mask=mask, token_type_ids=np.ones((4, 12), dtype=np.int64))
+        listed = model(input_ids=ids, attention_mask=mask, token_type_ids=[[0] * 12] * 4)  # (a list: as an array)
+        with pytest.raises(pe.PackedEncodersError, match="token_type_ids has shape"):
+            model(input_ids=ids, attention_mask=mask, token_type_ids=[[0] * 11] * 4)
+        with pytest.raises(pe.PackedEncodersError, match="token_type_ids must be"):  # ragged
+            model(input_ids=ids, attention_mask=mask, token_type_ids=[[0] * 12] * 3 + [[0] * 11])
+    torch.testing.assert_close(listed.last_hidden_state, ref.last_hidden_state, rtol=0, atol=0)
     torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, rtol=0, atol=0)
 
 

@@ -251,6 +251,14 @@ def hf_forward(model: nn.Module, *args, **kwargs):
 
     vocab_size = model.embeddings.tok_embeddings.num_embeddings  # live: resize_token_embeddings after pack
     src = input_ids if input_ids is not None else inputs_embeds
+    if token_type_ids is not None and not isinstance(token_type_ids, torch.Tensor):
+        # stock ignores token_type_ids, so an array or a list there reaches us: checked as a tensor (not through
+        # NumPy's __array_wrap__ on a tensor operand, which NumPy 2 deprecates)
+        try:
+            token_type_ids = torch.as_tensor(token_type_ids, device=src.device)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise PackedEncodersError(f"token_type_ids must be integers shaped as the inputs; got "
+                                      f"{type(token_type_ids).__name__} ({e})") from None
     packed = bool(packed_kw) or (position_ids is not None and attention_mask is None and src.shape[0] == 1
                                  and src.dim() == (2 if input_ids is not None else 3))
     pre_norm_last = output_hidden_states and _hidden_pre_norm_last(model)
