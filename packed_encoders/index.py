@@ -39,8 +39,8 @@ refused rather than mixing two indexes in one directory; a corpus changed while 
 so are ranks started with different corpora, models or options (every rank raises, naming the difference) and a
 rank that does not share rank 0's output directory (another directory, one not on a file system all ranks share, or
 a copy of it: rank 0 makes a marker file per run there, which every rank must see). A deleted ``plan.json`` is
-written again by the next run (which keeps the chunks made under the same plan); a damaged
-``plan.json`` or ``manifest.json`` is refused, naming the file and the way out.
+written again by the next run (which keeps the chunks made under the same plan); a damaged ``plan.json`` or
+``manifest.json`` is refused, naming the file and the way out.
 
 :func:`load_index` reads the result back, checks that the manifest was written under ``plan.json`` as it is,
 checks each chunk file against the manifest's size and SHA-256 as it reads it (a manifest without digests, from an
