@@ -365,6 +365,61 @@ def test_cast_group_is_reused_never_stale_and_keeps_old_copies():
     assert got[1] is mixed[1] and torch.equal(got[0], ws[0].detach().to(torch.bfloat16))
 
 
+def test_cached_casts_leave_parameters_swappable_and_go_with_their_storage():
+    """The cache holds no weak reference to a parameter (``torch.utils.swap_tensors`` refuses a tensor that has
+    one, so after one autocast call ``module.to()`` / ``load_state_dict`` failed under
+    ``set_swap_module_params_on_conversion(True)``); a swapped parameter is cast again, and an entry goes with
+    its parameter's storage."""
+    import gc
+    import weakref
+
+    w = torch.nn.Parameter(torch.randn(5, 4))
+    ws = tuple(torch.nn.Parameter(torch.randn(3, 4)) for _ in range(2))
+    a = weight_cast.cast(w, torch.bfloat16)
+    assert weight_cast.cast(w, torch.bfloat16) is a
+    group = weight_cast.cast_group(ws, torch.bfloat16)
+    assert not weakref.getweakrefs(w) and not any(weakref.getweakrefs(t) for t in ws)
+    other = torch.nn.Parameter(torch.randn(5, 4))
+    torch.utils.swap_tensors(w, other)  # w now holds other's storage
+    assert torch.equal(weight_cast.cast(w, torch.bfloat16), w.detach().to(torch.bfloat16))
+    torch.utils.swap_tensors(ws[1], torch.nn.Parameter(torch.zeros(3, 4)))
+    again = weight_cast.cast_group(ws, torch.bfloat16)
+    assert again is not group and not again[1].any()
+    before = len(weight_cast._CACHE), len(weight_cast._GROUPS)
+    del w, other, ws, again, group, a
+    gc.collect()
+    assert len(weight_cast._CACHE) < before[0] and len(weight_cast._GROUPS) < before[1]
+
+
+def test_packed_model_moves_and_loads_by_swapping_after_an_autocast_call():
+    import copy
+
+    import packed_encoders as pe
+
+    model = make_model("base_like").eval()
+    reference = copy.deepcopy(model)
+    pe.pack(model)
+    ids, mask = padded_batch([7, 12], side="right")
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            first = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        model.to(torch.float64).to(torch.float32)
+        state = {k: v * 0.5 if v.is_floating_point() else v for k, v in reference.state_dict().items()}
+        model.load_state_dict(state)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            second = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            reference.load_state_dict(state)
+            expected = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    real = mask.bool()
+    assert (second[real].float() - first[real].float()).abs().max() > 1e-2  # the loaded weights are read
+    cos = torch.nn.functional.cosine_similarity(second[real].float(), expected[real].float(), dim=-1)
+    assert cos.min() > 0.99
+
+
 def test_static_copies_are_served_in_place_and_refreshed_only_after_a_change():
     w = torch.nn.Parameter(torch.randn(8, 4))
     b = torch.nn.Parameter(torch.randn(8))

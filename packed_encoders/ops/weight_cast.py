@@ -25,7 +25,11 @@ The copy is made without gradient tracking: callers that need the gradient to re
 block autograd functions of :mod:`packed_encoders.model.blocks`) compute the weight gradient themselves and return
 it in the parameter's dtype. Inference tensors (no version counter), calls under CUDA-graph capture and calls
 within :func:`off` (a training graph's warm-ups, whose allocations go to the graph's pool) are cast each time,
-not cached. Entries go with their parameter (weak references).
+not cached. Entries go with their parameters' storage: the weak references are to the storage, never to the
+parameter, since ``torch.utils.swap_tensors`` refuses a tensor that has one (``module.to()`` and ``load_state_dict``
+swap parameters that way under ``torch.__future__.set_swap_module_params_on_conversion(True)``, and always for
+tensor-subclass parameters). While an entry lives its storages do, so a tensor with the address, version and shape
+it was made from reads those very bytes.
 
 CUDA graphs read weights by address, so a graph captured under autocast would cast every weight again at each
 replay. :class:`StaticCopies` keeps copies at fixed addresses instead: within :meth:`StaticCopies.serving`
@@ -111,17 +115,34 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
     if not _STATE["hooked"]:
         _install_hook()
     key = (id(t), dtype)
-    stamp = (_STATE["generation"], _STATE["backwards"], t._version, t.data_ptr(), t.device)
+    stamp = (_STATE["generation"], _STATE["backwards"], t._version, t.data_ptr(), t.shape, t.device)
     hit = _CACHE.get(key)
-    if hit is not None and hit[1] == stamp and hit[0]() is t:
+    if hit is not None and hit[1] == stamp:
         return hit[2]
     # a normal tensor even under inference_mode: a later training forward may save the cached copy for backward
     with torch.inference_mode(False), torch.no_grad():
         out = t.to(dtype)
-    ref = weakref.ref(t, lambda _, k=key: _CACHE.pop(k, None))
-    with _LOCK:
-        _CACHE[key] = (ref, stamp, out)
+    token = object()
+    refs = _storage_refs((t,), _CACHE, key, token)
+    if refs is not None:
+        with _LOCK:
+            _CACHE[key] = (token, stamp, out, refs)
     return out
+
+
+def _storage_refs(tensors, table: dict, key, token) -> tuple | None:
+    """Weak references to the storages of ``tensors`` that drop ``table[key]`` when any storage goes, if the entry
+    there is still ``token``'s (a newer entry under the same key stays); ``None`` for a tensor without a storage
+    (a tensor subclass): its copy is not cached."""
+    def drop(_ref, table=table, key=key, token=token):
+        hit = table.get(key)
+        if hit is not None and hit[0] is token:
+            table.pop(key, None)
+
+    try:
+        return tuple(weakref.ref(t.untyped_storage(), drop) for t in tensors)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 _VERSION = operator.attrgetter("_version")
@@ -148,7 +169,7 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
     stamp = (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
              tuple(t.data_ptr() for t in tensors))
     hit = _GROUPS.get(key)
-    if hit is not None and hit[1] == stamp and all(r() is t for r, t in zip(hit[0], tensors)):
+    if hit is not None and hit[1] == stamp:
         return hit[2]
     with torch.inference_mode(False), torch.no_grad():
         devices = {t.device for t in tensors}
@@ -158,14 +179,16 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
         # the views in one C++ call (one slice and view per tensor from Python: ~3x the host time)
         copies = tuple(_unflatten_dense_tensors(flat, tensors))
         torch._foreach_copy_(list(copies), list(tensors))
+    # weak references to the storages: the entry must not keep the parameters (or, through them, a model) alive,
+    # and goes when any of them goes
+    token = object()
+    refs = _storage_refs(tensors, _GROUPS, key, token)
+    if refs is None:
+        return copies
     with _LOCK:
         if len(_GROUPS) >= _MAX_GROUPS and key not in _GROUPS:
             _GROUPS.pop(next(iter(_GROUPS)))
-        # weak references: the entry must not keep the parameters (or, through them, a model) alive, and goes with
-        # its first tensor
-        refs = (weakref.ref(tensors[0], lambda _, k=key: _GROUPS.pop(k, None)),
-                *(weakref.ref(t) for t in tensors[1:]))
-        _GROUPS[key] = (refs, stamp, copies)
+        _GROUPS[key] = (token, stamp, copies, refs)
     return copies
 
 
