@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -142,7 +143,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     for model, state in planned:
         previous = replaced_forward(model)
         if previous is not None:
-            warnings.warn(f"packed_encoders: {type(model).__name__}.forward is set on the instance ({previous!r}); "
+            warnings.warn(f"packed_encoders: {type(model).__name__}.forward is set on the instance "
+                          f"({_callable_name(previous)}); "
                           "the packed forward replaces it while the model is packed, so it does not run "
                           "(pe.unpack restores it); a wrapper set after pack() calls the packed forward",
                           RuntimeWarning, stacklevel=2)
@@ -446,3 +448,14 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
                                   "for such calls")
     route = packed_route(encoder, state, batch)
     return serve_batch(encoder, state, route, batch, backend=backend)
+
+
+def _callable_name(fn) -> str:
+    """``fn`` named by module and qualified name (a ``functools.partial`` by what it wraps): its ``repr`` may hold
+    whole arguments, e.g. the model a hook's partial binds (a warning of dozens of lines)."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial of {_callable_name(fn.func)}"
+    func = getattr(fn, "__func__", fn)
+    name = getattr(func, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(func, "__module__", None)
+    return f"{module}.{name}" if module else name

@@ -57,6 +57,25 @@ def test_previous_instance_forward_is_restored():
     assert model.forward is sentinel
 
 
+def test_the_replaced_forward_is_named_not_printed():
+    # accelerate's hooks set functools.partial(new_forward, model): its repr holds the whole module tree
+    import functools
+
+    model = make_model("base_like")
+
+    def new_forward(module, *args, **kwargs):
+        return module.__class__.forward(module, *args, **kwargs)
+
+    model.forward = functools.partial(new_forward, model)
+    with pytest.warns(RuntimeWarning) as record:
+        pe.pack(model)
+    message = str(record[0].message)
+    assert "functools.partial of tests.test_api.test_the_replaced_forward_is_named_not_printed.<locals>.new_forward" \
+        in message
+    assert "\n" not in message and "Embedding" not in message
+    pe.unpack(model)
+
+
 def test_a_forward_wrapped_after_pack_survives_unpack_and_repack():
     # e.g. accelerate's add_hook_to_module after pack(): it sets model.forward to a wrapper of the packed forward.
     # unpack() used to pop that wrapper (the hook silently gone) and leave the wrapped PackedForward, kept by the
