@@ -179,13 +179,19 @@ def _integer_ids(input_ids: torch.Tensor | None) -> torch.Tensor | None:
 
 def check_embeds_dtype(inputs_embeds: torch.Tensor, weight_dtype: torch.dtype) -> None:
     """Refuse ``inputs_embeds`` of another dtype than the model's weights outside autocast (stock HF fails in its
-    first GEMM there; under autocast both run).
+    first GEMM there; under autocast both run), and float64 ones of a model in another dtype under autocast too
+    (autocast never casts float64: stock fails in its first LayerNorm).
 
     Raises:
         PackedEncodersError: naming both dtypes."""
-    if inputs_embeds.dtype != weight_dtype and not torch.is_autocast_enabled(inputs_embeds.device.type):
+    if inputs_embeds.dtype == weight_dtype:
+        return
+    if not torch.is_autocast_enabled(inputs_embeds.device.type):
         raise PackedEncodersError(f"inputs_embeds is {inputs_embeds.dtype} but the model's weights are {weight_dtype} "
                                   "(outside autocast); cast one to the other")
+    if inputs_embeds.dtype == torch.float64:
+        raise PackedEncodersError(f"inputs_embeds is {inputs_embeds.dtype} but the model's weights are {weight_dtype}; "
+                                  "autocast does not cast float64: cast one to the other")
 
 
 def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,

@@ -320,6 +320,8 @@ def test_bad_packed_and_scalar_inputs_get_named_errors():
                 model(inputs_embeds=torch.randn(1, 7, h, dtype=dtype), attention_mask=mask)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # served under autocast, as stock serves it
             model(inputs_embeds=torch.randn(1, 7, h, dtype=torch.bfloat16), attention_mask=mask)
+            with pytest.raises(pe.PackedEncodersError, match="inputs_embeds is torch.float64.*autocast does not"):
+                model(inputs_embeds=torch.randn(1, 7, h, dtype=torch.float64), attention_mask=mask)  # stock fails too
 
 
 @pytest.mark.parametrize("lengths,what", [(5, "list of positive ints"), ("12", "list of positive ints"),
