@@ -249,7 +249,15 @@ def test_ignored_kwargs_are_the_documented_ones():
     ids, mask = padded_batch([4, 4])
     with torch.no_grad():
         a = model(input_ids=ids, attention_mask=mask, num_items_in_batch=3, use_cache=False).last_hidden_state
+        # a tokenizer's optional outputs, which model(**batch) passes along (stock ignores them)
+        extra = {"special_tokens_mask": torch.zeros_like(ids), "length": mask.sum(1),
+                 "offset_mapping": torch.zeros(*ids.shape, 2, dtype=torch.long),
+                 "overflow_to_sample_mapping": torch.arange(ids.shape[0])}
+        b = model(input_ids=ids, attention_mask=mask, **extra).last_hidden_state
+        ref = stock(model, input_ids=ids, attention_mask=mask, **extra).last_hidden_state
     torch.testing.assert_close(a, _out(model, ids, mask), atol=0, rtol=0)
+    torch.testing.assert_close(b, a, atol=0, rtol=0)
+    torch.testing.assert_close(b[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
 
 
 def test_validating_a_meta_model_is_refused_by_name():

@@ -45,7 +45,10 @@ from .token_labels import TRAILING, head_request, position_zero_reader, restore_
 # the next call (CachedGISTEmbedLoss runs the model, then its guide, on one dict). Stock hands them to its attention
 # function, which does not read them; they are outputs of an earlier call, never inputs.
 IGNORED_KWARGS = ("num_items_in_batch", "use_cache", "output_router_logits", "is_causal", "token_embeddings",
-                  "sentence_embedding", "all_layer_embeddings", "token_weights_sum", "cls_token_embeddings")
+                  "sentence_embedding", "all_layer_embeddings", "token_weights_sum", "cls_token_embeddings",
+                  # what a tokenizer adds to a batch on request (return_special_tokens_mask, return_length,
+                  # return_offsets_mapping, return_overflowing_tokens), which model(**batch) passes and stock ignores
+                  "special_tokens_mask", "length", "offset_mapping", "overflow_to_sample_mapping")
 # transformers v4's internal unpadding kwargs (passed by v4 heads under flash_attention_2).
 _V4_UNPADDED = ("sliding_window_mask", "indices", "cu_seqlens", "max_seqlen", "batch_size", "seq_len")
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
