@@ -391,6 +391,41 @@ def test_cached_casts_leave_parameters_swappable_and_go_with_their_storage():
     assert len(weight_cast._CACHE) < before[0] and len(weight_cast._GROUPS) < before[1]
 
 
+def test_in_a_process_group_casts_are_made_per_call():
+    """FSDP2 all-gathers new values into the same parameter at the same address under
+    ``_unsafe_preserve_version_counter`` (weights loaded or edited through their shards): nothing the cache reads
+    moves, so in a process group every cast is made afresh (a stale copy was served under FSDP2 + autocast)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch without distributed support")
+    w = torch.nn.Parameter(torch.randn(5, 4))
+    ws = (w, torch.nn.Parameter(torch.randn(3, 4)))
+    copies = weight_cast.StaticCopies(ws, torch.bfloat16)
+
+    def gather_in_place(value):  # what FSDP2's all-gather copy-out does to the unsharded parameter
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(w):
+            w.copy_(value)
+
+    def fresh(t):
+        return t.detach().to(torch.bfloat16)
+
+    weight_cast.cast(w, torch.bfloat16), weight_cast.cast_group(ws, torch.bfloat16), copies.refresh()
+    gather_in_place(torch.randn(5, 4))
+    assert not torch.equal(weight_cast.cast(w, torch.bfloat16), fresh(w))  # outside a group: not seen (cached)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(2):
+            gather_in_place(torch.randn(5, 4))
+            assert torch.equal(weight_cast.cast(w, torch.bfloat16), fresh(w))
+            assert torch.equal(weight_cast.cast_group(ws, torch.bfloat16)[0], fresh(w))
+            epoch = copies.epoch
+            assert copies.refresh() == epoch and torch.equal(copies.copies[0], fresh(w))
+    finally:
+        dist.destroy_process_group()
+    weight_cast.clear()
+
+
 def test_packed_model_moves_and_loads_by_swapping_after_an_autocast_call():
     import copy
 

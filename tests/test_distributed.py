@@ -229,6 +229,23 @@ def _fsdp_check(rank, world, ref):
     _mse(o, mask[rows], target[rows], int(mask.sum()), world).backward()
     out["root_rel"] = _rel_diff(_grads(model), ref)
     out["root_packed"] = _packed_ran(model)
+    # weights edited through their shards between evaluation calls under autocast: FSDP2 gathers them into the same
+    # parameters, often at the same address, keeping their version counters; each call must read the new values
+    model, reference = pe.pack(_model()).eval(), _model().eval()
+    fully_shard(model)
+    real = mask[rows].bool()
+    rels = []
+    for _ in range(3):
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), reference.parameters()):
+                p.mul_(1.25)
+                r.mul_(1.25)
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+                got = model(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state[real].float()
+                want = reference(input_ids=ids[rows], attention_mask=mask[rows]).last_hidden_state[real].float()
+        model.reshard()
+        rels.append(((got - want).norm() / want.norm()).item())
+    out["autocast_edit_rels"] = rels
     # the encoder its own unit under a parent's, and an in-place op on its output: a returned view would drop
     # FSDP2's pre-backward all-gather (warned at each call; the backward failed)
     parent = torch.nn.Module()
@@ -384,6 +401,7 @@ def test_st_cached_loss_under_ddp(results):
 def test_fsdp2(results):
     entry = _get(results, "fsdp2")
     assert entry["root_packed"] and entry["root_rel"] < results["tolerance"], entry
+    assert max(entry["autocast_edit_rels"]) < 1e-3, entry  # same bf16 casts as stock (~1e-4); stale copies: 2e-3+
     assert entry["inplace_rel"] < results["tolerance"] and not entry["inplace_warnings"], entry
     assert entry["sharded_first_packed"] and entry["sharded_first_rel"] < results["tolerance"], entry
     assert entry["outside_error"] and "sharded" in entry["outside_error"] and "validate=False" in entry["outside_error"]

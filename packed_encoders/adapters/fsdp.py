@@ -38,7 +38,7 @@ def fsdp_problem(model: nn.Module) -> str | None:
             return (f"{path} is sharded by FSDP2 (fully_shard), whose all-gather runs in that module's forward "
                     "hooks, which the packed forward does not call (it reads the weights directly); shard the "
                     "encoder as one unit instead (fully_shard on the ModernBertModel or a module above it), or "
-                    "pe.unpack the model")
+                    "leave this encoder unpacked (stock's forward calls the hooks)")
     return None
 
 

@@ -17,6 +17,11 @@ keeps one copy per (parameter, dtype) and hands it out while the parameter is un
 :func:`cast_group` does the same for a group of tensors (an encoder's projection weights) with one entry: one
 lookup while none changed, one multi-tensor copy when any did.
 
+In a ``torch.distributed`` process group nothing is cached (each call casts, as stock's autocast does) and
+:class:`StaticCopies` cast at every refresh: FSDP2 all-gathers the weights into the same parameters at each forward,
+often at the address they had, and keeps their version counters, so weights loaded or edited through their shards
+(``set_model_state_dict``, an in-place copy) change nothing these tests read.
+
 Not seen: an in-place edit through ``param.data`` (``param.data.copy_(...)``, e.g. a hand-written EMA update)
 with neither an optimizer step nor a training step of the encoder since the copy was made, since ``.data`` has a
 version counter of its own. Call :func:`clear` after such edits.
@@ -45,6 +50,7 @@ import threading
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch._utils import _unflatten_dense_tensors
 
 _CACHE: dict = {}
@@ -99,6 +105,12 @@ def may_cache(device: torch.device) -> bool:
     return not getattr(_LOCAL, "off", False) and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def _in_process_group() -> bool:
+    """Whether this process is in a ``torch.distributed`` process group (where FSDP2 may hold the weights: see the
+    module's docstring)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     """``t`` in ``dtype`` (``t`` itself when it already is, or when either is ``None``), from the cache while ``t``
     is unchanged. The result carries no autograd history."""
@@ -109,7 +121,7 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
         hit = static.get((t.data_ptr(), dtype))
         if hit is not None:
             return hit
-    if t.is_inference() or not may_cache(t.device):
+    if t.is_inference() or not may_cache(t.device) or _in_process_group():
         with torch.no_grad():
             return t.to(dtype)
     if not _STATE["hooked"]:
@@ -163,12 +175,13 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
             or any(t.dtype is dtype or t.is_inference() for t in tensors)
             or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())):
         return tuple(cast(t, dtype) for t in tensors)
+    keep = not _in_process_group()
     if not _STATE["hooked"]:
         _install_hook()
     key = (tuple(map(id, tensors)), dtype)
     stamp = (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
              tuple(t.data_ptr() for t in tensors))
-    hit = _GROUPS.get(key)
+    hit = _GROUPS.get(key) if keep else None
     if hit is not None and hit[1] == stamp:
         return hit[2]
     with torch.inference_mode(False), torch.no_grad():
@@ -182,7 +195,7 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
     # weak references to the storages: the entry must not keep the parameters (or, through them, a model) alive,
     # and goes when any of them goes
     token = object()
-    refs = _storage_refs(tensors, _GROUPS, key, token)
+    refs = _storage_refs(tensors, _GROUPS, key, token) if keep else None
     if refs is None:
         return copies
     with _LOCK:
@@ -222,11 +235,11 @@ class StaticCopies:
         return sum(c.numel() * c.element_size() for c in self.copies)
 
     def refresh(self) -> int:
-        """Cast the parameters into the copies (on the current stream) unless none changed since the last cast;
-        returns :attr:`epoch`."""
+        """Cast the parameters into the copies (on the current stream) unless none changed since the last cast
+        (outside a process group); returns :attr:`epoch`."""
         stamp = (_STATE["generation"], *map(_VERSION, self.params))
         backwards = _STATE["backwards"]
-        if stamp != self._stamp or backwards != self._backwards:
+        if stamp != self._stamp or backwards != self._backwards or _in_process_group():
             with torch.no_grad(), torch.inference_mode(False):
                 torch._foreach_copy_(self.copies, self.params)
             if stamp != self._stamp:
