@@ -176,14 +176,15 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
             or (tensors[0].is_cuda and torch.cuda.is_current_stream_capturing())):
         return tuple(cast(t, dtype) for t in tensors)
     keep = not _in_process_group()
-    if not _STATE["hooked"]:
-        _install_hook()
-    key = (tuple(map(id, tensors)), dtype)
-    stamp = (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
-             tuple(t.data_ptr() for t in tensors))
-    hit = _GROUPS.get(key) if keep else None
-    if hit is not None and hit[1] == stamp:
-        return hit[2]
+    if keep:
+        if not _STATE["hooked"]:
+            _install_hook()
+        key = (tuple(map(id, tensors)), dtype)
+        stamp = (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
+                 tuple(t.data_ptr() for t in tensors))
+        hit = _GROUPS.get(key)
+        if hit is not None and hit[1] == stamp:
+            return hit[2]
     with torch.inference_mode(False), torch.no_grad():
         devices = {t.device for t in tensors}
         if len(devices) != 1:
@@ -194,8 +195,10 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
         torch._foreach_copy_(list(copies), list(tensors))
     # weak references to the storages: the entry must not keep the parameters (or, through them, a model) alive,
     # and goes when any of them goes
+    if not keep:
+        return copies
     token = object()
-    refs = _storage_refs(tensors, _GROUPS, key, token) if keep else None
+    refs = _storage_refs(tensors, _GROUPS, key, token)
     if refs is None:
         return copies
     with _LOCK:
