@@ -410,7 +410,9 @@ def test_in_a_process_group_casts_are_made_per_call():
     def fresh(t):
         return t.detach().to(torch.bfloat16)
 
-    weight_cast.cast(w, torch.bfloat16), weight_cast.cast_group(ws, torch.bfloat16), copies.refresh()
+    weight_cast.cast(w, torch.bfloat16)  # cached, as are the group's copies and the static ones
+    weight_cast.cast_group(ws, torch.bfloat16)
+    copies.refresh()
     gather_in_place(torch.randn(5, 4))
     assert not torch.equal(weight_cast.cast(w, torch.bfloat16), fresh(w))  # outside a group: not seen (cached)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
