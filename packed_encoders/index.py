@@ -10,7 +10,7 @@ balanced **by tokens** (not by item count). Inside a chunk, items are sorted by 
 most ``batch_tokens`` real tokens, with no padding (``pe.packed_forward``) for a bare ModernBERT encoder.
 
 Output in ``DIR``:
-    plan.json                      the corpus (path, size, mtime), the settings that shape the vectors (output,
+    plan.json                      the corpus (path, size, mtime, SHA-256), the settings that shape the vectors (output,
                                    pooling, dtype, pad id, a fingerprint of the model), chunk boundaries
     chunks/chunk-000012.pt         per chunk: ``{"ids": [...], "embeddings": [n, D]}`` (pooled) or
                                    ``{"ids": [...], "embeddings": [T, D], "cu_seqlens": int64 [n + 1]}`` (tokens)
@@ -23,20 +23,21 @@ Output in ``DIR``:
                                    dtype; removed when a new plan is written
 Rows keep corpus order within a chunk, and chunks are numbered in corpus order.
 
-A run killed at any point resumes by running the same command again (any number of ranks): a chunk is kept when
-its marker is in place, was written under the same plan (it records :func:`plan_fingerprint`, a digest of the plan's
-corpus size and mtime, chunking, output and settings), describes the plan's chunk (index, rows and tokens) and its
-file has the marker's size and SHA-256 (each rank hashes the finished chunks it owns in this run, one streamed read
-per file); the rest are encoded, among them a chunk written halfway, and, with a warning, a chunk whose file is
-missing or whose size or digest differ (damaged or replaced since, even at the same size), one whose marker
-describes another chunk (a file and marker copied over it) and one whose marker was written under another plan
-(``plan.json`` deleted and written again for another model or settings, or chunks copied from another index). A
-marker without a ``sha256``, chunk index or plan fingerprint (written by an older version) is not trusted: its
-chunk is encoded again, with a warning. Rank 0 then checks every marker and file size (not the digests again) and
-copies the digests into the manifest. A run with another corpus, chunking, output, pooling, output dtype, pad id or
-model (other weights, dtype, class, module pipeline or forward-shaping config) than ``plan.json`` records is
-refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused too, and
-so are ranks started with different corpora, models or options (every rank raises, naming the difference) and a
+A run killed at any point resumes by running the same command again (any number of ranks): a chunk is kept when its
+marker is in place, was written under the same plan (it records :func:`plan_fingerprint`, a digest of the plan's
+corpus size, mtime and SHA-256, chunking, output and settings), describes the plan's chunk (index, rows and tokens)
+and its file has the marker's size and SHA-256 (each rank hashes the finished chunks it owns in this run, one
+streamed read per file); the rest are encoded, among them a chunk written halfway, and, with a warning, a chunk
+whose file is missing or whose size or digest differ (damaged or replaced since, even at the same size), one whose
+marker describes another chunk (a file and marker copied over it) and one whose marker was written under another
+plan (``plan.json`` deleted and written again for another model or settings, or chunks copied from another index). A
+marker without a ``sha256``, chunk index or plan fingerprint (written by an older version) is not trusted: its chunk
+is encoded again, with a warning. Rank 0 then checks every marker and file size (not the digests again) and copies
+the digests into the manifest. A run with another corpus (size, modification time or, read again by rank 0, SHA-256:
+a file rewritten at the same size with its old modification time put back), chunking, output, pooling, output dtype,
+pad id or model (other weights, dtype, class, module pipeline or forward-shaping config) than ``plan.json`` records
+is refused rather than mixing two indexes in one directory; a corpus changed while a run reads it is refused too,
+and so are ranks started with different corpora, models or options (every rank raises, naming the difference) and a
 rank that does not share rank 0's output directory (another directory, one not on a file system all ranks share, or
 a copy of it: rank 0 makes a marker file per run there, which every rank must see). A deleted ``plan.json`` is
 written again by the next run (which keeps the chunks made under the same plan); a damaged ``plan.json`` or
@@ -79,8 +80,11 @@ POOLINGS = ("mean", "cls")
 MARKER_KEYS = ("index", "plan", "sha256")
 # the plan's entries a chunk's vectors depend on: a marker records their digest (plan_fingerprint), and a chunk made
 # under another plan is not reused (the corpus path is left out: a renamed corpus resumes)
-PLAN_FINGERPRINT = ("corpus_bytes", "corpus_mtime_ns", "chunk_tokens", "output", "settings", "chunks")
+PLAN_FINGERPRINT = ("corpus_bytes", "corpus_mtime_ns", "corpus_sha256", "chunk_tokens", "output", "settings",
+                    "chunks")
 # what a plan.json must hold (a damaged one is refused, naming the file)
+# (an older version's plan has no corpus_sha256: its index loads, and a resumed run encodes its chunks again, their
+# markers recording another plan fingerprint)
 PLAN_KEYS = ("corpus", "corpus_bytes", "corpus_mtime_ns", "chunk_tokens", "output", "items", "tokens", "offsets",
              "lengths", "ids", "chunks")
 # config fields that change a ModernBERT's vectors for the same weights (model_fingerprint records them)
@@ -106,8 +110,9 @@ def _dist():
     return None, 0, 1
 
 
-def scan_corpus(path: str, vocab_size: int | None = None) -> tuple[list[int], list[int], list]:
-    """``(offsets, lengths, ids)`` of every line of a JSONL corpus (byte offset, token count, item id).
+def scan_corpus(path: str, vocab_size: int | None = None, hasher=None) -> tuple[list[int], list[int], list]:
+    """``(offsets, lengths, ids)`` of every line of a JSONL corpus (byte offset, token count, item id); ``hasher``
+    (a ``hashlib`` object), when given, is fed every byte of the file as it is read.
 
     Raises:
         PackedEncodersError: naming the file and line: a line that is not a JSON object, one without ``id`` /
@@ -118,6 +123,8 @@ def scan_corpus(path: str, vocab_size: int | None = None) -> tuple[list[int], li
     with open(path, "rb") as f:
         offset = 0
         for number, line in enumerate(f, 1):
+            if hasher is not None:
+                hasher.update(line)
             if line.strip():
                 try:
                     item = json.loads(line)
@@ -403,15 +410,25 @@ def _encode_chunk(encoder: Encoder, items: list[list[int]], batch_tokens: int, o
     return {"embeddings": torch.cat(rows), "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
 
 
-def model_fingerprint(model) -> dict:
-    """The model's class, parameter count and dtype, the sum of its parameters (fp64, 9 significant digits) and its
-    top-level modules (name, class and, where a module has one, ``get_config_dict()``: a sentence-transformers
-    Pooling mode or a Normalize module) and the encoder config's :data:`FORWARD_CONFIG` fields: equal for the same
-    model loaded again, different for other weights, another dtype, module pipeline or attention / RoPE /
-    activation config."""
-    params = list(model.parameters())
+def state_digest(model) -> str:
+    """The SHA-256 (hex) of ``model.state_dict()``: every entry's name, dtype, shape and bytes, in order (each
+    tensor copied to the host in turn). Any change to a parameter or persistent buffer changes it, where a sum of
+    the weights misses permutations and edits below its precision."""
+    h = hashlib.sha256()
     with torch.no_grad():
-        total = sum(float(p.detach().sum(dtype=torch.float64)) for p in params)
+        for name, t in model.state_dict().items():
+            t = t.detach()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_fingerprint(model) -> dict:
+    """The model's class, parameter count and dtype, :func:`state_digest` and its top-level modules (name, class
+    and, where a module has one, ``get_config_dict()``: a sentence-transformers Pooling mode or a Normalize module)
+    and the encoder config's :data:`FORWARD_CONFIG` fields: equal for the same model loaded again, different for
+    other weights or buffers, another dtype, module pipeline or attention / RoPE / activation config."""
+    params = list(model.parameters())
     # The pipeline around the encoder: parameter-free modules (a sentence-transformers Pooling mode, Normalize)
     # change the vectors without changing the weights. JSON round trip: the plan stores it as JSON.
     modules = [[name, type(m).__name__, m.get_config_dict() if callable(getattr(m, "get_config_dict", None)) else None]
@@ -421,14 +438,15 @@ def model_fingerprint(model) -> dict:
     config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "to_dict")), None)
     forward = {k: getattr(config, k, None) for k in FORWARD_CONFIG} if config is not None else None
     return {"class": type(model).__name__, "parameters": sum(p.numel() for p in params),
-            "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sum": f"{total:.9g}",
+            "dtype": str(params[0].dtype).replace("torch.", "") if params else None, "sha256": state_digest(model),
             "modules": json.loads(json.dumps(modules, default=str)),
             "config": json.loads(json.dumps(forward, default=str))}
 
 
 def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world: int, settings: dict,
                 vocab_size: int | None) -> dict:
-    offsets, lengths, ids = scan_corpus(corpus, vocab_size)
+    hasher = hashlib.sha256()
+    offsets, lengths, ids = scan_corpus(corpus, vocab_size, hasher)
     chunks = plan_chunks(lengths, chunk_tokens, world)
     try:  # only now that the corpus is known to be good: a refused run leaves nothing behind
         os.makedirs(os.path.join(out_dir, "chunks"), exist_ok=True)
@@ -436,7 +454,7 @@ def _write_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, world
         raise PackedEncodersError(f"{out_dir}: cannot make the output directory ({exc})") from None
     st = os.stat(corpus)
     plan = {"corpus": os.path.abspath(corpus), "corpus_bytes": st.st_size, "corpus_mtime_ns": st.st_mtime_ns,
-            "chunk_tokens": chunk_tokens, "output": output, "settings": settings,
+            "corpus_sha256": hasher.hexdigest(), "chunk_tokens": chunk_tokens, "output": output, "settings": settings,
             "items": len(ids), "tokens": sum(lengths),
             "offsets": offsets, "lengths": lengths, "ids": ids,
             "chunks": [[c.index, c.start, c.stop, c.tokens] for c in chunks]}
@@ -485,9 +503,13 @@ def _read_plan(out_dir: str) -> dict:
                       "new plan, keeps the chunks made under the same one and encodes the others")
 
 
-def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settings: dict | None) -> dict | None:
+def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settings: dict | None,
+               contents: bool = True) -> dict | None:
     """The plan in ``out_dir``, or ``None``; raises when it is another corpus's or settings' (``settings``:
-    compared when given; rank 0 checks them for every rank), or damaged."""
+    compared when given; rank 0 checks them for every rank), or damaged. ``contents``: the corpus is read and its
+    SHA-256 compared too (rank 0 does; the other ranks' corpus sizes and modification times are compared with
+    rank 0's), so that a file rewritten at the same size and given its old modification time back (``cp -p``,
+    ``rsync -t``, a restored backup) is not taken for the one the chunks were made from."""
     if not os.path.exists(os.path.join(out_dir, PLAN)):
         return None
     plan = _read_plan(out_dir)
@@ -497,6 +519,9 @@ def _load_plan(out_dir: str, corpus: str, chunk_tokens: int, output: str, settin
         parts.insert(0, f"corpus: {plan['corpus']!r} ({plan['corpus_bytes']} bytes) -> {corpus!r} "
                         f"({os.stat(corpus).st_size} bytes"
                         f"{', modified since' if os.path.abspath(corpus) == plan['corpus'] else ''})")
+    elif contents and plan.get("corpus_sha256") and file_digest(corpus) != plan["corpus_sha256"]:
+        parts.insert(0, f"corpus: {corpus!r}: the size and modification time {PLAN} records, other contents "
+                        "(SHA-256)")
     differs = "; ".join(p for p in parts if p)
     if differs:
         raise PackedEncodersError(f"{out_dir} holds an index of another corpus or settings ({PLAN} -> this run: "
@@ -522,7 +547,7 @@ def _plan_seen(out_dir: str, corpus: str, chunk_tokens: int, output: str, finger
         wait = min(2 * wait, 1.0)
     where = os.path.join(os.path.abspath(out_dir), PLAN)
     try:
-        plan = _load_plan(out_dir, corpus, chunk_tokens, output, None)
+        plan = _load_plan(out_dir, corpus, chunk_tokens, output, None, contents=False)
     except PackedEncodersError as exc:
         return None, str(exc)
     if plan is None:
@@ -581,7 +606,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 
     Args:
         model: a packed (or packable) model on this rank's device: a ``ModernBertModel``, SentenceTransformer,
-            PyLate ColBERT, ...
+            PyLate ColBERT, ...; run in eval mode (no dropout), each module's own mode restored afterwards.
         output: ``"pooled"`` (one vector per item) or ``"tokens"`` (a vector per token, flat, with ``cu_seqlens``).
         pooling: ``"mean"`` or ``"cls"``, for a bare ``ModernBertModel`` with ``output="pooled"`` (``None``: mean
             there; given where it would shape nothing, refused).
@@ -599,9 +624,9 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
         PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, an
             ``out_dtype`` that is not a floating ``torch.dtype``, a ``pooling`` that would shape none of the
             vectors (:func:`pooling_problem`), ``pad_id`` outside the model's vocabulary, or
-            ``out_dir`` holding an index of another corpus (its size or modification time differ) or settings
-            (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`), or
-            ranks called with different ones (or corpus files of different size or modification time), or a
+            ``out_dir`` holding an index of another corpus (its size, modification time or SHA-256 differ) or
+            settings (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`),
+            or ranks called with different ones (or corpus files of different size or modification time), or a
             damaged ``plan.json`` in ``out_dir`` (naming it).
     """
     for name, value in (("batch_tokens", batch_tokens), ("chunk_tokens", chunk_tokens)):
@@ -687,34 +712,13 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 
         bar = tqdm(total=sum(c.tokens for c in mine), unit="tok", unit_scale=True,
                    desc=f"rank 0 of {world}, {len(mine)} chunks")
-    for c in mine:
-        started = time.perf_counter()
-        items = _read_items(corpus, plan["offsets"], c.start, c.stop)  # the file whose size and mtime were checked
-        # (plan["corpus"] is where it was first: a renamed corpus may have another file in its place)
-        if _corpus_changed(corpus, plan):  # after the read: an edit before or while reading is seen here
-            raise PackedEncodersError(f"{corpus} changed while it was being indexed (its size or modification time "
-                                      f"differ from the plan's): the chunks in {out_dir} would mix two versions; "
-                                      "use a new --out directory or delete it")
-        data = _encode_chunk(encoder, items, batch_tokens, out_dtype)
-        data["ids"] = plan["ids"][c.start:c.stop]
-        tmp = _chunk_path(out_dir, c.index, f"pt.{rank}.tmp")
-        torch.save(data, tmp)
-        size, digest = os.path.getsize(tmp), file_digest(tmp)  # the bytes just written (read back from the cache)
-        with contextlib.suppress(FileNotFoundError):  # a stale marker (a chunk encoded again) never describes this file
-            os.remove(_chunk_path(out_dir, c.index, "done"))
-        os.replace(tmp, _chunk_path(out_dir, c.index, "pt"))
-        seconds = time.perf_counter() - started
-        # The marker too is renamed into place: a rank stopped mid-write (another rank's failure ends the whole
-        # job) must not leave an empty marker that a resumed run takes for a finished chunk.
-        marker = _chunk_path(out_dir, c.index, f"done.{rank}.tmp")
-        with open(marker, "w") as f:
-            json.dump({"index": c.index, "rows": c.stop - c.start, "tokens": c.tokens, "plan": fingerprint,
-                       "bytes": size, "sha256": digest, "rank": rank, "world": world, "seconds": seconds}, f)
-        os.replace(marker, _chunk_path(out_dir, c.index, "done"))
-        if bar is not None:
-            bar.update(c.tokens)
-        if on_chunk is not None:
-            on_chunk(c.index, c.stop - c.start, c.tokens)
+    with _eval_mode(model):
+        for c in mine:
+            _encode_and_write(c, corpus, out_dir, plan, encoder, batch_tokens, out_dtype, fingerprint, rank, world)
+            if bar is not None:
+                bar.update(c.tokens)
+            if on_chunk is not None:
+                on_chunk(c.index, c.stop - c.start, c.tokens)
     if bar is not None:
         bar.close()
     if dist is not None:
@@ -722,6 +726,47 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     if rank != 0:
         return None
     return _write_manifest(out_dir, plan, chunks, output, out_dtype)
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    """``model`` in eval mode (no dropout: an index's vectors do not depend on the mode the caller left the model in,
+    e.g. an evaluation callback of a training loop), each module's own mode restored afterwards."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _encode_and_write(c: Chunk, corpus: str, out_dir: str, plan: dict, encoder: Encoder, batch_tokens: int,
+                      out_dtype: torch.dtype, fingerprint: str, rank: int, world: int) -> None:
+    """Encode chunk ``c`` and put its file, then its completion marker, in place (each written aside and renamed)."""
+    started = time.perf_counter()
+    items = _read_items(corpus, plan["offsets"], c.start, c.stop)  # the file whose size and mtime were checked
+    # (plan["corpus"] is where it was first: a renamed corpus may have another file in its place)
+    if _corpus_changed(corpus, plan):  # after the read: an edit before or while reading is seen here
+        raise PackedEncodersError(f"{corpus} changed while it was being indexed (its size or modification time "
+                                  f"differ from the plan's): the chunks in {out_dir} would mix two versions; "
+                                  "use a new --out directory or delete it")
+    data = _encode_chunk(encoder, items, batch_tokens, out_dtype)
+    data["ids"] = plan["ids"][c.start:c.stop]
+    tmp = _chunk_path(out_dir, c.index, f"pt.{rank}.tmp")
+    torch.save(data, tmp)
+    size, digest = os.path.getsize(tmp), file_digest(tmp)  # the bytes just written (read back from the cache)
+    with contextlib.suppress(FileNotFoundError):  # a stale marker (a chunk encoded again) never describes this file
+        os.remove(_chunk_path(out_dir, c.index, "done"))
+    os.replace(tmp, _chunk_path(out_dir, c.index, "pt"))
+    seconds = time.perf_counter() - started
+    # The marker too is renamed into place: a rank stopped mid-write (another rank's failure ends the whole
+    # job) must not leave an empty marker that a resumed run takes for a finished chunk.
+    marker = _chunk_path(out_dir, c.index, f"done.{rank}.tmp")
+    with open(marker, "w") as f:
+        json.dump({"index": c.index, "rows": c.stop - c.start, "tokens": c.tokens, "plan": fingerprint,
+                   "bytes": size, "sha256": digest, "rank": rank, "world": world, "seconds": seconds}, f)
+    os.replace(marker, _chunk_path(out_dir, c.index, "done"))
 
 
 def _write_manifest(out_dir: str, plan: dict, chunks: list[Chunk], output: str, out_dtype: torch.dtype) -> dict:
@@ -789,11 +834,13 @@ def load_index(out_dir: str) -> dict:
     digests (written by an older version) is loaded unchecked, with a warning.
 
     Raises:
-        PackedEncodersError: no manifest (the run did not finish), a damaged manifest (entries of other types
-            included) or one written for another plan, a missing or damaged plan (naming the file), a chunk file
-            that cannot be read or whose SHA-256 differs from the manifest's, or ids missing / duplicated against
-            the plan (naming the chunk files that hold other items than the plan's).
+        PackedEncodersError: no such directory, no manifest (the run did not finish), a damaged manifest (entries
+            of other types included) or one written for another plan, a missing or damaged plan (naming the file),
+            a chunk file that cannot be read or whose SHA-256 differs from the manifest's, or ids missing /
+            duplicated against the plan (naming the chunk files that hold other items than the plan's).
     """
+    if not os.path.isdir(out_dir):
+        raise PackedEncodersError(f"{out_dir}: no such directory (the output directory of an indexing run)")
     path = os.path.join(out_dir, MANIFEST)
     if not os.path.exists(path):
         raise PackedEncodersError(f"{out_dir} has no {MANIFEST}: the indexing run has not finished")

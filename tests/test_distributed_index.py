@@ -905,3 +905,81 @@ def test_an_out_dtype_that_is_not_a_floating_dtype_is_refused_before_anything_is
         index_corpus(model, corpus, str(out), out_dtype=out_dtype, progress=False)
     assert not out.exists()
 
+
+
+def test_a_model_left_in_train_mode_is_indexed_in_eval_mode_and_left_as_it_was(setup, tmp_path):
+    """A model in train mode (an evaluation callback of a training loop) was indexed with its dropout on: vectors
+    off the model's by a cosine of 0.94, silently. The run is in eval mode; every module keeps its own mode."""
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    model = load_model(model_dir, torch.device("cpu"), torch.float32)
+    model.config.attention_dropout = model.config.mlp_dropout = model.config.embedding_dropout = 0.5
+    model = pe.pack(type(model)(model.config).eval())
+    model.load_state_dict(load_model(model_dir, torch.device("cpu"), torch.float32).state_dict())
+    model.train()
+    model.layers[1].eval()  # a caller's own choice for one module, kept
+    modes = [m.training for m in model.modules()]
+    out = str(tmp_path / "out")
+    index_corpus(model, corpus, out, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    assert [m.training for m in model.modules()] == modes
+    got = load_index(out)["embeddings"]
+    ref = _single(model_dir, corpus, str(tmp_path / "ref"), "pooled")["embeddings"]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_resume_refuses_a_model_whose_weights_keep_their_sum(setup, tmp_path):
+    """The model fingerprint was the sum of the weights: a row permutation of one matrix (other vectors, same sum)
+    resumed into the index, mixing two models' vectors."""
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    out = str(tmp_path / "out")
+    kw = dict(chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        index_corpus(pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32)), corpus, out,
+                     on_chunk=_stop_after_chunk(0), **kw)
+    other = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    with torch.no_grad():
+        w = other.layers[0].mlp.Wo.weight
+        w.copy_(w.flip(0))
+    with pytest.raises(pe.PackedEncodersError, match=r"other settings .*: model\.sha256: "):
+        index_corpus(other, corpus, out, **kw)
+
+
+def test_resume_refuses_a_corpus_rewritten_with_its_size_and_mtime(setup, tmp_path):
+    """A corpus rewritten at the same size with its old modification time put back (cp -p, rsync -t, a restored
+    backup) passed the size / mtime check: the resumed run encoded the new items next to chunks of the old ones."""
+    import shutil
+
+    import packed_encoders as pe
+
+    tmp, model_dir, corpus = setup
+    copy = tmp_path / "corpus.jsonl"
+    shutil.copy2(corpus, copy)
+    out = str(tmp_path / "out")
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    kw = dict(chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        index_corpus(model, str(copy), out, on_chunk=_stop_after_chunk(0), **kw)
+    st = os.stat(copy)
+    copy.write_text(copy.read_text().translate(str.maketrans("56", "65")))  # same layout, other tokens
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(pe.PackedEncodersError, match=r"another corpus .*the size and modification time plan\.json "
+                                                     r"records, other contents \(SHA-256\)"):
+        index_corpus(model, str(copy), out, **kw)
+    shutil.copy2(corpus, copy)  # the first version back: the run resumes
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    index_corpus(model, str(copy), out, **kw)
+    got, ref = load_index(out), _single(model_dir, corpus, str(tmp_path / "ref"), "pooled")
+    torch.testing.assert_close(got["embeddings"], ref["embeddings"], atol=1e-5, rtol=1e-5)
+
+
+def test_load_index_names_a_path_that_is_not_a_directory(tmp_path):
+    import packed_encoders as pe
+
+    for path in (tmp_path / "missing", tmp_path / "file.jsonl"):
+        if path.name.endswith(".jsonl"):
+            path.write_text("{}\n")
+        with pytest.raises(pe.PackedEncodersError, match="no such directory"):
+            load_index(str(path))
