@@ -425,6 +425,8 @@ def packed_forward(model, params: ModernBertParams | None, packed_ids: torch.Ten
                     ("inputs_embeds", inputs_embeds)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise PackedEncodersError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+        if t is not None and t.is_meta:  # (cu_seqlens and position_ids are read on the host: a meta one has nothing)
+            raise PackedEncodersError(f"{name} is a meta tensor: it holds no values to run on")
     if packed_ids is not None and packed_ids.dim() != 1:
         raise PackedEncodersError(f"packed_ids must be 1-D [T]; got shape {tuple(packed_ids.shape)}")
     if inputs_embeds is not None:

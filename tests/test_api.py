@@ -445,6 +445,10 @@ def test_packed_forward_names_a_non_tensor_argument():
     ids = torch.randint(3, 200, (29,))
     with pytest.raises(pe.PackedEncodersError, match="cu_seqlens must be a torch.Tensor"):
         pe.packed_forward(model, None, ids, [0, 5, 8, 28, 29], 20)
+    cu = torch.tensor([0, 5, 8, 28, 29], dtype=torch.int32)
+    for name, args in (("cu_seqlens", (ids, cu.to("meta"), 20)), ("packed_ids", (ids.to("meta"), cu, 20))):
+        with pytest.raises(pe.PackedEncodersError, match=f"{name} is a meta tensor"):  # (was torch's copy error)
+            pe.packed_forward(model, None, *args)
 
 
 def test_packed_forward_runs_outside_torch_compile_and_refuses_export():
