@@ -14,7 +14,7 @@ from .adapters.fsdp import gathered, sharded
 from .adapters.late_interaction import ALWAYS
 from .adapters.locate import find_encoders
 from .adapters.patch import install, own_state, replaced_forward, restore
-from .adapters.state import PackOptions, forward_bypassed, get_state
+from .adapters.state import PackOptions, forward_bypassed, get_state, wider
 from .adapters.stock_calls import deterministic_reason
 from .adapters.structure import snapshot, structure_check, structure_problem
 from .batch import check_embeds_dtype, from_packed
@@ -42,12 +42,11 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     again); with other options (or changed switches) it
     reconfigures to exactly those (unset ones take their defaults: ``pack(model)`` after ``pack(model,
     cuda_graph=GraphConfig(...))`` returns to the automatic graphs; use :func:`~packed_encoders.set_cuda_graph` to
-    change graphs alone). Either way, with
-    ``padded_outputs="auto"``, what the heads and wrappers inside ``target`` read at padded positions (see
+    change graphs alone). Either way, with any
+    ``padded_outputs`` but ``"zeros"``, what the heads and wrappers inside ``target`` read at padded positions (see
     ``padded_outputs``) is applied to each encoder inside them and kept for it: ``pe.pack(head.model, ...)``
     later (with other options, or after ``pe.unpack(head.model)``) still honours the head, until
-    ``pe.unpack(head)`` or ``pe.pack(head, padded_outputs=...)`` with another value
-    (:mod:`packed_encoders.adapters.around`).
+    ``pe.unpack(head)`` or ``pe.pack(head, padded_outputs="zeros")`` (:mod:`packed_encoders.adapters.around`).
 
     Args:
         attention_backend: ``"auto"`` (policy per batch), ``"flash"`` (torch varlen_attn / FlashAttention-4),
@@ -65,7 +64,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             using masked query expansion (PyLate, sentence-transformers v6); and a token-classification or
             masked-LM head called with ``labels`` that count at padded positions (not -100) gets stock's values
             there: trailing ones computed, other padding by the stock forward for that call
-            (:mod:`packed_encoders.adapters.token_labels`).
+            (:mod:`packed_encoders.adapters.token_labels`). ``"all"`` and an int do what ``"auto"`` does and
+            compute their trailing positions besides; only ``"zeros"`` leaves every padded position at zero,
+            whatever reads it.
         validation_lengths: override the validation batch's lengths (given for an already packed encoder, with
             ``validate=True``: it is validated again, on a new state; with ``validate=False`` they are unused,
             warned).
@@ -157,7 +158,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     # made before any trace, as install() makes the patched forward's: made inside a fullgraph trace it would fail
     # with dynamo's own error instead of this reason
     outside_dynamo(packed_forward, _PACKED_FORWARD_UNTRACEABLE)
-    if options.padded_outputs == "auto":
+    if options.padded_outputs != "zeros":
         around.remember(target, packed)
     else:
         around.forget(target, packed)
@@ -280,7 +281,7 @@ def describe(target) -> dict:
             entry["capability"] = "sm_%d%d" % torch.cuda.get_device_capability(weight.device)
         if state is not None:
             watch = state.runtime.get("expansion")  # query expansion as the target has it now
-            trailing = state.trailing_max_len if watch is None else watch.length()
+            trailing = state.trailing_max_len if watch is None else wider(state.trailing_floor, watch.length())
             entry.update({
                 "attention_backend": state.options.attention_backend,
                 "last_attention": dict(state.last_plan),

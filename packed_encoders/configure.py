@@ -12,7 +12,7 @@ from torch import nn
 from .adapters.around import around
 from .adapters.late_interaction import ALWAYS, ExpansionWatch
 from .adapters.locate import find_encoders
-from .adapters.state import PackOptions, PackState, get_state
+from .adapters.state import PackOptions, PackState, get_state, wider
 from .attention.dispatch import CHOICES, cannot_serve, load_policy
 from .errors import PackedEncodersError, UnsupportedTargetError
 from .graphs.config import normalize
@@ -61,26 +61,27 @@ def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuni
     ops, reason = select_ops(options.kernels, device, tuning)
     set_fast_launch(tuning.triton_fast_launch)
     policy = load_policy(device, policy_file=tuning.policy_file, cache=tuning.cache_dir)
+    floor = trailing_max_len(options.padded_outputs)
     state = PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=policy,
-                      trailing_max_len=trailing_max_len(options.padded_outputs), tuning=tuning)
+                      trailing_max_len=floor, trailing_floor=floor, tuning=tuning)
     read_around(model, state, target)
     return state
 
 
 def read_around(model: nn.Module, state: PackState, target=None) -> None:
-    """Set what ``state`` computes for the modules around ``model`` that read its padded positions (with
-    ``padded_outputs="auto"``): its record (:mod:`.adapters.around`) with ``target``'s readers. A question-answering
-    head: every trailing padded position (HF's span loss takes its softmax over them too); query expansion: those
-    of query calls, read per call (:class:`ExpansionWatch`); a cls head: ``state.position_zero``."""
+    """Set what ``state`` computes for the modules around ``model`` that read its padded positions (with any
+    ``padded_outputs`` but ``"zeros"``; ``"all"`` or an int computes at least its trailing widths besides): its
+    record (:mod:`.adapters.around`) with ``target``'s readers. A question-answering head: every trailing padded
+    position (HF's span loss takes its softmax over them too); query expansion: those of query calls, read per call
+    (:class:`ExpansionWatch`); a cls head: ``state.position_zero``."""
     state.runtime.pop("expansion", None)
-    if state.options.padded_outputs != "auto":
-        state.trailing_max_len = trailing_max_len(state.options.padded_outputs)
-        state.position_zero = None
+    if state.options.padded_outputs == "zeros":
+        state.trailing_max_len = state.position_zero = None
         return
     readers = around(model, target)
     state.position_zero = readers.position_zero
     watch = None if readers.span else ExpansionWatch(readers.expansion, model)
-    state.trailing_max_len = ALWAYS if readers.span else watch.length()
+    state.trailing_max_len = wider(state.trailing_floor, ALWAYS if readers.span else watch.length())
     if watch:  # query expansion set, changed or cleared after pack() is seen per call
         state.runtime["expansion"] = watch
 

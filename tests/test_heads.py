@@ -61,18 +61,20 @@ def test_masked_lm_loss_and_gradients():
             torch.testing.assert_close(p.grad, ref_grads[n], atol=2e-5, rtol=1e-3, msg=n)
 
 
+@pytest.mark.parametrize("padded_outputs", ["auto", "all", 64])
 @pytest.mark.parametrize("head", ["ModernBertForTokenClassification", "ModernBertForMaskedLM"])
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_token_head_labels_at_padding_get_the_stock_loss(head, side):
+def test_token_head_labels_at_padding_get_the_stock_loss(head, side, padded_outputs):
     """Labels that count at padded positions (built by hand, not -100 there): the loss and the gradients are
     stock's. Right padding: the encoder computes those trailing positions; left padding: the call runs the stock
-    forward, counted by ``describe()``. Labels of -100 at padding keep the packed path's zeros there."""
+    forward, counted by ``describe()``. Labels of -100 at padding keep the packed path's zeros there. ``"all"`` / an
+    int (more trailing positions computed) keep the check (left padding gave a loss off stock's, silently)."""
     import copy
 
     cls = getattr(transformers, head)
     stock = make_model("base_like", cls=cls, num_labels=4).train()
     packed = copy.deepcopy(stock)
-    pe.pack(packed)
+    pe.pack(packed, padded_outputs=padded_outputs)
     ids, mask = padded_batch([5, 12, 9], side=side)
     g = torch.Generator().manual_seed(3)
     labels = ids.clone() if head.endswith("MaskedLM") else torch.randint(0, 4, ids.shape, generator=g)

@@ -34,11 +34,13 @@ def _inputs(head: str, side: str, lengths=(5, 12, 9)):
     return dict(input_ids=ids, attention_mask=mask)
 
 
+@pytest.mark.parametrize("padded_outputs", ["auto", "all", 64])
 @pytest.mark.parametrize("head", ["ModernBertForSequenceClassification", "ModernBertForMultipleChoice"])
-def test_cls_heads_read_stocks_output_at_a_padded_position_zero(head):
+def test_cls_heads_read_stocks_output_at_a_padded_position_zero(head, padded_outputs):
+    """(``"all"`` / an int compute more trailing positions and keep this check: they gave zeros there, silently)"""
     model = make_model("base_like", cls=getattr(transformers, head), classifier_pooling="cls")
     stock = copy.deepcopy(model)
-    pe.pack(model)
+    pe.pack(model, padded_outputs=padded_outputs)
     with torch.no_grad():
         for side, lengths, to_stock in (("right", (5, 12, 9), False), ("left", (5, 12, 9), True),
                                         ("right", (5, 0, 9), True), ("left", (12, 12, 12), False)):

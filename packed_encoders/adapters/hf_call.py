@@ -30,6 +30,7 @@ from ..batch import check_embeds_dtype, from_packed, is_int_like
 from ..call import empty_output, packed_route, padded_route, raise_earlier_errors, serve_batch, serve_padded
 from ..errors import PackedEncodersError, StockOnlyInput
 from .around import COLUMN_ZERO, FIRST_REAL
+from .state import wider
 from .stock_calls import mask_holes_reason, positional_names, stock_call_reason
 from .structure import structure_check
 from .token_labels import TRAILING, head_request, position_zero_reader, restore_bypassed
@@ -282,15 +283,16 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         return _output(squeeze(out), hidden_t, as_tuple)
     width = src.shape[1]
     watch = state.runtime.get("expansion")
+    query_len = None if watch is None else watch.length()
     if watch is not None:
-        state.trailing_max_len = watch.length()
+        state.trailing_max_len = wider(state.trailing_floor, query_len)
     within = state.trailing_max_len is not None and width <= state.trailing_max_len
     trailing = attention_mask is not None and (request == TRAILING or within)
     # a query-expansion call: left padding puts scored [MASK] positions before the real tokens (stock computes them);
     # a head reading position 0 (adapters.token_labels): a row padded there is read where stock computes it (the
     # multiple-choice head reads each row's first real token: only a row without one is read at padding)
     reads = position_zero_reader(model, state) if attention_mask is not None else None
-    leading_stock = trailing and watch is not None and within
+    leading_stock = trailing and query_len is not None and width <= query_len
     padded = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                   position_ids=position_ids, token_type_ids=token_type_ids, trailing=trailing)
     route = padded_route(model, state, hidden_states=output_hidden_states, position_zero=reads is not None, **padded)

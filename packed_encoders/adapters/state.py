@@ -36,6 +36,11 @@ class PackOptions:
     graph_auto: bool = False        # cuda_graph was left at its default (None): graphs on where they can serve
 
 
+def wider(a: int | None, b: int | None) -> int | None:
+    """The wider of two trailing widths (``None``: none computed)."""
+    return a if b is None else b if a is None else max(a, b)
+
+
 @dataclass
 class PackState:
     params: ModernBertParams
@@ -43,6 +48,7 @@ class PackState:
     ops: OpSet = TORCH_OPS
     ops_reason: str = ""
     trailing_max_len: int | None = None  # padded calls this narrow compute trailing masked positions
+    trailing_floor: int | None = None  # what an explicit padded_outputs ("all" or an int) asks for besides the readers
     position_zero: str | None = None  # what a classifier_pooling="cls" head around the encoder reads (token_labels)
     label_checked: bool = False  # a head has checked this encoder's calls' labels (token_labels.restore_bypassed)
     policy: Any = None

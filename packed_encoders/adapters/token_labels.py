@@ -7,17 +7,17 @@ positions, and there stock's encoder output (attention of the padded query over 
 A masked-LM head with ``sparse_prediction`` also drops positions labelled ``sparse_pred_ignore_index`` before its
 decoder: those labels count no more than -100 does.
 
-``pack(target)`` with ``padded_outputs="auto"`` replaces the ``forward`` of each such head inside ``target`` on the
-instance with a :class:`CheckedForward` (not a module hook: ``head.forward(...)`` runs no hook), which reads the
-call's labels and then runs the head's own forward. A call passing ``labels`` and ``attention_mask`` (by keyword
-or position) is checked, with one device-to-host read: when no label at a padded position counts, nothing
-changes; when the counted ones all sit after their row's last real token, the encoder call computes those
-trailing positions as stock does (the path of ``padded_outputs="all"``); otherwise (padding before real tokens,
-or a row without real tokens, where stock attends over the padding) the encoder call runs the stock forward,
-counted in ``describe()["encoders"][i]["stock_forward_calls"]``. The request holds for every encoder call the
-head's forward makes on this thread (:func:`head_request`) and is cleared when it returns. The head is
-recorded around its encoder (:mod:`.around`): the check stays while an encoder inside the head is packed with
-``padded_outputs="auto"``, whatever ``pack()``'s target (``pe.pack(head.model)`` after ``pe.pack(head)`` keeps it,
+``pack(target)`` with any ``padded_outputs`` but ``"zeros"`` replaces the ``forward`` of each such head inside
+``target`` on the instance with a :class:`CheckedForward` (not a module hook: ``head.forward(...)`` runs no hook),
+which reads the call's labels and then runs the head's own forward. A call passing ``labels`` and ``attention_mask``
+(by keyword or position) is checked, with one device-to-host read: when no label at a padded position counts,
+nothing changes; when the counted ones all sit after their row's last real token, the encoder call computes those
+trailing positions as stock does (the path of ``padded_outputs="all"``); otherwise (padding before real tokens, or a
+row without real tokens, where stock attends over the padding) the encoder call runs the stock forward, counted in
+``describe()["encoders"][i]["stock_forward_calls"]``. The request holds for every encoder call the head's forward
+makes on this thread (:func:`head_request`) and is cleared when it returns. The head is recorded around its encoder
+(:mod:`.around`): the check stays while an encoder inside the head is packed with a ``padded_outputs`` other than
+``"zeros"``, whatever ``pack()``'s target (``pe.pack(head.model)`` after ``pe.pack(head)`` keeps it,
 ``pe.pack(head)`` after ``pe.pack(head.model)`` adds it), and :func:`sync` restores the head's forward (its earlier
 instance forward, or the class forward) once none is (``pe.unpack(head.model)``) or the head is forgotten
 (``pe.unpack(head)``).
@@ -137,9 +137,9 @@ class CheckedForward:
     hands the request to the encoder call the head makes, then runs the head's own forward. An instance forward
     rather than a module hook, so ``head.forward(...)`` (which runs no hook) is checked as ``head(...)`` is.
 
-    The check runs while one of ``encoders`` (the packed encoders inside the head at ``pack()``) is packed with
-    ``padded_outputs="auto"``: a reference kept after ``unpack()`` (a wrapper set over it, such as accelerate's)
-    runs ``previous`` (the instance forward it replaced) or the class forward, unchecked."""
+    The check runs while one of ``encoders`` (the packed encoders inside the head at ``pack()``) is packed with a
+    ``padded_outputs`` other than ``"zeros"``: a reference kept after ``unpack()`` (a wrapper set over it, such as
+    accelerate's) runs ``previous`` (the instance forward it replaced) or the class forward, unchecked."""
 
     # a method bound to it (state.instance_forward) pickles as getattr(module, __func__.__name__): the unpickled
     # module's class forward, which pack() replaces again (describe() says "bypassed" until then)
@@ -179,7 +179,7 @@ class CheckedForward:
         args = rebound_args(self, args)
         for encoder in self.encoders:
             state = encoder.__dict__.get(STATE_ATTR)
-            if state is not None and state.options.padded_outputs == "auto":
+            if state is not None and state.options.padded_outputs != "zeros":
                 if torch.compiler.is_dynamo_compiling():  # the check reads the labels on the host
                     call, request = _outside_dynamo()
                     return call(self, args, kwargs, request)
@@ -295,7 +295,8 @@ def position_zero_reader(model: nn.Module, state) -> str | None:
 
 def sync(heads) -> list:
     """Put a :class:`CheckedForward` (and a :class:`CheckedReplicator`) on each of ``heads`` that is recorded as
-    checking its labels (:func:`.around.is_checked`) and holds an encoder packed with ``padded_outputs="auto"``
+    checking its labels (:func:`.around.is_checked`) and holds an encoder packed with a ``padded_outputs`` other
+    than ``"zeros"``
     (once; its ``encoders`` brought up to date, and marked ``label_checked``), and take them off the others,
     restoring the head's forward (its earlier instance forward, or none: the class forward). A forward set over the
     checked one after ``pack()`` (a wrapper such as accelerate's) is kept; the checked forward it calls stops
@@ -312,7 +313,7 @@ def sync(heads) -> list:
         # encoders. A new check over the wrapper would leave the old one under it checking for the encoders it held
         # (a replaced encoder's calls unchecked once the hook is removed), and check each call twice meanwhile
         own = own_forward(head, current, CheckedForward)
-        if is_checked(head) and any(get_state(m).options.padded_outputs == "auto" for m in encoders):
+        if is_checked(head) and any(get_state(m).options.padded_outputs != "zeros" for m in encoders):
             if own is not None:  # packed again
                 own.encoders = encoders
                 if own is current:
