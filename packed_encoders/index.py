@@ -712,7 +712,11 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 
         bar = tqdm(total=sum(c.tokens for c in mine), unit="tok", unit_scale=True,
                    desc=f"rank 0 of {world}, {len(mine)} chunks")
-    with _eval_mode(model):
+    from .validation import eval_mode
+
+    # no dropout: an index's vectors do not depend on the mode the caller left the model in (an evaluation callback
+    # of a training loop); each module's own mode comes back afterwards
+    with eval_mode(model):
         for c in mine:
             _encode_and_write(c, corpus, out_dir, plan, encoder, batch_tokens, out_dtype, fingerprint, rank, world)
             if bar is not None:
@@ -726,19 +730,6 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     if rank != 0:
         return None
     return _write_manifest(out_dir, plan, chunks, output, out_dtype)
-
-
-@contextlib.contextmanager
-def _eval_mode(model):
-    """``model`` in eval mode (no dropout: an index's vectors do not depend on the mode the caller left the model in,
-    e.g. an evaluation callback of a training loop), each module's own mode restored afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes:
-            m.training = training
 
 
 def _encode_and_write(c: Chunk, corpus: str, out_dir: str, plan: dict, encoder: Encoder, batch_tokens: int,
