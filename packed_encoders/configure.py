@@ -61,9 +61,8 @@ def make_state(model: nn.Module, options: PackOptions, target=None, tuning: Tuni
     ops, reason = select_ops(options.kernels, device, tuning)
     set_fast_launch(tuning.triton_fast_launch)
     policy = load_policy(device, policy_file=tuning.policy_file, cache=tuning.cache_dir)
-    floor = trailing_max_len(options.padded_outputs)
     state = PackState(params=params, options=options, ops=ops, ops_reason=reason, policy=policy,
-                      trailing_max_len=floor, trailing_floor=floor, tuning=tuning)
+                      trailing_floor=trailing_max_len(options.padded_outputs), tuning=tuning)
     read_around(model, state, target)
     return state
 

@@ -6,9 +6,9 @@ masked-LM or question-answering head gets its labels checked per call (:mod:`.to
 ``classifier_pooling="cls"`` head reads position 0 of each row, and a ColBERT wrapper's masked query expansion
 scores trailing masked positions (:mod:`.late_interaction`).
 
-``pack(target)`` with any ``padded_outputs`` but ``"zeros"`` records, for each encoder inside ``target``, the modules of
-``target`` that read it so (:func:`remember`); every packed state is built from the encoder's record and the
-target's readers (:func:`around`), whatever ``pack()``'s target: ``pe.pack(head.model, ...)`` after
+``pack(target)`` with any ``padded_outputs`` but ``"zeros"`` records, for each encoder inside ``target``, the
+modules of ``target`` that read it so (:func:`remember`); every packed state is built from the encoder's record and
+the target's readers (:func:`around`), whatever ``pack()``'s target: ``pe.pack(head.model, ...)`` after
 ``pe.pack(head)``, with other options or after ``pe.unpack(head.model)``, keeps what the head reads, and
 ``pe.pack(head)`` after ``pe.pack(head.model)`` adds it. ``unpack(target)``, or ``pack(target)`` with
 ``padded_outputs="zeros"``, drops the readers inside ``target`` from every record (:func:`forget`). The record holds

@@ -296,12 +296,11 @@ def position_zero_reader(model: nn.Module, state) -> str | None:
 def sync(heads) -> list:
     """Put a :class:`CheckedForward` (and a :class:`CheckedReplicator`) on each of ``heads`` that is recorded as
     checking its labels (:func:`.around.is_checked`) and holds an encoder packed with a ``padded_outputs`` other
-    than ``"zeros"``
-    (once; its ``encoders`` brought up to date, and marked ``label_checked``), and take them off the others,
-    restoring the head's forward (its earlier instance forward, or none: the class forward). A forward set over the
-    checked one after ``pack()`` (a wrapper such as accelerate's) is kept; the checked forward it calls stops
-    checking once its encoders are unpacked, and is the one brought up to date when the head is packed again (no
-    second check over the wrapper). Returns the heads given a check they did not have."""
+    than ``"zeros"`` (once; its ``encoders`` brought up to date, and marked ``label_checked``), and take them off
+    the others, restoring the head's forward (its earlier instance forward, or none: the class forward). A forward
+    set over the checked one after ``pack()`` (a wrapper such as accelerate's) is kept; the checked forward it calls
+    stops checking once its encoders are unpacked, and is the one brought up to date when the head is packed again
+    (no second check over the wrapper). Returns the heads given a check they did not have."""
     _outside_dynamo()
     given = []
     for head in heads:
