@@ -159,6 +159,30 @@ def test_query_expansion_with_left_padding_matches_stock(model_dir, strategy):
     assert sum(pe.describe(model)["encoders"][0]["stock_forward_calls"].values()) == 1
 
 
+def test_min_expansion_queries_wider_than_query_length_match_stock(model_dir):
+    """strategy="min" pads short queries to its length inside a call as wide as its longest query, capped by a
+    max_length the encoder may never see (the module's processing_kwargs, a per-call one, the trainer's): with
+    query_length taken for the widest query call, a wider one left the short queries' [MASK] positions at zero
+    (a max difference of 2.4), silently. Every width counts as a possible query call now."""
+    import copy
+
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    transformer = Transformer(model_dir, query_length=16, query_expansion={"strategy": "min", "length": 12},
+                              processing_kwargs={"text": {"max_length": 40}})
+    ref = MultiVectorEncoder(modules=[transformer, MultiVectorMask()], device="cpu")
+    model = pe.pack(copy.deepcopy(ref))
+    queries = ["a", "the search query " * 8]  # the long one makes the call wider than query_length
+    for kwargs in ({}, {"processing_kwargs": {"text": {"max_length": 30}}}):
+        got, want = model.encode_query(queries, **kwargs), ref.encode_query(queries, **kwargs)
+        assert max(len(w) for w in want) > 16
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), atol=1e-5, rtol=1e-4)
+
+
 def test_query_expansion_is_followed_after_pickling(model_dir):
     """A pickled target (torch.save, the workers of start_multi_process_pool) keeps following its query expansion:
     expansion switched on after pack() and before pickling, or resized after unpickling, gives stock's outputs."""

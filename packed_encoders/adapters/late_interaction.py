@@ -41,10 +41,10 @@ def expansion_length(sources) -> int | None:
             continue
         expansion = getattr(src, "query_expansion", None)
         if isinstance(expansion, dict) and not expansion.get("attend", False):
-            length = expansion.get("length") or 0
-            if expansion.get("strategy") == "min":
-                ceiling = getattr(src, "query_length", None)
-                length = max(length, int(ceiling)) if ceiling else ALWAYS
+            # "min" pads short queries up to its length inside calls as wide as the longest query, capped by a
+            # max_length that need not reach the encoder (per call, or the trainer's through its collator), not by
+            # query_length: every width may be a query call
+            length = ALWAYS if expansion.get("strategy") == "min" else expansion.get("length") or 0
             found = max(found or 0, int(length) or ALWAYS)
     return found
 
