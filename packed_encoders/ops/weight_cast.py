@@ -193,10 +193,10 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
         # the views in one C++ call (one slice and view per tensor from Python: ~3x the host time)
         copies = tuple(_unflatten_dense_tensors(flat, tensors))
         torch._foreach_copy_(list(copies), list(tensors))
-    # weak references to the storages: the entry must not keep the parameters (or, through them, a model) alive,
-    # and goes when any of them goes
     if not keep:
         return copies
+    # weak references to the storages: the entry must not keep the parameters (or, through them, a model) alive,
+    # and goes when any of them goes
     token = object()
     refs = _storage_refs(tensors, _GROUPS, key, token)
     if refs is None:
