@@ -371,3 +371,129 @@ def test_workspace_size_classes_cover_the_request_within_a_quarter():
     assert len(classes) == 4
     arena = workspace.Arena()
     assert (arena.add(3), arena.add(300), arena.add(0), arena.size) == (0, 256, 768, 768)
+
+
+# ------------------------------------------------------------------------------------------------ called slots
+
+
+def _lora(model, targets, seed: int = 1):
+    """``model`` with peft LoRA layers on ``targets`` (r=4), ``lora_B`` random (peft initialises it to zero)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(seed)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets), model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def test_called_slots_turn_off_the_routes_that_read_their_weights(fused):
+    """A projection slot whose module the forward calls (model/calls.py) takes no route that reads its weight:
+    no RoPE epilogue on its Wqkv (the other layers keep theirs), no unchecked launches or raw pointers, no training
+    blocks or stack; a plain encoder's plan is the one it had without the argument."""
+    from dataclasses import replace
+
+    from packed_encoders.model.calls import PLAIN, ModuleCalls
+
+    model = make_model("base_like")
+    params = ModernBertParams.from_hf_config(model.config)
+    triton = {None: Decision("triton"), params.window: Decision("triton")}
+    calls = ModuleCalls(((True, False, False, False), (False, False, True, False), PLAIN, PLAIN),
+                        ("layers.0.attn.Wqkv (X)", "layers.1.mlp.Wi (X)"))
+
+    def plan(calls=None, grad=False, ops=fused.TRITON_OPS, rules=None, **kw):
+        return plan_mod.plan_for(params, ops, triton, tokens=100, max_seqlen=40, dtype=torch.float32,
+                                 device=torch.device("cpu"), grad=grad, rules=rules, calls=calls, **kw)
+
+    plain = plan()
+    assert plain is plan_mod.plan_for(params, fused.TRITON_OPS, triton, tokens=100, max_seqlen=40,
+                                      dtype=torch.float32, device=torch.device("cpu"), grad=False)
+    assert plain.direct and plain.pointers and (plain.linear_route, plain.glu) == ("small_gemm", "small_gemm")
+    assert plain.calls is None and all(lp.calls == PLAIN for lp in plain.layers)
+    p = plan(calls)
+    assert not p.direct and not p.pointers and p.ops is fused.TRITON_OPS and p.calls is calls
+    assert p.why_checked.startswith("module call at layers.0.attn.Wqkv (X) and 1 more slot: ")
+    assert [lp.calls for lp in p.layers] == list(calls.layers)
+    routed = replace(fused.TRITON_OPS, rope_linear=lambda *args: None)  # an op set with a RoPE epilogue
+    assert all(lp.rope_linear for lp in plan(ops=routed).layers)
+    assert [lp.rope_linear for lp in plan(calls, ops=routed).layers] == [False, True, True, True]
+    blocks = plan_mod.Rules(blocks=True)
+    g_plain = plan(grad=True, rules=blocks, stack_off=None)
+    assert g_plain.kernels is not None and g_plain.stack
+    g = plan(calls, grad=True, rules=blocks, stack_off=None)
+    assert g.kernels is None and not g.stack
+    assert g.stack_off == "one autograd node per op: module call at layers.0.attn.Wqkv (X) and 1 more slot"
+
+
+def test_called_slots_never_reach_a_weight_reading_route():
+    """With every weight-reading route an op set has consulted (quack forced: the projections, the Wi + GLU epilogue
+    and the RoPE epilogue), the plain slots' weights reach them and no called slot's weight does; the output is
+    stock's, LoRA included."""
+    from dataclasses import replace
+
+    from torch.nn import functional as F
+
+    from packed_encoders.ops import geglu_torch, quack_gemm
+    from tests.helpers import stock, stock_positions
+
+    model = _lora(make_model("base_like"), ["layers.0.attn.Wqkv", "layers.1.mlp.Wi", "layers.2.attn.Wo",
+                                            "layers.3.mlp.Wo"])
+    params = ModernBertParams.from_hf_config(model.config)
+    seen = []
+
+    def linear(x, w, b=None):
+        seen.append(w)
+        return F.linear(x, w, b)
+
+    def glu_linear(x, w, b, activation):
+        seen.append(w)
+        return geglu_torch(F.linear(x, w, b), activation)
+
+    def rope_linear(x, w, b, positions, freq, nh, hd):
+        seen.append(w)
+        return None  # declined: the forward projects with `linear`, then rotates
+
+    ops = replace(TORCH_OPS, linear=linear, glu_linear=glu_linear, rope_linear=rope_linear, gemm="quack")
+    ids, mask = padded_batch([9, 30, 4], side="mixed")
+    batch = unpad(input_ids=ids, inputs_embeds=None, attention_mask=mask, position_ids=None, token_type_ids=None,
+                  vocab_size=model.config.vocab_size)
+    with torch.no_grad(), quack_gemm.forced():
+        out = batch.pad(encoder_forward(model, params, batch, ops=ops))
+        ref = stock(model, input_ids=ids, attention_mask=mask, position_ids=stock_positions(mask)).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=2e-5, rtol=1e-4)
+    slots = [getattr(getattr(layer, parent), name) for layer in model.layers
+             for parent, name in (("attn", "Wqkv"), ("attn", "Wo"), ("mlp", "Wi"), ("mlp", "Wo"))]
+    called = [m for m in slots if type(m) is not torch.nn.Linear]
+    assert len(called) == 4
+    assert {id(w) for w in seen} == {id(m.weight) for m in slots if m not in called}
+    assert not {id(w) for w in seen} & {id(m.base_layer.weight) for m in called}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_fused_kernels_around_lora_layers_match_stock(fused, grad):
+    """The Triton op set (interpreted) around called LoRA layers: without gradient the checked ops instead of the
+    unchecked launches, with gradients one autograd node per op instead of the training blocks (asked for with
+    ``Rules(blocks=True)``); the output and every LoRA gradient are stock's."""
+    from tests.helpers import stock, stock_positions
+
+    model = _lora(make_model("base_like"), ["Wqkv", "Wo", "Wi"])
+    params = ModernBertParams.from_hf_config(model.config)
+    batch = _batch(model, [9, 30, 4])
+    ids, mask = padded_batch([9, 30, 4], side="mixed")
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    with torch.set_grad_enabled(grad):
+        out = batch.pad(encoder_forward(model, params, batch, ops=fused.TRITON_OPS, attention_backend="sdpa",
+                                        rules=plan_mod.Rules(lean=True, blocks=True)))
+        ref = stock(model, input_ids=ids, attention_mask=mask, position_ids=stock_positions(mask)).last_hidden_state
+    plan = plan_mod.last_plan()
+    assert plan.calls is not None and not plan.direct and plan.kernels is None and not plan.pointers
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=2e-5, rtol=1e-4)
+    if grad:
+        got = torch.autograd.grad(out[real].square().mean(), lora)
+        want = torch.autograd.grad(ref[real].square().mean(), lora)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-3)

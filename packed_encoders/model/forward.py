@@ -4,7 +4,9 @@ Per layer (HF ``ModernBertEncoderLayer``): ``attn_norm`` (Identity on layer 0) -
 the layer type's theta -> variable-length attention (local layers: ``|i - j| <= local_attention // 2``)
 -> ``Wo`` -> residual -> ``mlp_norm`` -> ``Wi`` -> GLU -> ``mlp.Wo`` -> residual; then ``final_norm``.
 Each layer's MLP residual is deferred into the next norm (residual + LayerNorm in one op).
-Weights are read from the live HF modules on every call; nothing is copied.
+Weights are read from the live HF modules on every call; nothing is copied. A projection slot holding anything but an
+``nn.Linear`` (a peft LoRA layer, a wrapped or quantised Linear) is called instead, ``module(x)`` on the packed
+``[T, in_features]`` rows (:mod:`.calls`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from ..ops import TORCH_OPS, OpSet, rope_tables
 from ..ops.rope import cached_pair_freq_table, cached_position_tables
 from ..ops.weight_cast import cast, expire
 from .blocks import compute_dtype, run_layer_blocks
+from .calls import ModuleCalls, read_calls
+from .calls import call as call_module
 from .dropout import applies_attention_dropout, dropout_modules, rate
 from .params import ModernBertParams
 from .plan import NOT_ASKED, Rules, plan_for
@@ -147,11 +151,15 @@ def plan_attention(params: ModernBertParams, batch: PackedBatch, requested: str,
     return plan
 
 
+READ = object()  # encoder_forward's ``calls`` default: read the called slots from the live modules
+
+
 def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBatch, *,
                     attention: Mapping[int | None, Decision] | None = None, attention_backend: str = "auto",
                     ops: OpSet = TORCH_OPS, gradient_checkpointing: bool | Sequence = False,
                     hidden_states: list | None = None, hidden_pre_norm_last: bool = False,
-                    rules: Rules | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    rules: Rules | None = None, out: torch.Tensor | None = None,
+                    calls: ModuleCalls | None | object = READ) -> torch.Tensor:
     """Run the packed encoder on ``batch`` and return ``[T, hidden_size]`` (after ``final_norm``).
 
     Args:
@@ -169,9 +177,16 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             of one encoder): written in place and returned when the result has its dtype (``final_norm``'s output:
             fp32 under CUDA autocast), else ignored. The op set's norm writes there directly where it can
             (``OpSet.norm_out``); other op sets' results are copied in.
+        calls: the Linear slots whose module is called (:class:`.calls.ModuleCalls`, ``None``: every slot is an
+            ``nn.Linear``), as the per-call structure snapshot holds them; by default read from the live modules.
+
+    Raises:
+        PackedEncodersError: a called module returned something else than ``[T, out_features]``.
     """
     grad = torch.is_grad_enabled()
     dtype = activation_dtype(model)
+    if calls is READ:
+        calls = read_calls(model)
     if attention is None:
         # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules)
         any_attn_p = applies_attention_dropout(dropout_modules(model), params.attention_dropout)
@@ -187,10 +202,11 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         ckpt = tuple(fn if layer.training else None for fn, layer in zip(flags, model.layers))
         stack_off = stack_problem(batch, any(ckpt), hidden_states is not None)
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
-                    grad=grad, rules=rules, stack_off=stack_off)
+                    grad=grad, rules=rules, stack_off=stack_off, calls=calls)
     if plan.pointers and hidden_states is None and out is None:
         y = run_pointers(model, params, batch, plan, rope_inputs,
-                         lambda: encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules))
+                         lambda: encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules,
+                                                 calls=calls))
         if y is not None:
             return y
     run = plan.ops
@@ -268,23 +284,30 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             carry.clear()
             layer = model.layers[index]
             step = plan.layers[index]
+            # a called slot's module gets its input as stock's gets it (the norm's own output dtype: fp32 under
+            # autocast, which the module's GEMMs cast as stock's do); the others read their weights here
+            called_qkv, called_o, called_i, called_o2 = step.calls
             attn = layer.attn
             wqkv = attn.Wqkv
             is_global = params.layer_is_global[index]
             attn_norm = layer.attn_norm
+            norm_dt = None if called_qkv else wdt
             if isinstance(attn_norm, nn.Identity):
                 if pending is not None:
                     x = x + pending
                 normed = x
             elif pending is not None:
-                x, normed = res_ln(x, pending, *_norm_args(attn_norm), out_dtype=wdt)
+                x, normed = res_ln(x, pending, *_norm_args(attn_norm), out_dtype=norm_dt)
             else:
-                normed = run.layer_norm(x, *_norm_args(attn_norm), out_dtype=wdt)
+                normed = run.layer_norm(x, *_norm_args(attn_norm), out_dtype=norm_dt)
             pending = None
-            normed = to_wdt(normed)
-            w, b = cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)
-            rotated = rope_linear(normed, w, b, is_global) if step.rope_linear else None
-            qkv = linear(normed, w, b) if rotated is None else None
+            if called_qkv:
+                qkv, rotated = call_module(wqkv, normed, 3 * nh * hd, index, "attn.Wqkv"), None
+            else:
+                normed = to_wdt(normed)
+                w, b = cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)
+                rotated = rope_linear(normed, w, b, is_global) if step.rope_linear else None
+                qkv = linear(normed, w, b) if rotated is None else None
             normed = None
             extra = dict(extra_kw)
             if rotated is not None:
@@ -302,22 +325,32 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                                dropout_p=attn_p, **extra)
             qkv = q = k = v = extra = None
             wo = attn.Wo
-            o = _dropout(linear(a.reshape(total, nh * hd), cast(wo.weight, wdt), cast(wo.bias, wdt)), attn.out_drop)
+            a = a.reshape(total, nh * hd)
+            if called_o:
+                o = call_module(wo, a, params.hidden_size, index, "attn.Wo")
+            else:
+                o = linear(a, cast(wo.weight, wdt), cast(wo.bias, wdt))
+            o = _dropout(o, attn.out_drop)
             a = None
-            x, normed = res_ln(x, o, *_norm_args(layer.mlp_norm), out_dtype=wdt)
+            x, normed = res_ln(x, o, *_norm_args(layer.mlp_norm), out_dtype=None if called_i else wdt)
             o = None
-            normed = to_wdt(normed)
             mlp = layer.mlp
             wi = mlp.Wi
-            w, b = cast(wi.weight, wdt), cast(wi.bias, wdt)
-            if glu_path == "split":
-                h = run.glu(F.linear(normed, w, b), params.activation)
-            else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
-                h = glu_linear(normed, w, b, params.activation)
+            if called_i:  # the module, then the GLU op (no fused Wi + GLU GEMM: it reads Wi's weight)
+                h = run.glu(call_module(wi, normed, 2 * params.intermediate_size, index, "mlp.Wi"), params.activation)
+            else:
+                normed = to_wdt(normed)
+                w, b = cast(wi.weight, wdt), cast(wi.bias, wdt)
+                if glu_path == "split":
+                    h = run.glu(F.linear(normed, w, b), params.activation)
+                else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
+                    h = glu_linear(normed, w, b, params.activation)
             normed = None
             g = _dropout(h, mlp.drop)
             h = None
             wo = mlp.Wo
+            if called_o2:
+                return x, call_module(wo, g, params.hidden_size, index, "mlp.Wo")
             return x, linear(g, cast(wo.weight, wdt), cast(wo.bias, wdt))
 
     pending = None

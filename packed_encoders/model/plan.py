@@ -23,6 +23,12 @@ forward then calls the chosen implementations directly:
 - ``pointers``: every op is one :mod:`.pointers` can launch (Triton kernels on raw pointers, cuBLAS and
   FlashAttention-2 / -4 on views), so the forward may run a call of at most :attr:`Rules.pointer_max_tokens` tokens over
   one workspace (no per-op allocation, shape reads or launch keys).
+- ``calls``: the Linear slots whose module the forward calls (:mod:`.calls`: a peft LoRA layer, a wrapped or
+  quantised Linear). Every route that reads a projection's weight is off for such a slot (``LayerPlan.calls``: no
+  ``rope_linear`` on a called ``Wqkv``; the forward runs a called ``Wi``'s output through the GLU op), and for the
+  whole call the routes that read every layer's weights or trust each op's inputs: unchecked launches, raw pointers,
+  the training blocks and stack (with gradients, one autograd node per op, through which gradients reach the
+  module's own parameters).
 
 Route choices count host time: quack's CuteDSL GEMMs cost ~10-20 us more host time per launch than cuBLAS, so an
 eager call consults quack's routes only from :data:`QUACK_EAGER_MIN_TOKENS` tokens (where the forward is
@@ -41,6 +47,7 @@ import torch.nn.functional as F
 
 from ..attention.backends import BACKENDS, FUSED_ROPE_MAX_TOKENS
 from ..ops import TORCH_KERNELS, Kernels, OpSet, quack_gemm
+from .calls import PLAIN, ModuleCalls
 from .params import ModernBertParams
 from .pointers import plan_runs_pointers
 
@@ -125,6 +132,7 @@ class LayerPlan:
     attention: Callable
     rope_linear: bool  # ask the op set's rope_linear route first
     rope_in_attention: bool  # else hand the rotation to the attention kernel (else: its own op)
+    calls: tuple[bool, bool, bool, bool] = PLAIN  # (Wqkv, attn.Wo, mlp.Wi, mlp.Wo): the forward calls the module
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,7 @@ class Plan:
     pointers: bool = False  # short calls may run as raw-pointer launches (.pointers.plan_runs_pointers, no autocast)
     stack: bool = False  # with gradients: every layer's blocks in one autograd node (.stack)
     stack_off: str | None = None  # with gradients and no stack: why (.stack.stack_problem, the rules, the op set)
+    calls: ModuleCalls | None = None  # the Linear slots whose module the forward calls (None: all nn.Linear)
 
 
 NOT_ASKED = "not asked for by the caller"  # plan_for's default stack_off: one node per block
@@ -166,12 +175,13 @@ def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -
 
 def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens: int, max_seqlen: int,
              dtype: torch.dtype, device: torch.device, grad: bool, rules: Rules | None = None,
-             stack_off: str | None = NOT_ASKED) -> Plan:
+             stack_off: str | None = NOT_ASKED, calls: ModuleCalls | None = None) -> Plan:
     """The :class:`Plan` of one call (cached per call class; see the module docstring).
 
     ``attention``: ``{window: Decision}`` from :func:`..model.forward.plan_attention` (global: ``None``);
     ``stack_off``: why the call cannot run every layer as one autograd node (:func:`.stack.stack_problem`), or
-    ``None`` when it can; kept on the plan for ``describe()``.
+    ``None`` when it can; kept on the plan for ``describe()``; ``calls``: the encoder's called Linear slots
+    (:func:`.calls.read_calls`; ``None``: every slot is an ``nn.Linear``, whose plans are as they were without it).
     """
     rules = rules or default_rules()
     compiling = torch.compiler.is_compiling()
@@ -189,7 +199,7 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
     key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, glu_eager, small_linear,
-           rope_local_fused, decisions, params.window >= max_seqlen - 1, autocast, stack_off, pointers)
+           rope_local_fused, decisions, params.window >= max_seqlen - 1, autocast, stack_off, pointers, calls)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
@@ -197,7 +207,7 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     plan = _LAST.plan = _build(params, ops, attention, tokens=tokens, max_seqlen=max_seqlen, dtype=dtype,
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
                                glu_eager=glu_eager, small_linear=small_linear, compiling=compiling, autocast=autocast,
-                               stack_off=stack_off, pointers=pointers)
+                               stack_off=stack_off, pointers=pointers, calls=calls)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
@@ -213,10 +223,13 @@ def _layer_window(params: ModernBertParams, index: int, max_seqlen: int) -> int 
 
 
 def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, rules, quack, glu_small, glu_eager,
-           small_linear, compiling, autocast, stack_off, pointers) -> Plan:
+           small_linear, compiling, autocast, stack_off, pointers, calls) -> Plan:
     direct, why = False, None
     if not rules.lean:
         why = "PACKED_ENCODERS_LEAN is off (the per-op checked path everywhere)"
+    elif calls is not None:
+        # a called module's output (dtype, layout) is whatever it returns: the checked ops route on what they get
+        why = calls.plan_reason()
     elif grad:
         why = "gradients wanted (unchecked launches have no backward)"
     elif compiling:
@@ -229,7 +242,9 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         direct = why is None
     run_ops = ops.direct if direct else ops
     kernels = None
-    if rules.lean and grad and not compiling and ops.kernels is not None and rules.blocks is not False:
+    # the training blocks and stack take every projection's weight as an input: never with a called slot
+    if (rules.lean and grad and not compiling and ops.kernels is not None and rules.blocks is not False
+            and calls is None):
         covers = getattr(ops, "covers", None)
         why_not = None if covers is None else covers(device, dtype, params.hidden_size, params.num_attention_heads,
                                                      params.head_dim, params.activation)
@@ -252,10 +267,11 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
                                          max_tokens=rules.fused_rope_max_tokens)
         unchecked = direct or (kernels is not None and backend.direct_grad)
         fn = backend.direct if unchecked and backend.direct is not None else backend.fn
-        rope_linear = routed and ops.rope_linear is not None
+        called = PLAIN if calls is None else calls.layers[index]
+        rope_linear = routed and ops.rope_linear is not None and not called[0]  # (the epilogue reads Wqkv's weight)
         if finite_v and backend.finite_v is not None and not (rope_linear or in_attention):
             fn = backend.finite_v  # (a rope_linear epilogue or the attention itself would rotate: v not cleaned)
-        layers.append(LayerPlan(window, name, fn, rope_linear, in_attention))
+        layers.append(LayerPlan(window, name, fn, rope_linear, in_attention, called))
     if grad:
         glu = "split"
     elif routed and ops.gemm == "quack" and ops.glu_linear is not None:
@@ -273,7 +289,7 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         linear, linear_route = ops.linear, ops.gemm
     else:
         linear, linear_route = F.linear, "F.linear"
-    plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route)
+    plan = Plan(run_ops, direct, kernels, glu, glu_linear, linear, tuple(layers), why, linear_route, calls=calls)
     stacked = stack_off is None and kernels is not None and rules.stack
     if stacked or not grad:
         stack_off = None
@@ -282,12 +298,13 @@ def _build(params, ops, attention, *, tokens, max_seqlen, dtype, device, grad, r
         also = "" if stack_off in (None, NOT_ASKED) else f"; and {stack_off}"
         stack_off = "one autograd node per op: " + (
             "PACKED_ENCODERS_LEAN is off" if not rules.lean else "traced by torch.compile" if compiling
+            else calls.summary() if calls is not None
             else "Rules.blocks is off" if rules.blocks is False
             else f"the {ops.name!r} op set runs plain PyTorch ops here (autograd's own backwards)") + also
     elif not rules.stack:
         stack_off = "Rules.stack is off (a training CUDA graph's capture records per-block nodes)"
     # under CUDA autocast the norms' outputs are fp32 and the projections cast them: not the one-dtype workspace
-    pointers = pointers and not autocast and plan_runs_pointers(plan)
+    pointers = pointers and not autocast and calls is None and plan_runs_pointers(plan)
     return replace(plan, pointers=pointers, stack=stacked, stack_off=stack_off)
 
 
