@@ -24,6 +24,7 @@ from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .graph_check import check_graph_path
 from .graphs.config import normalize as normalize_graph_option
 from .graphs.route import describe_graphs, precapture_encoders
+from .model.calls import read_calls
 from .model.params import ModernBertParams
 from .model.pointers import off_reason as pointers_off
 from .tuning import read_tuning, same_switches
@@ -209,8 +210,10 @@ def is_packed(target) -> bool:
     """True when every ModernBERT encoder inside ``target`` is packed and its calls run the packed forward. False
     also for a packed encoder whose calls run stock HF: the class forward set on the instance since ``pack()``
     (accelerate's ``remove_hook_from_module`` for a hook added before it: ``pack()`` again re-installs it), or
-    something in its live module tree that the packed forward would skip (a hook, a wrapped or LoRA Linear, a
-    swapped module: ``describe()`` names it under ``runs_stock``; undoing the change makes it True again).
+    something in its live module tree that the packed forward would skip (a hook, a container or norm replaced by
+    a module with its own forward: ``describe()`` names it under ``runs_stock``; undoing the change makes it True
+    again). A projection slot holding a module the packed forward calls (a peft LoRA layer, a wrapped Linear) is
+    packed: ``describe()`` lists it under ``module_calls``.
 
     Raises:
         UnsupportedTargetError: no ModernBERT encoder inside ``target`` (nothing to be packed or not).
@@ -250,7 +253,10 @@ def describe(target) -> dict:
     ``tuning`` (the switches read at ``pack()``), ``padded_outputs``, ``read_around`` (what heads around the
     encoder read besides trailing positions: ``position_zero``, a ``classifier_pooling="cls"`` head's
     ``"column 0"`` / ``"first real token"`` or ``None``, and ``label_checks``, the classes of the heads whose calls'
-    labels are checked), ``validated`` (``True`` / ``False``: what ``pack()``'s check against stock found;
+    labels are checked), ``module_calls`` (the projection slots whose module the packed forward calls, e.g. peft
+    LoRA layers, as ``"layers.<i>.<slot> (<module type>)"``; with any, calls run eagerly on the per-op checked path
+    and ``cuda_graph["idle_reason"]`` says why), ``validated`` (``True`` / ``False``: what ``pack()``'s check
+    against stock found;
     ``None``: not validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype
     and device it was checked in).
 
@@ -297,7 +303,8 @@ def describe(target) -> dict:
                 "kernel_substitutions": list(getattr(state.ops, "substitutions", ())),
                 "eager_plan": _plan_facts(state.runtime.get("eager_plan"), state.runtime.get("eager_dropout"),
                                           state.runtime.get("eager_stack_pointers_off")),
-                "cuda_graph": describe_graphs(state, weight.device),
+                "cuda_graph": describe_graphs(state, weight.device, model),
+                "module_calls": _module_call_slots(model),
                 "tuning": state.tuning.describe(),
                 "padded_outputs": ("zeros" if trailing is None else
                                    "trailing masked positions computed" + (
@@ -309,6 +316,12 @@ def describe(target) -> dict:
             })
         out.append(entry)
     return {"encoders": out}
+
+
+def _module_call_slots(model: nn.Module) -> list[str]:
+    """The projection slots whose module the packed forward calls, read from the live modules."""
+    calls = read_calls(model)
+    return [] if calls is None else list(calls.slots)
 
 
 def _plan_facts(plan, dropout: bool | None = None, stack_pointers_off: str | None = None) -> dict | None:

@@ -17,7 +17,8 @@ from torch import nn
 from .batch import PackedBatch, unpad
 from .graphs import route as graphs
 from .model.dropout import applies_attention_dropout, applies_dropout, dropout_modules
-from .model.forward import activation_dtype, encoder_forward, input_grads_hooked, plan_attention
+from .model.calls import read_calls
+from .model.forward import READ, activation_dtype, encoder_forward, input_grads_hooked, plan_attention
 from .model.plan import last_plan, rules_for
 from .model.stack import last_pointers_off
 from .router import Eager, Facts, PackedGraph, RectangularGraph, Route, Stock, TrainingGraph, choose
@@ -48,14 +49,24 @@ def _dropout_modules(model: nn.Module, state):
     return dropout_modules(model) if snap is None else snap["dropout"]
 
 
+def module_calls(model: nn.Module, state):
+    """The encoder's called Linear slots (:class:`~packed_encoders.model.calls.ModuleCalls`, ``None``: every slot
+    an ``nn.Linear``), from the structure snapshot (the structure check before every route keeps it current), or
+    read from the live modules where there is none."""
+    snap = state.runtime.get("structure")
+    return read_calls(model) if snap is None else snap["calls"]
+
+
 def mode_facts(model: nn.Module, state) -> dict:
-    """The facts every graph route admits on: the encoder's switches, grad / autocast / dropout, its device.
-    ``dropout`` reads each module's live mode and rate (Monte-Carlo dropout in an eval model, a rate set after
-    ``pack()``): a graph would replay a forward without dropout."""
+    """The facts every graph route admits on: the encoder's switches, grad / autocast / dropout, its device, its
+    called Linear slots (none may replay a graph). ``dropout`` reads each module's live mode and rate (Monte-Carlo
+    dropout in an eval model, a rate set after ``pack()``): a graph would replay a forward without dropout."""
     on_cuda = _embedding(model)._parameters["weight"].is_cuda
     dropout = applies_dropout(_dropout_modules(model, state), state.params.attention_dropout)
     grad = torch.is_grad_enabled()
-    facts = dict(kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
+    calls = module_calls(model, state)
+    facts = dict(module_calls=None if calls is None else calls.graph_reason(),
+                 kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
                  grad=grad, dropout=dropout,
                  autocast=torch.get_autocast_dtype("cuda") if on_cuda and torch.is_autocast_enabled("cuda") else None,
                  model_on_cuda=on_cuda)
@@ -142,9 +153,11 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
                           policy=state.policy)
     state.last_plan = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
     state.last_fallbacks = list(dict.fromkeys(r for d in plan.values() for r in d.reasons))  # once per reason
+    snap = state.runtime.get("structure")  # (current: the structure check runs before every route)
     out = encoder_forward(model, params, batch, attention=plan, ops=state.ops,
                           gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
-                          hidden_pre_norm_last=hidden_pre_norm_last, rules=rules_for(state.tuning))
+                          hidden_pre_norm_last=hidden_pre_norm_last, rules=rules_for(state.tuning),
+                          calls=READ if snap is None else snap["calls"])
     state.runtime["eager_plan"] = last_plan()  # this thread's forward just ran it; describe() shows its facts
     state.runtime["eager_dropout"] = applies_dropout(modules, params.attention_dropout)
     state.runtime["eager_stack_pointers_off"] = last_pointers_off()
@@ -238,5 +251,5 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
     return batch.pad(out), None if hidden is None else tuple(batch.pad(h) for h in hidden)
 
 
-__all__ = ["Eager", "PackedGraph", "RectangularGraph", "Stock", "empty_output", "mode_facts", "packed_route",
-           "padded_route", "raise_earlier_errors", "run_packed", "serve_batch", "serve_padded"]
+__all__ = ["Eager", "PackedGraph", "RectangularGraph", "Stock", "empty_output", "mode_facts", "module_calls",
+           "packed_route", "padded_route", "raise_earlier_errors", "run_packed", "serve_batch", "serve_padded"]

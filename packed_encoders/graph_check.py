@@ -18,8 +18,8 @@ from .batch import unpad
 from .call import run_packed
 from .errors import PackedEncodersError
 from .graphs.buckets import CallFacts, admit, admit_rect, round_seqs
-from .graphs.route import (deferred_checks, graph_forward, graph_keys, note_eager, prepare, release_check_graphs,
-                           sync_free_forward)
+from .graphs.route import (deferred_checks, graph_forward, graph_keys, module_call_refusal, note_eager, prepare,
+                           release_check_graphs, sync_free_forward)
 from .router import Facts
 from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, eval_mode, rel_err
 
@@ -68,6 +68,10 @@ def check_graph_path(model, state, report, seed: int = 0) -> None:
     config = state.options.cuda_graph
     weight = model.embeddings.tok_embeddings.weight
     if not _eligible(config, weight, state.tuning):
+        return
+    refusal = module_call_refusal(model)  # (graph_forward below would capture without asking the router)
+    if refusal is not None:
+        report.checks.append(f"cuda_graph: not checked: {refusal}")
         return
     lengths = check_lengths(config, state.params.window, backend_top(config, state, weight.dtype))
     vocab_size = model.embeddings.tok_embeddings.num_embeddings  # the rows calls are checked against

@@ -10,7 +10,8 @@ Routes:
 - :class:`Stock`: HF's own forward (the packed forward would skip something in the live modules, or the call
   is one only stock serves: :mod:`packed_encoders.adapters.stock_calls`).
 - :class:`Eager`: the eager packed forward; ``reason`` says why no graph serves the call (``None``: graphs are
-  off for the encoder, ``cuda_graph=False``).
+  off for the encoder, ``cuda_graph=False``; a Linear slot whose module the forward calls, e.g. a peft LoRA layer,
+  turns every graph off: a graph would replay the weights it captured, not the module's forward).
 - :class:`PackedGraph`: a captured packed graph of ``bucket``. A padded call only learns its sizes at its one
   host sync (``unpad``), so its bucket is ``None`` here and is admitted from the sizes after the sync
   (:func:`packed_encoders.graphs.buckets.admit_sizes`: a call too large runs eagerly, the reason counted).
@@ -82,6 +83,8 @@ class Facts:
     Attributes:
         structure: what the packed forward would skip in the live module tree (a hook, a swapped module), or why
             only stock serves the call (``output_attentions=True``, ...), or ``None``.
+        module_calls: why no graph may serve the encoder's calls because a Linear slot holds a module the forward
+            calls (:meth:`packed_encoders.model.calls.ModuleCalls.graph_reason`), or ``None``.
         graphs: the encoder's :class:`~packed_encoders.GraphConfig`, or ``None`` (``cuda_graph=False``).
         kill_switch: ``PACKED_ENCODERS_GRAPH=0`` when the encoder was packed (its tuning).
         suspended: inside ``pe.no_cuda_graph(model)``.
@@ -102,6 +105,7 @@ class Facts:
     """
 
     structure: str | None = None
+    module_calls: str | None = None
     graphs: Any = None
     kill_switch: bool = False
     suspended: bool = False
@@ -184,7 +188,8 @@ def _training(facts: Facts, config) -> Route:
 def choose(facts: Facts) -> Route:
     """The route serving a call with these facts (pure: reads ``facts`` only).
 
-    Order: a structure problem -> :class:`Stock`; graphs off -> :class:`Eager`; a call with gradients under
+    Order: a structure problem -> :class:`Stock`; graphs off, or a called Linear slot (``module_calls``) ->
+    :class:`Eager` (with the reason for the latter); a call with gradients under
     ``GraphConfig.training`` -> :class:`TrainingGraph` or, refused, :class:`Eager` with the reason; a padded call under
     ``sync_free`` that the rectangular graphs admit -> :class:`RectangularGraph`; a mode no graph serves (kill
     switch, ``no_cuda_graph``, grad, dropout, hidden states, ``inputs_embeds``, a model off CUDA) or a packed call
@@ -195,6 +200,8 @@ def choose(facts: Facts) -> Route:
     config = facts.graphs
     if config is None:
         return _GRAPHS_OFF
+    if facts.module_calls is not None:  # every graph route: packed, rectangular and training graphs alike
+        return _eager(facts.module_calls, None)
     if facts.grad and config.training:
         return _training(facts, config)
     refusal = None

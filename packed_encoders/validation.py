@@ -30,6 +30,7 @@ from .batch import unpad
 from .call import run_packed
 from .configure import encoder_states
 from .errors import PackedEncodersError, ValidationError
+from .model.calls import is_called
 
 BF16_COS_MIN = 0.995
 BF16_COS_MEAN = 0.999
@@ -143,24 +144,28 @@ def rel_err(a: torch.Tensor, r: torch.Tensor) -> float:
 
 
 def check_structure(model: nn.Module, params) -> list[str]:
-    """Module shapes and flags against the config; returns the mismatches (empty when consistent)."""
+    """Module shapes and flags against the config; returns the mismatches (empty when consistent). A projection slot
+    holding a module the packed forward calls (not an ``nn.Linear``: a peft LoRA layer, a wrapped Linear) is left to
+    the structure check (its declared widths) and to each call (its output width): its weight and bias, if any, are
+    its own business."""
     problems = []
     h, i3 = params.hidden_size, 3 * params.hidden_size
     if len(model.layers) != params.num_hidden_layers:
         problems.append(f"{len(model.layers)} layers but config.num_hidden_layers={params.num_hidden_layers}")
     for idx, layer in enumerate(model.layers):
         shapes = {
-            "attn.Wqkv": (layer.attn.Wqkv.weight.shape, (i3, h)),
-            "attn.Wo": (layer.attn.Wo.weight.shape, (h, h)),
-            "mlp.Wi": (layer.mlp.Wi.weight.shape, (2 * params.intermediate_size, h)),
-            "mlp.Wo": (layer.mlp.Wo.weight.shape, (h, params.intermediate_size)),
+            "attn.Wqkv": (layer.attn.Wqkv, (i3, h)),
+            "attn.Wo": (layer.attn.Wo, (h, h)),
+            "mlp.Wi": (layer.mlp.Wi, (2 * params.intermediate_size, h)),
+            "mlp.Wo": (layer.mlp.Wo, (h, params.intermediate_size)),
         }
-        for name, (got, want) in shapes.items():
-            if tuple(got) != want:
-                problems.append(f"layers[{idx}].{name} weight {tuple(got)} != {want}")
-        if (layer.attn.Wqkv.bias is not None) != params.attention_bias:
+        for name, (m, want) in shapes.items():
+            if not is_called(m) and tuple(m.weight.shape) != want:
+                problems.append(f"layers[{idx}].{name} weight {tuple(m.weight.shape)} != {want}")
+        wqkv, wi = layer.attn.Wqkv, layer.mlp.Wi
+        if not is_called(wqkv) and (wqkv.bias is not None) != params.attention_bias:
             problems.append(f"layers[{idx}].attn.Wqkv bias presence disagrees with attention_bias")
-        if (layer.mlp.Wi.bias is not None) != params.mlp_bias:
+        if not is_called(wi) and (wi.bias is not None) != params.mlp_bias:
             problems.append(f"layers[{idx}].mlp.Wi bias presence disagrees with mlp_bias")
         attention_type = getattr(layer, "attention_type", None)
         if attention_type is not None and (attention_type == "full_attention") != params.layer_is_global[idx]:

@@ -21,16 +21,32 @@ class Wrapped(nn.Linear):
         return super().forward(x) * 1.5
 
 
+class WrappedNorm(nn.LayerNorm):
+    """A LayerNorm subclass with its own forward: the packed path would skip it."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.5
+
+
 def _out(model, ids, mask):
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask).last_hidden_state
 
 
-def test_pack_refuses_wrapped_linear_and_hooks():
+def test_pack_calls_a_wrapped_linear_and_refuses_a_wrapped_norm_and_hooks():
     model = make_model("base_like")
     old = model.layers[1].attn.Wqkv
-    model.layers[1].attn.Wqkv = Wrapped(old.in_features, old.out_features, bias=False)
-    with pytest.raises(pe.UnsupportedTargetError, match=r"layers\.1\.attn\.Wqkv is a .*Wrapped"):
+    model.layers[1].attn.Wqkv = new = Wrapped(old.in_features, old.out_features, bias=False)
+    new.weight = old.weight
+    pe.pack(model)  # a projection slot's module is called: its forward runs (validated against stock)
+    assert pe.describe(model)["encoders"][0]["module_calls"] == [f"layers.1.attn.Wqkv ({__name__}.Wrapped)"]
+    ids, mask = padded_batch([5, 12])
+    ref = stock(model, input_ids=ids, attention_mask=mask, position_ids=stock_positions(mask)).last_hidden_state
+    torch.testing.assert_close(_out(model, ids, mask)[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
+    model = make_model("base_like")
+    old = model.layers[1].mlp_norm
+    model.layers[1].mlp_norm = WrappedNorm(old.normalized_shape, eps=old.eps, bias=old.bias is not None)
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers\.1\.mlp_norm is a .*WrappedNorm"):
         pe.pack(model)
     model = make_model("base_like")
     model.layers[0].mlp.register_forward_hook(lambda m, i, o: o * 0)
@@ -45,10 +61,10 @@ def test_changes_after_pack_run_the_stock_forward(change):
     if change == "hook":
         model.layers[2].mlp.register_forward_hook(lambda m, i, o: o * 0)
     elif change == "swap":
-        old = model.layers[0].mlp.Wo
-        new = Wrapped(old.in_features, old.out_features, bias=False)
-        new.weight = old.weight
-        model.layers[0].mlp.Wo = new
+        old = model.layers[0].mlp_norm
+        new = WrappedNorm(old.normalized_shape, eps=old.eps, bias=old.bias is not None)
+        new.load_state_dict(old.state_dict())
+        model.layers[0].mlp_norm = new
     else:
         model.layers = model.layers[:2]
         model.config.num_hidden_layers = 2

@@ -13,7 +13,7 @@ from packed_encoders.adapters.state import get_state
 from packed_encoders.graphs import buckets as B
 from packed_encoders.graphs.buckets import RectBucket
 from packed_encoders.graphs.config import GraphConfig
-from packed_encoders.router import Eager, Facts, PackedGraph, RectangularGraph, Stock, choose
+from packed_encoders.router import Eager, Facts, PackedGraph, RectangularGraph, Stock, TrainingGraph, choose
 from packed_encoders.tuning import Tuning, read_tuning
 
 VOCAB = 211
@@ -78,6 +78,46 @@ def test_every_route_from_synthetic_facts():
     # a structure problem wins over everything; graphs off wins over every graph refusal
     assert isinstance(choose(packed_facts(structure="x", graphs=None, grad=True)), Stock)
     assert choose(packed_facts(graphs=None, grad=True, model_on_cuda=False)) == Eager()
+
+
+def test_called_projection_slots_take_every_call_off_the_graphs():
+    """A projection slot holding a module the forward calls (a peft LoRA layer): every graph route steps aside for
+    the eager path, with the reason, whatever else the call is; without it the same facts take their graphs."""
+    reason = "module call at layers.0.attn.Wqkv (peft.tuners.lora.layer.Linear): CUDA graphs off"
+    train = GraphConfig(max_seqlen=64, max_seqs=4, max_tokens=200, training=True)
+    served = [packed_facts(), packed_facts(padded=True), packed_facts(autocast=torch.bfloat16),
+              Facts(graphs=SF, padded=True, batch=3, width=40, vocab=VOCAB),
+              Facts(graphs=train, grad=True, padded=True), Facts(graphs=train, grad=True, num_seqs=3, total_tokens=55,
+                                                                 max_seqlen=33)]
+    kinds = [PackedGraph, PackedGraph, PackedGraph, RectangularGraph, TrainingGraph, TrainingGraph]
+    for facts, kind in zip(served, kinds):
+        assert isinstance(choose(facts), kind), facts
+        facts.module_calls = reason
+        assert choose(facts) == Eager(reason), facts
+    assert choose(packed_facts(module_calls=reason, graphs=None)) == Eager()  # graphs off: no reason to give
+    assert isinstance(choose(packed_facts(module_calls=reason, structure="x")), Stock)
+
+
+def test_module_calls_fact_reads_the_structure_snapshot():
+    """``mode_facts`` gives the router the called slots from the structure snapshot (current after each call's
+    structure check), so a LoRA layer put in after pack() and taken out again is followed."""
+    from packed_encoders import call
+    from packed_encoders.adapters.structure import structure_check
+
+    model = pe.pack(tiny_model(), validate=False)
+    state = get_state(model)
+
+    def fact():
+        assert structure_check(model, state) is None  # as each call does first (refreshes the snapshot)
+        return call.mode_facts(model, state)["module_calls"]
+
+    assert fact() is None
+    plain = model.layers[1].mlp.Wi
+    model.layers[1].mlp.Wi = torch.nn.Sequential(plain)
+    assert fact().startswith("module call at layers.1.mlp.Wi (torch.nn.modules.container.Sequential): CUDA graphs "
+                             "off")
+    model.layers[1].mlp.Wi = plain
+    assert fact() is None
 
 
 def test_choose_reads_nothing_but_its_facts(monkeypatch):

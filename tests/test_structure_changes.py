@@ -341,10 +341,16 @@ def test_pruned_attention_heads_run_stock():
         pe.pack(model, validate=False)
 
 
+class _Halve(nn.Module):
+    def forward(self, w):
+        return 0.5 * w
+
+
 def test_pruned_and_parametrized_weights_are_named_with_the_way_out():
     """``torch.nn.utils.prune`` (a forward pre-hook recomputing ``weight``) and ``parametrize`` (a generated
-    subclass computing it on access): refused at ``pack()`` naming what makes the weight plain again; after
-    ``pack()`` the stock forward, with the same reason."""
+    subclass computing it on access) outside a projection slot: refused at ``pack()`` naming what makes the weight
+    plain again; after ``pack()`` the stock forward, with the same reason. A parametrized projection is not an
+    ``nn.Linear`` but a subclass: the packed forward calls it (its weight computed as stock computes it)."""
     from torch.nn.utils import parametrize, prune
 
     model = _model()
@@ -352,12 +358,17 @@ def test_pruned_and_parametrized_weights_are_named_with_the_way_out():
     with pytest.raises(pe.UnsupportedTargetError, match=r"layers.0.attn.Wqkv is pruned .*prune.remove"):
         pe.pack(model)
     model = _model()
-    parametrize.register_parametrization(model.layers[1].mlp.Wi, "weight", nn.Identity())
-    with pytest.raises(pe.UnsupportedTargetError, match=r"layers.1.mlp.Wi is parametrized .*remove_parametrizations"):
+    parametrize.register_parametrization(model.layers[1].mlp_norm, "weight", nn.Identity())
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers.1.mlp_norm is parametrized .*remove_parametrizations"):
         pe.pack(model)
     model = _packed_and_called()
     prune.random_unstructured(model.layers[1].mlp.Wo, "weight", 0.5)
     _assert_runs_stock(model, r"layers.1.mlp.Wo is pruned", grad=True)
+    model = _packed_and_called()
+    parametrize.register_parametrization(model.layers[1].mlp.Wi, "weight", _Halve())
+    _assert_stays_packed(model)  # (against stock, which halves the weight too)
+    assert pe.describe(model)["encoders"][0]["module_calls"] == ["layers.1.mlp.Wi (torch.nn.utils.parametrize."
+                                                                "ParametrizedLinear)"]
 
 
 @pytest.mark.parametrize("change", ["swap_layers", "subclass", "activation", "backward_hook", "rotary_hook",

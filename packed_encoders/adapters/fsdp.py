@@ -4,7 +4,10 @@
 after its backward. The packed forward reads weights off the modules without calling them, so those hooks would
 not run for a module *inside* the encoder (a layer, the embeddings): the forward would see shards. Sharding the
 encoder itself, or a module above it (a SentenceTransformer, a task head), keeps the packed path: the hooks of
-that module gather every encoder weight before the packed forward runs and reduce-scatter after the backward.
+that module gather every encoder weight before the packed forward runs and reduce-scatter after the backward. A
+projection slot's module that the packed forward calls (a peft LoRA layer, :mod:`packed_encoders.model.calls`) is
+inside the encoder too: sharded on its own it is refused like any other (its hooks would run, on packed rows; the
+structure check refuses hooks there), while its parameters are gathered with the unit above the encoder.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """Is the live module tree still the one the packed forward reproduces?
 
-The packed forward reads parameters straight off the HF modules and never calls their ``forward``. Anything that
-would run in stock HF's forward but not in the packed one is found here: a module replaced (a LoRA wrapper, a
-quantised Linear, a container such as ``ModernBertMLP`` replaced by a subclass with its own ``forward`` or by a
-wrapper, FSDP2 sharding a module inside the encoder: ``adapters.fsdp``) or deleted, a ``forward`` set on a module
+The packed forward reads parameters straight off the HF modules and calls no ``forward`` of theirs, except in a
+projection slot (``attn.Wqkv``, ``attn.Wo``, ``mlp.Wi``, ``mlp.Wo``) holding anything but an ``nn.Linear`` (a peft LoRA
+layer, a wrapped, quantised or parametrized Linear): that module is called (:mod:`packed_encoders.model.calls`;
+the snapshot's ``calls`` says which, for the plan and the router). Anything that would run in stock HF's forward but
+not in the packed one is found here: a module replaced (a container such as ``ModernBertMLP`` replaced by a subclass
+with its own ``forward`` or by a wrapper, another module in a LayerNorm or embedding slot, FSDP2 sharding a module
+inside the encoder: ``adapters.fsdp``) or deleted, a called module of the wrong width, a ``forward`` set on a module
 instance, a hook of any kind (forward, forward-pre, backward, backward-pre; per module or global) on a module the
-packed path skips (the rotary embedding included), layers
+packed path skips (the rotary embedding included) or calls on its packed rows, layers
 reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, attention
 projections of another shape (pruned heads), token embedding options the packed lookup does not apply (``max_norm``,
 ``scale_grad_by_freq``, ``sparse``), and the config values that transformers reads on every call (the sliding window,
@@ -24,8 +27,10 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 from torch.utils.hooks import RemovableHandle
 
+from ..model.calls import is_called, read_calls, type_name
 from ..model.dropout import dropout_modules
 from ..model.params import _ACTIVATIONS
+from ..ops.weight_cast import expire
 from .fsdp import fsdp_problem
 
 # Hooks transformers itself installs, which the packed forward honours by other means: the output-capturing
@@ -33,7 +38,8 @@ from .fsdp import fsdp_problem
 # enable_input_require_grads' hook on the input embeddings (emulated in model/forward.py).
 KNOWN_HOOKS = ("output_capturing_hook", "make_inputs_require_grads")
 
-_LINEAR = (nn.Linear,)
+# projection slots: an nn.Linear's weights are read; any other module there is called (model.calls)
+_LINEAR = "linear slot"
 _NORM = (nn.LayerNorm,)
 # dropout slots: read per call (a call with dropout in force never replays a graph), so a module swapped in there
 # leaves captured graphs as they are (see snapshot's ``tree``); nn.Identity is no dropout (HF's own attn.out_drop at
@@ -49,8 +55,9 @@ def _child(parent: nn.Module | None, name: str) -> nn.Module | None:
 
 
 def _expected(model: nn.Module) -> list[tuple[str, nn.Module | None, object]]:
-    """``(path, module, kind)`` for every module whose forward the packed path skips. ``kind``: a tuple of the
-    exact leaf types it reproduces, the name of the HF container class whose forward it reproduces, or :data:`_ACT`.
+    """``(path, module, kind)`` for every module whose forward the packed path skips (or calls: the projection slots,
+    :data:`_LINEAR`). ``kind``: a tuple of the exact leaf types it reproduces, the name of the HF container class
+    whose forward it reproduces, :data:`_ACT` or :data:`_LINEAR`.
     ``module`` is ``None`` where the slot is empty; a container listed before its children, so a wrapper put in
     its place (which holds none of HF's children) is the problem found first."""
     emb = _child(model, "embeddings")
@@ -93,8 +100,32 @@ def _activation_types(activation: str) -> tuple[type, ...]:
     return tuple({type(ACT2FN[name]) for name, act in _ACTIVATIONS.items() if act == activation})
 
 
+def _slot_widths(params) -> dict:
+    """``{slot suffix: (out_features, in_features)}`` of a layer's projections, from the config."""
+    h, i = params.hidden_size, params.intermediate_size
+    return {".attn.Wqkv": (3 * h, h), ".attn.Wo": (h, h), ".mlp.Wi": (2 * i, h), ".mlp.Wo": (h, i)}
+
+
+def _called_problem(path: str, m: nn.Module, params) -> str | None:
+    """A module the packed forward calls in a projection slot whose declared widths (``out_features`` /
+    ``in_features``, as nn.Linear, peft's layers and quantised Linears carry them) are not the slot's: stock would
+    fail on them, or (pruned heads) run fewer heads than the config's. Without them, the forward checks the output
+    width of each call (``model.calls.call``)."""
+    want = _slot_widths(params)[path[path.find(".", len("layers.")):]]
+    got = tuple(vars(m).get(name) for name in ("out_features", "in_features"))
+    if all(isinstance(n, int) for n in got) and got != want:
+        return (f"{path} ({type_name(m)}) maps {got[1]} -> {got[0]} features, not {want[1]} -> {want[0]}: the packed "
+                "layer runs the config's widths (attention heads pruned?)")
+    return None
+
+
 def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
-    if kind == _ACT:
+    if kind is _LINEAR:
+        # an nn.Linear's parameters are read; any other module is called on the packed rows (model.calls)
+        problem = _called_problem(path, m, params) if is_called(m) else None
+        if problem is not None:
+            return problem
+    elif kind == _ACT:
         want = _activation_types(params.activation)
         if type(m) not in want:
             return (f"{path} is a {type(m).__name__}; the packed GLU applies config.hidden_activation "
@@ -114,7 +145,7 @@ def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
         return (f"{path} is a {type(m).__module__}.{type(m).__qualname__}, not {want}: the packed path reads its "
                 "parameters directly and would skip its forward (merge adapters / undo the wrapping, or pe.unpack "
                 "the model)")
-    if "forward" in vars(m):
+    if "forward" in vars(m):  # (also on a called module: what it wraps may assume [batch, seq, features] inputs)
         if "_hf_hook" in vars(m):  # accelerate moves weights in and out around each submodule's forward
             return (f"{path} has an accelerate hook on its forward (a device_map that offloads or splits the model), "
                     "which the packed path would skip: load the model on one device")
@@ -150,16 +181,21 @@ def _attention_shape_problem(path: str, m: nn.Module, params) -> str | None:
             f"{params.num_attention_heads} heads (attention heads pruned?)")
 
 
-def _hooks_problem(path: str, m: nn.Module) -> str | None:
+def _hooks_problem(path: str, m: nn.Module, called: bool = False) -> str | None:
+    """Hooks on a module the packed path skips, or calls (``called``): a called module's hooks would fire, but on
+    its packed ``[T, features]`` rows rather than stock's ``[batch, seq, features]`` (peft's ``adapter_names``
+    pre-hook picks an adapter per batch row), so they run stock too."""
+    rows = (" (the packed path calls it on packed [tokens, features] rows, not stock's [batch, seq, features]: a "
+            "hook may read the batch layout, as peft's adapter_names= does)")
     if m._backward_hooks or m._backward_pre_hooks:
-        return f"{path} has backward hooks, which fire only when its forward runs"
+        return f"{path} has backward hooks" + (rows if called else ", which fire only when its forward runs")
     for hooks in (m._forward_hooks, m._forward_pre_hooks):
         for fn in hooks.values():
             if isinstance(fn, prune.BasePruningMethod):
                 return (f"{path} is pruned (torch.nn.utils.prune recomputes its weight in a forward pre-hook), "
                         "which the packed path would skip: prune.remove(module, name) makes the pruning permanent")
             if getattr(fn, "__name__", "") not in KNOWN_HOOKS:
-                return f"{path} has forward hooks, which the packed path would skip"
+                return f"{path} has forward hooks" + (rows if called else ", which the packed path would skip")
     return None
 
 
@@ -218,7 +254,9 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
     per-call values with (``config``, ``config_dict``, ``layer_types``); ``hook_counter`` (see
     :func:`_no_new_hooks`); ``dropout``:
     the dropout-applying modules (:func:`~packed_encoders.model.dropout.dropout_modules`) whose modes and rates the
-    router reads per call (kept here: a snapshot is rebuilt whenever a module changes); ``baked``: the modules but
+    router reads per call (kept here: a snapshot is rebuilt whenever a module changes); ``calls``: the projection
+    slots whose module the forward calls (:func:`~packed_encoders.model.calls.read_calls`, ``None`` when all are
+    ``nn.Linear``), which the plan and the router read per call for the same reason; ``baked``: the modules but
     the dropout slots'; ``tree``: ``previous``'s when the same ``baked`` modules sit in the same slots with the same
     facts (a rebuild after a hook rescan, or a dropout module swapped), else a new number. The eager path reads
     modules live and needs none of this; a captured CUDA graph holds the modules it was captured with (weights by
@@ -245,7 +283,7 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
             "types": tuple(map(type, modules)), "module_dicts": tuple(vars(m) for m in modules),
             "fact_dicts": fact_dicts, "fact_names": fact_names, "facts": facts,
             # (hook_counter: taken after a full check found no foreign hook)
-            "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model),
+            "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model), "calls": read_calls(model),
             "baked": baked, "tree": previous["tree"] if same else next(_TREES)}
 
 
@@ -373,8 +411,10 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
     for path, m, kind in _expected(model):
         if m is None:
             return f"{path} is missing (stock HF's forward reads it; the packed path reads its parameters)", False
+        called = kind is _LINEAR and is_called(m)
         problem = (_kind_problem(path, m, kind, hf, params) or _embedding_problem(path, m)
-                   or _attention_shape_problem(path, m, params) or _hooks_problem(path, m))
+                   or (None if called else _attention_shape_problem(path, m, params))
+                   or _hooks_problem(path, m, called))
         if problem is not None:
             return problem, False
     return _layer_type_problem(model, params), False
@@ -383,9 +423,13 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
 def structure_check(model: nn.Module, state) -> str | None:
     """What the packed forward would skip in the live module tree of a packed (or about to be packed) encoder,
     or ``None``; the snapshot in ``state.runtime`` is refreshed when the tree changed harmlessly (e.g. an
-    ``nn.Linear`` replaced by another: its weights are read live)."""
+    ``nn.Linear`` replaced by another: its weights are read live; a LoRA layer put in or taken out: it is called)."""
     snap = state.runtime.get("structure")
     problem, unchanged = structure_problem(model, state.params, snap)
     if problem is None and not unchanged:
-        state.runtime["structure"] = snapshot(model, state.params, snap)
+        fresh = state.runtime["structure"] = snapshot(model, state.params, snap)
+        if snap is not None and fresh["tree"] != snap["tree"]:
+            # modules swapped: weights cast before may have changed through .data on the way (peft's
+            # merge_and_unload adds the adapters into the base weight's .data, then puts the base Linear back)
+            expire()
     return problem

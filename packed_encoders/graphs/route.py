@@ -22,11 +22,23 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..model.calls import MODULE_CALL, read_calls
 from . import buckets as B
 from .buckets import Bucket, RectBucket, precapture_buckets
 from .manager import GraphManager
 
 RUNTIME_LOCK = threading.Lock()  # guards PackState.runtime entries created on demand
+
+
+def module_call_refusal(model) -> str | None:
+    """Why no graph may serve the encoder ``model`` at all: a projection slot holds a module the forward calls (a
+    peft LoRA layer, a wrapped Linear: a graph would replay the weights it captured, not the module's forward);
+    ``None`` when every slot is an ``nn.Linear``. Read from the live modules: for the paths that would capture
+    without asking the router (``pack()``'s graph check and precapture, ``set_cuda_graph``, whose module tree may
+    have changed since the last call's structure check) and ``describe()``; the router refuses every graph route per
+    call from the structure snapshot (``Facts.module_calls``)."""
+    calls = read_calls(model)
+    return None if calls is None else calls.graph_reason()
 
 
 def graph_key(requested: str, bucket, query_only: bool = False, autocast=None) -> tuple:
@@ -438,8 +450,9 @@ def _build_train(model, state, mgr: GraphManager, bucket: Bucket, requested: str
 
 
 def note_eager(model, state, reason: str | None, sync_free_refusal: str | None = None) -> None:
-    """Count why a call with graphs on runs eagerly (``describe()``'s ``fallbacks``); a model that left the GPU
-    frees its graphs now rather than on its return."""
+    """Count why a call with graphs on runs eagerly (``describe()``'s ``fallbacks``); a model that left the GPU, or
+    whose projection slots now hold modules the forward calls (LoRA layers put in), frees its graphs now rather than
+    when they could serve again (the module tree will have changed by then: they would be captured again)."""
     mgr = _manager(state)
     if mgr is None:
         return
@@ -448,7 +461,7 @@ def note_eager(model, state, reason: str | None, sync_free_refusal: str | None =
     if reason is None:
         return
     mgr.note_fallback(reason)
-    if reason == B.NOT_CUDA and len(mgr):
+    if (reason == B.NOT_CUDA or reason.startswith(MODULE_CALL)) and len(mgr):
         with mgr.lock:
             mgr.check_fingerprint(fingerprint(model, state, mgr))
 
@@ -517,7 +530,7 @@ def precapture_encoders(states) -> None:
     """At ``pack``/``set_cuda_graph``: capture each encoder's ``precapture`` buckets if it is on CUDA."""
     for model, state in states:
         mgr = _manager(state)
-        if mgr is None or not mgr.config.precapture or not state.tuning.graphs:
+        if mgr is None or not mgr.config.precapture or not state.tuning.graphs or module_call_refusal(model):
             continue
         if model.embeddings.tok_embeddings.weight.device.type != "cuda":
             continue  # captured on the first CUDA call instead
@@ -526,9 +539,9 @@ def precapture_encoders(states) -> None:
             _precapture(model, state, mgr)
 
 
-def describe_graphs(state, device: torch.device | None = None) -> dict:
-    """JSON-serialisable graph state of one encoder for ``describe()``; with the encoder's ``device``, also
-    ``idle_reason``: why no call can replay a graph right now (``None`` when calls can)."""
+def describe_graphs(state, device: torch.device | None = None, model=None) -> dict:
+    """JSON-serialisable graph state of one encoder for ``describe()``; with the encoder's ``device`` (and the
+    encoder, ``model``), also ``idle_reason``: why no call can replay a graph right now (``None`` when calls can)."""
     config = state.options.cuda_graph
     out = {"enabled": config is not None, "mode": "off" if config is None else "auto" if state.options.graph_auto
            else "on", "kill_switch": not state.tuning.graphs, "suspended": state.runtime.get("graphs_suspended", 0) > 0}
@@ -540,8 +553,10 @@ def describe_graphs(state, device: torch.device | None = None) -> dict:
                         "no inputs that require gradients or output_hidden_states, at most training_slots forwards "
                         "awaiting their backward)" if config.training else "") + "; others run eagerly")
     if device is not None:
+        calls = None if model is None else module_call_refusal(model)
         out["idle_reason"] = ("PACKED_ENCODERS_GRAPH is off" if out["kill_switch"] else
                               "inside no_cuda_graph()" if out["suspended"] else
+                              calls if calls is not None else
                               None if device.type == "cuda" else
                               f"the model is on {device.type}: graphs engage on CUDA only (calls run eagerly)")
     out["config"] = asdict(config)

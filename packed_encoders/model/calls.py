@@ -25,6 +25,7 @@ from ..errors import PackedEncodersError
 
 # a layer's Linear slots, in the order of the flags below: (parent module, attribute)
 SLOTS = (("attn", "Wqkv"), ("attn", "Wo"), ("mlp", "Wi"), ("mlp", "Wo"))
+MODULE_CALL = "module call at "  # how every ModuleCalls reason starts (the graph route's fallbacks tell them so)
 PLAIN = (False, False, False, False)  # a layer whose four slots are nn.Linear
 
 
@@ -54,7 +55,7 @@ class ModuleCalls:
     def summary(self) -> str:
         """``"module call at layers.0.attn.Wqkv (peft.tuners.lora.layer.Linear)"`` (and how many more slots)."""
         more = len(self.slots) - 1
-        return f"module call at {self.slots[0]}" + (f" and {more} more slot{'s' * (more > 1)}" if more else "")
+        return f"{MODULE_CALL}{self.slots[0]}" + (f" and {more} more slot{'s' * (more > 1)}" if more else "")
 
     def graph_reason(self) -> str:
         """Why no CUDA graph serves the encoder's calls (``describe()``, the graph fallbacks)."""
@@ -102,4 +103,4 @@ def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str) 
     return y
 
 
-__all__ = ["ModuleCalls", "PLAIN", "SLOTS", "call", "is_called", "read_calls", "type_name"]
+__all__ = ["MODULE_CALL", "ModuleCalls", "PLAIN", "SLOTS", "call", "is_called", "read_calls", "type_name"]

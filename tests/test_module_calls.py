@@ -1,0 +1,600 @@
+"""peft LoRA layers, and any other module but an ``nn.Linear``, in the projection slots (``attn.Wqkv``, ``attn.Wo``,
+``mlp.Wi``, ``mlp.Wo``): the packed forward calls them on its packed rows, so peft's own forward decides (active
+adapters, ``disable_adapter()``, merged state, ``lora_dropout``, DoRA, rslora) and gradients reach their parameters.
+Packed against stock HF on the same model (stock runs the same LoRA layers on padded rows), per real token."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import packed_encoders as pe
+from tests.helpers import make_model, padded_batch, set_checkpointing, stock, stock_forward, token_cosines
+
+peft = pytest.importorskip("peft")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LORA = "peft.tuners.lora.layer.Linear"
+ALL = ["Wqkv", "Wo", "Wi"]  # "Wo" is attn.Wo and mlp.Wo: every projection slot
+LENGTHS = [5, 40, 17]  # past the tiny configs' local window (half window 8)
+
+
+def _config(targets=ALL, **kw):
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=kw.pop("lora_dropout", 0.0), **kw)
+
+
+def _randomise(model, seed: int = 1, scale: float = 0.3) -> None:
+    """Non-zero ``lora_B`` (peft initialises it to zero: the adapters would change nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+
+
+def _peft_model(targets=ALL, name="tiny", seed=0, **kw):
+    """``(peft_model, encoder)``: a random tiny ModernBertModel under ``peft.get_peft_model``, ``lora_B`` random."""
+    encoder = make_model(name, seed=seed)
+    model = peft.get_peft_model(encoder, _config(targets, **kw))
+    _randomise(model)
+    return model.eval(), encoder  # (get_peft_model leaves the model in train mode)
+
+
+def _batch():
+    return padded_batch(LENGTHS, side="mixed")
+
+
+def _out(model, ids, mask):
+    return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+
+def _assert_parity(out, ref, mask, *, cos_min=0.99999, atol=2e-5):
+    cos = token_cosines(out.detach(), ref.detach(), mask)
+    assert float(cos.min()) > cos_min, float(cos.min())
+    if atol is not None:
+        real = mask.bool()
+        torch.testing.assert_close(out[real].detach().float(), ref[real].detach().float(), atol=atol, rtol=1e-4)
+
+
+def _differs(a, b, mask, by: float = 1e-2) -> bool:
+    real = mask.bool()
+    return float((a[real] - b[real]).abs().max()) > by
+
+
+# ------------------------------------------------------------------------------------------------ forward parity
+
+
+@pytest.mark.parametrize("targets, per_layer", [(ALL, 4), (["Wqkv", "mlp.Wo"], 2), (["attn.Wo", "Wi"], 2)],
+                         ids=["all", "qkv_mlp_wo", "wo_wi"])
+@pytest.mark.parametrize("variant", ["lora", "dora", "rslora"])
+def test_lora_parity_fp32(targets, per_layer, variant):
+    kw = {"dora": dict(use_dora=True), "rslora": dict(use_rslora=True)}.get(variant, {})
+    model, encoder = _peft_model(targets, **kw)
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = stock_forward(encoder, ids, mask)
+        base = _adapters_off(model, lambda: stock_forward(encoder, ids, mask))
+    pe.pack(model)
+    assert pe.is_packed(model)
+    with torch.no_grad():
+        out = _out(model, ids, mask)
+    _assert_parity(out, ref, mask)
+    assert _differs(ref, base, mask)  # the adapters change the output: parity is not the base model's
+    slots = pe.describe(model)["encoders"][0]["module_calls"]
+    assert len(slots) == per_layer * encoder.config.num_hidden_layers and all(LORA in s for s in slots), slots
+
+
+def _adapters_off(model, fn):
+    with model.disable_adapter():
+        return fn()
+
+
+def test_lora_parity_under_cpu_bf16_autocast():
+    model, encoder = _peft_model(ALL)
+    ids, mask = _batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = stock_forward(encoder, ids, mask)
+    pe.pack(model)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = _out(model, ids, mask)
+        # bf16: the residual stream is fp32 in both, the projections round to bf16 in both (peft's layers run
+        # under the same autocast); what differs is the order of sums
+        _assert_parity(out.float(), ref.float(), mask, cos_min=0.999, atol=None)
+        assert float(token_cosines(out.float(), ref.float(), mask).mean()) > 0.9999
+
+
+def test_lora_hidden_states_and_packed_calls_match_stock():
+    """The per-layer outputs (output_hidden_states) and an already packed call (packed_forward) run the called
+    layers as the padded call does."""
+    from tests.helpers import packed_inputs
+
+    model, encoder = _peft_model(["Wqkv", "Wi"])
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = stock(encoder, input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                    output_hidden_states=True)
+        pe.pack(model)
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        flat = pe.packed_forward(model, None, *packed_inputs(ids, mask))
+    assert len(out.hidden_states) == len(ref.hidden_states) == encoder.config.num_hidden_layers + 1
+    for got, want in zip(out.hidden_states, ref.hidden_states):
+        _assert_parity(got, want, mask)
+    torch.testing.assert_close(flat, ref.last_hidden_state[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
+def test_two_adapters_set_adapter_disable_and_merge_follow_peft():
+    model, encoder = _peft_model(ALL)
+    model.add_adapter("other", _config(["Wqkv", "Wi"]))
+    _randomise(model, seed=2, scale=0.5)  # (both adapters' B again, with other values)
+    ids, mask = _batch()
+    pe.pack(model)
+
+    def both():
+        with torch.no_grad():
+            return _out(model, ids, mask), stock_forward(encoder, ids, mask)
+
+    out_default, ref = both()
+    _assert_parity(out_default, ref, mask)
+    model.set_adapter("other")
+    out_other, ref = both()
+    _assert_parity(out_other, ref, mask)
+    assert _differs(out_default, out_other, mask)
+    with model.disable_adapter():
+        out_off, ref = both()
+    _assert_parity(out_off, ref, mask)
+    assert _differs(out_off, out_other, mask)
+    model.set_adapter("default")
+    model.merge_adapter()  # the base weights now hold the adapter (through .data): the layers are still called
+    out_merged, ref = both()
+    _assert_parity(out_merged, ref, mask)
+    _assert_parity(out_merged, out_default, mask)  # the same function, merged
+    model.unmerge_adapter()
+    out_unmerged, ref = both()
+    _assert_parity(out_unmerged, ref, mask)
+    _assert_parity(out_unmerged, out_default, mask)
+    assert pe.is_packed(model) and not pe.describe(model)["encoders"][0]["stock_forward_calls"]
+
+
+def test_any_token_wise_module_is_called_and_a_wrong_width_is_named():
+    """Not only peft: a module without Linear's attributes is called too, and the widths it declares or returns are
+    checked (at pack() when it declares in / out features, at the call otherwise)."""
+    encoder = make_model("tiny")
+    h = encoder.config.hidden_size
+    layer = encoder.layers[1]
+    layer.mlp.Wo = nn.Sequential(layer.mlp.Wo, nn.Tanh())  # a token-wise map with no in_features / out_features
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = stock_forward(encoder, ids, mask)
+        pe.pack(encoder)
+        _assert_parity(_out(encoder, ids, mask), ref, mask)
+    assert pe.describe(encoder)["encoders"][0]["module_calls"] == ["layers.1.mlp.Wo (torch.nn.modules.container."
+                                                                  "Sequential)"]
+    pe.unpack(encoder)
+    layer.mlp.Wo = nn.Sequential(nn.Linear(encoder.config.intermediate_size, h // 2))  # the wrong width, undeclared
+    pe.pack(encoder, validate=False)
+    with pytest.raises(pe.PackedEncodersError, match=r"layers.1.mlp.Wo \(torch.nn.modules.container.Sequential\) "
+                                                     r"returned shape \(\d+, 32\).*\[tokens, 64\]"):
+        with torch.no_grad():
+            _out(encoder, ids, mask)
+    pe.unpack(encoder)
+
+    class Declared(nn.Module):  # declares the wrong widths (as a pruned Linear would)
+        def __init__(self):
+            super().__init__()
+            self.in_features, self.out_features = h, h // 2
+            self.inner = nn.Linear(h, h)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    layer.mlp.Wo = nn.Linear(encoder.config.intermediate_size, h)
+    layer.attn.Wo = Declared()
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers.1.attn.Wo \(.*Declared\) maps 64 -> 32 features, "
+                                                        r"not 64 -> 64"):
+        pe.pack(encoder, validate=False)
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def _mean_pooled_loss(out, mask):
+    m = mask[..., None].to(out.dtype)
+    emb = torch.nn.functional.normalize((out * m).sum(1) / m.sum(1), dim=-1)
+    return (emb @ emb.T).logsumexp(-1).mean() + out[mask.bool()].square().mean()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("trainable", ["lora", "all"])
+def test_gradients_reach_every_trainable_parameter_as_in_stock(checkpointing, trainable):
+    model, encoder = _peft_model(ALL, lora_dropout=0.0)
+    if trainable == "all":  # base weights unfrozen too
+        for p in model.parameters():
+            p.requires_grad_(True)
+    model.train()
+    if checkpointing:
+        set_checkpointing(encoder, True, use_reentrant=False)
+    ids, mask = _batch()
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n, _ in params) and (trainable == "all") == any("base_layer" in n for n, _ in params)
+    ref = stock_forward(encoder, ids, mask)
+    ref_grads = torch.autograd.grad(_mean_pooled_loss(ref, mask), [p for _, p in params])
+    pe.pack(model)
+    out = _out(model, ids, mask)
+    grads = torch.autograd.grad(_mean_pooled_loss(out, mask), [p for _, p in params])
+    _assert_parity(out, ref, mask)
+    for (name, _), g, r in zip(params, grads, ref_grads):
+        assert float(r.abs().max()) > 0 or "lora_B" not in name, name  # (a frozen base: every lora_B gets one)
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-3, msg=name)
+    plan = pe.describe(model)["encoders"][0]["eager_plan"]
+    assert not plan["stack"] and plan["stack_off"].startswith("one autograd node per op: module call at")
+    assert ("gradient checkpointing" in plan["stack_off"]) == checkpointing
+
+
+def test_adamw_steps_give_stock_losses():
+    model, encoder = _peft_model(ALL)
+    ref_model = copy.deepcopy(model)
+    ref_encoder = ref_model.base_model.model
+    pe.pack(model)
+
+    def train(m, forward):
+        m.train()
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for step in range(3):
+            ids, mask = padded_batch([7 + step, 33, 12], side="mixed", seed=step)
+            loss = _mean_pooled_loss(forward(ids, mask), mask)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+        return losses
+
+    ref = train(ref_model, lambda ids, mask: stock_forward(ref_encoder, ids, mask))
+    got = train(model, lambda ids, mask: _out(model, ids, mask))
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), atol=1e-5, rtol=1e-5)
+    assert abs(ref[2] - ref[0]) > 1e-4  # the adapters trained
+
+
+def test_lora_dropout_is_peft_s_own():
+    """``lora_dropout`` is applied by peft's module, in its own mode: in train mode two calls differ, in eval they
+    equal stock; at p = 1 the adapters' contribution is dropped entirely (the base model's output)."""
+    model, encoder = _peft_model(ALL, lora_dropout=0.5)
+    ids, mask = _batch()
+    pe.pack(model)
+    model.train()  # (ModernBERT's own dropout rates are 0 in these configs)
+    with torch.no_grad():
+        a, b = _out(model, ids, mask), _out(model, ids, mask)
+    assert _differs(a, b, mask, by=1e-4)
+    model.eval()
+    with torch.no_grad():
+        _assert_parity(_out(model, ids, mask), stock_forward(encoder, ids, mask), mask)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout) and m.p == 0.5:
+            m.p = 1.0
+    with torch.no_grad():
+        dropped = _out(model, ids, mask)
+        base = _adapters_off(model, lambda: stock_forward(encoder, ids, mask))
+    _assert_parity(dropped, base, mask)
+
+
+# ------------------------------------------------------------------------------------------------ sentence-transformers
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.tiny_tokenizer import save_tiny_model
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_modernbert_lora"))
+
+
+def _st_lora(model_dir):
+    """A SentenceTransformer (mean pooling) over a saved tiny ModernBERT, with a LoRA adapter injected into its
+    encoder as ``SentenceTransformer.add_adapter`` injects it (transformers' ``add_adapter`` calls
+    ``peft.inject_adapter_in_model`` on the encoder; transformers 5.24 asks for peft >= 0.22 there, which
+    :func:`test_transformers_and_sentence_transformers_add_adapter` needs)."""
+    pytest.importorskip("sentence_transformers")
+    from tests.test_training_loops import _st_model
+
+    model = _st_model(model_dir)
+    torch.manual_seed(0)  # lora_A's initial values
+    peft.inject_adapter_in_model(_config(ALL), model[0].auto_model, "default")
+    _randomise(model)
+    return model
+
+
+def _peft_accepted() -> str | None:
+    """Why transformers' ``add_adapter`` refuses the installed peft (its minimum version), or ``None``."""
+    from transformers.integrations import peft as hf_peft
+
+    try:
+        hf_peft.check_peft_version(min_version=hf_peft.MIN_PEFT_VERSION)
+    except ValueError as e:
+        return f"transformers {__import__('transformers').__version__}: {e} (peft {peft.__version__} installed)"
+    return None
+
+
+def test_transformers_and_sentence_transformers_add_adapter(model_dir):
+    why = _peft_accepted()
+    if why:
+        pytest.skip(why)
+    from tests.test_training_loops import _st_model
+    from tests.tiny_tokenizer import TEXTS
+
+    encoder = make_model("tiny")
+    encoder.add_adapter(_config(ALL))
+    _randomise(encoder)
+    ids, mask = _batch()
+    with torch.no_grad():
+        ref = stock_forward(encoder, ids, mask)
+        pe.pack(encoder)
+        _assert_parity(_out(encoder, ids, mask), ref, mask)
+    model = _st_model(model_dir)
+    model.add_adapter(_config(ALL))
+    _randomise(model)
+    ref = model.encode(TEXTS, batch_size=3, convert_to_tensor=True)
+    pe.pack(model)
+    assert pe.describe(model)["encoders"][0]["module_calls"]
+    torch.testing.assert_close(model.encode(TEXTS, batch_size=3, convert_to_tensor=True), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_sentence_transformers_lora_encode_parity(model_dir):
+    from tests.tiny_tokenizer import TEXTS
+
+    model = _st_lora(model_dir)
+    ref = model.encode(TEXTS, batch_size=3, convert_to_tensor=True)
+    pe.pack(model)
+    entry = pe.describe(model)["encoders"][0]
+    assert entry["packed"] and entry["module_calls"], entry
+    out = model.encode(TEXTS, batch_size=3, convert_to_tensor=True)
+    assert float(torch.nn.functional.cosine_similarity(out, ref, dim=-1).min()) > 0.99999
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+
+
+def test_sentence_transformer_trainer_mnrl_with_an_adapter_matches_stock(model_dir, tmp_path):
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from sentence_transformers.sentence_transformer import losses
+
+    from tests.training_compare import LR, OPTIM, Recorder, compare, texts
+
+    def train(packed: bool):
+        model = _st_lora(model_dir)
+        if packed:
+            pe.pack(model)
+        loss = losses.MultipleNegativesRankingLoss(model)
+        rec = Recorder(loss)
+        args = SentenceTransformerTrainingArguments(
+            output_dir=str(tmp_path / f"out-{packed}"), per_device_train_batch_size=4, max_steps=2, learning_rate=LR,
+            optim=OPTIM, warmup_steps=0, lr_scheduler_type="constant", seed=0, data_seed=0, max_grad_norm=0.0,
+            report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, dataloader_num_workers=0,
+            disable_tqdm=True)
+        SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(texts(8)), loss=loss,
+                                   callbacks=[rec.callback]).train()
+        if packed:
+            entry = pe.describe(model)["encoders"][0]
+            assert entry["packed"] and entry["last_attention"] and entry["module_calls"], entry
+        return rec, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    ref, ref_w = train(False)
+    got, got_w = train(True)
+    initial = {n: p.detach().clone() for n, p in _st_lora(model_dir).named_parameters() if "lora_" in n}
+    assert all(n in ref.grads[0] for n in initial) and len(ref.grads[0]) == len(initial)  # only the adapters train
+    compare(ref, got, ref_w, got_w, initial, 2)
+
+
+# ------------------------------------------------------------------------------------------------ live changes
+
+
+def test_adapters_added_after_pack_are_followed_and_removing_them_too():
+    encoder = make_model("tiny")
+    ids, mask = _batch()
+    pe.pack(encoder)
+    with torch.no_grad():
+        plain = _out(encoder, ids, mask)  # the structure snapshot exists: the change must be seen per call
+    model = peft.get_peft_model(encoder, _config(ALL))
+    _randomise(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # packed, no stock fallback
+        with torch.no_grad():
+            out = _out(model, ids, mask)
+    with torch.no_grad():
+        _assert_parity(out, stock_forward(encoder, ids, mask), mask)
+    assert _differs(out, plain, mask)  # not the stale plain path
+    entry = pe.describe(model)["encoders"][0]
+    assert entry["packed"] and len(entry["module_calls"]) == 4 * encoder.config.num_hidden_layers
+    unloaded = model.unload()  # the base Linears back in their slots: the plain routes again
+    assert unloaded is encoder and type(encoder.layers[0].attn.Wqkv) is nn.Linear
+    with torch.no_grad():
+        assert torch.equal(_out(encoder, ids, mask), plain)
+    entry = pe.describe(encoder)["encoders"][0]
+    assert entry["packed"] and entry["module_calls"] == [], entry
+    assert "module call" not in (entry["eager_plan"]["why_checked"] or "")
+
+
+def test_merge_and_unload_under_autocast_reads_the_merged_weights():
+    """Cast copies of the base weights made before the adapters came are not reused after peft's merge_and_unload,
+    which adds the adapters into the weights through ``.data`` (no version bump) and puts the base Linears back: a
+    call with the adapters in place saw them come, the next one sees them go (module swaps expire the copies)."""
+    encoder = make_model("tiny")
+    ids, mask = _batch()
+    pe.pack(encoder)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = _out(encoder, ids, mask).float()  # bf16 copies of every projection weight cached
+    model = peft.get_peft_model(encoder, _config(ALL)).eval()
+    _randomise(model, scale=0.5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_parity(_out(model, ids, mask).float(), stock_forward(encoder, ids, mask).float(), mask,
+                       cos_min=0.999, atol=None)  # (e.g. an evaluation before merging)
+    merged = model.merge_and_unload()
+    assert merged is encoder and type(encoder.layers[0].mlp.Wi) is nn.Linear
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _out(encoder, ids, mask).float()
+        ref = stock_forward(encoder, ids, mask).float()
+    _assert_parity(out, ref, mask, cos_min=0.999, atol=None)
+    assert _differs(out, before, mask, by=0.1)
+
+
+def test_unpack_restores_stock_and_pack_again_reads_the_slots_again():
+    model, encoder = _peft_model(["Wqkv"])
+    ids, mask = _batch()
+    pe.pack(model)
+    pe.unpack(model)
+    assert "forward" not in vars(encoder) and not pe.is_packed(encoder)
+    with torch.no_grad():
+        torch.testing.assert_close(_out(model, ids, mask), stock(encoder, input_ids=ids,
+                                                                 attention_mask=mask).last_hidden_state,
+                                   atol=0, rtol=0)
+    model.base_model.model.layers[0].mlp.Wi = nn.Sequential(encoder.layers[0].mlp.Wi)  # a change while unpacked
+    pe.pack(model)
+    slots = pe.describe(model)["encoders"][0]["module_calls"]
+    assert "layers.0.mlp.Wi (torch.nn.modules.container.Sequential)" in slots and len(slots) == 4
+    with torch.no_grad():
+        _assert_parity(_out(model, ids, mask), stock_forward(encoder, ids, mask), mask)
+
+
+# ------------------------------------------------------------------------------------------------ still refused
+
+
+def test_hooks_on_a_called_module_run_stock_and_are_refused_at_pack():
+    model, encoder = _peft_model(ALL)
+    ids, mask = _batch()
+    pe.pack(model)
+    seen = []
+    handle = encoder.layers[0].attn.Wqkv.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+    with pytest.warns(RuntimeWarning, match=r"layers.0.attn.Wqkv has forward hooks \(the packed path calls it on "
+                                            r"packed \[tokens, features\] rows"):
+        with torch.no_grad():
+            out = _out(model, ids, mask)
+    assert seen == [tuple(ids.shape) + (encoder.config.hidden_size,)]  # stock's [B, S, H]: the stock forward ran
+    with torch.no_grad():
+        torch.testing.assert_close(out, stock(encoder, input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert not pe.is_packed(model)
+    handle.remove()
+    assert pe.is_packed(model)
+    pe.unpack(model)
+    encoder.layers[1].mlp.Wi.register_forward_pre_hook(lambda m, i: None)
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers.1.mlp.Wi has forward hooks"):
+        pe.pack(model)
+
+
+def test_peft_mixed_adapter_batch_runs_stock():
+    """peft's ``adapter_names=`` (an adapter per batch row) puts a forward pre-hook on each LoRA layer for the call:
+    the packed rows have no batch layout, so that call runs the stock forward, warned, and gives stock's output."""
+    model, encoder = _peft_model(ALL)
+    model.add_adapter("other", _config(["Wqkv"]))
+    _randomise(model, seed=3)
+    model.eval()  # (peft takes adapter_names in eval mode only)
+    ids, mask = _batch()
+    names = ["default", "other", "__base__"]
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, adapter_names=names).last_hidden_state
+    pe.pack(model)
+    with pytest.warns(RuntimeWarning, match="running the stock forward: layers.0.attn.Wqkv has forward hooks"):
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, adapter_names=names).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert pe.is_packed(model)  # the hooks went with the call
+
+
+def test_lora_on_the_token_embedding_is_refused_by_name():
+    encoder = make_model("tiny")
+    model = peft.get_peft_model(encoder, _config(["tok_embeddings", "Wqkv"]))
+    with pytest.raises(pe.UnsupportedTargetError,
+                       match=r"embeddings.tok_embeddings is a peft.tuners.lora.layer.Embedding, not Embedding"):
+        pe.pack(model)
+
+
+def test_lora_over_pruned_heads_is_refused_by_its_widths():
+    """peft's layer declares its base Linear's widths: a LoRA over a Wqkv of fewer heads (pruned) is named at
+    pack(), as a plain pruned Wqkv is, and runs stock when made after pack()."""
+    from tests.test_structure_changes import _prune_heads
+
+    encoder = make_model("tiny")
+    _prune_heads(encoder, 1, 1)
+    peft.inject_adapter_in_model(_config(["Wqkv"]), encoder)
+    with pytest.raises(pe.UnsupportedTargetError, match=rf"layers.1.attn.Wqkv \({LORA}\) maps 64 -> 96 features, not "
+                                                        r"64 -> 192: .*attention heads pruned"):
+        pe.pack(encoder, validate=False)
+    pruned = encoder
+    encoder = make_model("tiny")
+    peft.inject_adapter_in_model(_config(["Wqkv"]), encoder)
+    pe.pack(encoder)
+    ids, mask = _batch()
+    with torch.no_grad():
+        _out(encoder, ids, mask)
+    encoder.layers[1].attn.Wqkv, encoder.layers[1].attn.Wo = pruned.layers[1].attn.Wqkv, pruned.layers[1].attn.Wo
+    with pytest.warns(RuntimeWarning, match=r"running the stock forward: layers.1.attn.Wqkv \(.*\) maps 64 -> 96"):
+        with torch.no_grad():
+            out = _out(encoder, ids, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(out, stock(encoder, input_ids=ids, attention_mask=mask).last_hidden_state)
+
+
+# ------------------------------------------------------------------------------------------------ graphs and describe
+
+
+def test_graphs_step_aside_for_called_slots_and_come_back_without_them(monkeypatch):
+    """With graphs serving a plain encoder (CUDA pretended, capture-free runners), LoRA layers put in after pack()
+    take every call to the eager path with the reason, drop the graphs held, and describe() names the slots; taken
+    out again (peft's unload), the calls replay graphs again. Outputs are stock's throughout."""
+    from packed_encoders import call
+    from packed_encoders.graphs import route
+    from packed_encoders.graphs.runner import GraphRunner
+
+    encoder = make_model("tiny")
+    ids, mask = _batch()
+    pe.pack(encoder, validate=False)
+    real_mode = call.mode_facts
+    monkeypatch.setattr(call, "mode_facts", lambda *a, **k: {**real_mode(*a, **k), "model_on_cuda": True})
+    monkeypatch.setattr(route, "_build", lambda model, state, mgr, bucket, requested, query_only=False, autocast=None:
+                        GraphRunner(model, state, bucket, requested, capture=False, query_only=query_only))
+
+    def graphs():
+        return pe.describe(encoder)["encoders"][0]["cuda_graph"]
+
+    with torch.no_grad():
+        plain = _out(encoder, ids, mask)
+    assert graphs()["graphs"] == 1 and graphs()["fallbacks"] == {}
+    model = peft.get_peft_model(encoder, _config(["Wqkv", "Wi"])).eval()
+    _randomise(model)
+    with torch.no_grad():
+        out = _out(model, ids, mask)
+        _assert_parity(out, stock_forward(encoder, ids, mask), mask)
+    info, entry = graphs(), pe.describe(model)["encoders"][0]
+    reason = (f"module call at layers.0.attn.Wqkv ({LORA}) and 5 more slots: CUDA graphs off (a graph replays the "
+              "weights it captured, not the module's forward); merge adapters (peft's merge_and_unload) for graphs")
+    assert info["graphs"] == 0 and info["fallbacks"] == {reason: 1} and info["idle_reason"] == reason, info
+    assert entry["packed"]
+    assert entry["module_calls"][:2] == [f"layers.0.attn.Wqkv ({LORA})", f"layers.0.mlp.Wi ({LORA})"]
+    assert entry["eager_plan"]["why_checked"].startswith(f"module call at layers.0.attn.Wqkv ({LORA}) and 5 more")
+    model.unload()
+    with torch.no_grad():
+        again = _out(encoder, ids, mask)
+    info = graphs()
+    assert info["graphs"] == 1 and info["hits"] == 0 and info["fallbacks"] == {reason: 1}  # captured again
+    torch.testing.assert_close(again, plain, atol=0, rtol=0)
+    assert pe.describe(encoder)["encoders"][0]["module_calls"] == []
+
+
+def test_pack_time_graph_check_skips_a_model_with_called_slots(monkeypatch):
+    """pack(cuda_graph=...)'s graph check would capture without asking the router: it steps aside for a model whose
+    projection slots are called, and says so in the validation report."""
+    from packed_encoders import graph_check
+
+    model, encoder = _peft_model(["Wqkv"])
+    monkeypatch.setattr(graph_check, "_eligible", lambda *a: True)  # as on CUDA
+    monkeypatch.setattr(graph_check, "_check", lambda *a, **k: pytest.fail("the graph check ran"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("the model is on cpu")
+        pe.pack(model, cuda_graph=True)
+    state = encoder._packed_encoders
+    assert state.report.passed
+    assert any(c.startswith(f"cuda_graph: not checked: module call at layers.0.attn.Wqkv ({LORA})")
+               for c in state.report.checks), state.report.checks
