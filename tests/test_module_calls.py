@@ -109,6 +109,46 @@ def test_lora_parity_under_cpu_bf16_autocast():
         assert float(token_cosines(out.float(), ref.float(), mask).mean()) > 0.9999
 
 
+class _Fp32Out(nn.Module):
+    """A called slot returning fp32 under autocast (as a module adding fp32 terms does)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x).float()
+
+
+def test_a_called_slot_returning_fp32_under_autocast_feeds_the_kernels_their_dtype(monkeypatch):
+    """The attention after ``Wqkv`` and the GLU after ``Wi`` get the activations' dtype (autocast's), as stock's
+    attention does under autocast, whatever the module returns."""
+    from packed_encoders.model import forward as fwd
+
+    encoder = make_model("tiny")
+    layer = encoder.layers[1]
+    layer.attn.Wqkv, layer.mlp.Wi = _Fp32Out(layer.attn.Wqkv), _Fp32Out(layer.mlp.Wi)
+    ids, mask = _batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = stock_forward(encoder, ids, mask)
+    pe.pack(encoder)
+    seen = []
+    real_call = fwd.call_module
+
+    def spy(module, x, width, index, slot, dtype=None):
+        y = real_call(module, x, width, index, slot, dtype)
+        seen.append((index, slot, y.dtype))
+        return y
+
+    monkeypatch.setattr(fwd, "call_module", spy)
+    for grad in (False, True):
+        seen.clear()
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = _out(encoder, ids, mask)
+        assert seen == [(1, "attn.Wqkv", torch.bfloat16), (1, "mlp.Wi", torch.bfloat16)], seen
+        _assert_parity(out.float(), ref.float(), mask, cos_min=0.999, atol=None)
+
+
 def test_lora_hidden_states_and_packed_calls_match_stock():
     """The per-layer outputs (output_hidden_states) and an already packed call (packed_forward) run the called
     layers as the padded call does."""

@@ -86,8 +86,11 @@ def read_calls(model: nn.Module) -> ModuleCalls | None:
     return ModuleCalls(tuple(flags), tuple(slots)) if slots else None
 
 
-def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str) -> torch.Tensor:
-    """``module(x)`` for a called Linear slot: ``x`` ``[T, in_features]`` -> ``[T, width]``.
+def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str,
+         dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``module(x)`` for a called Linear slot: ``x`` ``[T, in_features]`` -> ``[T, width]``, in ``dtype`` where
+    given (the activations' dtype the attention and GLU kernels after ``Wqkv`` / ``Wi`` were planned for: under
+    autocast a module may return fp32, e.g. one adding fp32 terms, where stock's attention is cast by autocast).
 
     Raises:
         PackedEncodersError: the module returned something else than a ``[T, width]`` tensor (the packed layer reads
@@ -100,7 +103,7 @@ def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str) 
             f"layers.{index}.{slot} ({type_name(module)}) returned {got} for input {tuple(x.shape)}; the packed "
             f"forward calls it on [tokens, features] rows and reads [tokens, {width}] (a token-wise map, as an "
             "nn.Linear is): pe.unpack(model) runs stock HF")
-    return y
+    return y if dtype is None or y.dtype is dtype else y.to(dtype)
 
 
 __all__ = ["MODULE_CALL", "ModuleCalls", "PLAIN", "SLOTS", "call", "is_called", "read_calls", "type_name"]

@@ -302,7 +302,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 normed = run.layer_norm(x, *_norm_args(attn_norm), out_dtype=norm_dt)
             pending = None
             if called_qkv:
-                qkv, rotated = call_module(wqkv, normed, 3 * nh * hd, index, "attn.Wqkv"), None
+                qkv, rotated = call_module(wqkv, normed, 3 * nh * hd, index, "attn.Wqkv", dtype), None
             else:
                 normed = to_wdt(normed)
                 w, b = cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)
@@ -337,7 +337,8 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             mlp = layer.mlp
             wi = mlp.Wi
             if called_i:  # the module, then the GLU op (no fused Wi + GLU GEMM: it reads Wi's weight)
-                h = run.glu(call_module(wi, normed, 2 * params.intermediate_size, index, "mlp.Wi"), params.activation)
+                h = call_module(wi, normed, 2 * params.intermediate_size, index, "mlp.Wi", dtype)
+                h = run.glu(h, params.activation)
             else:
                 normed = to_wdt(normed)
                 w, b = cast(wi.weight, wdt), cast(wi.bias, wdt)
