@@ -1,0 +1,119 @@
+"""peft LoRA / DoRA layers in the projection slots on CUDA (ModernBERT-base geometry, random init): the packed
+forward calls them (checked per-op path, no CUDA graphs) and matches stock in bf16 with and without autocast,
+gradients included; merging the adapters brings the graphs back.
+
+Run: ``python -m pytest -q tests/gpu/test_module_calls.py`` (skipped without CUDA or peft).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+peft = pytest.importorskip("peft")
+
+import packed_encoders as pe  # noqa: E402
+from tests.helpers import make_model, padded_batch, stock_forward, token_cosines  # noqa: E402
+
+DEV = torch.device("cuda")
+LENGTHS = (1, 65, 130, 513, 2049)
+
+
+def _lora(dtype=None, **kw):
+    """``(peft_model, encoder)``: base geometry under LoRA on every projection slot, ``lora_B`` random."""
+    encoder = make_model("base", dtype=dtype, device=DEV)
+    model = peft.get_peft_model(encoder, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["Wqkv", "Wo", "Wi"],
+                                                         **kw))
+    g = torch.Generator(device=DEV).manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g, device=DEV, dtype=p.dtype))
+    return model.eval(), encoder
+
+
+def _batch(seed=0):
+    return padded_batch(LENGTHS, "mixed", seed=seed, vocab_size=50000, device=DEV)
+
+
+def _assert_bf16_parity(out, ref, mask):
+    cos = token_cosines(out.float(), ref.float(), mask)
+    assert cos.min() >= 0.995 and cos.mean() >= 0.999, (float(cos.min()), float(cos.mean()))
+    assert out[~mask.bool()].abs().max() == 0
+
+
+@pytest.mark.parametrize("variant", ["lora", "dora"])
+@pytest.mark.parametrize("precision", ["autocast", "bf16"])
+def test_lora_inference_parity_runs_eagerly_with_the_reason(variant, precision):
+    model, encoder = _lora(dtype=torch.bfloat16 if precision == "bf16" else None, use_dora=variant == "dora")
+    ids, mask = _batch()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast")
+    with torch.no_grad(), autocast:
+        ref = stock_forward(encoder, ids, mask)
+    pe.pack(model)  # the default: graphs on, validated against stock
+    try:
+        with torch.no_grad(), autocast, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(2):  # a second call would replay a graph if one had been captured
+                out = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        _assert_bf16_parity(out, ref, mask)
+        info = pe.describe(model)["encoders"][0]
+        assert len(info["module_calls"]) == 4 * encoder.config.num_hidden_layers, info["module_calls"][:2]
+        assert info["cuda_graph"]["idle_reason"].startswith("module call at layers.0.attn.Wqkv"), info["cuda_graph"]
+        assert info["cuda_graph"]["graphs"] == 0, info["cuda_graph"]
+        assert info["packed"] and info.get("runs_stock") is None, info.get("runs_stock")
+    finally:
+        pe.unpack(model)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_gradients_match_stock_under_autocast(checkpointing):
+    model, encoder = _lora()
+    if checkpointing:
+        encoder.gradient_checkpointing_enable()
+    model.train()
+    ids, mask = _batch(seed=1)
+    real = mask.bool()
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = fn()
+        (out.float()[real].pow(2).mean()).backward()
+        return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref = grads(lambda: stock_forward(encoder, ids, mask))
+    pe.pack(model, validate=False)
+    try:
+        got = grads(lambda: encoder(input_ids=ids, attention_mask=mask).last_hidden_state)
+    finally:
+        pe.unpack(model)
+    assert ref.keys() == got.keys() and any("lora_A" in n for n in ref)
+    for name, r in ref.items():
+        cos = torch.nn.functional.cosine_similarity(got[name].flatten(), r.flatten(), dim=0)
+        assert cos >= 0.99, (name, float(cos))
+
+
+def test_merging_the_adapters_brings_the_graphs_back():
+    model, encoder = _lora()
+    ids, mask = _batch(seed=2)
+    pe.pack(model, validate=False)
+    try:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            before = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+            merged = model.merge_and_unload()  # the base Linears back in the slots, the adapters added in
+            assert merged is encoder
+            assert pe.describe(encoder)["encoders"][0]["module_calls"] == []
+            for _ in range(3):
+                after = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+            ref = stock_forward(encoder, ids, mask)
+        info = pe.describe(encoder)["encoders"][0]["cuda_graph"]
+        assert info["idle_reason"] is None and info["graphs"] >= 1 and info["hits"] >= 1, info
+        _assert_bf16_parity(after, ref, mask)
+        _assert_bf16_parity(after, before, mask)  # merged: the same function
+    finally:
+        pe.unpack(encoder)
