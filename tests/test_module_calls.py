@@ -481,6 +481,54 @@ def test_merge_and_unload_under_autocast_reads_the_merged_weights():
     assert _differs(out, before, mask, by=0.1)
 
 
+@pytest.mark.parametrize("how", ["merge_and_unload", "merge_adapter_then_unload"])
+def test_adapters_merged_with_no_call_between_under_autocast_are_read(how, tmp_path):
+    """peft's one-liner ``PeftModel.from_pretrained(base, dir).merge_and_unload()`` on a packed encoder whose bf16
+    copies were cached (an autocast call before): no call sees the adapters in place, so the module tree looks the
+    same at the next call, while the base weights changed through ``.data``. Putting a module back into a tree
+    expires the copies of its weights (a module registration hook), so the merged weights are read."""
+    trained = peft.get_peft_model(make_model("tiny", seed=3), _config(ALL))
+    _randomise(trained, scale=0.5)
+    trained.save_pretrained(tmp_path)
+    encoder = make_model("tiny")
+    ids, mask = _batch()
+    pe.pack(encoder)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        before = _out(encoder, ids, mask).float()  # bf16 copies of every projection weight cached
+    model = peft.PeftModel.from_pretrained(encoder, tmp_path)
+    if how == "merge_and_unload":
+        merged = model.merge_and_unload()  # safe_merge=False: through .data
+    else:
+        model.merge_adapter()
+        merged = model.unload()
+    assert merged is encoder and type(encoder.layers[0].mlp.Wi) is nn.Linear
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _out(encoder, ids, mask).float()
+        ref = stock_forward(encoder, ids, mask).float()
+    _assert_parity(out, ref, mask, cos_min=0.999, atol=None)
+    assert _differs(out, before, mask, by=0.1)
+
+
+def test_module_registrations_elsewhere_keep_the_cast_copies():
+    """The hook expires copies only when a module holding a weight they were made from is put into a tree: calls,
+    and modules built elsewhere, keep them (one cast per weight change, not per call)."""
+    from packed_encoders.ops import weight_cast
+
+    encoder = make_model("tiny")
+    ids, mask = _batch()
+    pe.pack(encoder)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _out(encoder, ids, mask)
+        generation = weight_cast._STATE["generation"]
+        _out(encoder, ids, mask)
+        nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))  # registrations of modules of no cached weight
+        encoder.layers[0].attn.extra = nn.Linear(2, 2)
+        _out(encoder, ids, mask)
+        assert weight_cast._STATE["generation"] == generation
+        encoder.layers[0].mlp.Wi = encoder.layers[0].mlp.Wi  # the same Linear put back: its weight may have changed
+        assert weight_cast._STATE["generation"] == generation + 1
+
+
 def test_unpack_restores_stock_and_pack_again_reads_the_slots_again():
     model, encoder = _peft_model(["Wqkv"])
     ids, mask = _batch()

@@ -13,6 +13,11 @@ keeps one copy per (parameter, dtype) and hands it out while the parameter is un
   functions, or the forward of a call with gradients on the per-op path, whose backward is autograd's own): a
   hand-written update after it (``p.data.add_(p.grad, alpha=-lr)``, which bumps no version counter) is read by the
   next forward, as stock HF's casts would read it.
+- the same generation counter, bumped when a module holding a parameter a copy was made from is put into a module
+  tree (a global module registration hook, installed with the optimizer one): peft's ``merge_and_unload()`` adds
+  the adapters into the base weight through ``.data``, then puts the base Linear back into its slot, also with no
+  call of the encoder between loading and merging an adapter (``PeftModel.from_pretrained(model, d)
+  .merge_and_unload()``), where the module tree the next call sees is the one the copies were made under.
 
 :func:`cast_group` does the same for a group of tensors (an encoder's projection weights) with one entry: one
 lookup while none changed, one multi-tensor copy when any did.
@@ -57,18 +62,38 @@ _CACHE: dict = {}
 _LOCK = threading.Lock()
 _STATE = {"generation": 0, "backwards": 0, "hooked": False}
 _LOCAL = threading.local()
+# id() of every tensor a copy was made from (kept past the copies: an id reused by another tensor only costs an
+# expiry that was not needed)
+_SOURCES: set = set()
 
 
 def _bump(*_args, **_kwargs) -> None:
     _STATE["generation"] += 1
 
 
+def _module_registered(_parent, _name, submodule):
+    """Global module registration hook: ``submodule`` put into a module tree (``setattr``, ``add_module``). When it
+    holds a parameter a copy was made from, that parameter may have changed through ``.data`` on the way (peft's
+    ``merge_and_unload`` merges into the base Linear's weight, then puts it back): every copy expires."""
+    if submodule is None or not _SOURCES:
+        return None
+    try:
+        hit = any(id(p) in _SOURCES for p in submodule.parameters())
+    except Exception:  # a module whose parameters cannot be listed now: expire rather than guess
+        hit = True
+    if hit:
+        _bump()
+    return None
+
+
 def _install_hook() -> None:
     with _LOCK:
         if not _STATE["hooked"]:
+            from torch.nn.modules.module import register_module_module_registration_hook
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
             register_optimizer_step_post_hook(_bump)
+            register_module_module_registration_hook(_module_registered)
             _STATE["hooked"] = True
 
 
@@ -139,6 +164,7 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | No
     if refs is not None:
         with _LOCK:
             _CACHE[key] = (token, stamp, out, refs)
+            _SOURCES.add(id(t))
     return out
 
 
@@ -205,6 +231,7 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
         if len(_GROUPS) >= _MAX_GROUPS and key not in _GROUPS:
             _GROUPS.pop(next(iter(_GROUPS)))
         _GROUPS[key] = (token, stamp, copies, refs)
+        _SOURCES.update(key[0])
     return copies
 
 
@@ -226,6 +253,8 @@ class StaticCopies:
         if not _STATE["hooked"]:
             _install_hook()
         self.params = tuple(params)
+        with _LOCK:
+            _SOURCES.update(map(id, self.params))
         self.dtype = dtype
         with torch.no_grad(), torch.inference_mode(False):
             self.copies = tuple(torch.empty_like(p, dtype=dtype) for p in self.params)
