@@ -109,6 +109,7 @@ def clear() -> None:
     with _LOCK:
         _CACHE.clear()
         _GROUPS.clear()
+        _SOURCES.clear()
     _bump()
 
 
