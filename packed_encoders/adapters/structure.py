@@ -30,7 +30,6 @@ from torch.utils.hooks import RemovableHandle
 from ..model.calls import is_called, read_calls, type_name
 from ..model.dropout import dropout_modules
 from ..model.params import _ACTIVATIONS
-from ..ops.weight_cast import expire
 from .fsdp import fsdp_problem
 
 # Hooks transformers itself installs, which the packed forward honours by other means: the output-capturing
@@ -427,9 +426,5 @@ def structure_check(model: nn.Module, state) -> str | None:
     snap = state.runtime.get("structure")
     problem, unchanged = structure_problem(model, state.params, snap)
     if problem is None and not unchanged:
-        fresh = state.runtime["structure"] = snapshot(model, state.params, snap)
-        if snap is not None and fresh["tree"] != snap["tree"]:
-            # modules swapped: weights cast before may have changed through .data on the way (peft's
-            # merge_and_unload adds the adapters into the base weight's .data, then puts the base Linear back)
-            expire()
+        state.runtime["structure"] = snapshot(model, state.params, snap)
     return problem
