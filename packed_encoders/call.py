@@ -18,7 +18,7 @@ from .batch import PackedBatch, unpad
 from .graphs import route as graphs
 from .model.dropout import applies_attention_dropout, applies_dropout, dropout_modules
 from .model.calls import read_calls
-from .model.forward import READ, activation_dtype, encoder_forward, input_grads_hooked, plan_attention
+from .model.forward import activation_dtype, encoder_forward, input_grads_hooked, plan_attention
 from .model.plan import last_plan, rules_for
 from .model.stack import last_pointers_off
 from .router import Eager, Facts, PackedGraph, RectangularGraph, Route, Stock, TrainingGraph, choose
@@ -153,11 +153,10 @@ def run_packed(model: nn.Module, state, batch: PackedBatch, *, hidden_states: li
                           policy=state.policy)
     state.last_plan = {("global" if w is None else f"window {w}"): d.backend for w, d in plan.items()}
     state.last_fallbacks = list(dict.fromkeys(r for d in plan.values() for r in d.reasons))  # once per reason
-    snap = state.runtime.get("structure")  # (current: the structure check runs before every route)
     out = encoder_forward(model, params, batch, attention=plan, ops=state.ops,
                           gradient_checkpointing=_gradient_checkpointing(model), hidden_states=hidden_states,
                           hidden_pre_norm_last=hidden_pre_norm_last, rules=rules_for(state.tuning),
-                          calls=READ if snap is None else snap["calls"])
+                          calls=module_calls(model, state))
     state.runtime["eager_plan"] = last_plan()  # this thread's forward just ran it; describe() shows its facts
     state.runtime["eager_dropout"] = applies_dropout(modules, params.attention_dropout)
     state.runtime["eager_stack_pointers_off"] = last_pointers_off()
