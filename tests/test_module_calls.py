@@ -658,7 +658,8 @@ def test_graphs_step_aside_for_called_slots_and_come_back_without_them(monkeypat
     info, entry = graphs(), pe.describe(model)["encoders"][0]
     reason = (f"module call at layers.0.attn.Wqkv ({LORA}) and 5 more slots: CUDA graphs off (a graph replays the "
               "weights it captured, not the module's forward); merge adapters (peft's merge_and_unload) for graphs")
-    assert info["graphs"] == 0 and info["fallbacks"] == {reason: 1} and info["idle_reason"] == reason, info
+    assert info["graphs"] == 0 and info["fallbacks"] == {reason: 1}, info
+    assert info["idle_reason"].startswith("the model is on cpu"), info  # the device's reason first (CUDA: the call's)
     assert entry["packed"]
     assert entry["module_calls"][:2] == [f"layers.0.attn.Wqkv ({LORA})", f"layers.0.mlp.Wi ({LORA})"]
     assert entry["eager_plan"]["why_checked"].startswith(f"module call at layers.0.attn.Wqkv ({LORA}) and 5 more")

@@ -138,12 +138,12 @@ def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
         if parametrize.is_parametrized(m):
             return (f"{path} is parametrized (torch.nn.utils.parametrize: its weight is computed at each access), "
                     "which the packed path, reading its parameters directly, would skip: "
-                    "parametrize.remove_parametrizations(module, name) makes it a plain parameter, or pe.unpack "
-                    "the model")
+                    "parametrize.remove_parametrizations(module, name) makes it a plain parameter, or run the "
+                    "model unpacked")
         want = " or ".join(t.__name__ for t in kind)
         return (f"{path} is a {type(m).__module__}.{type(m).__qualname__}, not {want}: the packed path reads its "
-                "parameters directly and would skip its forward (merge adapters / undo the wrapping, or pe.unpack "
-                "the model)")
+                "parameters directly and would skip its forward (merge adapters / undo the wrapping, or run the "
+                "model unpacked)")
     if "forward" in vars(m):  # (also on a called module: what it wraps may assume [batch, seq, features] inputs)
         if "_hf_hook" in vars(m):  # accelerate moves weights in and out around each submodule's forward
             return (f"{path} has an accelerate hook on its forward (a device_map that offloads or splits the model), "

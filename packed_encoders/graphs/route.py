@@ -556,9 +556,8 @@ def describe_graphs(state, device: torch.device | None = None, model=None) -> di
         calls = None if model is None else module_call_refusal(model)
         out["idle_reason"] = ("PACKED_ENCODERS_GRAPH is off" if out["kill_switch"] else
                               "inside no_cuda_graph()" if out["suspended"] else
-                              calls if calls is not None else
-                              None if device.type == "cuda" else
-                              f"the model is on {device.type}: graphs engage on CUDA only (calls run eagerly)")
+                              f"the model is on {device.type}: graphs engage on CUDA only (calls run eagerly)"
+                              if device.type != "cuda" else calls)
     out["config"] = asdict(config)
     mgr = state.runtime.get("graphs")
     if config.sync_free:
