@@ -17,7 +17,7 @@ from torch import nn
 from .batch import PackedBatch, unpad
 from .graphs import route as graphs
 from .model.dropout import applies_attention_dropout, applies_dropout, dropout_modules
-from .model.calls import read_calls
+from .model.calls import graph_refusal, read_calls
 from .model.forward import activation_dtype, encoder_forward, input_grads_hooked, plan_attention
 from .model.plan import last_plan, rules_for
 from .model.stack import last_pointers_off
@@ -59,18 +59,20 @@ def module_calls(model: nn.Module, state):
 
 def mode_facts(model: nn.Module, state) -> dict:
     """The facts every graph route admits on: the encoder's switches, grad / autocast / dropout, its device, its
-    called Linear slots (none may replay a graph). ``dropout`` reads each module's live mode and rate (Monte-Carlo
-    dropout in an eval model, a rate set after ``pack()``): a graph would replay a forward without dropout."""
+    called Linear slots (:func:`~packed_encoders.model.calls.graph_refusal`). ``dropout`` reads each module's live
+    mode and rate (Monte-Carlo dropout in an eval model, a rate set after ``pack()``): a graph would replay a forward
+    without dropout."""
     on_cuda = _embedding(model)._parameters["weight"].is_cuda
     dropout = applies_dropout(_dropout_modules(model, state), state.params.attention_dropout)
     grad = torch.is_grad_enabled()
-    calls = module_calls(model, state)
-    facts = dict(module_calls=None if calls is None else calls.graph_reason(),
+    config = state.options.cuda_graph
+    # (read where a graph route would otherwise be open: the adapters' state costs ~1 us per called slot)
+    asks = config is not None and (config.training or not grad)
+    facts = dict(module_calls=graph_refusal(model, module_calls(model, state), grad) if asks else None,
                  kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
                  grad=grad, dropout=dropout,
                  autocast=torch.get_autocast_dtype("cuda") if on_cuda and torch.is_autocast_enabled("cuda") else None,
                  model_on_cuda=on_cuda)
-    config = state.options.cuda_graph
     if grad and config is not None and config.training:
         facts.update(checkpointing=bool(_gradient_checkpointing(model)),
                      input_grads=input_grads_hooked(_embedding(model)))

@@ -83,8 +83,9 @@ class Facts:
     Attributes:
         structure: what the packed forward would skip in the live module tree (a hook, a swapped module), or why
             only stock serves the call (``output_attentions=True``, ...), or ``None``.
-        module_calls: why no graph may serve the encoder's calls because a Linear slot holds a module the forward
-            calls (:meth:`packed_encoders.model.calls.ModuleCalls.graph_reason`), or ``None``.
+        module_calls: why no graph may serve this call because a Linear slot holds a module the forward calls
+            whose forward a replay would not follow (:func:`packed_encoders.model.calls.graph_refusal`), or
+            ``None``.
         graphs: the encoder's :class:`~packed_encoders.GraphConfig`, or ``None`` (``cuda_graph=False``).
         kill_switch: ``PACKED_ENCODERS_GRAPH=0`` when the encoder was packed (its tuning).
         suspended: inside ``pe.no_cuda_graph(model)``.
@@ -188,7 +189,7 @@ def _training(facts: Facts, config) -> Route:
 def choose(facts: Facts) -> Route:
     """The route serving a call with these facts (pure: reads ``facts`` only).
 
-    Order: a structure problem -> :class:`Stock`; graphs off, or a called Linear slot (``module_calls``) ->
+    Order: a structure problem -> :class:`Stock`; graphs off, or a called slot graphs refuse (``module_calls``) ->
     :class:`Eager` (with the reason for the latter); a call with gradients under
     ``GraphConfig.training`` -> :class:`TrainingGraph` or, refused, :class:`Eager` with the reason; a padded call under
     ``sync_free`` that the rectangular graphs admit -> :class:`RectangularGraph`; a mode no graph serves (kill

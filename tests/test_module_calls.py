@@ -628,56 +628,116 @@ def test_lora_over_pruned_heads_is_refused_by_its_widths():
 # ------------------------------------------------------------------------------------------------ graphs and describe
 
 
-def test_graphs_step_aside_for_called_slots_and_come_back_without_them(monkeypatch):
-    """With graphs serving a plain encoder (CUDA pretended, capture-free runners), LoRA layers put in after pack()
-    take every call to the eager path with the reason, drop the graphs held, and describe() names the slots; taken
-    out again (peft's unload), the calls replay graphs again. Outputs are stock's throughout."""
+def _fake_cuda_graphs(monkeypatch):
+    """Graph routes open on CPU: CUDA pretended, runners that run the forward instead of capturing it."""
     from packed_encoders import call
     from packed_encoders.graphs import route
     from packed_encoders.graphs.runner import GraphRunner
 
-    encoder = make_model("tiny")
-    ids, mask = _batch()
-    pe.pack(encoder, validate=False)
     real_mode = call.mode_facts
     monkeypatch.setattr(call, "mode_facts", lambda *a, **k: {**real_mode(*a, **k), "model_on_cuda": True})
     monkeypatch.setattr(route, "_build", lambda model, state, mgr, bucket, requested, query_only=False, autocast=None:
                         GraphRunner(model, state, bucket, requested, capture=False, query_only=query_only))
 
+
+def test_lora_graphs_follow_the_adapter_state(monkeypatch):
+    """Graphs serve an encoder under peft LoRA (CUDA pretended, capture-free runners): a call replays while the
+    adapters' state is unchanged; putting adapters in, ``disable_adapter()``, ``set_scale`` and unloading them each
+    change the graph fingerprint, so the next call captures again (a graph launched peft's kernels for the active
+    adapters and their scaling). Outputs are stock's throughout."""
+    encoder = make_model("tiny")
+    ids, mask = _batch()
+    pe.pack(encoder, validate=False)
+    _fake_cuda_graphs(monkeypatch)
+
     def graphs():
         return pe.describe(encoder)["encoders"][0]["cuda_graph"]
 
-    with torch.no_grad():
-        plain = _out(encoder, ids, mask)
+    def run(ref_model=encoder):
+        with torch.no_grad():
+            out = _out(encoder, ids, mask)
+            _assert_parity(out, stock_forward(ref_model, ids, mask), mask)
+        return out
+
+    plain = run()
     assert graphs()["graphs"] == 1 and graphs()["fallbacks"] == {}
     model = peft.get_peft_model(encoder, _config(["Wqkv", "Wi"])).eval()
     _randomise(model)
-    with torch.no_grad():
-        out = _out(model, ids, mask)
-        _assert_parity(out, stock_forward(encoder, ids, mask), mask)
-    info, entry = graphs(), pe.describe(model)["encoders"][0]
-    reason = (f"module call at layers.0.attn.Wqkv ({LORA}) and 5 more slots: CUDA graphs off (a graph replays the "
-              "weights it captured, not the module's forward); merge adapters (peft's merge_and_unload) for graphs")
-    assert info["graphs"] == 0 and info["fallbacks"] == {reason: 1}, info
-    assert info["idle_reason"].startswith("the model is on cpu"), info  # the device's reason first (CUDA: the call's)
-    assert entry["packed"]
+    seen = graphs()["invalidations"]
+
+    def captured_again(expected: bool):
+        nonlocal seen
+        info = graphs()
+        assert info["fallbacks"] == {} and info["graphs"] == 1, info
+        assert (info["invalidations"] > seen) is expected, (info["invalidations"], seen)
+        seen = info["invalidations"]
+
+    adapted = run()
+    assert _differs(adapted, plain, mask)
+    captured_again(True)
+    hits = graphs()["hits"]
+    run()
+    captured_again(False)
+    assert graphs()["hits"] == hits + 1
+    with model.disable_adapter():
+        torch.testing.assert_close(run(), plain, atol=0, rtol=0)
+    captured_again(True)
+    run()
+    captured_again(True)  # (enabled again)
+    for module in model.modules():
+        if type(module).__name__ == "Linear" and hasattr(module, "set_scale"):
+            module.set_scale("default", 0.5)
+    halved = run()
+    assert _differs(halved, adapted, mask)
+    captured_again(True)
+    entry = pe.describe(model)["encoders"][0]
     assert entry["module_calls"][:2] == [f"layers.0.attn.Wqkv ({LORA})", f"layers.0.mlp.Wi ({LORA})"]
-    assert entry["eager_plan"]["why_checked"].startswith(f"module call at layers.0.attn.Wqkv ({LORA}) and 5 more")
+    assert entry["cuda_graph"]["idle_reason"].startswith("the model is on cpu")  # (pretended CUDA for the calls)
     model.unload()
-    with torch.no_grad():
-        again = _out(encoder, ids, mask)
-    info = graphs()
-    assert info["graphs"] == 1 and info["hits"] == 0 and info["fallbacks"] == {reason: 1}  # captured again
-    torch.testing.assert_close(again, plain, atol=0, rtol=0)
+    torch.testing.assert_close(run(), plain, atol=0, rtol=0)
+    captured_again(True)
     assert pe.describe(encoder)["encoders"][0]["module_calls"] == []
+
+
+@pytest.mark.parametrize("case", ["dora", "train_dropout", "hook", "other_module", "training_graphs"])
+def test_graphs_refuse_called_slots_they_cannot_follow_with_the_reason(monkeypatch, case):
+    """What a replay would not follow runs eagerly, the reason in describe(): a LoRA variant (DoRA), train-mode
+    lora_dropout, a hook inside the LoRA layer, a module type whose state is unknown; and a call with gradients
+    under training graphs (they capture the packed layers' own backward). Outputs are stock's."""
+    kw = {"dora": dict(use_dora=True), "train_dropout": dict(lora_dropout=0.1)}.get(case, {})
+    model, encoder = _peft_model(["Wqkv"], **kw)
+    if case == "train_dropout":
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.train()  # (MC dropout on the adapters only)
+    if case == "hook":
+        encoder.layers[1].attn.Wqkv.lora_A["default"].register_forward_hook(lambda *a: None)
+    if case == "other_module":
+        model = encoder = make_model("tiny")
+        encoder.layers[1].attn.Wqkv = _Fp32Out(encoder.layers[1].attn.Wqkv)
+    pe.pack(model, validate=False, cuda_graph=pe.GraphConfig(training=case == "training_graphs"))
+    _fake_cuda_graphs(monkeypatch)
+    ids, mask = _batch()
+    grad = case == "training_graphs"
+    with torch.set_grad_enabled(grad), torch.random.fork_rng():
+        out = _out(model, ids, mask)
+    if case != "train_dropout":
+        with torch.set_grad_enabled(grad):
+            _assert_parity(out, stock_forward(encoder, ids, mask), mask)
+    info = pe.describe(model)["encoders"][0]["cuda_graph"]
+    why = {"dora": "a LoRA variant (DoraLinearVariant", "train_dropout": "lora_dropout applies (train mode, p=0.1)",
+           "hook": "has hooks", "other_module": "CUDA graphs off (a graph would replay the module's forward",
+           "training_graphs": "training graphs off"}[case]
+    (reason, count), = info["fallbacks"].items()
+    assert info["graphs"] == 0 and count == 1 and reason.startswith("module call at layers.") and why in reason, info
 
 
 def test_pack_time_graph_check_skips_a_model_with_called_slots(monkeypatch):
     """pack(cuda_graph=...)'s graph check would capture without asking the router: it steps aside for a model whose
-    projection slots are called, and says so in the validation report."""
+    called projection slots a graph would not follow (here DoRA), and says so in the validation report."""
     from packed_encoders import graph_check
 
-    model, encoder = _peft_model(["Wqkv"])
+    model, encoder = _peft_model(["Wqkv"], use_dora=True)
     monkeypatch.setattr(graph_check, "_eligible", lambda *a: True)  # as on CUDA
     monkeypatch.setattr(graph_check, "_check", lambda *a, **k: pytest.fail("the graph check ran"))
     with warnings.catch_warnings():

@@ -109,7 +109,8 @@ def test_module_calls_fact_reads_the_structure_snapshot():
 
     def fact():
         assert structure_check(model, state) is None  # as each call does first (refreshes the snapshot)
-        return call.mode_facts(model, state)["module_calls"]
+        with torch.no_grad():  # (an inference graph's question: with gradients, training graphs' only)
+            return call.mode_facts(model, state)["module_calls"]
 
     assert fact() is None
     plain = model.layers[1].mlp.Wi

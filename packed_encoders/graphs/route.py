@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..model.calls import MODULE_CALL, read_calls
+from ..model.calls import MODULE_CALL, graph_refusal, read_calls, replay_state
 from . import buckets as B
 from .buckets import Bucket, RectBucket, precapture_buckets
 from .manager import GraphManager
@@ -31,14 +31,12 @@ RUNTIME_LOCK = threading.Lock()  # guards PackState.runtime entries created on d
 
 
 def module_call_refusal(model) -> str | None:
-    """Why no graph may serve the encoder ``model`` at all: a projection slot holds a module the forward calls (a
-    peft LoRA layer, a wrapped Linear: a graph would replay the weights it captured, not the module's forward);
-    ``None`` when every slot is an ``nn.Linear``. Read from the live modules: for the paths that would capture
-    without asking the router (``pack()``'s graph check and precapture, ``set_cuda_graph``, whose module tree may
-    have changed since the last call's structure check) and ``describe()``; the router refuses every graph route per
-    call from the structure snapshot (``Facts.module_calls``)."""
-    calls = read_calls(model)
-    return None if calls is None else calls.graph_reason()
+    """Why no inference graph may serve the encoder ``model`` now: a projection slot holds a module the forward
+    calls whose forward a replay would not follow (:func:`..model.calls.graph_refusal`); ``None`` when graphs may.
+    Read from the live modules: for the paths that would capture without asking the router (``pack()``'s graph
+    check and precapture, ``set_cuda_graph``, whose module tree may have changed since the last call's structure
+    check) and ``describe()``; the router asks per call from the structure snapshot (``Facts.module_calls``)."""
+    return graph_refusal(model, read_calls(model))
 
 
 def graph_key(requested: str, bucket, query_only: bool = False, autocast=None) -> tuple:
@@ -92,7 +90,9 @@ def _listed(model, tree) -> Listed:
 
 def fingerprint(model, state, mgr: GraphManager) -> tuple:
     """Device, dtype, the module tree and the storage address of every parameter and buffer: a captured graph reads
-    them by address, so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it.
+    them by address, so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it;
+    with called projection slots, also their adapters' state (:func:`..model.calls.replay_state`: a captured peft
+    LoRA forward launched its kernels for the active adapters and their ``scaling``).
 
     Each call checks, reading each module's ``_parameters`` / ``_buffers`` live, that every slot listed
     (:class:`Listed`) still holds the listed tensor (or ``None``), so ``load_state_dict(assign=True)``, ``param =
@@ -111,7 +111,9 @@ def fingerprint(model, state, mgr: GraphManager) -> tuple:
                 listed.values)):
         listed = mgr.listed = _listed(model, tree)
     w0 = listed.params[0]
-    return (w0.device, w0.dtype, tree, *map(_DATA_PTR, listed.tensors))
+    calls = read_calls(model) if snap is None else snap["calls"]
+    adapters = () if calls is None else (replay_state(model, calls),)
+    return (w0.device, w0.dtype, tree, *adapters, *map(_DATA_PTR, listed.tensors))
 
 
 def _capture_kw(model, mgr: GraphManager) -> dict:

@@ -8,7 +8,15 @@ DoRA, rslora), a quantised or otherwise wrapped Linear, or a parametrized one co
 packed ``[T, in_features]`` activations, as stock HF runs it on ``[B, S, in_features]`` (a token-wise map gives the
 same rows), and every route that reads a weight for that slot stays off (:mod:`.plan` decides: no fused RoPE epilogue
 on a called ``Wqkv``, no ``Wi`` + GLU GEMM on a called ``Wi``, no raw-pointer runs, training blocks or stack, no
-unchecked launches; the router turns CUDA graphs off).
+unchecked launches).
+
+CUDA graphs capture a called module's forward as the kernels it launched, reading its parameters by address (the
+graph fingerprint holds every parameter's): a replay is that forward only while the Python state it branched on is
+unchanged. For peft's LoRA ``Linear`` that state is known and small (active adapters, disabled, merged, each
+adapter's ``scaling``, which the kernels were launched with), so :func:`replay_state` reads it per call and the graph
+fingerprint keys on it: ``set_adapter``, ``disable_adapter()``, ``set_scale`` or a merge drop the graphs, which are
+captured again. Its train-mode ``lora_dropout`` (a graph does not apply dropout), LoRA variants (DoRA, ...), hooks
+inside it and every other module type (unknown state) run eagerly, as do calls with gradients under training graphs.
 
 :func:`read_calls` reads the slots from the live modules; the per-call structure check keeps its result in its
 snapshot (rebuilt whenever a module in a slot changes), so a call pays nothing for it.
@@ -58,9 +66,9 @@ class ModuleCalls:
         return f"{MODULE_CALL}{self.slots[0]}" + (f" and {more} more slot{'s' * (more > 1)}" if more else "")
 
     def graph_reason(self) -> str:
-        """Why no CUDA graph serves the encoder's calls (``describe()``, the graph fallbacks)."""
-        return (f"{self.summary()}: CUDA graphs off (a graph replays the weights it captured, not the module's "
-                "forward); merge adapters (peft's merge_and_unload) for graphs")
+        """Why no training graph serves the encoder's calls with gradients (``describe()``, the graph fallbacks)."""
+        return (f"{self.summary()}: training graphs off (they capture the packed layers' own backward, not the "
+                "module's); merge adapters (peft's merge_and_unload) for them")
 
     def plan_reason(self) -> str:
         """Why the forward runs the checked per-op path (``describe()["encoders"][i]["eager_plan"]``)."""
@@ -86,6 +94,80 @@ def read_calls(model: nn.Module) -> ModuleCalls | None:
     return ModuleCalls(tuple(flags), tuple(slots)) if slots else None
 
 
+_LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")  # (module, qualname) of the called type graphs may replay
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Forward hooks or an instance forward: a replay would skip what they do."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
+
+
+def _lora_state(module: nn.Module) -> tuple | str:
+    """The Python state peft's LoRA ``Linear.forward`` (peft 0.17-0.21) branches on, or why a graph may not replay
+    the module (a str)."""
+    cls = type(module)
+    if (cls.__module__, cls.__qualname__) != _LORA_LINEAR:
+        return ("CUDA graphs off (a graph would replay the module's forward as captured, and only the state of "
+                "peft's LoRA Linear is followed); merge adapters (peft's merge_and_unload) for graphs")
+    state = vars(module)
+    children = state["_modules"]
+    base = children.get("base_layer")
+    if type(base) is not nn.Linear or _hooked(base):
+        return "CUDA graphs off: its base_layer is not a plain nn.Linear"
+    disabled = bool(state.get("_disable_adapters", False))
+    merged = tuple(state.get("merged_adapters", ()))
+    if disabled and merged:
+        return "CUDA graphs off: adapters disabled while merged (peft unmerges them on the next call)"
+    adapters = []
+    if not disabled and not merged:
+        lora_a, lora_b, drops = children.get("lora_A"), children.get("lora_B"), children.get("lora_dropout")
+        variants, scaling = state.get("lora_variant", {}), state.get("scaling", {})
+        for name in module.active_adapters:
+            if lora_a is None or name not in lora_a:
+                continue  # (peft skips it too)
+            if name in variants:
+                return (f"CUDA graphs off: adapter {name!r} is a LoRA variant ({type(variants[name]).__name__}: "
+                        "DoRA, ...), whose state graphs do not follow")
+            a, b, drop = lora_a[name], lora_b[name], drops[name]
+            if type(a) is not nn.Linear or type(b) is not nn.Linear or _hooked(a) or _hooked(b) or _hooked(drop):
+                return f"CUDA graphs off: adapter {name!r} has hooks or non-Linear lora_A / lora_B"
+            if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
+                return (f"CUDA graphs off: adapter {name!r}'s lora_dropout applies (train mode, p={drop.p}), "
+                        "which a replay would not")
+            adapters.append((name, scaling.get(name)))
+    return (id(module), disabled, merged, tuple(adapters), state.get("cast_input_dtype_enabled", True))
+
+
+def replay_state(model: nn.Module, calls: ModuleCalls) -> tuple | str:
+    """What a CUDA graph of the encoder ``model`` depends on in its called slots beyond the parameters' addresses
+    (which the graph fingerprint holds): per slot, peft LoRA's adapter state (:func:`_lora_state`); or why no graph
+    may replay them, as ``"module call at layers.<i>.<slot> (<type>): <why>"``."""
+    key = []
+    for index, (layer, flags) in enumerate(zip(model.layers, calls.layers)):
+        if flags == PLAIN:
+            continue
+        for (parent, name), called in zip(SLOTS, flags):
+            if called:
+                module = layer._modules[parent]._modules[name]
+                state = _lora_state(module)
+                if isinstance(state, str):
+                    return f"{MODULE_CALL}layers.{index}.{parent}.{name} ({type_name(module)}): {state}"
+                key.append(state)
+    return tuple(key)
+
+
+def graph_refusal(model: nn.Module, calls: ModuleCalls | None, training_graph: bool = False) -> str | None:
+    """Why no graph may serve a call of the encoder ``model`` because of its called slots ``calls`` (``None``: a
+    graph may): ``training_graph``, a call with gradients that training graphs would serve (never with a called
+    slot); otherwise an inference graph (:func:`replay_state`)."""
+    if calls is None:
+        return None
+    if training_graph:
+        return calls.graph_reason()
+    state = replay_state(model, calls)
+    return state if isinstance(state, str) else None
+
+
 def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str,
          dtype: torch.dtype | None = None) -> torch.Tensor:
     """``module(x)`` for a called Linear slot: ``x`` ``[T, in_features]`` -> ``[T, width]``, in ``dtype`` where
@@ -106,4 +188,5 @@ def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str,
     return y if dtype is None or y.dtype is dtype else y.to(dtype)
 
 
-__all__ = ["MODULE_CALL", "ModuleCalls", "PLAIN", "SLOTS", "call", "is_called", "read_calls", "type_name"]
+__all__ = ["MODULE_CALL", "ModuleCalls", "PLAIN", "SLOTS", "call", "graph_refusal", "is_called", "read_calls",
+           "replay_state", "type_name"]

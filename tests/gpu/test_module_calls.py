@@ -1,6 +1,7 @@
 """peft LoRA / DoRA layers in the projection slots on CUDA (ModernBERT-base geometry, random init): the packed
-forward calls them (checked per-op path, no CUDA graphs) and matches stock in bf16 with and without autocast,
-gradients included; merging the adapters brings the graphs back.
+forward calls them (checked per-op path) and matches stock in bf16 with and without autocast, gradients included;
+CUDA graphs replay LoRA layers and follow their adapters' state and in-place weight updates; DoRA runs eagerly;
+merging the adapters gives the fused paths back.
 
 Run: ``python -m pytest -q tests/gpu/test_module_calls.py`` (skipped without CUDA or peft).
 """
@@ -48,9 +49,9 @@ def _assert_bf16_parity(out, ref, mask):
 
 @pytest.mark.parametrize("variant", ["lora", "dora"])
 @pytest.mark.parametrize("precision", ["autocast", "bf16"])
-def test_lora_inference_parity_runs_eagerly_with_the_reason(variant, precision):
+def test_lora_inference_parity_graphs_for_lora_eager_for_dora(variant, precision):
     model, encoder = _lora(dtype=torch.bfloat16 if precision == "bf16" else None, use_dora=variant == "dora")
-    ids, mask = _batch()
+    ids, mask = _batch(lengths=(1, 65, 130, 513, 2000))  # within the default graphs' max_seqlen (2048)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast")
     with torch.no_grad(), autocast:
         ref = stock_forward(encoder, ids, mask)
@@ -58,14 +59,57 @@ def test_lora_inference_parity_runs_eagerly_with_the_reason(variant, precision):
     try:
         with torch.no_grad(), autocast, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for _ in range(2):  # a second call would replay a graph if one had been captured
+            for _ in range(3):  # captured, then replayed
                 out = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         _assert_bf16_parity(out, ref, mask)
         info = pe.describe(model)["encoders"][0]
         assert len(info["module_calls"]) == 4 * encoder.config.num_hidden_layers, info["module_calls"][:2]
-        assert info["cuda_graph"]["idle_reason"].startswith("module call at layers.0.attn.Wqkv"), info["cuda_graph"]
-        assert info["cuda_graph"]["graphs"] == 0, info["cuda_graph"]
+        graphs = info["cuda_graph"]
+        if variant == "lora":
+            assert graphs["idle_reason"] is None and graphs["graphs"] >= 1 and graphs["hits"] >= 2, graphs
+        else:
+            assert graphs["idle_reason"].startswith("module call at layers.0.attn.Wqkv"), graphs
+            assert "LoRA variant" in graphs["idle_reason"] and graphs["graphs"] == 0, graphs
         assert info["packed"] and info.get("runs_stock") is None, info.get("runs_stock")
+    finally:
+        pe.unpack(model)
+
+
+def test_lora_graphs_follow_weight_updates_and_adapter_state():
+    """A replay reads the adapters' weights by address (an in-place update, as an optimizer step makes, is seen)
+    and is keyed on their state (``disable_adapter()``, ``set_scale``): each output is stock's for the model as it
+    is at that call."""
+    model, encoder = _lora()
+    ids, mask = _batch(seed=3, lengths=(7, 65, 300, 1000))
+    pe.pack(model, validate=False)
+
+    def both():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            out = [encoder(input_ids=ids, attention_mask=mask).last_hidden_state for _ in range(2)]
+            ref = stock_forward(encoder, ids, mask)
+        for o in out:
+            _assert_bf16_parity(o, ref, mask)
+        return out[-1]
+
+    try:
+        first = both()
+        hits = pe.describe(model)["encoders"][0]["cuda_graph"]["hits"]
+        assert hits >= 1
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(-1.0)  # in place: the graph's addresses, new values
+        flipped = both()
+        assert (flipped - first)[mask.bool()].abs().max() > 1e-2
+        with model.disable_adapter():
+            base = both()
+        for module in model.modules():
+            if hasattr(module, "set_scale") and hasattr(module, "lora_A"):
+                module.set_scale("default", 0.5)
+        halved = both()
+        assert (halved - flipped)[mask.bool()].abs().max() > 1e-2 and (halved - base)[mask.bool()].abs().max() > 1e-3
+        info = pe.describe(model)["encoders"][0]["cuda_graph"]
+        assert info["hits"] >= hits + 4 and info["invalidations"] >= 2 and info["fallbacks"] == {}, info
     finally:
         pe.unpack(model)
 
