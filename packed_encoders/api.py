@@ -138,9 +138,12 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
             state.report = report
             if not report.passed:
                 result = ValidationReport([report])
+                kernels = _hub_kernels(model)
+                hub = ("" if not kernels else "\nstock ran transformers hub kernels the packed path replaces: "
+                       + "; ".join(kernels))
                 # neutral wording: the summary says whether the packed path or the model itself is at fault
                 raise ValidationError("pack(): validation against stock Hugging Face failed; the model is "
-                                      "unchanged:\n" + result.summary(), result)
+                                      "unchanged:\n" + result.summary() + hub, result)
         planned.append((model, state))
     for model, state in planned:
         previous = replaced_forward(model)
@@ -253,9 +256,11 @@ def describe(target) -> dict:
     ``tuning`` (the switches read at ``pack()``), ``padded_outputs``, ``read_around`` (what heads around the
     encoder read besides trailing positions: ``position_zero``, a ``classifier_pooling="cls"`` head's
     ``"column 0"`` / ``"first real token"`` or ``None``, and ``label_checks``, the classes of the heads whose calls'
-    labels are checked), ``module_calls`` (the projection slots whose module the packed forward calls, e.g. peft
-    LoRA layers, as ``"layers.<i>.<slot> (<module type>)"``; with any, calls run eagerly on the per-op checked path
-    and ``cuda_graph["idle_reason"]`` says why), ``validated`` (``True`` / ``False``: what ``pack()``'s check
+    labels are checked), ``hub_kernels`` (transformers hub kernels bound to the encoder, e.g. by
+    ``use_kernels=True``, which the packed forward does not call: it runs its own), ``module_calls`` (the projection
+    slots whose module the packed forward calls, e.g. peft
+    LoRA layers, as ``"layers.<i>.<slot> (<module type>)"``; with any, calls run the per-op checked path, and CUDA
+    graphs replay peft's LoRA layers only: ``cuda_graph["idle_reason"]`` says why not others), ``validated`` (``True`` / ``False``: what ``pack()``'s check
     against stock found;
     ``None``: not validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype
     and device it was checked in).
@@ -305,6 +310,7 @@ def describe(target) -> dict:
                                           state.runtime.get("eager_stack_pointers_off")),
                 "cuda_graph": describe_graphs(state, weight.device, model),
                 "module_calls": _module_call_slots(model),
+                "hub_kernels": _hub_kernels(model),
                 "tuning": state.tuning.describe(),
                 "padded_outputs": ("zeros" if trailing is None else
                                    "trailing masked positions computed" + (
@@ -322,6 +328,20 @@ def _module_call_slots(model: nn.Module) -> list[str]:
     """The projection slots whose module the packed forward calls, read from the live modules."""
     calls = read_calls(model)
     return [] if calls is None else list(calls.slots)
+
+
+def _hub_kernels(model: nn.Module) -> list[str]:
+    """transformers' hub kernels (``kernelize``, sentence-transformers' ``use_kernels=True``) bound to the encoder's
+    attention modules (``_kernel_funcs``: ModernBERT's ``rotary_pos_emb``). The packed forward runs its own kernels
+    for the whole attention block, RoPE included, so these run only under ``pe.unpack`` or a stock fallback."""
+    found: dict[str, int] = {}
+    for layer in model.layers:
+        for name, func in (vars(layer.attn).get("_kernel_funcs") or {}).items():
+            if "forward" in getattr(func, "__dict__", {}):  # (kernelize sets the hub kernel's forward there)
+                found[name] = found.get(name, 0) + 1
+    return [f"{name} on {n} of {len(model.layers)} layers: not called (the packed path applies its own RoPE)"
+            if name == "rotary_pos_emb" else f"{name} on {n} of {len(model.layers)} layers: not called"
+            for name, n in found.items()]
 
 
 def _plan_facts(plan, dropout: bool | None = None, stack_pointers_off: str | None = None) -> dict | None:

@@ -550,3 +550,52 @@ def test_pack_again_after_a_dtype_change_validates_in_the_new_dtype():
     pe.pack(model)
     d = pe.describe(model)["encoders"][0]
     assert d["validated"] is True and d["validated_as"] == "float64 on cpu"
+
+
+def _rope(q, k, cos, sin, unsqueeze_dim=1, scale=1.0):
+    """Stock's RoPE (``apply_rotary_pos_emb``), times ``scale``."""
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return tuple((scale * (t.float() * cos + rotate(t.float()) * sin)).to(t.dtype) for t in (q, k))
+
+
+class _KernelFunc(nn.Module):
+    """transformers' ``_kernel_funcs`` entry where the ``kernels`` package is not installed (then nothing routes a
+    call to it): a module wrapping a function, whose ``forward`` ``kernelize`` sets on the instance."""
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _rope(q, k, cos, sin, unsqueeze_dim)
+
+
+def test_hub_kernels_are_named_in_describe_and_in_a_failed_validation():
+    """A hub RoPE kernel bound to the attention modules (``use_kernels=True``: ``kernelize`` sets the forward of
+    each attention's ``_kernel_funcs["rotary_pos_emb"]``) is not what the packed path runs: describe() names it,
+    and where stock's output with it disagrees (a kernel computing another function), pack()'s validation error
+    names it too (with the ``kernels`` package, which routes stock's RoPE to it)."""
+    import types
+
+    model = make_model("tiny")
+    routed = "_kernel_funcs" in vars(model.layers[0].attn)  # (transformers with the kernels package)
+    assert pe.describe(pe.pack(model, validate=False))["encoders"][0]["hub_kernels"] == []
+    pe.unpack(model)
+
+    def kernelize(fn):
+        for layer in model.layers:
+            funcs = vars(layer.attn).setdefault("_kernel_funcs", {"rotary_pos_emb": _KernelFunc()})
+            func = funcs["rotary_pos_emb"]
+            func.forward = types.MethodType(fn, func)
+
+    kernelize(lambda self, *args, **kwargs: _rope(*args, **kwargs))
+    kernels = pe.describe(pe.pack(model))["encoders"][0]["hub_kernels"]  # (the same function: validation passes)
+    n = len(model.layers)
+    assert kernels == [f"rotary_pos_emb on {n} of {n} layers: not called (the packed path applies its own RoPE)"]
+    pe.unpack(model)
+    if not routed:
+        return
+    kernelize(lambda self, *args, **kwargs: _rope(*args, **kwargs, scale=2.0))
+    with pytest.raises(pe.ValidationError, match="stock ran transformers hub kernels the packed path replaces: "
+                                                 "rotary_pos_emb on"):
+        pe.pack(model)
