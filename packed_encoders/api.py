@@ -355,7 +355,8 @@ def _plan_facts(plan, dropout: bool | None = None, stack_pointers_off: str | Non
     ``stack_off``: why a call with gradients did not (one node per block, or per op), ``None`` when it did or no
     gradient was wanted; ``stack_pointers``: that node launched its kernels on raw pointers
     (``model.stack_pointers``), ``stack_pointers_off``: why it did not), ``dropout``: some dropout module applied
-    dropout in that call (its train mode and a non-zero rate, read live)."""
+    dropout in that call (its train mode and a non-zero rate, read live), ``merged_lora_slots``: how many projection
+    slots holding a peft LoRA layer ran as one GEMM on its merged weight (``model.calls.merged_weights``)."""
     if plan is None:
         return None
     off = pointers_off(launch=plan.pointers)  # (a plan that runs pointers has the Triton family: Triton imports)
@@ -363,7 +364,8 @@ def _plan_facts(plan, dropout: bool | None = None, stack_pointers_off: str | Non
             "pointers": plan.pointers and off is None, "pointers_off": off,
             "blocks": None if plan.kernels is None else plan.kernels.name, "stack": plan.stack,
             "stack_off": plan.stack_off, "stack_pointers": plan.stack and stack_pointers_off is None,
-            "stack_pointers_off": stack_pointers_off if plan.stack else None, "dropout": dropout}
+            "stack_pointers_off": stack_pointers_off if plan.stack else None, "dropout": dropout,
+            "merged_lora_slots": plan.merged}
 
 
 def _single_encoder(model) -> nn.Module:

@@ -5,6 +5,7 @@ Packed against stock HF on the same model (stock runs the same LoRA layers on pa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -238,6 +239,104 @@ def test_any_token_wise_module_is_called_and_a_wrong_width_is_named():
     with pytest.raises(pe.UnsupportedTargetError, match=r"layers.1.attn.Wo \(.*Declared\) maps 64 -> 32 features, "
                                                         r"not 64 -> 64"):
         pe.pack(encoder, validate=False)
+
+
+# ------------------------------------------------------------------------------------------------ merged weights
+
+
+def _count_lora_forwards(monkeypatch) -> list:
+    from peft.tuners.lora import layer as lora_layer
+
+    seen, real = [], lora_layer.Linear.forward
+    monkeypatch.setattr(lora_layer.Linear, "forward", lambda self, *a, **k: seen.append(1) or real(self, *a, **k))
+    return seen
+
+
+def _count_merges(monkeypatch) -> list:
+    from packed_encoders.model import calls
+
+    seen, real = [], calls._merge
+    monkeypatch.setattr(calls, "_merge", lambda *a: seen.append(1) or real(*a))
+    return seen
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
+def test_no_grad_calls_run_lora_layers_as_merged_weights_made_once(monkeypatch, autocast):
+    """Without gradients a LoRA layer runs as one Linear on ``W + s B A`` (peft's forward is not called), merged
+    once and reused while the weights are unchanged; an in-place update of an adapter merges again, and the
+    outputs are stock's (peft's own forward on padded rows) at every step. With gradients peft's forward runs."""
+    model, encoder = _peft_model(ALL)
+    ids, mask = _batch()
+    pe.pack(model, validate=False)
+    forwards, merges = _count_lora_forwards(monkeypatch), _count_merges(monkeypatch)
+    slots = 4 * encoder.config.num_hidden_layers
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    tol = dict(cos_min=0.999, atol=None) if autocast else {}
+
+    def check():
+        with torch.no_grad(), ctx():
+            out = _out(model, ids, mask)
+            n = len(forwards)
+            ref = stock_forward(encoder, ids, mask)
+            del forwards[n:]  # (stock's calls)
+        _assert_parity(out.float(), ref.float(), mask, **tol)
+        return out
+
+    first = check()
+    assert forwards == [] and len(merges) == slots, (len(forwards), len(merges))
+    assert pe.describe(model)["encoders"][0]["eager_plan"]["merged_lora_slots"] == slots
+    check()
+    assert len(merges) == slots  # (reused)
+    with torch.no_grad():
+        encoder.layers[1].mlp.Wi.lora_B["default"].weight.mul_(-1.0)
+    changed = check()
+    assert len(merges) == slots + 1 and _differs(changed, first, mask, by=1e-3)  # (that slot only)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = _out(model, ids, mask)  # with gradients: peft's forward, as stock
+    assert len(forwards) == slots
+    _assert_parity(out.float().detach(), changed.float(), mask, **tol)
+
+
+def test_merged_weights_follow_peft_state_and_leave_the_rest_called(monkeypatch):
+    """disable_adapter(), set_scale, merge_adapter / unmerge_adapter (through .data) and a second adapter are
+    followed; DoRA, train-mode lora_dropout and other modules stay called (peft's / their own forward)."""
+    model, encoder = _peft_model(ALL)
+    model.add_adapter("other", _config(["Wqkv", "Wi"]))
+    _randomise(model, seed=2, scale=0.5)
+    ids, mask = _batch()
+    pe.pack(model, validate=False)
+
+    def both():
+        with torch.no_grad():
+            out, ref = _out(model, ids, mask), stock_forward(encoder, ids, mask)
+        _assert_parity(out, ref, mask)
+        return out
+
+    first = both()
+    with model.disable_adapter():
+        assert _differs(both(), first, mask)
+    for module in model.modules():
+        if hasattr(module, "set_scale") and hasattr(module, "lora_A"):
+            module.set_scale("default", 0.25)
+    assert _differs(both(), first, mask)
+    model.set_adapter("other")
+    both()
+    model.merge_adapter()
+    merged = both()
+    model.unmerge_adapter()
+    _assert_parity(both(), merged, mask)
+    assert pe.describe(model)["encoders"][0]["eager_plan"]["merged_lora_slots"] == 4 * len(encoder.layers)
+
+    forwards = _count_lora_forwards(monkeypatch)
+    dora, dora_encoder = _peft_model(["Wqkv"], use_dora=True)
+    pe.pack(dora, validate=False)
+    with torch.no_grad():
+        out = _out(dora, ids, mask)
+        calls = len(forwards)
+        _assert_parity(out, stock_forward(dora_encoder, ids, mask), mask)
+    plan = pe.describe(dora)["encoders"][0]["eager_plan"]
+    assert calls == len(dora_encoder.layers) and plan["merged_lora_slots"] == 0, plan
+    assert plan["why_checked"].startswith(f"module call at layers.0.attn.Wqkv ({LORA})"), plan
 
 
 # ------------------------------------------------------------------------------------------------ training

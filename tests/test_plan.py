@@ -376,11 +376,11 @@ def test_workspace_size_classes_cover_the_request_within_a_quarter():
 # ------------------------------------------------------------------------------------------------ called slots
 
 
-def _lora(model, targets, seed: int = 1):
+def _lora(model, targets, seed: int = 1, **kw):
     """``model`` with peft LoRA layers on ``targets`` (r=4), ``lora_B`` random (peft initialises it to zero)."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(seed)
-    model = peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets), model)
+    model = peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, **kw), model)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -427,10 +427,11 @@ def test_called_slots_turn_off_the_routes_that_read_their_weights(fused):
     assert g.stack_off == "one autograd node per op: module call at layers.0.attn.Wqkv (X) and 1 more slot"
 
 
-def test_called_slots_never_reach_a_weight_reading_route():
+@pytest.mark.parametrize("dora", [False, True], ids=["lora_merged", "dora_called"])
+def test_called_slots_never_reach_a_weight_reading_route(dora):
     """With every weight-reading route an op set has consulted (quack forced: the projections, the Wi + GLU epilogue
-    and the RoPE epilogue), the plain slots' weights reach them and no called slot's weight does; the output is
-    stock's, LoRA included."""
+    and the RoPE epilogue), the plain slots' weights reach them and no called slot's base weight does: a LoRA
+    layer's merged weight does (a new tensor), a DoRA layer is called; the output is stock's, adapters included."""
     from dataclasses import replace
 
     from torch.nn import functional as F
@@ -439,7 +440,7 @@ def test_called_slots_never_reach_a_weight_reading_route():
     from tests.helpers import stock, stock_positions
 
     model = _lora(make_model("base_like"), ["layers.0.attn.Wqkv", "layers.1.mlp.Wi", "layers.2.attn.Wo",
-                                            "layers.3.mlp.Wo"])
+                                            "layers.3.mlp.Wo"], use_dora=dora)
     params = ModernBertParams.from_hf_config(model.config)
     seen = []
 
@@ -468,8 +469,9 @@ def test_called_slots_never_reach_a_weight_reading_route():
              for parent, name in (("attn", "Wqkv"), ("attn", "Wo"), ("mlp", "Wi"), ("mlp", "Wo"))]
     called = [m for m in slots if type(m) is not torch.nn.Linear]
     assert len(called) == 4
-    assert {id(w) for w in seen} == {id(m.weight) for m in slots if m not in called}
-    assert not {id(w) for w in seen} & {id(m.base_layer.weight) for m in called}
+    plain = {id(m.weight) for m in slots if m not in called}
+    assert plain <= {id(w) for w in seen} and not {id(w) for w in seen} & {id(m.base_layer.weight) for m in called}
+    assert len({id(w) for w in seen} - plain) == (0 if dora else 4)  # (the merged weights)
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -489,7 +491,10 @@ def test_fused_kernels_around_lora_layers_match_stock(fused, grad):
                                         rules=plan_mod.Rules(lean=True, blocks=True)))
         ref = stock(model, input_ids=ids, attention_mask=mask, position_ids=stock_positions(mask)).last_hidden_state
     plan = plan_mod.last_plan()
-    assert plan.calls is not None and not plan.direct and plan.kernels is None and not plan.pointers
+    if grad:
+        assert plan.calls is not None and not plan.direct and plan.kernels is None and not plan.pointers
+    else:  # LoRA layers as merged weights: the unchecked launches, no raw pointers (they read the modules)
+        assert plan.calls is None and plan.merged == 4 * len(model.layers) and not plan.pointers
     real = mask.bool()
     torch.testing.assert_close(out[real], ref[real], atol=2e-5, rtol=1e-4)
     if grad:

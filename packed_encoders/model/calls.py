@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import PackedEncodersError
+from ..ops.weight_cast import cast, derived, expire
 
 # a layer's Linear slots, in the order of the flags below: (parent module, attribute)
 SLOTS = (("attn", "Wqkv"), ("attn", "Wo"), ("mlp", "Wi"), ("mlp", "Wo"))
@@ -156,6 +157,62 @@ def replay_state(model: nn.Module, calls: ModuleCalls) -> tuple | str:
     return tuple(key)
 
 
+def _merge(weight, bias, terms, dtype) -> tuple:
+    """``(W + sum s B A, b + sum s b_B)`` in ``dtype``, summed in fp32 (autocast off: it would round the product)."""
+    with torch.autocast(weight.device.type, enabled=False):
+        w = weight.float() + sum(s * (b_w.float() @ a_w.float()) for a_w, b_w, _, s in terms)
+        extra = [s * b_b.float() for _, _, b_b, s in terms if b_b is not None]
+        b = bias if not extra else (0 if bias is None else bias.float()) + sum(extra)
+    return w.to(dtype), None if b is None else b.to(dtype)
+
+
+def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | None) -> tuple:
+    """For a call without gradients: the called slots holding a peft LoRA ``Linear`` whose forward is one Linear
+    map now (:func:`_lora_state`: vanilla LoRA, no dropout applied, no hooks) as that map's ``(weight, bias)``,
+    ``W + sum_a scaling_a * B_a @ A_a`` (the base layer's own when the adapters are disabled or merged), in ``dtype``
+    (``None``: the base weight's), made once and reused while the weights and adapters are unchanged
+    (:func:`..ops.weight_cast.derived`); so the slot runs as one GEMM on the fused routes instead of peft's ops on
+    ``[T, out]`` rows.
+
+    Returns:
+        ``(left, table)``: the slots still called (:class:`ModuleCalls`, ``None`` when none is) and
+        ``{(layer, slot position in SLOTS): (weight, bias)}``.
+    """
+    table, rows, left, expired = {}, [], [], False
+    for index, (layer, flags) in enumerate(zip(model.layers, calls.layers)):
+        if flags == PLAIN:
+            rows.append(flags)
+            continue
+        row = list(flags)
+        for pos, ((parent, name), called) in enumerate(zip(SLOTS, flags)):
+            if not called:
+                continue
+            module = layer._modules[parent]._modules[name]
+            state = _lora_state(module)
+            if isinstance(state, str) or getattr(module, "fan_in_fan_out", False):
+                left.append(f"layers.{index}.{parent}.{name} ({type_name(module)})")
+                continue
+            row[pos] = False
+            base = module._modules["base_layer"]
+            weight, bias = base.weight, base.bias
+            adapters = state[3]
+            if not adapters:  # disabled or merged: the base layer alone
+                if state[2] and not expired:
+                    # peft merges and unmerges through .data (no version bump): no copy of a weight made before
+                    # may serve while a layer is merged, nor after it is unmerged again
+                    expire()
+                    expired = True
+                table[(index, pos)] = (cast(weight, dtype), cast(bias, dtype))
+                continue
+            lora_a, lora_b = module._modules["lora_A"], module._modules["lora_B"]
+            terms = tuple((lora_a[n].weight, lora_b[n].weight, lora_b[n].bias, s) for n, s in adapters)
+            sources = tuple(t for t in (weight, bias, *(x for term in terms for x in term[:3])) if t is not None)
+            table[(index, pos)] = derived(sources, ("lora", adapters, dtype),
+                                          lambda w=weight, b=bias, t=terms: _merge(w, b, t, dtype or w.dtype))
+        rows.append(tuple(row))
+    return (ModuleCalls(tuple(rows), tuple(left)) if left else None), table
+
+
 def graph_refusal(model: nn.Module, calls: ModuleCalls | None, training_graph: bool = False) -> str | None:
     """Why no graph may serve a call of the encoder ``model`` because of its called slots ``calls`` (``None``: a
     graph may): ``training_graph``, a call with gradients that training graphs would serve (never with a called
@@ -188,5 +245,5 @@ def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str,
     return y if dtype is None or y.dtype is dtype else y.to(dtype)
 
 
-__all__ = ["MODULE_CALL", "ModuleCalls", "PLAIN", "SLOTS", "call", "graph_refusal", "is_called", "read_calls",
-           "replay_state", "type_name"]
+__all__ = ["MODULE_CALL", "ModuleCalls", "PLAIN", "SLOTS", "call", "graph_refusal", "is_called", "merged_weights",
+           "read_calls", "replay_state", "type_name"]

@@ -26,7 +26,7 @@ from ..ops import TORCH_OPS, OpSet, rope_tables
 from ..ops.rope import cached_pair_freq_table, cached_position_tables
 from ..ops.weight_cast import cast, expire
 from .blocks import compute_dtype, run_layer_blocks
-from .calls import ModuleCalls, read_calls
+from .calls import ModuleCalls, merged_weights, read_calls
 from .calls import call as call_module
 from .dropout import applies_attention_dropout, dropout_modules, rate
 from .params import ModernBertParams
@@ -187,6 +187,9 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     dtype = activation_dtype(model)
     if calls is READ:
         calls = read_calls(model)
+    merged = None
+    if calls is not None and not grad:  # peft LoRA layers as one Linear each (the others stay called)
+        calls, merged = merged_weights(model, calls, compute_dtype(batch.device.type))
     if attention is None:
         # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules)
         any_attn_p = applies_attention_dropout(dropout_modules(model), params.attention_dropout)
@@ -202,7 +205,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         ckpt = tuple(fn if layer.training else None for fn, layer in zip(flags, model.layers))
         stack_off = stack_problem(batch, any(ckpt), hidden_states is not None)
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
-                    grad=grad, rules=rules, stack_off=stack_off, calls=calls)
+                    grad=grad, rules=rules, stack_off=stack_off, calls=calls, merged=len(merged or ()))
     if plan.pointers and hidden_states is None and out is None:
         y = run_pointers(model, params, batch, plan, rope_inputs,
                          lambda: encoder_forward(model, params, batch, attention=attention, ops=ops, rules=rules,
@@ -305,7 +308,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 qkv, rotated = call_module(wqkv, normed, 3 * nh * hd, index, "attn.Wqkv", dtype), None
             else:
                 normed = to_wdt(normed)
-                w, b = cast(wqkv.weight, wdt), cast(wqkv.bias, wdt)
+                w, b = (merged and merged.get((index, 0))) or (cast(wqkv.weight, wdt), cast(wqkv.bias, wdt))
                 rotated = rope_linear(normed, w, b, is_global) if step.rope_linear else None
                 qkv = linear(normed, w, b) if rotated is None else None
             normed = None
@@ -329,7 +332,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             if called_o:
                 o = call_module(wo, a, params.hidden_size, index, "attn.Wo")
             else:
-                o = linear(a, cast(wo.weight, wdt), cast(wo.bias, wdt))
+                o = linear(a, *((merged and merged.get((index, 1))) or (cast(wo.weight, wdt), cast(wo.bias, wdt))))
             o = _dropout(o, attn.out_drop)
             a = None
             x, normed = res_ln(x, o, *_norm_args(layer.mlp_norm), out_dtype=None if called_i else wdt)
@@ -341,7 +344,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 h = run.glu(h, params.activation)
             else:
                 normed = to_wdt(normed)
-                w, b = cast(wi.weight, wdt), cast(wi.bias, wdt)
+                w, b = (merged and merged.get((index, 2))) or (cast(wi.weight, wdt), cast(wi.bias, wdt))
                 if glu_path == "split":
                     h = run.glu(F.linear(normed, w, b), params.activation)
                 else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
@@ -352,7 +355,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             wo = mlp.Wo
             if called_o2:
                 return x, call_module(wo, g, params.hidden_size, index, "mlp.Wo")
-            return x, linear(g, cast(wo.weight, wdt), cast(wo.bias, wdt))
+            return x, linear(g, *((merged and merged.get((index, 3))) or (cast(wo.weight, wdt), cast(wo.bias, wdt))))
 
     pending = None
     last = params.num_hidden_layers - 1

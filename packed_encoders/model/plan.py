@@ -150,6 +150,7 @@ class Plan:
     stack: bool = False  # with gradients: every layer's blocks in one autograd node (.stack)
     stack_off: str | None = None  # with gradients and no stack: why (.stack.stack_problem, the rules, the op set)
     calls: ModuleCalls | None = None  # the Linear slots whose module the forward calls (None: all nn.Linear)
+    merged: int = 0  # slots holding peft LoRA layers run as one GEMM on their merged weights (.calls.merged_weights)
 
 
 NOT_ASKED = "not asked for by the caller"  # plan_for's default stack_off: one node per block
@@ -175,13 +176,15 @@ def _quack_active(ops: OpSet, device: torch.device, tokens: int, rules: Rules) -
 
 def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens: int, max_seqlen: int,
              dtype: torch.dtype, device: torch.device, grad: bool, rules: Rules | None = None,
-             stack_off: str | None = NOT_ASKED, calls: ModuleCalls | None = None) -> Plan:
+             stack_off: str | None = NOT_ASKED, calls: ModuleCalls | None = None, merged: int = 0) -> Plan:
     """The :class:`Plan` of one call (cached per call class; see the module docstring).
 
     ``attention``: ``{window: Decision}`` from :func:`..model.forward.plan_attention` (global: ``None``);
     ``stack_off``: why the call cannot run every layer as one autograd node (:func:`.stack.stack_problem`), or
     ``None`` when it can; kept on the plan for ``describe()``; ``calls``: the encoder's called Linear slots
-    (:func:`.calls.read_calls`; ``None``: every slot is an ``nn.Linear``, whose plans are as they were without it).
+    (:func:`.calls.read_calls`; ``None``: every slot is an ``nn.Linear``, whose plans are as they were without it);
+    ``merged``: how many slots run on merged adapter weights (:func:`.calls.merged_weights`), which the raw-pointer
+    runs, reading every slot's module, do not take.
     """
     rules = rules or default_rules()
     compiling = torch.compiler.is_compiling()
@@ -194,12 +197,12 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
     small_linear = host_bound and 0 < tokens <= rules.small_linear_max_tokens
     glu_eager = host_bound and 0 < tokens <= rules.glu_eager_max_tokens
     # raw-pointer runs: host-bound eager calls only (a graph's capture or warm-up records the tensor path)
-    pointers = host_bound and tokens <= rules.pointer_max_tokens
+    pointers = host_bound and tokens <= rules.pointer_max_tokens and not merged
     rope_local_fused = tokens < rules.fused_rope_max_tokens or compiling
     decisions = tuple(sorted(((-1 if w is None else w), d.backend) for w, d in attention.items()))
     autocast = device.type == "cuda" and torch.is_autocast_enabled("cuda")
     key = (params, id(ops), rules, dtype, device, grad, compiling, quack, glu_small, glu_eager, small_linear,
-           rope_local_fused, decisions, params.window >= max_seqlen - 1, autocast, stack_off, pointers, calls)
+           rope_local_fused, decisions, params.window >= max_seqlen - 1, autocast, stack_off, pointers, calls, merged)
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is ops:
         _LAST.plan = hit[1]
@@ -208,6 +211,8 @@ def plan_for(params: ModernBertParams, ops: OpSet, attention: Mapping, *, tokens
                                device=device, grad=grad, rules=rules, quack=quack, glu_small=glu_small,
                                glu_eager=glu_eager, small_linear=small_linear, compiling=compiling, autocast=autocast,
                                stack_off=stack_off, pointers=pointers, calls=calls)
+    if merged:
+        plan = _LAST.plan = replace(plan, merged=merged)
     with _LOCK:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
