@@ -258,11 +258,10 @@ def describe(target) -> dict:
     ``"column 0"`` / ``"first real token"`` or ``None``, and ``label_checks``, the classes of the heads whose calls'
     labels are checked), ``hub_kernels`` (transformers hub kernels bound to the encoder, e.g. by
     ``use_kernels=True``, which the packed forward does not call: it runs its own), ``module_calls`` (the projection
-    slots whose module the packed forward calls, e.g. peft
-    LoRA layers, as ``"layers.<i>.<slot> (<module type>)"``; with any, calls run the per-op checked path, and CUDA
-    graphs replay peft's LoRA layers only: ``cuda_graph["idle_reason"]`` says why not others), ``validated`` (``True`` / ``False``: what ``pack()``'s check
-    against stock found;
-    ``None``: not validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype
+    slots whose module the packed forward calls, e.g. peft LoRA layers, as ``"layers.<i>.<slot> (<module type>)"``;
+    without gradients LoRA layers run on merged weights (``eager_plan["merged_lora_slots"]``), the others are called
+    on the per-op checked path; CUDA graphs replay peft's LoRA layers only: ``cuda_graph["idle_reason"]`` says why
+    not others), ``validated`` (``True`` / ``False``: what ``pack()``'s check against stock found; ``None``: not validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype
     and device it was checked in).
 
     Raises:

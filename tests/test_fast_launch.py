@@ -284,7 +284,7 @@ def test_fast_launch_off_names_why(monkeypatch):
     monkeypatch.setattr(R, "_hooks_active", lambda: False)
     assert R.fast_launch_off() is None
     plan = SimpleNamespace(direct=True, why_checked=None, glu="split", linear_route="F.linear", pointers=True,
-                           kernels=None, stack=False, stack_off=None)
+                           kernels=None, stack=False, stack_off=None, merged=0)
     assert _plan_facts(plan)["pointers"] is True and _plan_facts(plan)["pointers_off"] is None
     monkeypatch.setattr(triton, "__version__", "3.10.0")
     why = R.fast_launch_off()

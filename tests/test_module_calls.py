@@ -613,6 +613,7 @@ def test_module_registrations_elsewhere_keep_the_cast_copies():
     and modules built elsewhere, keep them (one cast per weight change, not per call)."""
     from packed_encoders.ops import weight_cast
 
+    weight_cast.clear()  # (ids of tensors earlier tests' copies were made from may be reused by the ones below)
     encoder = make_model("tiny")
     ids, mask = _batch()
     pe.pack(encoder)

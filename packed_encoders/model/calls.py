@@ -10,9 +10,13 @@ same rows), and every route that reads a weight for that slot stays off (:mod:`.
 on a called ``Wqkv``, no ``Wi`` + GLU GEMM on a called ``Wi``, no raw-pointer runs, training blocks or stack, no
 unchecked launches).
 
-CUDA graphs capture a called module's forward as the kernels it launched, reading its parameters by address (the
-graph fingerprint holds every parameter's): a replay is that forward only while the Python state it branched on is
-unchanged. For peft's LoRA ``Linear`` that state is known and small (active adapters, disabled, merged, each
+Without gradients, a slot whose peft LoRA layer is one linear map now (:func:`merged_weights`) is not called: it
+runs as one GEMM on ``W + sum s B A``, made once per weight version, on every route a plain slot takes but the
+raw-pointer runs (which read the slots' modules).
+
+CUDA graphs capture what a call launched for these slots (the merge, or the module's forward), reading parameters by
+address (the graph fingerprint holds every parameter's): a replay is that only while the Python state it branched on
+is unchanged. For peft's LoRA ``Linear`` that state is known and small (active adapters, disabled, merged, each
 adapter's ``scaling``, which the kernels were launched with), so :func:`replay_state` reads it per call and the graph
 fingerprint keys on it: ``set_adapter``, ``disable_adapter()``, ``set_scale`` or a merge drop the graphs, which are
 captured again. Its train-mode ``lora_dropout`` (a graph does not apply dropout), LoRA variants (DoRA, ...), hooks

@@ -61,9 +61,14 @@ def test_lora_inference_parity_graphs_for_lora_eager_for_dora(variant, precision
             warnings.simplefilter("ignore")
             for _ in range(3):  # captured, then replayed
                 out = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+            with pe.no_cuda_graph(model):
+                eager = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         _assert_bf16_parity(out, ref, mask)
+        _assert_bf16_parity(eager, ref, mask)
         info = pe.describe(model)["encoders"][0]
-        assert len(info["module_calls"]) == 4 * encoder.config.num_hidden_layers, info["module_calls"][:2]
+        slots = 4 * encoder.config.num_hidden_layers
+        assert info["eager_plan"]["merged_lora_slots"] == (slots if variant == "lora" else 0), info["eager_plan"]
+        assert len(info["module_calls"]) == slots, info["module_calls"][:2]
         graphs = info["cuda_graph"]
         if variant == "lora":
             assert graphs["idle_reason"] is None and graphs["graphs"] >= 1 and graphs["hits"] >= 2, graphs
