@@ -261,8 +261,9 @@ def describe(target) -> dict:
     slots whose module the packed forward calls, e.g. peft LoRA layers, as ``"layers.<i>.<slot> (<module type>)"``;
     without gradients LoRA layers run on merged weights (``eager_plan["merged_lora_slots"]``), the others are called
     on the per-op checked path; CUDA graphs replay peft's LoRA layers only: ``cuda_graph["idle_reason"]`` says why
-    not others), ``validated`` (``True`` / ``False``: what ``pack()``'s check against stock found; ``None``: not validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype
-    and device it was checked in).
+    not others), ``validated`` (``True`` / ``False``: what ``pack()``'s check against stock found; ``None``: not
+    validated, or for another dtype or device than the encoder's now) and ``validated_as`` (the dtype and device it
+    was checked in).
 
     Raises:
         UnsupportedTargetError: no ModernBERT encoder inside ``target``.

@@ -136,7 +136,9 @@ def _lora_state(module: nn.Module) -> tuple | str:
             a, b, drop = lora_a[name], lora_b[name], drops[name]
             if type(a) is not nn.Linear or type(b) is not nn.Linear or _hooked(a) or _hooked(b) or _hooked(drop):
                 return f"CUDA graphs off: adapter {name!r} has hooks or non-Linear lora_A / lora_B"
-            if isinstance(drop, nn.Dropout) and drop.training and drop.p > 0:
+            if type(drop) not in (nn.Identity, nn.Dropout):
+                return f"CUDA graphs off: adapter {name!r}'s lora_dropout is a {type(drop).__name__}"
+            if type(drop) is nn.Dropout and drop.training and drop.p > 0:
                 return (f"CUDA graphs off: adapter {name!r}'s lora_dropout applies (train mode, p={drop.p}), "
                         "which a replay would not")
             adapters.append((name, scaling.get(name)))
