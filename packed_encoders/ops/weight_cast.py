@@ -193,6 +193,12 @@ _DERIVED: dict = {}
 _MAX_DERIVED = 4096  # a bound on memory (entries are per module and tag), not a working limit
 
 
+def _group_stamp(tensors: tuple) -> tuple:
+    """What an entry made from ``tensors`` is valid for: :func:`cast`'s tests over every tensor."""
+    return (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
+            tuple(t.data_ptr() for t in tensors))
+
+
 def derived(sources: tuple, tag, make) -> tuple:
     """``make()`` (a tuple of tensors computed from the tensors ``sources`` without gradient, e.g. a LoRA layer's
     merged weight and bias), kept and handed out again while every source is unchanged and ``tag`` (hashable: what
@@ -205,8 +211,7 @@ def derived(sources: tuple, tag, make) -> tuple:
     if not _STATE["hooked"]:
         _install_hook()
     key = (tuple(map(id, sources)), tag)
-    stamp = (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, sources)),
-             tuple(t.data_ptr() for t in sources))
+    stamp = _group_stamp(sources)
     hit = _DERIVED.get(key)
     if hit is not None and hit[1] == stamp:
         return hit[2]
@@ -241,8 +246,7 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
         if not _STATE["hooked"]:
             _install_hook()
         key = (tuple(map(id, tensors)), dtype)
-        stamp = (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
-                 tuple(t.data_ptr() for t in tensors))
+        stamp = _group_stamp(tensors)
         hit = _GROUPS.get(key)
         if hit is not None and hit[1] == stamp:
             return hit[2]
