@@ -261,10 +261,11 @@ def _count_merges(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
-def test_no_grad_calls_run_lora_layers_as_merged_weights_made_once(monkeypatch, autocast):
-    """Without gradients a LoRA layer runs as one Linear on ``W + s B A`` (peft's forward is not called), merged
-    once and reused while the weights are unchanged; an in-place update of an adapter merges again, and the
-    outputs are stock's (peft's own forward on padded rows) at every step. With gradients peft's forward runs."""
+def test_no_grad_calls_run_lora_layers_as_weights_merged_from_the_live_adapters(monkeypatch, autocast):
+    """Without gradients a LoRA layer runs as one Linear on ``W + s B A`` (peft's forward is not called), merged from
+    the weights as they are at each call: an in-place update and an edit through ``.data`` (no version bump: peft's
+    merge and hot-swap write so) are read by the next call, whose output is stock's (peft's own forward on padded
+    rows). With gradients peft's forward runs."""
     model, encoder = _peft_model(ALL)
     ids, mask = _batch()
     pe.pack(model, validate=False)
@@ -285,16 +286,17 @@ def test_no_grad_calls_run_lora_layers_as_merged_weights_made_once(monkeypatch, 
     first = check()
     assert forwards == [] and len(merges) == slots, (len(forwards), len(merges))
     assert pe.describe(model)["encoders"][0]["eager_plan"]["merged_lora_slots"] == slots
-    check()
-    assert len(merges) == slots  # (reused)
     with torch.no_grad():
         encoder.layers[1].mlp.Wi.lora_B["default"].weight.mul_(-1.0)
     changed = check()
-    assert len(merges) == slots + 1 and _differs(changed, first, mask, by=1e-3)  # (that slot only)
+    assert _differs(changed, first, mask, by=1e-3)
+    encoder.layers[0].attn.Wqkv.lora_A["default"].weight.data.mul_(2.0)  # (its version counter stays)
+    edited = check()
+    assert _differs(edited, changed, mask, by=1e-3) and len(merges) == 3 * slots
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = _out(model, ids, mask)  # with gradients: peft's forward, as stock
     assert len(forwards) == slots
-    _assert_parity(out.float().detach(), changed.float(), mask, **tol)
+    _assert_parity(out.float().detach(), edited.float(), mask, **tol)
 
 
 def test_merged_weights_follow_peft_state_and_leave_the_rest_called(monkeypatch):
@@ -337,6 +339,32 @@ def test_merged_weights_follow_peft_state_and_leave_the_rest_called(monkeypatch)
     plan = pe.describe(dora)["encoders"][0]["eager_plan"]
     assert calls == len(dora_encoder.layers) and plan["merged_lora_slots"] == 0, plan
     assert plan["why_checked"].startswith(f"module call at layers.0.attn.Wqkv ({LORA})"), plan
+
+
+@pytest.mark.parametrize("unmerge", ["unmerge_adapter", "disabled_call"])
+def test_no_copy_of_a_merged_weight_serves_after_the_unmerge_under_autocast(unmerge):
+    """A no-grad autocast call while the adapters are merged reads the merged base weight (peft merged it through
+    .data); once unmerged (``unmerge_adapter()``, or peft's own forward in a disabled call) a disabled call reads
+    the base weight again, not a bf16 copy of the merged one kept from that call."""
+    model, encoder = _peft_model(ALL)
+    ids, mask = _batch()
+    pe.pack(model, validate=False)
+    bf16 = dict(device_type="cpu", dtype=torch.bfloat16)
+    tol = dict(cos_min=0.999, atol=None)
+
+    def both():
+        with torch.no_grad(), torch.autocast(**bf16):
+            out, ref = _out(model, ids, mask), stock_forward(encoder, ids, mask)
+        _assert_parity(out.float(), ref.float(), mask, **tol)
+        return out
+
+    model.merge_adapter()
+    merged = both()
+    if unmerge == "unmerge_adapter":
+        model.unmerge_adapter()
+    with model.disable_adapter():
+        both()  # (disabled_call: peft's forward unmerges here)
+        assert _differs(both(), merged, mask)
 
 
 # ------------------------------------------------------------------------------------------------ training

@@ -11,8 +11,8 @@ on a called ``Wqkv``, no ``Wi`` + GLU GEMM on a called ``Wi``, no raw-pointer ru
 unchecked launches).
 
 Without gradients, a slot whose peft LoRA layer is one linear map now (:func:`merged_weights`) is not called: it
-runs as one GEMM on ``W + sum s B A``, made once per weight version, on every route a plain slot takes but the
-raw-pointer runs (which read the slots' modules).
+runs as one GEMM on ``W + sum s B A``, made from the live weights at each call, on every route a plain slot takes
+but the raw-pointer runs (which read the slots' modules).
 
 CUDA graphs capture what a call launched for these slots (the merge, or the module's forward), reading parameters by
 address (the graph fingerprint holds every parameter's): a replay is that only while the Python state it branched on
@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from ..errors import PackedEncodersError
-from ..ops.weight_cast import cast, derived, expire
 
 # a layer's Linear slots, in the order of the flags below: (parent module, attribute)
 SLOTS = (("attn", "Wqkv"), ("attn", "Wo"), ("mlp", "Wi"), ("mlp", "Wo"))
@@ -164,7 +163,10 @@ def replay_state(model: nn.Module, calls: ModuleCalls) -> tuple | str:
 
 
 def _merge(weight, bias, terms, dtype) -> tuple:
-    """``(W + sum s B A, b + sum s b_B)`` in ``dtype``, summed in fp32 (autocast off: it would round the product)."""
+    """``(W + sum s B A, b + sum s b_B)`` in ``dtype``, summed in fp32 (autocast off: it would round the product);
+    with no ``terms``, ``(W, b)`` in ``dtype``."""
+    if not terms:
+        return weight.to(dtype), None if bias is None else bias.to(dtype)
     with torch.autocast(weight.device.type, enabled=False):
         w = weight.float() + sum(s * (b_w.float() @ a_w.float()) for a_w, b_w, _, s in terms)
         extra = [s * b_b.float() for _, _, b_b, s in terms if b_b is not None]
@@ -176,15 +178,16 @@ def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | No
     """For a call without gradients: the called slots holding a peft LoRA ``Linear`` whose forward is one Linear
     map now (:func:`_lora_state`: vanilla LoRA, no dropout applied, no hooks) as that map's ``(weight, bias)``,
     ``W + sum_a scaling_a * B_a @ A_a`` (the base layer's own when the adapters are disabled or merged), in ``dtype``
-    (``None``: the base weight's), made once and reused while the weights and adapters are unchanged
-    (:func:`..ops.weight_cast.derived`); so the slot runs as one GEMM on the fused routes instead of peft's ops on
-    ``[T, out]`` rows.
+    (``None``: the base weight's); so the slot runs as one GEMM on the fused routes instead of peft's ops on
+    ``[T, out]`` rows. Made from the live weights at every call, as peft's forward reads them (a kept copy would
+    miss edits through ``.data``: peft merges, unmerges and hot-swaps adapters that way); a CUDA graph's capture
+    records the merge, so a replay makes it again.
 
     Returns:
         ``(left, table)``: the slots still called (:class:`ModuleCalls`, ``None`` when none is) and
         ``{(layer, slot position in SLOTS): (weight, bias)}``.
     """
-    table, rows, left, expired = {}, [], [], False
+    table, rows, left = {}, [], []
     for index, (layer, flags) in enumerate(zip(model.layers, calls.layers)):
         if flags == PLAIN:
             rows.append(flags)
@@ -200,21 +203,9 @@ def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | No
                 continue
             row[pos] = False
             base = module._modules["base_layer"]
-            weight, bias = base.weight, base.bias
-            adapters = state[3]
-            if not adapters:  # disabled or merged: the base layer alone
-                if state[2] and not expired:
-                    # peft merges and unmerges through .data (no version bump): no copy of a weight made before
-                    # may serve while a layer is merged, nor after it is unmerged again
-                    expire()
-                    expired = True
-                table[(index, pos)] = (cast(weight, dtype), cast(bias, dtype))
-                continue
-            lora_a, lora_b = module._modules["lora_A"], module._modules["lora_B"]
-            terms = tuple((lora_a[n].weight, lora_b[n].weight, lora_b[n].bias, s) for n, s in adapters)
-            sources = tuple(t for t in (weight, bias, *(x for term in terms for x in term[:3])) if t is not None)
-            table[(index, pos)] = derived(sources, ("lora", adapters, dtype),
-                                          lambda w=weight, b=bias, t=terms: _merge(w, b, t, dtype or w.dtype))
+            lora_a, lora_b = module._modules.get("lora_A"), module._modules.get("lora_B")
+            terms = tuple((lora_a[n].weight, lora_b[n].weight, lora_b[n].bias, s) for n, s in state[3])
+            table[(index, pos)] = _merge(base.weight, base.bias, terms, dtype or base.weight.dtype)
         rows.append(tuple(row))
     return (ModuleCalls(tuple(rows), tuple(left)) if left else None), table
 

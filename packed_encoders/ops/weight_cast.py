@@ -1,5 +1,4 @@
-"""Low-precision copies of fp32 weights under autocast, made once and reused until the weights change; and, by the
-same tests, weights derived from several tensors (:func:`derived`: a peft LoRA layer's merged weight).
+"""Low-precision copies of fp32 weights under autocast, made once and reused until the weights change.
 
 Under autocast every ``F.linear`` casts its fp32 weight to bf16 again, in every forward (GradCache runs each chunk
 twice, so a step pays the casts many times; each is a launch plus a read and a write of the weight). :func:`cast`
@@ -110,7 +109,6 @@ def clear() -> None:
     with _LOCK:
         _CACHE.clear()
         _GROUPS.clear()
-        _DERIVED.clear()
         _SOURCES.clear()
     _bump()
 
@@ -189,43 +187,6 @@ def _storage_refs(tensors, table: dict, key, token) -> tuple | None:
 _VERSION = operator.attrgetter("_version")
 _GROUPS: dict = {}
 _MAX_GROUPS = 8
-_DERIVED: dict = {}
-_MAX_DERIVED = 4096  # a bound on memory (entries are per module and tag), not a working limit
-
-
-def _group_stamp(tensors: tuple) -> tuple:
-    """What an entry made from ``tensors`` is valid for: :func:`cast`'s tests over every tensor."""
-    return (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
-            tuple(t.data_ptr() for t in tensors))
-
-
-def derived(sources: tuple, tag, make) -> tuple:
-    """``make()`` (a tuple of tensors computed from the tensors ``sources`` without gradient, e.g. a LoRA layer's
-    merged weight and bias), kept and handed out again while every source is unchanged and ``tag`` (hashable: what
-    else ``make`` reads, e.g. the adapters' scaling) is the same, by :func:`cast`'s tests; made afresh (not kept)
-    for inference tensors, under CUDA-graph capture (a capture records ``make``'s kernels: each replay makes it
-    again from the sources it reads), within :func:`off` and in a process group."""
-    if (any(t.is_inference() for t in sources) or not may_cache(sources[0].device) or _in_process_group()):
-        with torch.no_grad():
-            return make()
-    if not _STATE["hooked"]:
-        _install_hook()
-    key = (tuple(map(id, sources)), tag)
-    stamp = _group_stamp(sources)
-    hit = _DERIVED.get(key)
-    if hit is not None and hit[1] == stamp:
-        return hit[2]
-    with torch.inference_mode(False), torch.no_grad():
-        out = make()
-    token = object()
-    refs = _storage_refs(sources, _DERIVED, key, token)
-    if refs is not None:
-        with _LOCK:
-            if len(_DERIVED) >= _MAX_DERIVED:
-                _DERIVED.clear()
-            _DERIVED[key] = (token, stamp, out, refs)
-            _SOURCES.update(key[0])
-    return out
 
 
 def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
@@ -246,7 +207,8 @@ def cast_group(tensors: tuple, dtype: torch.dtype | None) -> tuple:
         if not _STATE["hooked"]:
             _install_hook()
         key = (tuple(map(id, tensors)), dtype)
-        stamp = _group_stamp(tensors)
+        stamp = (_STATE["generation"], _STATE["backwards"], tuple(map(_VERSION, tensors)),
+                 tuple(t.data_ptr() for t in tensors))
         hit = _GROUPS.get(key)
         if hit is not None and hit[1] == stamp:
             return hit[2]
