@@ -341,6 +341,33 @@ def test_merged_weights_follow_peft_state_and_leave_the_rest_called(monkeypatch)
     assert plan["why_checked"].startswith(f"module call at layers.0.attn.Wqkv ({LORA})"), plan
 
 
+@pytest.mark.parametrize("case", ["fp32", "bf16", "fp32_to_bf16", "two_adapters", "tensor_scaling", "lora_bias"])
+def test_merge_is_the_linear_map_peft_computes(case):
+    """``W + sum s B A`` (and ``b + sum s b_B``) against the fp32 formula, in every dtype mix the merge meets."""
+    from packed_encoders.model.calls import _merge
+
+    g = torch.Generator().manual_seed(0)
+    low = torch.bfloat16 if case == "bf16" else torch.float32
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(low)
+
+    weight, bias = rand(12, 8), rand(12)
+    n = 2 if case == "two_adapters" else 1
+    terms = tuple((rand(4, 8), rand(12, 4), rand(12) if case == "lora_bias" else None,
+                   torch.tensor(0.5) if case == "tensor_scaling" else 0.5 + i) for i in range(n))
+    dtype = torch.bfloat16 if case in ("bf16", "fp32_to_bf16") else torch.float32
+    before = weight.clone()
+    w, b = _merge(weight, bias, terms, dtype)
+    want_w = weight.float() + sum(float(s) * (b_w.float() @ a_w.float()) for a_w, b_w, _, s in terms)
+    want_b = bias.float() + sum(float(s) * b_b.float() for _, _, b_b, s in terms if b_b is not None)
+    assert w.dtype is dtype and b.dtype is dtype
+    tol = dict(atol=2e-2, rtol=1e-2) if dtype is torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w.float(), want_w, **tol)
+    torch.testing.assert_close(b.float(), want_b, **tol)
+    assert w.data_ptr() != weight.data_ptr() and torch.equal(weight, before)  # (the parameter untouched)
+
+
 @pytest.mark.parametrize("unmerge", ["unmerge_adapter", "disabled_call"])
 def test_no_copy_of_a_merged_weight_serves_after_the_unmerge_under_autocast(unmerge):
     """A no-grad autocast call while the adapters are merged reads the merged base weight (peft merged it through

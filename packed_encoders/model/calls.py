@@ -163,12 +163,17 @@ def replay_state(model: nn.Module, calls: ModuleCalls) -> tuple | str:
 
 
 def _merge(weight, bias, terms, dtype) -> tuple:
-    """``(W + sum s B A, b + sum s b_B)`` in ``dtype``, summed in fp32 (autocast off: it would round the product);
-    with no ``terms``, ``(W, b)`` in ``dtype``."""
+    """``(W + sum s B A, b + sum s b_B)`` in ``dtype``, rounded once (GEMMs accumulate in fp32; autocast off: it
+    would round the product); with no ``terms``, ``(W, b)`` in ``dtype``. One ``addmm`` per adapter where its
+    ``scaling`` is a number, and where every tensor is in ``dtype`` already the only launch (eager calls pay each)."""
     if not terms:
         return weight.to(dtype), None if bias is None else bias.to(dtype)
+    one = len(terms) == 1 and all(t.dtype is dtype for t in (weight, *terms[0][:2]))
     with torch.autocast(weight.device.type, enabled=False):
-        w = weight.float() + sum(s * (b_w.float() @ a_w.float()) for a_w, b_w, _, s in terms)
+        w = weight if one else weight.float()
+        for a_w, b_w, _, s in terms:
+            a_w, b_w = (a_w, b_w) if one else (a_w.float(), b_w.float())
+            w = torch.addmm(w, b_w, a_w, alpha=s) if isinstance(s, (int, float)) else w + s * (b_w @ a_w)
         extra = [s * b_b.float() for _, _, b_b, s in terms if b_b is not None]
         b = bias if not extra else (0 if bias is None else bias.float()) + sum(extra)
     return w.to(dtype), None if b is None else b.to(dtype)
