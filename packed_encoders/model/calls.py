@@ -144,21 +144,27 @@ def _lora_state(module: nn.Module) -> tuple | str:
     return (id(module), disabled, merged, tuple(adapters), state.get("cast_input_dtype_enabled", True))
 
 
+def _called_slots(model: nn.Module, calls: ModuleCalls):
+    """``(layer index, slot position in SLOTS, "layers.<i>.<slot> (<type>)", module)`` of each called slot."""
+    for index, (layer, flags) in enumerate(zip(model.layers, calls.layers)):
+        if flags == PLAIN:
+            continue
+        for pos, ((parent, name), called) in enumerate(zip(SLOTS, flags)):
+            if called:
+                module = layer._modules[parent]._modules[name]
+                yield index, pos, f"layers.{index}.{parent}.{name} ({type_name(module)})", module
+
+
 def replay_state(model: nn.Module, calls: ModuleCalls) -> tuple | str:
     """What a CUDA graph of the encoder ``model`` depends on in its called slots beyond the parameters' addresses
     (which the graph fingerprint holds): per slot, peft LoRA's adapter state (:func:`_lora_state`); or why no graph
     may replay them, as ``"module call at layers.<i>.<slot> (<type>): <why>"``."""
     key = []
-    for index, (layer, flags) in enumerate(zip(model.layers, calls.layers)):
-        if flags == PLAIN:
-            continue
-        for (parent, name), called in zip(SLOTS, flags):
-            if called:
-                module = layer._modules[parent]._modules[name]
-                state = _lora_state(module)
-                if isinstance(state, str):
-                    return f"{MODULE_CALL}layers.{index}.{parent}.{name} ({type_name(module)}): {state}"
-                key.append(state)
+    for _, _, slot, module in _called_slots(model, calls):
+        state = _lora_state(module)
+        if isinstance(state, str):
+            return f"{MODULE_CALL}{slot}: {state}"
+        key.append(state)
     return tuple(key)
 
 
@@ -192,27 +198,19 @@ def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | No
         ``(left, table)``: the slots still called (:class:`ModuleCalls`, ``None`` when none is) and
         ``{(layer, slot position in SLOTS): (weight, bias)}``.
     """
-    table, rows, left = {}, [], []
-    for index, (layer, flags) in enumerate(zip(model.layers, calls.layers)):
-        if flags == PLAIN:
-            rows.append(flags)
+    table, left = {}, []
+    rows = [list(flags) for flags in calls.layers]
+    for index, pos, slot, module in _called_slots(model, calls):
+        state = _lora_state(module)
+        if isinstance(state, str) or getattr(module, "fan_in_fan_out", False):
+            left.append(slot)
             continue
-        row = list(flags)
-        for pos, ((parent, name), called) in enumerate(zip(SLOTS, flags)):
-            if not called:
-                continue
-            module = layer._modules[parent]._modules[name]
-            state = _lora_state(module)
-            if isinstance(state, str) or getattr(module, "fan_in_fan_out", False):
-                left.append(f"layers.{index}.{parent}.{name} ({type_name(module)})")
-                continue
-            row[pos] = False
-            base = module._modules["base_layer"]
-            lora_a, lora_b = module._modules.get("lora_A"), module._modules.get("lora_B")
-            terms = tuple((lora_a[n].weight, lora_b[n].weight, lora_b[n].bias, s) for n, s in state[3])
-            table[(index, pos)] = _merge(base.weight, base.bias, terms, dtype or base.weight.dtype)
-        rows.append(tuple(row))
-    return (ModuleCalls(tuple(rows), tuple(left)) if left else None), table
+        rows[index][pos] = False
+        base = module._modules["base_layer"]
+        lora_a, lora_b = module._modules.get("lora_A"), module._modules.get("lora_B")
+        terms = tuple((lora_a[n].weight, lora_b[n].weight, lora_b[n].bias, s) for n, s in state[3])
+        table[(index, pos)] = _merge(base.weight, base.bias, terms, dtype or base.weight.dtype)
+    return (ModuleCalls(tuple(map(tuple, rows)), tuple(left)) if left else None), table
 
 
 def graph_refusal(model: nn.Module, calls: ModuleCalls | None, training_graph: bool = False) -> str | None:

@@ -276,6 +276,11 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         def to_wdt(t: torch.Tensor) -> torch.Tensor:
             return t if wdt is None or t.dtype is wdt else t.to(wdt)
 
+        def slot_weights(module: nn.Module, index: int, pos: int) -> tuple:
+            """A projection's ``(weight, bias)`` in ``wdt``: a LoRA slot's merged pair, else the Linear's own."""
+            hit = merged.get((index, pos)) if merged else None
+            return hit or (cast(module.weight, wdt), cast(module.bias, wdt))
+
         # the layers own x (``carry`` is emptied) and read it no more after its residual norm, so the sum may be
         # written over it: only without gradient (autograd may have saved x; a kernel's write bumps no version
         # counter) and while hidden_states does not hold the layers' outputs
@@ -308,7 +313,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 qkv, rotated = call_module(wqkv, normed, 3 * nh * hd, index, "attn.Wqkv", dtype), None
             else:
                 normed = to_wdt(normed)
-                w, b = (merged and merged.get((index, 0))) or (cast(wqkv.weight, wdt), cast(wqkv.bias, wdt))
+                w, b = slot_weights(wqkv, index, 0)
                 rotated = rope_linear(normed, w, b, is_global) if step.rope_linear else None
                 qkv = linear(normed, w, b) if rotated is None else None
             normed = None
@@ -332,7 +337,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             if called_o:
                 o = call_module(wo, a, params.hidden_size, index, "attn.Wo")
             else:
-                o = linear(a, *((merged and merged.get((index, 1))) or (cast(wo.weight, wdt), cast(wo.bias, wdt))))
+                o = linear(a, *slot_weights(wo, index, 1))
             o = _dropout(o, attn.out_drop)
             a = None
             x, normed = res_ln(x, o, *_norm_args(layer.mlp_norm), out_dtype=None if called_i else wdt)
@@ -344,7 +349,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
                 h = run.glu(h, params.activation)
             else:
                 normed = to_wdt(normed)
-                w, b = (merged and merged.get((index, 2))) or (cast(wi.weight, wdt), cast(wi.bias, wdt))
+                w, b = slot_weights(wi, index, 2)
                 if glu_path == "split":
                     h = run.glu(F.linear(normed, w, b), params.activation)
                 else:  # "small_gemm" (one Triton launch) or "route" (the op set's own rules, e.g. quack's epilogue)
@@ -355,7 +360,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
             wo = mlp.Wo
             if called_o2:
                 return x, call_module(wo, g, params.hidden_size, index, "mlp.Wo")
-            return x, linear(g, *((merged and merged.get((index, 3))) or (cast(wo.weight, wdt), cast(wo.bias, wdt))))
+            return x, linear(g, *slot_weights(wo, index, 3))
 
     pending = None
     last = params.num_hidden_layers - 1
