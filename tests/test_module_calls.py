@@ -341,7 +341,8 @@ def test_merged_weights_follow_peft_state_and_leave_the_rest_called(monkeypatch)
     assert plan["why_checked"].startswith(f"module call at layers.0.attn.Wqkv ({LORA})"), plan
 
 
-@pytest.mark.parametrize("case", ["fp32", "bf16", "fp32_to_bf16", "two_adapters", "tensor_scaling", "lora_bias"])
+@pytest.mark.parametrize("case", ["fp32", "bf16", "fp32_to_bf16", "bf16_weight_fp32_adapters", "two_adapters",
+                                  "tensor_scaling", "lora_bias"])
 def test_merge_is_the_linear_map_peft_computes(case):
     """``W + sum s B A`` (and ``b + sum s b_B``) against the fp32 formula, in every dtype mix the merge meets."""
     from packed_encoders.model.calls import _merge
@@ -353,10 +354,12 @@ def test_merge_is_the_linear_map_peft_computes(case):
         return torch.randn(*shape, generator=g).to(low)
 
     weight, bias = rand(12, 8), rand(12)
+    if case == "bf16_weight_fp32_adapters":  # (peft's adapters on a bf16 model)
+        weight, bias, low = weight.bfloat16(), bias.bfloat16(), torch.float32
     n = 2 if case == "two_adapters" else 1
     terms = tuple((rand(4, 8), rand(12, 4), rand(12) if case == "lora_bias" else None,
                    torch.tensor(0.5) if case == "tensor_scaling" else 0.5 + i) for i in range(n))
-    dtype = torch.bfloat16 if case in ("bf16", "fp32_to_bf16") else torch.float32
+    dtype = torch.bfloat16 if case in ("bf16", "fp32_to_bf16", "bf16_weight_fp32_adapters") else torch.float32
     before = weight.clone()
     w, b = _merge(weight, bias, terms, dtype)
     want_w = weight.float() + sum(float(s) * (b_w.float() @ a_w.float()) for a_w, b_w, _, s in terms)

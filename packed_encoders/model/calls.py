@@ -169,17 +169,22 @@ def replay_state(model: nn.Module, calls: ModuleCalls) -> tuple | str:
 
 
 def _merge(weight, bias, terms, dtype) -> tuple:
-    """``(W + sum s B A, b + sum s b_B)`` in ``dtype``, rounded once (GEMMs accumulate in fp32; autocast off: it
-    would round the product); with no ``terms``, ``(W, b)`` in ``dtype``. One ``addmm`` per adapter where its
-    ``scaling`` is a number, and where every tensor is in ``dtype`` already the only launch (eager calls pay each)."""
+    """``(W + sum s B A, b + sum s b_B)`` in ``dtype`` (GEMMs accumulate in fp32; autocast off: it would round the
+    product); with no ``terms``, ``(W, b)`` in ``dtype``. One adapter with a number for ``scaling`` on a weight in
+    ``dtype`` already: one ``addmm`` in ``dtype``, its factors ``A`` / ``B`` rounded to ``dtype`` first (peft keeps
+    them in fp32 on a bf16 model), the sum rounded once; a fp32 copy of the weight would cost four times its memory
+    traffic at every call. Otherwise the sum is made in fp32 and rounded once."""
     if not terms:
         return weight.to(dtype), None if bias is None else bias.to(dtype)
-    one = len(terms) == 1 and all(t.dtype is dtype for t in (weight, *terms[0][:2]))
     with torch.autocast(weight.device.type, enabled=False):
-        w = weight if one else weight.float()
-        for a_w, b_w, _, s in terms:
-            a_w, b_w = (a_w, b_w) if one else (a_w.float(), b_w.float())
-            w = torch.addmm(w, b_w, a_w, alpha=s) if isinstance(s, (int, float)) else w + s * (b_w @ a_w)
+        if len(terms) == 1 and weight.dtype is dtype and isinstance(terms[0][3], (int, float)):
+            a_w, b_w, _, s = terms[0]
+            w = torch.addmm(weight, b_w.to(dtype), a_w.to(dtype), alpha=s)
+        else:
+            w = weight.float()
+            for a_w, b_w, _, s in terms:
+                a_w, b_w = a_w.float(), b_w.float()
+                w = torch.addmm(w, b_w, a_w, alpha=s) if isinstance(s, (int, float)) else w + s * (b_w @ a_w)
         extra = [s * b_b.float() for _, _, b_b, s in terms if b_b is not None]
         b = bias if not extra else (0 if bias is None else bias.float()) + sum(extra)
     return w.to(dtype), None if b is None else b.to(dtype)
