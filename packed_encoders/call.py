@@ -66,7 +66,7 @@ def mode_facts(model: nn.Module, state) -> dict:
     dropout = applies_dropout(_dropout_modules(model, state), state.params.attention_dropout)
     grad = torch.is_grad_enabled()
     config = state.options.cuda_graph
-    # (read where a graph route would otherwise be open: the adapters' state costs ~1 us per called slot)
+    # (read where a graph route would otherwise be open: the adapters' state costs ~2-3 us per called slot)
     asks = config is not None and (config.training or not grad)
     facts = dict(module_calls=graph_refusal(model, module_calls(model, state), grad) if asks else None,
                  kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
 
 import pytest
@@ -730,6 +731,39 @@ def test_hooks_on_a_called_module_run_stock_and_are_refused_at_pack():
         pe.pack(model)
 
 
+@pytest.mark.parametrize("inner", ["lora_A.default", "lora_B.default", "lora_dropout.default", "base_layer"])
+def test_hooks_inside_a_called_module_run_stock_and_are_refused_at_pack(inner):
+    """The called module's forward calls its submodules on the packed rows too (a trial's hook on lora_A saw
+    [tokens, in] where stock gives [B, S, in]): a hook in there, forward or backward, set after pack() (here on an
+    adapter added after it) runs the call stock, warned, until removed; set before, pack() refuses it by name."""
+    model, encoder = _peft_model(ALL)
+    ids, mask = _batch()
+    pe.pack(model)
+    model.add_adapter("late", _config(["Wo"]))
+    model.set_adapter("late")
+    with torch.no_grad():
+        _out(model, ids, mask)  # (packed, the new adapter called)
+    assert not pe.describe(model)["encoders"][0]["stock_forward_calls"]
+    seen = []
+    sub = encoder.layers[0].attn.Wo.get_submodule(inner.replace("default", "late"))
+    handle = sub.register_forward_hook(lambda m, i, o: seen.append(i[0].dim()))
+    with pytest.warns(RuntimeWarning, match=rf"layers.0.attn.Wo.{inner.replace('default', 'late')} has forward hooks "
+                                            r"\(the packed path calls it on packed \[tokens, features\] rows"):
+        with torch.no_grad():
+            out = _out(model, ids, mask)
+    assert seen and set(seen) == {3}  # stock's [B, S, in]: the stock forward ran
+    with torch.no_grad():
+        torch.testing.assert_close(out, stock(encoder, input_ids=ids, attention_mask=mask).last_hidden_state)
+    handle.remove()
+    assert pe.is_packed(model)
+    pe.unpack(model)
+    handle = encoder.layers[1].mlp.Wi.get_submodule(inner).register_full_backward_hook(lambda *a: None)
+    with pytest.raises(pe.UnsupportedTargetError, match=rf"layers.1.mlp.Wi.{inner} has backward hooks"):
+        pe.pack(model)
+    handle.remove()
+    pe.pack(model)
+
+
 def test_peft_mixed_adapter_batch_runs_stock():
     """peft's ``adapter_names=`` (an adapter per batch row) puts a forward pre-hook on each LoRA layer for the call:
     the packed rows have no batch layout, so that call runs the stock forward, warned, and gives stock's output."""
@@ -857,19 +891,20 @@ def test_lora_graphs_follow_the_adapter_state(monkeypatch):
     assert pe.describe(encoder)["encoders"][0]["module_calls"] == []
 
 
-@pytest.mark.parametrize("case", ["dora", "train_dropout", "hook", "other_module", "training_graphs"])
+@pytest.mark.parametrize("case", ["dora", "train_dropout", "instance_forward", "other_module", "training_graphs"])
 def test_graphs_refuse_called_slots_they_cannot_follow_with_the_reason(monkeypatch, case):
     """What a replay would not follow runs eagerly, the reason in describe(): a LoRA variant (DoRA), train-mode
-    lora_dropout, a hook inside the LoRA layer, a module type whose state is unknown; and a call with gradients
-    under training graphs (they capture the packed layers' own backward). Outputs are stock's."""
+    lora_dropout, an instance forward inside the LoRA layer, a module type whose state is unknown; and a call with
+    gradients under training graphs (they capture the packed layers' own backward). Outputs are stock's."""
     kw = {"dora": dict(use_dora=True), "train_dropout": dict(lora_dropout=0.1)}.get(case, {})
     model, encoder = _peft_model(["Wqkv"], **kw)
     if case == "train_dropout":
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.train()  # (MC dropout on the adapters only)
-    if case == "hook":
-        encoder.layers[1].attn.Wqkv.lora_A["default"].register_forward_hook(lambda *a: None)
+    if case == "instance_forward":  # (hooks inside run stock: test_hooks_inside_a_called_module_...)
+        lora_a = encoder.layers[1].attn.Wqkv.lora_A["default"]
+        lora_a.forward = functools.partial(nn.Linear.forward, lora_a)
     if case == "other_module":
         model = encoder = make_model("tiny")
         encoder.layers[1].attn.Wqkv = _Fp32Out(encoder.layers[1].attn.Wqkv)
@@ -884,7 +919,8 @@ def test_graphs_refuse_called_slots_they_cannot_follow_with_the_reason(monkeypat
             _assert_parity(out, stock_forward(encoder, ids, mask), mask)
     info = pe.describe(model)["encoders"][0]["cuda_graph"]
     why = {"dora": "a LoRA variant (DoraLinearVariant", "train_dropout": "lora_dropout applies (train mode, p=0.1)",
-           "hook": "has hooks", "other_module": "CUDA graphs off (a graph would replay the module's forward",
+           "instance_forward": "an instance forward",
+           "other_module": "CUDA graphs off (a graph would replay the module's forward",
            "training_graphs": "training graphs off"}[case]
     (reason, count), = info["fallbacks"].items()
     assert info["graphs"] == 0 and count == 1 and reason.startswith("module call at layers.") and why in reason, info

@@ -198,6 +198,17 @@ def _hooks_problem(path: str, m: nn.Module, called: bool = False) -> str | None:
     return None
 
 
+def _inner_hooks_problem(path: str, m: nn.Module) -> str | None:
+    """Hooks on a module inside a called slot (peft's ``lora_A``, ``lora_B``, ``lora_dropout``, ``base_layer``):
+    its forward calls them on the packed rows too."""
+    for name, sub in m.named_modules():
+        if sub is not m:
+            problem = _hooks_problem(f"{path}.{name}", sub, called=True)
+            if problem is not None:
+                return problem
+    return None
+
+
 def _layer_facts(model: nn.Module, expected: list) -> tuple[tuple[dict, ...], tuple[str, ...]]:
     """The per-layer attribute stock HF reads on every call to choose a layer's attention (its mask and RoPE):
     ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``;
@@ -251,7 +262,8 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
     ``module_dicts`` (each module's instance ``__dict__``); and the per-layer attention attributes stock reads
     per call (``fact_dicts``, ``fact_names``, ``facts``); the config and what :func:`config_problem` compares its
     per-call values with (``config``, ``config_dict``, ``layer_types``); ``hook_counter`` (see
-    :func:`_no_new_hooks`); ``dropout``:
+    :func:`_no_new_hooks`); ``called``: the called projection slots' modules, whose submodules that check reads
+    live (adapters come and go inside them); ``dropout``:
     the dropout-applying modules (:func:`~packed_encoders.model.dropout.dropout_modules`) whose modes and rates the
     router reads per call (kept here: a snapshot is rebuilt whenever a module changes); ``calls``: the projection
     slots whose module the forward calls (:func:`~packed_encoders.model.calls.read_calls`, ``None`` when all are
@@ -283,6 +295,7 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
             "fact_dicts": fact_dicts, "fact_names": fact_names, "facts": facts,
             # (hook_counter: taken after a full check found no foreign hook)
             "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model), "calls": read_calls(model),
+            "called": tuple(m for _, m, kind in expected if kind is _LINEAR and is_called(m)),
             "baked": baked, "tree": previous["tree"] if same else next(_TREES)}
 
 
@@ -292,14 +305,16 @@ _HOOK_DICTS = operator.itemgetter("_forward_hooks", "_forward_pre_hooks", "_back
 
 
 def _no_new_hooks(snap: dict) -> bool:
-    """No module of the snapshot has a hook. Every hook registration (module, global or tensor hook) creates a
-    ``torch.utils.hooks.RemovableHandle``, whose class counter moves: while it has not moved since the last scan
-    found no hook, the scan (the costliest part of the check) is skipped. A scan reads the hook dicts live (code
-    may assign a module a new dict and register into it)."""
+    """No module of the snapshot, nor one inside a called slot, has a hook. Every hook registration (module,
+    global or tensor hook) creates a ``torch.utils.hooks.RemovableHandle``, whose class counter moves: while it has
+    not moved since the last scan found no hook, the scan (the costliest part of the check) is skipped. A scan reads
+    the hook dicts live (code may assign a module a new dict and register into it), inside a called slot from its
+    live submodules (adapters come and go there)."""
     counter = RemovableHandle.next_id
     if counter == snap["hook_counter"]:
         return True
-    if any(map(any, map(_HOOK_DICTS, snap["module_dicts"]))):
+    if any(map(any, map(_HOOK_DICTS, snap["module_dicts"]))) or any(
+            any(map(any, map(_HOOK_DICTS, map(vars, m.modules())))) for m in snap["called"]):
         return False  # a hook (perhaps a known one): the slow path decides
     snap["hook_counter"] = counter
     return True
@@ -413,7 +428,7 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
         called = kind is _LINEAR and is_called(m)
         problem = (_kind_problem(path, m, kind, hf, params) or _embedding_problem(path, m)
                    or (None if called else _attention_shape_problem(path, m, params))
-                   or _hooks_problem(path, m, called))
+                   or _hooks_problem(path, m, called) or (_inner_hooks_problem(path, m) if called else None))
         if problem is not None:
             return problem, False
     return _layer_type_problem(model, params), False

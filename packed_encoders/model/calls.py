@@ -134,7 +134,8 @@ def _lora_state(module: nn.Module) -> tuple | str:
                         "DoRA, ...), whose state graphs do not follow")
             a, b, drop = lora_a[name], lora_b[name], drops[name]
             if type(a) is not nn.Linear or type(b) is not nn.Linear or _hooked(a) or _hooked(b) or _hooked(drop):
-                return f"CUDA graphs off: adapter {name!r} has hooks or non-Linear lora_A / lora_B"
+                return (f"CUDA graphs off: adapter {name!r} has hooks, an instance forward or a non-Linear "
+                        "lora_A / lora_B")
             if type(drop) not in (nn.Identity, nn.Dropout):
                 return f"CUDA graphs off: adapter {name!r}'s lora_dropout is a {type(drop).__name__}"
             if type(drop) is nn.Dropout and drop.training and drop.p > 0:
@@ -191,13 +192,13 @@ def _merge(weight, bias, terms, dtype) -> tuple:
 
 
 def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | None) -> tuple:
-    """For a call without gradients: the called slots holding a peft LoRA ``Linear`` whose forward is one Linear
-    map now (:func:`_lora_state`: vanilla LoRA, no dropout applied, no hooks) as that map's ``(weight, bias)``,
-    ``W + sum_a scaling_a * B_a @ A_a`` (the base layer's own when the adapters are disabled or merged), in ``dtype``
-    (``None``: the base weight's); so the slot runs as one GEMM on the fused routes instead of peft's ops on
-    ``[T, out]`` rows. Made from the live weights at every call, as peft's forward reads them (a kept copy would
-    miss edits through ``.data``: peft merges, unmerges and hot-swaps adapters that way); a CUDA graph's capture
-    records the merge, so a replay makes it again.
+    """For a call without gradients: the called slots holding a peft LoRA ``Linear`` whose forward is one Linear map
+    now (:func:`_lora_state`: vanilla LoRA, no dropout applied, no hooks or instance forward) as that map's
+    ``(weight, bias)``, ``W + sum_a scaling_a * B_a @ A_a`` (the base layer's own when the adapters are disabled or
+    merged), in ``dtype`` (``None``: the base weight's); so the slot runs as one GEMM on the fused routes instead of
+    peft's ops on ``[T, out]`` rows. Made from the live weights at every call, as peft's forward reads them (a kept
+    copy would miss edits through ``.data``: peft merges, unmerges and hot-swaps adapters that way); a CUDA graph's
+    capture records the merge, so a replay makes it again.
 
     Returns:
         ``(left, table)``: the slots still called (:class:`ModuleCalls`, ``None`` when none is) and
