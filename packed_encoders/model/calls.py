@@ -169,19 +169,24 @@ def replay_state(model: nn.Module, calls: ModuleCalls) -> tuple | str:
     return tuple(key)
 
 
-def _merge(weight, bias, terms, dtype) -> tuple:
+def _merge(weight, bias, terms, dtype, kernel=None) -> tuple:
     """``(W + sum s B A, b + sum s b_B)`` in ``dtype`` (GEMMs accumulate in fp32; autocast off: it would round the
-    product); with no ``terms``, ``(W, b)`` in ``dtype``. One adapter with a number for ``scaling`` on a weight in
-    ``dtype`` already: one ``addmm`` in ``dtype``, its factors ``A`` / ``B`` rounded to ``dtype`` first (peft keeps
-    them in fp32 on a bf16 model), the sum rounded once; a fp32 copy of the weight would cost four times its memory
-    traffic at every call. Otherwise the sum is made in fp32 and rounded once."""
+    product); with no ``terms``, ``(W, b)`` in ``dtype``. One adapter with a number for ``scaling``: ``kernel``
+    (:attr:`..ops.OpSet.lora_merge`, one pass summing in fp32) where it takes the operands; else, on a weight in
+    ``dtype`` already, one ``addmm`` in ``dtype``, its factors ``A`` / ``B`` rounded to ``dtype`` first (peft keeps
+    them in fp32 on a bf16 model), the sum rounded once (a fp32 copy of the weight would cost four times its memory
+    traffic at every call). Otherwise the sum is made in fp32 and rounded once."""
     if not terms:
         return weight.to(dtype), None if bias is None else bias.to(dtype)
+    w = None
     with torch.autocast(weight.device.type, enabled=False):
-        if len(terms) == 1 and weight.dtype is dtype and isinstance(terms[0][3], (int, float)):
+        if len(terms) == 1 and isinstance(terms[0][3], (int, float)):
             a_w, b_w, _, s = terms[0]
-            w = torch.addmm(weight, b_w.to(dtype), a_w.to(dtype), alpha=s)
-        else:
+            if kernel is not None:
+                w = kernel(weight, a_w, b_w, s, dtype)
+            if w is None and weight.dtype is dtype:
+                w = torch.addmm(weight, b_w.to(dtype), a_w.to(dtype), alpha=s)
+        if w is None:
             w = weight.float()
             for a_w, b_w, _, s in terms:
                 a_w, b_w = a_w.float(), b_w.float()
@@ -191,14 +196,15 @@ def _merge(weight, bias, terms, dtype) -> tuple:
     return w.to(dtype), None if b is None else b.to(dtype)
 
 
-def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | None) -> tuple:
+def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | None, kernel=None) -> tuple:
     """For a call without gradients: the called slots holding a peft LoRA ``Linear`` whose forward is one Linear map
     now (:func:`_lora_state`: vanilla LoRA, no dropout applied, no hooks or instance forward) as that map's
     ``(weight, bias)``, ``W + sum_a scaling_a * B_a @ A_a`` (the base layer's own when the adapters are disabled or
     merged), in ``dtype`` (``None``: the base weight's); so the slot runs as one GEMM on the fused routes instead of
     peft's ops on ``[T, out]`` rows. Made from the live weights at every call, as peft's forward reads them (a kept
     copy would miss edits through ``.data``: peft merges, unmerges and hot-swaps adapters that way); a CUDA graph's
-    capture records the merge, so a replay makes it again.
+    capture records the merge, so a replay makes it again. ``kernel``: the op set's merge
+    (:attr:`..ops.OpSet.lora_merge`; ``None``: torch ops).
 
     Returns:
         ``(left, table)``: the slots still called (:class:`ModuleCalls`, ``None`` when none is) and
@@ -215,7 +221,7 @@ def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | No
         base = module._modules["base_layer"]
         lora_a, lora_b = module._modules.get("lora_A"), module._modules.get("lora_B")
         terms = tuple((lora_a[n].weight, lora_b[n].weight, lora_b[n].bias, s) for n, s in state[3])
-        table[(index, pos)] = _merge(base.weight, base.bias, terms, dtype or base.weight.dtype)
+        table[(index, pos)] = _merge(base.weight, base.bias, terms, dtype or base.weight.dtype, kernel)
     return (ModuleCalls(tuple(map(tuple, rows)), tuple(left)) if left else None), table
 
 

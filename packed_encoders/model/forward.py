@@ -189,7 +189,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         calls = read_calls(model)
     merged = None
     if calls is not None and not grad:  # peft LoRA layers as one Linear each (the others stay called)
-        calls, merged = merged_weights(model, calls, compute_dtype(batch.device.type))
+        calls, merged = merged_weights(model, calls, compute_dtype(batch.device.type), ops.lora_merge)
     if attention is None:
         # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules)
         any_attn_p = applies_attention_dropout(dropout_modules(model), params.attention_dropout)

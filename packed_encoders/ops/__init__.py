@@ -81,6 +81,10 @@ class OpSet:
       :attr:`Kernels.rope_finite_v`)
     - ``residual_in_place``: ``residual_layer_norm`` that writes the sum over ``x`` and returns it, for a caller
       that owns ``x`` and does not read it again (the packed forward's layers), or ``None``
+    - ``lora_merge(weight [N, K], a [r, K], b [N, r], scale: float, dtype) -> [N, K] | None``: a peft LoRA slot's
+      merged weight ``weight + scale * b @ a`` in ``dtype`` for a call without gradients, summed in fp32 and rounded
+      once in one pass (:func:`packed_encoders.model.calls.merged_weights`); ``None`` for operands it does not take
+      (the caller's torch ops serve them), or no such op
     - ``pointers``: the ops are the Triton kernels that :mod:`packed_encoders.model.pointers` launches on raw
       pointers (a plan of these ops may run a short call there instead)
     """
@@ -99,6 +103,7 @@ class OpSet:
     rope_finite_v: bool = field(default=False, compare=False)
     residual_in_place: Callable | None = field(default=None, compare=False)
     pointers: bool = field(default=False, compare=False)
+    lora_merge: Callable | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

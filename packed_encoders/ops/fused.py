@@ -29,6 +29,7 @@ from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_to
 from .rope import rope_qkv_torch
 from .triton import glu as _glu
 from .triton import layer_norm as _ln
+from .triton import lora_merge as _lora_merge
 from .triton import rope as _rope
 from .triton import small_gemm as _small_gemm
 from .triton._runtime import interpreter_unavailable
@@ -539,6 +540,14 @@ def _linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def lora_merge(weight: Tensor, a: Tensor, b: Tensor, scale: float, dtype: torch.dtype) -> Tensor | None:
+    """:attr:`OpSet.lora_merge`: the Triton merge (:func:`.triton.lora_merge.merge`) for a half-precision result
+    where the kernels take the operands, else ``None`` (fp32 results keep the torch ops, as the other ops do)."""
+    if dtype is torch.float32 or _unsupported(weight, a, b) is not None or not _lora_merge.takes(weight, a, b, dtype):
+        return None
+    return _lora_merge.merge(weight, a, b, scale, dtype)
+
+
 DIRECT_OPS = OpSet("triton", _layer_norm_direct, _residual_layer_norm_direct, _rope_qkv_direct, _glu.forward,
                    _glu_linear_direct, linear=_linear_direct, norm_out=True, rope_finite_v=True,
                    residual_in_place=_residual_layer_norm_in_place, pointers=True)
@@ -547,7 +556,8 @@ TRITON_KERNELS = Kernels("triton", _ln.forward, _ln.backward, _rope_fwd_in_place
                          _glu.backward, rope_finite_v=True)
 
 TRITON_OPS = FusedOpSet("triton", layer_norm, residual_layer_norm, rope_qkv, glu, glu_linear, smoke=smoke,
-                        fallbacks=fallbacks, direct=DIRECT_OPS, covers=covers, kernels=TRITON_KERNELS)
+                        fallbacks=fallbacks, direct=DIRECT_OPS, covers=covers, kernels=TRITON_KERNELS,
+                        lora_merge=lora_merge)
 
-__all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "reset_fallbacks", "residual_layer_norm",
-           "rope_qkv", "smoke"]
+__all__ = ["TRITON_OPS", "fallbacks", "glu", "glu_linear", "layer_norm", "lora_merge", "reset_fallbacks",
+           "residual_layer_norm", "rope_qkv", "smoke"]

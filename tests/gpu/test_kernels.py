@@ -378,3 +378,24 @@ def test_cute_routes_unaligned_hidden_to_triton(cute_ops, cute_routes, fused):
     w = _rand((300,), BF16, 91)
     torch.testing.assert_close(cute_ops.layer_norm(x, w, None, 1e-5), fused.layer_norm(x, w, None, 1e-5))
     assert any("multiple of 8" in r for r in cute_routes.fallbacks().get("layer_norm", {}))
+
+
+@pytest.mark.parametrize("n,k", [(2304, 768), (768, 768), (768, 1152), (3072, 1024), (1000, 333)])
+@pytest.mark.parametrize("r,ab_dtype", [(16, FP32), (8, BF16), (64, FP32), (1, FP32)])
+def test_lora_merge_grid(fused, n, k, r, ab_dtype):
+    """The LoRA merge on ModernBERT-base / -large projection shapes (and an odd one), bf16 weight, peft's fp32 or
+    bf16 factors: within one bf16 rounding of the fp32 formula, every element written, operands untouched; a second
+    launch (the bound fast launch) gives the same bits."""
+    g = torch.Generator(device=DEV).manual_seed(n + k + r)
+    weight = torch.randn(n, k, device=DEV, generator=g).to(BF16)
+    a = (torch.randn(r, k, device=DEV, generator=g) / r ** 0.5).to(ab_dtype)
+    b = torch.randn(n, r, device=DEV, generator=g).to(ab_dtype)
+    before = [t.clone() for t in (weight, a, b)]
+    poison(2 * n * k)
+    got = fused.lora_merge(weight, a, b, 2.0, BF16)
+    ref = weight.double() + 2.0 * (b.double() @ a.double())
+    assert got is not None and got.dtype is BF16 and bool(torch.isfinite(got).all())
+    err = (got.double() - ref).abs()
+    assert bool((err <= 0.5 * torch.finfo(BF16).eps * ref.abs() + 1e-5 * (1 + ref.abs())).all()), float(err.max())
+    assert torch.equal(fused.lora_merge(weight, a, b, 2.0, BF16), got)
+    assert all(torch.equal(t, u) for t, u in zip((weight, a, b), before))

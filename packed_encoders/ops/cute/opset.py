@@ -108,4 +108,4 @@ SUBSTITUTIONS = ("LayerNorm: Triton's, not quack's, on the unchecked path (forwa
                  "PACKED_ENCODERS_LEAN=0, inputs the unchecked path does not cover)",)
 CUTE_OPS = FusedOpSet("cute", layer_norm, residual_layer_norm, _triton.rope_qkv, _triton.glu, _triton.glu_linear,
                       smoke=smoke, fallbacks=fallbacks, direct=_triton.DIRECT_OPS, covers=_triton.covers,
-                      kernels=_triton.TRITON_KERNELS, substitutions=SUBSTITUTIONS)
+                      kernels=_triton.TRITON_KERNELS, substitutions=SUBSTITUTIONS, lora_merge=_triton.lora_merge)

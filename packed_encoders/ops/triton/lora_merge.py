@@ -1,0 +1,70 @@
+"""Triton LoRA merge: ``W + s * B @ A`` ``[N, K]`` in one pass, for the merged adapter weights of calls without
+gradients (:func:`packed_encoders.model.calls.merged_weights`).
+
+The rank-``r`` product is summed in fp32 from the stored factors (fp32 in peft on a bf16 model, or the weight's
+dtype) and added to ``W`` in fp32; the result is rounded once. One launch reads ``W`` once and writes the result
+once: the torch ops it replaces cast the factors, copy ``W`` and run an ``addmm`` (four launches per slot, three
+passes over ``W``-sized memory), which dominated a short call's GPU time with adapters on every slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from ._runtime import I32_END, cdiv, kernel, launch_cached, or_all
+
+_BOUND: dict = {}  # launch signature -> _runtime.Bound
+BLOCK_N, BLOCK_K, WARPS = 32, 128, 4
+MAX_RANK = 256  # the rank loop is unrolled per rank (a compile each); beyond this the torch ops serve
+
+
+@kernel()
+def _merge_kernel(W, A, B, Y, scale, N, K, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < N, cols < K
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in tl.static_range(R):  # outer products in fp32 FMAs: r is small, the pass is bound by W's bytes
+        b = tl.load(B + rows * R + j, mask=row_ok, other=0.0).to(tl.float32)
+        a = tl.load(A + j * K + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc += b[:, None] * a[None, :]
+    offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    w = tl.load(W + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offsets, (w + scale * acc).to(Y.dtype.element_ty), mask=mask)
+
+
+def takes(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`merge` runs these operands: floating dtypes the kernel loads, rank at most :data:`MAX_RANK`,
+    all on one device, and no dimension reaching 2**31."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    n, k = weight.shape
+    return (all(t.dtype in floats for t in (weight, a, b)) and dtype in floats and 0 < a.shape[0] <= MAX_RANK
+            and a.device == weight.device == b.device and n * k < I32_END)
+
+
+def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``weight + scale * b @ a`` in ``dtype``: ``weight`` ``[N, K]``, ``a`` ``[r, K]`` (peft's ``lora_A``), ``b``
+    ``[N, r]`` (``lora_B``), any of fp32 / bf16 / fp16 each (:func:`takes` first); a new tensor, the operands
+    untouched. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    n, k = weight.shape
+    r = a.shape[0]
+    weight, a, b = weight.contiguous(), a.contiguous(), b.contiguous()
+    y = torch.empty((n, k), dtype=dtype, device=weight.device)
+    if n == 0 or k == 0:
+        return y
+    grid = (cdiv(n, BLOCK_N), cdiv(k, BLOCK_K))
+    args = (weight, a, b, y, float(scale), n, k)
+    fast = sig = None
+    if weight.is_cuda:
+        ptrs = (weight.data_ptr(), a.data_ptr(), b.data_ptr(), y.data_ptr())
+        fast = (*ptrs, float(scale), n, k)
+        # Triton specialises ints on value 1 and divisibility by 16: N and K are keyed as they are
+        sig = (weight.dtype, a.dtype, b.dtype, dtype, r, n, k, not or_all(ptrs) & 15)
+    launch_cached(_BOUND, sig, _merge_kernel, weight, grid, args,
+                  dict(R=r, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=WARPS), fast)
+    return y
+
+
+__all__ = ["MAX_RANK", "merge", "takes"]
