@@ -15,7 +15,7 @@ import triton.language as tl
 from ._runtime import I32_END, cdiv, kernel, launch_cached, or_all
 
 _BOUND: dict = {}  # launch signature -> _runtime.Bound
-BLOCK_N, BLOCK_K, WARPS = 32, 128, 4
+BLOCK_N, BLOCK_K, WARPS = 16, 128, 4
 MAX_RANK = 256  # the rank loop is unrolled per rank (a compile each); beyond this the torch ops serve
 
 
@@ -24,15 +24,15 @@ def _merge_kernel(W, A, B, Y, scale, N, K, R: tl.constexpr, BLOCK_N: tl.constexp
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < N, cols < K
+    offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    w = tl.load(W + offsets, mask=mask, other=0.0)  # (first: in flight while the product is summed)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for j in tl.static_range(R):  # outer products in fp32 FMAs: r is small, the pass is bound by W's bytes
         b = tl.load(B + rows * R + j, mask=row_ok, other=0.0).to(tl.float32)
         a = tl.load(A + j * K + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc += b[:, None] * a[None, :]
-    offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    w = tl.load(W + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offsets, (w + scale * acc).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offsets, (w.to(tl.float32) + scale * acc).to(Y.dtype.element_ty), mask=mask)
 
 
 def takes(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
