@@ -68,7 +68,8 @@ def mode_facts(model: nn.Module, state) -> dict:
     config = state.options.cuda_graph
     # (read where a graph route would otherwise be open: the adapters' state costs ~2-3 us per called slot)
     asks = config is not None and (config.training or not grad)
-    facts = dict(module_calls=graph_refusal(model, module_calls(model, state), grad) if asks else None,
+    refusal, adapters = graph_refusal(model, module_calls(model, state), grad) if asks else (None, None)
+    facts = dict(module_calls=refusal, adapters=adapters,
                  kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
                  grad=grad, dropout=dropout,
                  autocast=torch.get_autocast_dtype("cuda") if on_cuda and torch.is_autocast_enabled("cuda") else None,
@@ -185,7 +186,7 @@ def serve_batch(model: nn.Module, state, route: Route, batch: PackedBatch, *, hi
     caller."""
     if isinstance(route, PackedGraph):
         out = graphs.graph_forward(model, state, batch, torch.clone, bucket=route.bucket, autocast=route.autocast,
-                                   backend=backend)
+                                   backend=backend, adapters=route.adapters)
         if out is not None:
             return out
     elif isinstance(route, TrainingGraph):
@@ -209,16 +210,17 @@ def serve_padded(model: nn.Module, state, route: Route, *, input_ids, inputs_emb
     farther than that half window past a row's real tokens; see ``batch.unpad``)."""
     if isinstance(route, RectangularGraph):
         last = graphs.sync_free_forward(model, state, route.bucket, input_ids=input_ids, attention_mask=attention_mask,
-                                        token_type_ids=token_type_ids, autocast=route.autocast)
+                                        token_type_ids=token_type_ids, autocast=route.autocast,
+                                        adapters=route.adapters)
         if last is not None:
             return last, None
-        route = PackedGraph(None, route.autocast)  # the bucket could not be captured: the synced path
+        route = PackedGraph(None, route.autocast, adapters=route.adapters)  # (not captured: the synced path)
     prepared = None
     if isinstance(route, PackedGraph):
         if route.sync_free_refusal is not None:
             graphs.note_eager(model, state, None, route.sync_free_refusal)
         # before unpad's host sync, while the GPU may still run the previous call: after it, the GPU idles
-        prepared = graphs.prepare(model, state)
+        prepared = graphs.prepare(model, state, route.adapters)
     elif isinstance(route, Eager):
         graphs.note_eager(model, state, route.reason, route.sync_free_refusal)
     before_sync = (functools.partial(graphs.prestage, prepared)

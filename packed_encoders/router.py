@@ -49,19 +49,23 @@ class Eager:
 @dataclass(frozen=True)
 class PackedGraph:
     """Replay the packed graph of ``bucket`` (``None``: chosen from the sizes after the call's sync), captured
-    under ``autocast`` (the call's CUDA autocast dtype, or ``None``)."""
+    under ``autocast`` (the call's CUDA autocast dtype, or ``None``); ``adapters``: :attr:`Facts.adapters`, for the
+    graphs' fingerprint."""
 
     bucket: Bucket | None = None
     autocast: Any = None
     sync_free_refusal: str | None = None
+    adapters: Any = None
 
 
 @dataclass(frozen=True)
 class RectangularGraph:
-    """Replay the rectangular (sync-free) graph of ``bucket`` for a padded call, captured under ``autocast``."""
+    """Replay the rectangular (sync-free) graph of ``bucket`` for a padded call, captured under ``autocast``;
+    ``adapters`` as :class:`PackedGraph`'s."""
 
     bucket: RectBucket
     autocast: Any = None
+    adapters: Any = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,9 @@ class Facts:
         module_calls: why no graph may serve this call because a Linear slot holds a module the forward calls
             whose forward a replay would not follow (:func:`packed_encoders.model.calls.graph_refusal`), or
             ``None``.
+        adapters: what a graph's replay depends on in those called slots (peft LoRA state,
+            :func:`packed_encoders.model.calls.replay_state`), read once per call with ``module_calls``; the graph
+            routes carry it to the graphs' fingerprint. ``None``: no called slot (or not asked).
         graphs: the encoder's :class:`~packed_encoders.GraphConfig`, or ``None`` (``cuda_graph=False``).
         kill_switch: ``PACKED_ENCODERS_GRAPH=0`` when the encoder was packed (its tuning).
         suspended: inside ``pe.no_cuda_graph(model)``.
@@ -107,6 +114,7 @@ class Facts:
 
     structure: str | None = None
     module_calls: str | None = None
+    adapters: Any = None
     graphs: Any = None
     kill_switch: bool = False
     suspended: bool = False
@@ -209,16 +217,16 @@ def choose(facts: Facts) -> Route:
     if facts.padded and config.sync_free and facts.well_formed:
         rect = B.admit_rect(config, facts, facts.vocab)
         if not isinstance(rect, str):
-            return RectangularGraph(rect, facts.autocast)
+            return RectangularGraph(rect, facts.autocast, facts.adapters)
         refusal = rect
     reason = _mode_refusal(facts)
     if reason is not None:
         return _eager(reason, refusal)
     if facts.padded:
-        if facts.autocast is None and refusal is None:
+        if facts.autocast is None and refusal is None and facts.adapters is None:
             return _PADDED_GRAPH
-        return PackedGraph(None, facts.autocast, refusal)
+        return PackedGraph(None, facts.autocast, refusal, facts.adapters)
     bucket = B.admit_sizes(config, facts.same_device, facts.num_seqs, facts.total_tokens, facts.max_seqlen)
     if isinstance(bucket, str):
         return _eager(bucket, None)
-    return PackedGraph(bucket, facts.autocast)
+    return PackedGraph(bucket, facts.autocast, adapters=facts.adapters)

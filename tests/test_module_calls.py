@@ -868,7 +868,14 @@ def test_lora_graphs_follow_the_adapter_state(monkeypatch):
     assert _differs(adapted, plain, mask)
     captured_again(True)
     hits = graphs()["hits"]
+    from packed_encoders.graphs import route
+    from packed_encoders.model import calls
+
+    reads, real = [], calls.replay_state
+    for module in (calls, route):
+        monkeypatch.setattr(module, "replay_state", lambda *a: reads.append(1) or real(*a))
     run()
+    assert len(reads) == 1  # the router's read, carried to the fingerprint (once per call: ~2-3 us a slot)
     captured_again(False)
     assert graphs()["hits"] == hits + 1
     with model.disable_adapter():

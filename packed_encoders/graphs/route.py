@@ -36,7 +36,7 @@ def module_call_refusal(model) -> str | None:
     Read from the live modules: for the paths that would capture without asking the router (``pack()``'s graph
     check and precapture, ``set_cuda_graph``, whose module tree may have changed since the last call's structure
     check) and ``describe()``; the router asks per call from the structure snapshot (``Facts.module_calls``)."""
-    return graph_refusal(model, read_calls(model))
+    return graph_refusal(model, read_calls(model))[0]
 
 
 def graph_key(requested: str, bucket, query_only: bool = False, autocast=None) -> tuple:
@@ -88,11 +88,15 @@ def _listed(model, tree) -> Listed:
     return Listed(*(tuple(slot[i] for slot in slots) for i in range(4)), params, params + buffers, tree)
 
 
-def fingerprint(model, state, mgr: GraphManager) -> tuple:
+_READ = object()
+
+
+def fingerprint(model, state, mgr: GraphManager, adapters=_READ) -> tuple:
     """Device, dtype, the module tree and the storage address of every parameter and buffer: a captured graph reads
     them by address, so ``.to(dtype)``, ``.to(device)``, ``.half()`` or reassigning ``param.data`` must drop it;
     with called projection slots, also their adapters' state (:func:`..model.calls.replay_state`: a captured peft
-    LoRA forward launched its kernels for the active adapters and their ``scaling``).
+    LoRA forward launched its kernels for the active adapters and their ``scaling``): ``adapters``, as the call's
+    router read it (:attr:`packed_encoders.router.Facts.adapters`), else read here.
 
     Each call checks, reading each module's ``_parameters`` / ``_buffers`` live, that every slot listed
     (:class:`Listed`) still holds the listed tensor (or ``None``), so ``load_state_dict(assign=True)``, ``param =
@@ -112,8 +116,11 @@ def fingerprint(model, state, mgr: GraphManager) -> tuple:
         listed = mgr.listed = _listed(model, tree)
     w0 = listed.params[0]
     calls = read_calls(model) if snap is None else snap["calls"]
-    adapters = () if calls is None else (replay_state(model, calls),)
-    return (w0.device, w0.dtype, tree, *adapters, *map(_DATA_PTR, listed.tensors))
+    if calls is None:
+        held = ()
+    else:
+        held = (replay_state(model, calls) if adapters is _READ or adapters is None else adapters,)
+    return (w0.device, w0.dtype, tree, *held, *map(_DATA_PTR, listed.tensors))
 
 
 def _capture_kw(model, mgr: GraphManager) -> dict:
@@ -252,17 +259,17 @@ class Prepared(NamedTuple):
     device: Any = None  # the model's device when prepare() ran
 
 
-def prepare(model, state) -> Prepared:
+def prepare(model, state, adapters=_READ) -> Prepared:
     """The batch-independent part of :func:`graph_forward`, run before a padded call's one host sync once the
     router chose a packed graph for it (so its modes are accepted and the model is on CUDA).
 
     After the sync the GPU idles until the graph is launched, so everything that does not depend on the
     batch's sizes happens here, while the previous replay still runs: the weights fingerprint (with the
-    invalidation and precapture it may trigger)."""
+    invalidation and precapture it may trigger); ``adapters``: the route's (:func:`fingerprint`)."""
     mgr = _manager(state)
     weight = model.embeddings.tok_embeddings.weight
     with mgr.lock:
-        fp = fingerprint(model, state, mgr)
+        fp = fingerprint(model, state, mgr, adapters)
         if fp != mgr.fingerprint and len(mgr) and weight.is_cuda:
             # graphs are about to be dropped while the previous call's replay may still run (we are
             # before this call's sync): wait for it first; weights change rarely, so this sync is too
@@ -302,7 +309,7 @@ def prestage(prepared: Prepared | None, ids: torch.Tensor | None, pos: torch.Ten
 
 
 def graph_forward(model, state, batch, finish, *, bucket: Bucket | None = None, autocast=None,
-                  backend: str | None = None, prepared: Prepared | None = None):
+                  backend: str | None = None, prepared: Prepared | None = None, adapters=_READ):
     """Serve ``batch`` from a captured graph and return ``finish(out)`` (``out``: a view of the static
     ``[T, hidden]`` output, which ``finish`` must copy), or ``None`` when the call must run eagerly.
 
@@ -310,8 +317,8 @@ def graph_forward(model, state, batch, finish, *, bucket: Bucket | None = None, 
     the router's bucket for a packed call; ``None`` admits the batch's sizes here (a padded call, whose sizes
     its sync has just read); a refusal is counted. ``autocast``: the call's CUDA autocast dtype (graphs are
     keyed and captured by it). ``prepared``: :func:`prepare`'s result for this call, read before its host sync
-    (``None``: the fingerprint is checked here). A bucket whose capture fails (warned once, listed by
-    ``describe()``) runs eagerly from then on.
+    (``None``: the fingerprint is checked here, with the route's ``adapters``). A bucket whose capture fails
+    (warned once, listed by ``describe()``) runs eagerly from then on.
     """
     mgr = prepared.mgr if prepared is not None else _manager(state)
     if bucket is None:
@@ -328,7 +335,7 @@ def graph_forward(model, state, batch, finish, *, bucket: Bucket | None = None, 
     with mgr.lock:
         if prepared is None or prepared.fingerprint is None:  # not checked before the sync (a thread that
             # changed weights since cleared the graphs: get() rebuilds)
-            mgr.check_fingerprint(fingerprint(model, state, mgr))
+            mgr.check_fingerprint(fingerprint(model, state, mgr, adapters))
             _precapture(model, state, mgr)
         cached = key in mgr
         _budget(model, state, mgr)
@@ -499,7 +506,7 @@ def poll_deferred(state) -> None:
 
 
 def sync_free_forward(model, state, bucket: RectBucket, *, input_ids, attention_mask, token_type_ids,
-                      autocast=None):
+                      autocast=None, adapters=_READ):
     """Serve a padded call from the rectangular graph of ``bucket`` (the router admitted it from host facts
     only) with no host sync; returns its ``[B, S, hidden]`` output (owned by the caller), or ``None`` when the
     bucket cannot be captured (the call then takes the synced path).
@@ -511,7 +518,7 @@ def sync_free_forward(model, state, bucket: RectBucket, *, input_ids, attention_
     key = graph_key(requested, bucket, autocast=autocast)
     checks = deferred_checks(state)
     with mgr.lock:
-        mgr.check_fingerprint(fingerprint(model, state, mgr))
+        mgr.check_fingerprint(fingerprint(model, state, mgr, adapters))
         _precapture(model, state, mgr)
         cached = key in mgr
         _budget(model, state, mgr)

@@ -225,16 +225,17 @@ def merged_weights(model: nn.Module, calls: ModuleCalls, dtype: torch.dtype | No
     return (ModuleCalls(tuple(map(tuple, rows)), tuple(left)) if left else None), table
 
 
-def graph_refusal(model: nn.Module, calls: ModuleCalls | None, training_graph: bool = False) -> str | None:
-    """Why no graph may serve a call of the encoder ``model`` because of its called slots ``calls`` (``None``: a
-    graph may): ``training_graph``, a call with gradients that training graphs would serve (never with a called
-    slot); otherwise an inference graph (:func:`replay_state`)."""
+def graph_refusal(model: nn.Module, calls: ModuleCalls | None, training_graph: bool = False) -> tuple:
+    """``(refusal, adapters)``: why no graph may serve a call of the encoder ``model`` because of its called slots
+    ``calls`` (``None``: a graph may), and what an inference graph's replay depends on in them
+    (:func:`replay_state`; ``None`` with no called slot or a refusal), read once for the call. ``training_graph``:
+    a call with gradients that training graphs would serve (never with a called slot)."""
     if calls is None:
-        return None
+        return None, None
     if training_graph:
-        return calls.graph_reason()
+        return calls.graph_reason(), None
     state = replay_state(model, calls)
-    return state if isinstance(state, str) else None
+    return (state, None) if isinstance(state, str) else (None, state)
 
 
 def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str,
