@@ -16,7 +16,7 @@ from ._runtime import I32_END, cdiv, kernel, launch_cached, or_all
 
 _BOUND: dict = {}  # launch signature -> _runtime.Bound
 BLOCK_N, BLOCK_K, WARPS = 16, 128, 4
-MAX_RANK = 256  # the rank loop is unrolled per rank (a compile each); beyond this the torch ops serve
+MAX_RANK = 128  # the rank loop is unrolled per rank (a compile each); beyond this the torch ops serve
 
 
 @kernel()
