@@ -898,6 +898,72 @@ def test_lora_graphs_follow_the_adapter_state(monkeypatch):
     assert pe.describe(encoder)["encoders"][0]["module_calls"] == []
 
 
+@pytest.mark.parametrize("change", ["delete_and_add_adapter", "module_swapped_into_lora_A", "added_then_assigned"])
+def test_lora_graphs_drop_when_modules_inside_a_slot_change(monkeypatch, change):
+    """Modules come and go inside a LoRA layer with no change to the slot (a trial found each of these replaying
+    graphs captured with the old adapter's tensors): an adapter deleted and added again under its name, a Linear put
+    into ``lora_A``, and ``load_state_dict(assign=True)`` into an adapter added after the first capture. Each drops
+    the graphs; outputs are stock's."""
+    model, encoder = _peft_model(ALL)
+    if change != "added_then_assigned":
+        model.add_adapter("b", _config(ALL))
+        _randomise(model, seed=2)
+        model.set_adapter("b")
+    ids, mask = _batch()
+    pe.pack(model, validate=False)
+    _fake_cuda_graphs(monkeypatch)
+
+    def run():
+        with torch.no_grad():
+            out = _out(model, ids, mask)
+            _assert_parity(out, stock_forward(encoder, ids, mask), mask)
+        return pe.describe(encoder)["encoders"][0]["cuda_graph"]
+
+    if change == "added_then_assigned":
+        run()
+        model.add_adapter("late", _config(ALL))
+        model.set_adapter("late")
+        _randomise(model, seed=3)
+    run()
+    before = run()
+    assert before["hits"] >= 1
+    if change == "delete_and_add_adapter":
+        model.delete_adapter("b")
+        model.add_adapter("b", _config(ALL))
+        _randomise(model, seed=9)
+        model.set_adapter("b")
+    elif change == "module_swapped_into_lora_A":
+        old = encoder.layers[0].attn.Wqkv.lora_A["b"]
+        new = nn.Linear(old.in_features, old.out_features, bias=False)
+        encoder.layers[0].attn.Wqkv.lora_A["b"] = new
+    else:
+        state = {k: 0.1 * torch.randn_like(v) for k, v in model.state_dict().items() if ".late." in k}
+        assert state
+        model.load_state_dict(state, strict=False, assign=True)
+    after = run()
+    assert after["invalidations"] > before["invalidations"], (before, after)
+
+
+def test_a_hooked_module_put_inside_a_lora_layer_runs_stock():
+    """Putting an already hooked module into a LoRA layer registers no hook (no handle is made): the module
+    registration makes the hook scan list the slot's submodules again, and the call runs stock, warned."""
+    model, encoder = _peft_model(ALL)
+    ids, mask = _batch()
+    old = encoder.layers[0].attn.Wqkv.lora_A["default"]
+    hooked = nn.Linear(old.in_features, old.out_features, bias=False)
+    hooked.load_state_dict(old.state_dict())
+    seen = []
+    hooked.register_forward_hook(lambda m, i, o: seen.append(i[0].dim()))  # (before pack(): no handle made after)
+    pe.pack(model)
+    with torch.no_grad():
+        _out(model, ids, mask)
+    encoder.layers[0].attn.Wqkv.lora_A["default"] = hooked
+    with pytest.warns(RuntimeWarning, match=r"layers.0.attn.Wqkv.lora_A.default has forward hooks"):
+        with torch.no_grad():
+            _out(model, ids, mask)
+    assert seen == [3]  # stock's [B, S, in]
+
+
 @pytest.mark.parametrize("case", ["dora", "train_dropout", "instance_forward", "other_module", "training_graphs"])
 def test_graphs_refuse_called_slots_they_cannot_follow_with_the_reason(monkeypatch, case):
     """What a replay would not follow runs eagerly, the reason in describe(): a LoRA variant (DoRA), train-mode

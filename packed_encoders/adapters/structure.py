@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 from torch.utils.hooks import RemovableHandle
 
-from ..model.calls import is_called, read_calls, type_name
+from ..model.calls import is_called, read_calls, registrations, type_name
 from ..model.dropout import dropout_modules
 from ..model.params import _ACTIVATIONS
 from .fsdp import fsdp_problem
@@ -262,8 +262,9 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
     ``module_dicts`` (each module's instance ``__dict__``); and the per-layer attention attributes stock reads
     per call (``fact_dicts``, ``fact_names``, ``facts``); the config and what :func:`config_problem` compares its
     per-call values with (``config``, ``config_dict``, ``layer_types``); ``hook_counter`` (see
-    :func:`_no_new_hooks`); ``called``: the called projection slots' modules, whose submodules that check reads
-    live (adapters come and go inside them); ``dropout``:
+    :func:`_no_new_hooks`); ``called``: the called projection slots' modules, and ``inner_dicts`` / ``registered``
+    their submodules' instance ``__dict__``s and the module registration count they were listed at (adapters come
+    and go inside them; that check lists them again when a module was registered since); ``dropout``:
     the dropout-applying modules (:func:`~packed_encoders.model.dropout.dropout_modules`) whose modes and rates the
     router reads per call (kept here: a snapshot is rebuilt whenever a module changes); ``calls``: the projection
     slots whose module the forward calls (:func:`~packed_encoders.model.calls.read_calls`, ``None`` when all are
@@ -275,6 +276,8 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
     new one drops them."""
     children, names, modules, baked = [], [], [], []
     expected = _expected(model)
+    called = tuple(m for _, m, kind in expected if kind is _LINEAR and is_called(m))
+    registered = registrations()  # (before listing the called slots' submodules)
     for path, m, kind in expected:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
@@ -295,7 +298,7 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
             "fact_dicts": fact_dicts, "fact_names": fact_names, "facts": facts,
             # (hook_counter: taken after a full check found no foreign hook)
             "hook_counter": RemovableHandle.next_id, "dropout": dropout_modules(model), "calls": read_calls(model),
-            "called": tuple(m for _, m, kind in expected if kind is _LINEAR and is_called(m)),
+            "called": called, "inner_dicts": _inner_dicts(called), "registered": registered,
             "baked": baked, "tree": previous["tree"] if same else next(_TREES)}
 
 
@@ -304,19 +307,27 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
 _HOOK_DICTS = operator.itemgetter("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
+def _inner_dicts(called: tuple) -> tuple:
+    """The instance ``__dict__``s of the modules inside the called slots ``called`` (not the slots themselves)."""
+    return tuple(vars(sub) for m in called for sub in m.modules() if sub is not m)
+
+
 def _no_new_hooks(snap: dict) -> bool:
     """No module of the snapshot, nor one inside a called slot, has a hook. Every hook registration (module,
     global or tensor hook) creates a ``torch.utils.hooks.RemovableHandle``, whose class counter moves: while it has
     not moved since the last scan found no hook, the scan (the costliest part of the check) is skipped. A scan reads
-    the hook dicts live (code may assign a module a new dict and register into it), inside a called slot from its
-    live submodules (adapters come and go there)."""
+    the hook dicts live (code may assign a module a new dict and register into it). Modules come and go inside a
+    called slot (an adapter added, a hooked module put in: no handle is created then), so with called slots a
+    module registration anywhere also triggers the scan, which lists their submodules again first."""
     counter = RemovableHandle.next_id
-    if counter == snap["hook_counter"]:
+    registered = registrations() if snap["called"] else snap["registered"]
+    if counter == snap["hook_counter"] and registered == snap["registered"]:
         return True
-    if any(map(any, map(_HOOK_DICTS, snap["module_dicts"]))) or any(
-            any(map(any, map(_HOOK_DICTS, map(vars, m.modules())))) for m in snap["called"]):
+    if registered != snap["registered"]:
+        snap["inner_dicts"] = _inner_dicts(snap["called"])
+    if any(map(any, map(_HOOK_DICTS, snap["module_dicts"]))) or any(map(any, map(_HOOK_DICTS, snap["inner_dicts"]))):
         return False  # a hook (perhaps a known one): the slow path decides
-    snap["hook_counter"] = counter
+    snap["hook_counter"], snap["registered"] = counter, registered
     return True
 
 
