@@ -898,12 +898,13 @@ def test_lora_graphs_follow_the_adapter_state(monkeypatch):
     assert pe.describe(encoder)["encoders"][0]["module_calls"] == []
 
 
-@pytest.mark.parametrize("change", ["delete_and_add_adapter", "module_swapped_into_lora_A", "added_then_assigned"])
+@pytest.mark.parametrize("change", ["delete_and_add_adapter", "module_swapped_into_lora_A", "added_then_assigned",
+                                    "written_into_modules"])
 def test_lora_graphs_drop_when_modules_inside_a_slot_change(monkeypatch, change):
     """Modules come and go inside a LoRA layer with no change to the slot (a trial found each of these replaying
     graphs captured with the old adapter's tensors): an adapter deleted and added again under its name, a Linear put
-    into ``lora_A``, and ``load_state_dict(assign=True)`` into an adapter added after the first capture. Each drops
-    the graphs; outputs are stock's."""
+    into ``lora_A``, ``load_state_dict(assign=True)`` into an adapter added after the first capture, a Linear written
+    into ``lora_B._modules`` (no module registration). Each drops the graphs; outputs are stock's."""
     model, encoder = _peft_model(ALL)
     if change != "added_then_assigned":
         model.add_adapter("b", _config(ALL))
@@ -936,6 +937,9 @@ def test_lora_graphs_drop_when_modules_inside_a_slot_change(monkeypatch, change)
         old = encoder.layers[0].attn.Wqkv.lora_A["b"]
         new = nn.Linear(old.in_features, old.out_features, bias=False)
         encoder.layers[0].attn.Wqkv.lora_A["b"] = new
+    elif change == "written_into_modules":
+        old = encoder.layers[0].attn.Wqkv.lora_B["b"]
+        encoder.layers[0].attn.Wqkv.lora_B._modules["b"] = nn.Linear(old.in_features, old.out_features, bias=False)
     else:
         state = {k: 0.1 * torch.randn_like(v) for k, v in model.state_dict().items() if ".late." in k}
         assert state
@@ -945,8 +949,8 @@ def test_lora_graphs_drop_when_modules_inside_a_slot_change(monkeypatch, change)
 
 
 def test_a_hooked_module_put_inside_a_lora_layer_runs_stock():
-    """Putting an already hooked module into a LoRA layer registers no hook (no handle is made): the module
-    registration makes the hook scan list the slot's submodules again, and the call runs stock, warned."""
+    """Putting an already hooked module into a LoRA layer registers no hook (no handle is made): the per-call check
+    of what the slot holds sees it come, and the call runs stock, warned."""
     model, encoder = _peft_model(ALL)
     ids, mask = _batch()
     old = encoder.layers[0].attn.Wqkv.lora_A["default"]
@@ -964,20 +968,17 @@ def test_a_hooked_module_put_inside_a_lora_layer_runs_stock():
     assert seen == [3]  # stock's [B, S, in]
 
 
-@pytest.mark.parametrize("case", ["dora", "train_dropout", "instance_forward", "other_module", "training_graphs"])
+@pytest.mark.parametrize("case", ["dora", "train_dropout", "other_module", "training_graphs"])
 def test_graphs_refuse_called_slots_they_cannot_follow_with_the_reason(monkeypatch, case):
     """What a replay would not follow runs eagerly, the reason in describe(): a LoRA variant (DoRA), train-mode
-    lora_dropout, an instance forward inside the LoRA layer, a module type whose state is unknown; and a call with
-    gradients under training graphs (they capture the packed layers' own backward). Outputs are stock's."""
+    lora_dropout, a module type whose state is unknown; and a call with gradients under training graphs (they
+    capture the packed layers' own backward). Outputs are stock's."""
     kw = {"dora": dict(use_dora=True), "train_dropout": dict(lora_dropout=0.1)}.get(case, {})
     model, encoder = _peft_model(["Wqkv"], **kw)
     if case == "train_dropout":
         for module in model.modules():
             if isinstance(module, nn.Dropout):
                 module.train()  # (MC dropout on the adapters only)
-    if case == "instance_forward":  # (hooks inside run stock: test_hooks_inside_a_called_module_...)
-        lora_a = encoder.layers[1].attn.Wqkv.lora_A["default"]
-        lora_a.forward = functools.partial(nn.Linear.forward, lora_a)
     if case == "other_module":
         model = encoder = make_model("tiny")
         encoder.layers[1].attn.Wqkv = _Fp32Out(encoder.layers[1].attn.Wqkv)
@@ -992,7 +993,6 @@ def test_graphs_refuse_called_slots_they_cannot_follow_with_the_reason(monkeypat
             _assert_parity(out, stock_forward(encoder, ids, mask), mask)
     info = pe.describe(model)["encoders"][0]["cuda_graph"]
     why = {"dora": "a LoRA variant (DoraLinearVariant", "train_dropout": "lora_dropout applies (train mode, p=0.1)",
-           "instance_forward": "an instance forward",
            "other_module": "CUDA graphs off (a graph would replay the module's forward",
            "training_graphs": "training graphs off"}[case]
     (reason, count), = info["fallbacks"].items()
@@ -1014,3 +1014,33 @@ def test_pack_time_graph_check_skips_a_model_with_called_slots(monkeypatch):
     assert state.report.passed
     assert any(c.startswith(f"cuda_graph: not checked: module call at layers.0.attn.Wqkv ({LORA})")
                for c in state.report.checks), state.report.checks
+
+
+def test_inside_a_called_sequential_insert_and_instance_forward_run_stock():
+    """A hooked module put in by ``Sequential.insert`` (which registers nothing) and an instance ``forward`` set on a
+    module inside a called slot (as accelerate's hooks do) each run the call stock, warned: they would see packed
+    rows."""
+    encoder = make_model("tiny")
+    layer = encoder.layers[0]
+    layer.mlp.Wo = nn.Sequential(layer.mlp.Wo)
+    ids, mask = _batch()
+    seen = []
+    hooked = nn.Identity()
+    hooked.register_forward_hook(lambda m, i, o: seen.append(i[0].dim()))
+    pe.pack(encoder, validate=False)
+    layer.mlp.Wo.insert(0, hooked)
+    with pytest.warns(RuntimeWarning, match=r"layers.0.mlp.Wo.0 has forward hooks"):
+        with torch.no_grad():
+            _out(encoder, ids, mask)
+    assert seen == [3]
+    del layer.mlp.Wo[0]
+    with torch.no_grad():
+        _out(encoder, ids, mask)
+    assert pe.is_packed(encoder)
+    inner = layer.mlp.Wo[0]
+    inner.forward = functools.partial(nn.Linear.forward, inner)
+    with pytest.warns(RuntimeWarning, match=r"layers.0.mlp.Wo.0 has an instance forward"):
+        with torch.no_grad():
+            out = _out(encoder, ids, mask)
+    with torch.no_grad():
+        torch.testing.assert_close(out, stock(encoder, input_ids=ids, attention_mask=mask).last_hidden_state)

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..model.calls import MODULE_CALL, graph_refusal, read_calls, registrations, replay_state
+from ..model.calls import MODULE_CALL, graph_refusal, read_calls, replay_state
 from . import buckets as B
 from .buckets import Bucket, RectBucket, precapture_buckets
 from .manager import GraphManager
@@ -68,9 +68,8 @@ class Listed(NamedTuple):
     ``_buffers`` slot of every module (``module_dicts`` their modules' instance ``__dict__``s, ``kinds`` which of
     the two, ``names``, ``values``; ``None`` slots too, so a bias added later is seen), the non-``None``
     ``params`` (training graphs keep a gradient buffer per parameter), the ``tensors`` read by address (the
-    parameters, and the buffers: the rotary ``inv_freq`` a capture computes its RoPE tables from), the
-    structure snapshot's ``tree`` they were listed under, and with called slots the module ``registered`` count
-    (:func:`..model.calls.registrations`) they were listed at."""
+    parameters, and the buffers: the rotary ``inv_freq`` a capture computes its RoPE tables from), and the
+    structure snapshot's ``tree`` they were listed under."""
 
     module_dicts: tuple
     kinds: tuple
@@ -79,15 +78,14 @@ class Listed(NamedTuple):
     params: tuple
     tensors: tuple
     tree: Any
-    registered: int = 0
 
 
-def _listed(model, tree, registered: int) -> Listed:
+def _listed(model, tree) -> Listed:
     slots = [(vars(m), kind, n, t) for m in model.modules() for kind in ("_parameters", "_buffers")
              for n, t in getattr(m, kind).items()]
     params = tuple(t for _, kind, _, t in slots if kind == "_parameters" and t is not None)
     buffers = tuple(t for _, kind, _, t in slots if kind == "_buffers" and t is not None)
-    return Listed(*(tuple(slot[i] for slot in slots) for i in range(4)), params, params + buffers, tree, registered)
+    return Listed(*(tuple(slot[i] for slot in slots) for i in range(4)), params, params + buffers, tree)
 
 
 _READ = object()
@@ -106,20 +104,19 @@ def fingerprint(model, state, mgr: GraphManager, adapters=_READ) -> tuple:
     re-lists and, storage having moved, drops the graphs. A graph also holds the modules it was captured with: a
     submodule swapped for another of its type, layers of one attention type reordered or a norm's ``eps`` set
     change the structure snapshot's ``tree`` (:func:`packed_encoders.adapters.structure.snapshot`, current here:
-    the structure check runs before every route), which re-lists and drops the graphs too. Inside called slots,
-    modules come and go without a change to the tree (peft's ``add_adapter`` after a capture, a module put into
-    ``lora_A``): there a module registration anywhere re-lists. The listed objects stay referenced, so a replaced
-    tensor's old storage is never freed under a graph.
+    the structure check runs before every route), which re-lists and drops the graphs too; so do modules coming
+    and going inside a called slot (peft's ``add_adapter`` / ``delete_adapter`` after a capture, a module put into
+    ``lora_A``: the snapshot lists them too). The listed objects stay referenced, so a replaced tensor's old storage
+    is never freed under a graph.
     """
     snap = state.runtime.get("structure")
     tree = None if snap is None else snap["tree"]
     calls = read_calls(model) if snap is None else snap["calls"]
-    registered = 0 if calls is None else registrations()
     listed = mgr.listed
-    if listed is None or listed.tree != tree or listed.registered != registered or not all(
+    if listed is None or listed.tree != tree or not all(
             map(operator.is_, map(dict.get, map(operator.getitem, listed.module_dicts, listed.kinds), listed.names),
                 listed.values)):
-        listed = mgr.listed = _listed(model, tree, registered)
+        listed = mgr.listed = _listed(model, tree)
     w0 = listed.params[0]
     if calls is None:
         held = ()

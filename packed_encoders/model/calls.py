@@ -28,7 +28,6 @@ snapshot (rebuilt whenever a module in a slot changes), so a call pays nothing f
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -105,27 +104,6 @@ _LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")  # (module, qualname) of the
 def _hooked(module: nn.Module) -> bool:
     """Forward hooks or an instance forward: a replay would skip what they do."""
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module))
-
-
-_REGISTERED = [0]  # module registrations (setattr, add_module, ModuleDict items) since the hook below was installed
-_REGISTRATION_LOCK = threading.Lock()
-
-
-def _count_registration(_parent, _name, _module):
-    _REGISTERED[0] += 1
-
-
-def registrations() -> int:
-    """How many modules were put into a module tree anywhere so far (a global module registration hook, installed
-    on the first call). Modules come and go inside a called slot (peft's ``add_adapter`` / ``delete_adapter``, a
-    module swapped into ``lora_A``) with no change to the slot itself: readers of its submodules list them again
-    when this moved (the structure check's hook scan, the graphs' listing of tensors they read)."""
-    if not _REGISTERED[0]:
-        with _REGISTRATION_LOCK:
-            if not _REGISTERED[0]:
-                nn.modules.module.register_module_module_registration_hook(_count_registration)
-                _REGISTERED[0] = 1
-    return _REGISTERED[0]
 
 
 def _lora_state(module: nn.Module) -> tuple | str:
@@ -281,4 +259,4 @@ def call(module: nn.Module, x: torch.Tensor, width: int, index: int, slot: str,
 
 
 __all__ = ["MODULE_CALL", "ModuleCalls", "PLAIN", "SLOTS", "call", "graph_refusal", "is_called", "merged_weights",
-           "read_calls", "registrations", "replay_state", "type_name"]
+           "read_calls", "replay_state", "type_name"]
