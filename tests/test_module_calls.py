@@ -1039,8 +1039,14 @@ def test_inside_a_called_sequential_insert_and_instance_forward_run_stock():
     assert pe.is_packed(encoder)
     inner = layer.mlp.Wo[0]
     inner.forward = functools.partial(nn.Linear.forward, inner)
-    with pytest.warns(RuntimeWarning, match=r"layers.0.mlp.Wo.0 has an instance forward"):
+    with pytest.warns(RuntimeWarning, match=r"layers.0.mlp.Wo.0 has its own instance forward, which the packed path "
+                                            r"would call on packed \[tokens, features\] rows"):
         with torch.no_grad():
             out = _out(encoder, ids, mask)
     with torch.no_grad():
         torch.testing.assert_close(out, stock(encoder, input_ids=ids, attention_mask=mask).last_hidden_state)
+    inner._hf_hook = object()  # (accelerate's add_hook_to_module sets both)
+    with pytest.warns(RuntimeWarning, match=r"layers.0.mlp.Wo.0 has an accelerate hook on its forward .*load the "
+                                            r"model on one device"):
+        with torch.no_grad():
+            _out(encoder, ids, mask)

@@ -144,12 +144,18 @@ def _kind_problem(path: str, m: nn.Module, kind, hf, params) -> str | None:
         return (f"{path} is a {type(m).__module__}.{type(m).__qualname__}, not {want}: the packed path reads its "
                 "parameters directly and would skip its forward (merge adapters / undo the wrapping, or run the "
                 "model unpacked)")
-    if "forward" in vars(m):  # (also on a called module: what it wraps may assume [batch, seq, features] inputs)
-        if "_hf_hook" in vars(m):  # accelerate moves weights in and out around each submodule's forward
-            return (f"{path} has an accelerate hook on its forward (a device_map that offloads or splits the model), "
-                    "which the packed path would skip: load the model on one device")
-        return f"{path} has its own instance forward, which the packed path would skip"
-    return None
+    # (also on a called module: what it wraps may assume [batch, seq, features] inputs)
+    return _instance_forward_problem(path, m, "which the packed path would skip")
+
+
+def _instance_forward_problem(path: str, m: nn.Module, why: str) -> str | None:
+    """An instance ``forward`` on ``m`` (``why``: what the packed path would do to it), or ``None``."""
+    if "forward" not in vars(m):
+        return None
+    if "_hf_hook" in vars(m):  # accelerate moves weights in and out around each submodule's forward
+        return (f"{path} has an accelerate hook on its forward (a device_map that offloads or splits the model), "
+                f"{why}: load the model on one device")
+    return f"{path} has its own instance forward, {why}"
 
 
 # nn.Embedding options its forward applies and the packed lookup (F.embedding with padding_idx, real tokens only)
@@ -203,10 +209,9 @@ def _inner_problem(path: str, m: nn.Module) -> str | None:
     ``lora_B``, ``lora_dropout``, ``base_layer``): the slot's forward calls it on the packed rows too."""
     for name, sub in m.named_modules():
         if sub is not m:
-            if "forward" in vars(sub):
-                return (f"{path}.{name} has an instance forward (the packed path calls it on packed [tokens, "
-                        "features] rows, not stock's [batch, seq, features])")
-            problem = _hooks_problem(f"{path}.{name}", sub, called=True)
+            problem = (_instance_forward_problem(f"{path}.{name}", sub, "which the packed path would call on packed "
+                                                 "[tokens, features] rows, not stock's [batch, seq, features]")
+                       or _hooks_problem(f"{path}.{name}", sub, called=True))
             if problem is not None:
                 return problem
     return None
