@@ -17,13 +17,15 @@ but the raw-pointer runs (which read the slots' modules).
 CUDA graphs capture what a call launched for these slots (the merge, or the module's forward), reading parameters by
 address (the graph fingerprint holds every parameter's): a replay is that only while the Python state it branched on
 is unchanged. For peft's LoRA ``Linear`` that state is known and small (active adapters, disabled, merged, each
-adapter's ``scaling``, which the kernels were launched with), so :func:`replay_state` reads it per call and the graph
-fingerprint keys on it: ``set_adapter``, ``disable_adapter()``, ``set_scale`` or a merge drop the graphs, which are
-captured again. Its train-mode ``lora_dropout`` (a graph does not apply dropout), LoRA variants (DoRA, ...), hooks
-inside it and every other module type (unknown state) run eagerly, as do calls with gradients under training graphs.
+adapter's ``scaling``, which the kernels were launched with), so :func:`replay_state` reads it once per call (the
+router's ``Facts.adapters``) and the graph fingerprint keys on it: ``set_adapter``, ``disable_adapter()``,
+``set_scale`` or a merge drop the graphs, which are captured again. Its train-mode ``lora_dropout`` (a graph does not
+apply dropout), LoRA variants (DoRA, ...) and every other module type (unknown state) run eagerly, as do calls with
+gradients under training graphs. Hooks or an instance ``forward`` on a called slot or inside it run the call stock
+(the structure check refuses them: they would see packed rows).
 
 :func:`read_calls` reads the slots from the live modules; the per-call structure check keeps its result in its
-snapshot (rebuilt whenever a module in a slot changes), so a call pays nothing for it.
+snapshot (rebuilt whenever a module in a slot, or inside a called one, changes), so a call pays nothing for it.
 """
 
 from __future__ import annotations
