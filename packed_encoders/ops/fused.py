@@ -543,7 +543,7 @@ def _linear_direct(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 def lora_merge(weight: Tensor, a: Tensor, b: Tensor, scale: float, dtype: torch.dtype) -> Tensor | None:
     """:attr:`OpSet.lora_merge`: the Triton merge (:func:`.triton.lora_merge.merge`) for a half-precision result
     where the kernels take the operands, else ``None`` (fp32 results keep the torch ops, as the other ops do)."""
-    if dtype is torch.float32 or _unsupported(weight, a, b) is not None or not _lora_merge.takes(weight, a, b, dtype):
+    if dtype is torch.float32 or _unsupported(weight, a, b) is not None or not _lora_merge.takes(weight, a, dtype):
         return None
     return _lora_merge.merge(weight, a, b, scale, dtype)
 

@@ -35,19 +35,18 @@ def _merge_kernel(W, A, B, Y, scale, N, K, R: tl.constexpr, BLOCK_N: tl.constexp
     tl.store(Y + offsets, (w.to(tl.float32) + scale * acc).to(Y.dtype.element_ty), mask=mask)
 
 
-def takes(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`merge` runs these operands: floating dtypes the kernel loads, rank at most :data:`MAX_RANK`,
-    all on one device, and no dimension reaching 2**31."""
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    n, k = weight.shape
-    return (all(t.dtype in floats for t in (weight, a, b)) and dtype in floats and 0 < a.shape[0] <= MAX_RANK
-            and a.device == weight.device == b.device and n * k < I32_END)
+def takes(weight: torch.Tensor, a: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`merge` runs a merge of these sizes into ``dtype``: a floating result, rank at most
+    :data:`MAX_RANK`, fewer than 2**31 elements. The operands' dtypes and devices are the op set's check
+    (``ops.fused._unsupported``, as for every Triton op)."""
+    return (dtype in (torch.float32, torch.bfloat16, torch.float16) and 0 < a.shape[0] <= MAX_RANK
+            and weight.numel() < I32_END)
 
 
 def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``weight + scale * b @ a`` in ``dtype``: ``weight`` ``[N, K]``, ``a`` ``[r, K]`` (peft's ``lora_A``), ``b``
-    ``[N, r]`` (``lora_B``), any of fp32 / bf16 / fp16 each (:func:`takes` first); a new tensor, the operands
-    untouched. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    ``[N, r]`` (``lora_B``), any of fp32 / bf16 / fp16 each, on one device (:func:`takes` first); a new tensor, the
+    operands untouched. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``."""
     n, k = weight.shape
     r = a.shape[0]
     weight, a, b = weight.contiguous(), a.contiguous(), b.contiguous()
