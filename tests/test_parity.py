@@ -240,3 +240,18 @@ def test_padded_outputs_all_matches_stock_at_trailing_positions(name):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert zeros[~mask.bool()].abs().max() == 0
     assert_close_real(zeros, ref, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float64_model_under_autocast_runs_in_float64(dtype):
+    """Autocast casts no float64 tensor: stock runs a float64 model in float64 under it, with or without grad."""
+    model = make_model("base_like").double()
+    ids, mask = padded_batch([5, 17, 33, 2])
+    with torch.no_grad():
+        want = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    pe.pack(model)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=dtype):
+            got = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert got.dtype == torch.float64
+        assert_close_real(got.detach(), want, mask, atol=1e-9, rtol=1e-9)

@@ -314,9 +314,11 @@ class AttentionOutMlp(torch.autograd.Function):
         return (*grads, None)
 
 
-def compute_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype projections run in: autocast's when autocast is on for ``device_type``, else ``None`` (as is)."""
-    if torch.is_autocast_enabled(device_type):
+def compute_dtype(device_type: str, activations: torch.dtype) -> torch.dtype | None:
+    """The dtype projections run in: autocast's when autocast is on for ``device_type``, else ``None`` (as is);
+    ``None`` too for float64 ``activations``, which autocast does not cast (stock runs a float64 model in float64
+    under it)."""
+    if activations is not torch.float64 and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 

@@ -52,8 +52,11 @@ def input_grads_hooked(embedding: nn.Module) -> bool:
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype activations take in the packed forward (autocast's dtype when autocast is on)."""
+    """The dtype activations take in the packed forward (autocast's dtype when autocast is on, but for a float64
+    model: autocast casts no float64 tensor, so stock runs such a model in float64 under it)."""
     weight = model.embeddings.tok_embeddings.weight
+    if weight.dtype is torch.float64:
+        return weight.dtype
     if weight.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
     if weight.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
@@ -185,11 +188,12 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
     """
     grad = torch.is_grad_enabled()
     dtype = activation_dtype(model)
+    cdt = compute_dtype(batch.device.type, dtype)
     if calls is READ:
         calls = read_calls(model)
     merged = None
     if calls is not None and not grad:  # peft LoRA layers as one Linear each (the others stay called)
-        calls, merged = merged_weights(model, calls, compute_dtype(batch.device.type), ops.lora_merge)
+        calls, merged = merged_weights(model, calls, cdt, ops.lora_merge)
     if attention is None:
         # Dropout follows each HF module's own mode and rate, as HF does (MC dropout toggles nn.Dropout modules)
         any_attn_p = applies_attention_dropout(dropout_modules(model), params.attention_dropout)
@@ -254,8 +258,6 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         hidden_states.append(x)
 
     if plan.kernels is not None:  # with gradients: one autograd node per layer block
-        cdt = compute_dtype(device.type)
-
         def run_layer(index: int, carry: list):
             return run_layer_blocks(model.layers[index], plan.layers[index], params, batch, plan.kernels, carry,
                                     rope_tables_for, params.layer_is_global[index], cdt)
@@ -269,7 +271,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         # writes its output in the projection's dtype (fp32 under CUDA autocast as F.layer_norm's, then cast
         # inside F.linear: the same rounding, one pass and one launch fewer): the GEMM routes (quack, the Triton
         # Wi + GLU) then see the operands a bf16 model gives them
-        wdt = compute_dtype(device.type) if not grad else None
+        wdt = cdt if not grad else None
         if grad:  # a training step whose backward is autograd's own: copies cached before it are not reused
             expire()
 
