@@ -54,12 +54,14 @@ def test_pack_calls_a_wrapped_linear_and_refuses_a_wrapped_norm_and_hooks():
         pe.pack(model)
 
 
-@pytest.mark.parametrize("change", ["hook", "swap", "prune"])
+@pytest.mark.parametrize("change", ["hook", "swap", "prune", "causal"])
 def test_changes_after_pack_run_the_stock_forward(change):
     model = pe.pack(make_model("base_like"))
     ids, mask = padded_batch([5, 12])
     if change == "hook":
         model.layers[2].mlp.register_forward_hook(lambda m, i, o: o * 0)
+    elif change == "causal":  # transformers' sdpa reads it per call
+        model.layers[1].attn.is_causal = True
     elif change == "swap":
         old = model.layers[0].mlp_norm
         new = WrappedNorm(old.normalized_shape, eps=old.eps, bias=old.bias is not None)
@@ -75,6 +77,40 @@ def test_changes_after_pack_run_the_stock_forward(change):
     assert "stock forward" in pe.describe(model)["encoders"][0]["attention_fallbacks"][0]
     with pytest.raises(pe.PackedEncodersError, match="cannot run this model"):
         pe.packed_forward(model, None, ids[0], torch.tensor([0, ids.shape[1]], dtype=torch.int32), ids.shape[1])
+
+
+def test_causal_attention_is_refused_and_packs_again_when_set_back():
+    model = make_model("base_like")
+    model.layers[3].attn.is_causal = True
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers\.3\.attn\.is_causal is True"):
+        pe.pack(model)
+    model.layers[3].attn.is_causal = False
+    pe.pack(model)
+    ids, mask = padded_batch([5, 12])
+    model.layers[3].attn.is_causal = True
+    with pytest.warns(RuntimeWarning, match="is_causal"):
+        _out(model, ids, mask)
+    model.layers[3].attn.is_causal = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _out(model, ids, mask)
+    assert pe.is_packed(model)
+
+
+def test_pruned_layers_get_advice_that_packs_them():
+    """The refusal after pruning says what to set; doing just that packs the model, which then matches stock."""
+    model = make_model("base_like")
+    model.layers = model.layers[1:3]
+    with pytest.raises(pe.UnsupportedTargetError, match="model.layers has 2 layers") as info:
+        pe.pack(model)
+    message = str(info.value)
+    assert "config.num_hidden_layers = 2" in message and "config.layer_types = [layer.attention_type" in message
+    model.config.num_hidden_layers = 2
+    model.config.layer_types = [layer.attention_type for layer in model.layers]
+    pe.pack(model)
+    ids, mask = padded_batch([5, 12])
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(_out(model, ids, mask)[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
 
 
 def test_sliding_window_changed_after_pack_is_not_skipped():

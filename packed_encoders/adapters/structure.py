@@ -218,8 +218,9 @@ def _inner_problem(path: str, m: nn.Module) -> str | None:
 
 
 def _layer_facts(model: nn.Module, expected: list) -> tuple[tuple[dict, ...], tuple[str, ...]]:
-    """The per-layer attribute stock HF reads on every call to choose a layer's attention (its mask and RoPE):
-    ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``;
+    """The per-layer attributes stock HF reads on every call to choose a layer's attention (its mask and RoPE):
+    ``(instance dicts, attribute names)``, parallel; v5 ``layer.attention_type``, v4 ``attn.local_attention``,
+    ``attn.is_causal`` (transformers' sdpa and flash attention read it);
     the token embedding's options (:data:`_EMBEDDING_OPTIONS`), which its forward reads on every call; and every
     LayerNorm's ``eps``, which the eager packed path reads live but a captured CUDA graph holds as a kernel
     argument (a change moves the snapshot's ``tree``, which drops the graphs)."""
@@ -230,7 +231,7 @@ def _layer_facts(model: nn.Module, expected: list) -> tuple[tuple[dict, ...], tu
             dicts.append(vars(tokens))
             names.append(name)
     for layer in model.layers:
-        for owner, name in ((layer, "attention_type"), (layer.attn, "local_attention")):
+        for owner, name in ((layer, "attention_type"), (layer.attn, "local_attention"), (layer.attn, "is_causal")):
             if name in vars(owner):
                 dicts.append(vars(owner))
                 names.append(name)
@@ -243,9 +244,13 @@ def _layer_facts(model: nn.Module, expected: list) -> tuple[tuple[dict, ...], tu
 
 def _layer_type_problem(model: nn.Module, params) -> str | None:
     """A layer whose attention type is not the one the packed model runs at its index (layers reordered, or one
-    of the other type put in)."""
+    of the other type put in), or whose attention is made causal."""
     for i, layer in enumerate(model.layers):
         d, attn = vars(layer), vars(layer.attn)
+        if attn.get("is_causal"):
+            return (f"layers.{i}.attn.is_causal is {attn['is_causal']!r} (transformers' sdpa and flash attention "
+                    "then mask causally on calls without padding); the packed attention is bidirectional, as "
+                    "ModernBERT is built")
         if "attention_type" in d:
             name, value, is_global = "attention_type", d["attention_type"], d["attention_type"] == "full_attention"
         elif "local_attention" in attn:
@@ -438,6 +443,17 @@ def _global_hooks_problem() -> str | None:
     return None
 
 
+def _layer_count_problem(model: nn.Module, params) -> str:
+    """Layers pruned or added after the config was written, with what makes the model packable again (the packed
+    parameters come from the config; stock reads the layers and, per call, ``config.layer_types``)."""
+    n = len(model.layers)
+    types = (" and config.layer_types = [layer.attention_type for layer in model.layers]"
+             if getattr(model.config, "layer_types", None) is not None else "")
+    return (f"model.layers has {n} layers but the packed parameters, read from config.num_hidden_layers, have "
+            f"{params.num_hidden_layers} (layers pruned or added): set config.num_hidden_layers = {n}{types}, "
+            "then pe.pack(model)")
+
+
 def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str | None, bool]:
     """``(problem, unchanged)``: ``problem`` is ``None`` when the packed forward reproduces ``model``, else what it
     would skip; ``unchanged`` says ``snap`` still describes the module tree (so it can be kept).
@@ -448,8 +464,7 @@ def structure_problem(model: nn.Module, params, snap: dict | None) -> tuple[str 
     if problem is not None:
         return problem, False
     if len(model.layers) != params.num_hidden_layers:
-        return (f"model.layers has {len(model.layers)} layers but the packed config has {params.num_hidden_layers} "
-                "(re-pack after pruning or adding layers)"), False
+        return _layer_count_problem(model, params), False
     if (snap is not None and snap["layers"] is model.layers and snap["config"] is model.config
             and _snapshot_holds(snap)):
         return None, True
