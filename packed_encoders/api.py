@@ -20,6 +20,7 @@ from .adapters.structure import snapshot, structure_check, structure_problem
 from .batch import check_embeds_dtype, from_packed
 from .call import empty_output, packed_route, raise_earlier_errors, serve_batch
 from .configure import device_of, make_state, params_of, read_around
+from .controls import warn_graphs_idle
 from .errors import PackedEncodersError, UnsupportedTargetError, ValidationError
 from .graph_check import check_graph_path
 from .graphs.config import normalize as normalize_graph_option
@@ -168,13 +169,7 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         around.forget(target, packed)
     around.mark_readers(packed)
     token_labels.sync(_heads(target, packed))
-    idle = sorted({str(device_of(model)) for model, state in planned
-                   if state.options.cuda_graph is not None and not state.options.graph_auto
-                   and device_of(model).type != "cuda"})
-    if idle:
-        warnings.warn(f"pack(cuda_graph=...): the model is on {', '.join(idle)}; CUDA graphs start once it is on a "
-                      "CUDA device, calls run eagerly until then (describe(model)['encoders'][i]['cuda_graph']"
-                      "['idle_reason'])", stacklevel=2)
+    warn_graphs_idle(planned, "pack(cuda_graph=...)")
     precapture_encoders(planned)
     return target
 

@@ -7,10 +7,12 @@ They find the packed encoders inside a model (adapters) and act on each encoder'
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import replace
 
 from .adapters.locate import find_encoders
 from .adapters.state import get_state
+from .configure import device_of
 from .errors import PackedEncodersError
 from .graphs.config import GraphConfig, normalize
 from .graphs.route import RUNTIME_LOCK, precapture_encoders
@@ -69,6 +71,18 @@ def no_cuda_graph(model):
                 s.runtime["graphs_suspended"] = max(0, s.runtime.get("graphs_suspended", 0) - 1)
 
 
+def warn_graphs_idle(pairs, call: str) -> None:
+    """Warn, from ``call`` (``pack`` or :func:`set_cuda_graph`, whose caller the warning points at), that the asked-for
+    CUDA graphs of the encoders in ``pairs`` (``(model, state)``) not on a CUDA device wait for one."""
+    idle = sorted({str(device_of(model)) for model, state in pairs
+                   if state.options.cuda_graph is not None and not state.options.graph_auto
+                   and device_of(model).type != "cuda"})
+    if idle:
+        warnings.warn(f"{call}: the model is on {', '.join(idle)}; CUDA graphs start once it is on a CUDA device, "
+                      "calls run eagerly until then (describe(model)['encoders'][i]['cuda_graph']['idle_reason'])",
+                      stacklevel=3)
+
+
 def set_cuda_graph(model, enabled: bool, config: GraphConfig | None = None):
     """Turn CUDA-graph replay on or off for every packed encoder inside ``model``; returns ``model``.
 
@@ -99,5 +113,6 @@ def set_cuda_graph(model, enabled: bool, config: GraphConfig | None = None):
         state.options = replace(state.options, cuda_graph=new, graph_auto=False)
         state.runtime.pop("graphs", None)
     if enabled:
+        warn_graphs_idle(pairs, "set_cuda_graph(...)")
         precapture_encoders(pairs)
     return model

@@ -433,6 +433,12 @@ def test_cuda_graph_on_a_cpu_model_warns_at_pack():
     with _w.catch_warnings():
         _w.simplefilter("error")
         pe.pack(model, validate=False)  # no graphs asked: nothing to say
+    with pytest.warns(UserWarning, match=r"set_cuda_graph\(\.\.\.\): the model is on cpu; CUDA graphs start") as seen:
+        pe.set_cuda_graph(model, True)
+    assert seen[0].filename == __file__  # pointed at the caller
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        pe.set_cuda_graph(model, False)
     pe.unpack(model)
 
 
