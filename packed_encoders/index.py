@@ -306,13 +306,22 @@ def token_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 
 class Encoder:
-    """Runs a loaded model on a list of token-id lists; returns ``[n, D]`` (pooled) or the flat ``[T, D]`` token
-    vectors of the items in order (tokens), on the model's device.
+    """Runs a loaded model on a list of token-id lists: ``(vectors, counts)``, on the model's device: ``[n, D]``
+    and ``None`` (pooled), or the flat token vectors of the items in order ``[T, D]`` and how many each item has
+    (int64 ``[n]``, on the host) (tokens).
 
     A bare ``ModernBertModel`` (or the encoder of a HF task head) runs ``pe.packed_forward`` on the flat batch (no
-    padding), then pools. Anything else (a SentenceTransformer, a PyLate ColBERT, ...) is called with a padded
-    ``{"input_ids", "attention_mask"}`` dict and its ``sentence_embedding`` (pooled) or ``token_embeddings`` at
-    real positions (tokens) is read.
+    padding), then pools; its items keep a vector per token. Anything else (a SentenceTransformer, a
+    sentence-transformers multi-vector model, a PyLate ColBERT, ...) is called with a padded
+    ``{"input_ids", "attention_mask"}`` dict, and its ``sentence_embedding`` (pooled) or its ``token_embeddings``
+    where the ``attention_mask`` its modules return is set (tokens) are read: the input's mask, or the scoring mask
+    of a multi-vector model (sentence-transformers' ``MultiVectorMask``: skiplisted tokens left out), so the vectors
+    are those its forward scores. Steps a model's ``encode`` takes after its forward (PyLate's L2 normalisation and
+    skiplist) are not taken.
+
+    Raises:
+        PackedEncodersError: an ``output`` or ``pooling`` not of :data:`OUTPUTS` / :data:`POOLINGS`, a ``pad_id``
+            outside the vocabulary, or (:meth:`check_outputs`) a forward without the output ``output`` reads.
     """
 
     def __init__(self, model, output: str = "pooled", pooling: str = "mean", pad_id: int = 0):
@@ -335,7 +344,7 @@ class Encoder:
                                       f"[0, {self.vocab_size})")
 
     @torch.inference_mode()
-    def __call__(self, items: list[list[int]]) -> torch.Tensor:
+    def __call__(self, items: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         lens = torch.tensor([len(x) for x in items])
         if self.bare:
             from .api import packed_forward
@@ -344,21 +353,49 @@ class Encoder:
             cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
             flat = packed_forward(self.model, None, ids, cu.to(self.device), int(lens.max()))
             if self.output == "tokens":
-                return flat
+                return flat, lens
             if self.pooling == "cls":
-                return flat[cu[:-1].to(self.device)]
+                return flat[cu[:-1].to(self.device)], None
             seq = torch.repeat_interleave(torch.arange(len(items), device=self.device), lens.to(self.device))
             sums = torch.zeros(len(items), flat.shape[-1], device=self.device).index_add_(0, seq, flat.float())
-            return (sums / lens.to(self.device, torch.float32)[:, None]).to(flat.dtype)
+            return (sums / lens.to(self.device, torch.float32)[:, None]).to(flat.dtype), None
         ids = torch.full((len(items), int(lens.max())), self.pad_id, dtype=torch.long)
         mask = torch.zeros(ids.shape, dtype=torch.long)
         for row, x in enumerate(items):
             ids[row, :len(x)] = torch.tensor(x)
             mask[row, :len(x)] = 1
-        out = self.model({"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)})
+        mask = mask.to(self.device)
+        out = self.model({"input_ids": ids.to(self.device), "attention_mask": mask})
         if self.output == "pooled":
-            return out["sentence_embedding"]
-        return out["token_embeddings"][mask.to(self.device).bool()]
+            return out["sentence_embedding"], None
+        vectors = out["token_embeddings"]
+        scored = out.get("attention_mask", mask)
+        if scored.shape != vectors.shape[:2]:
+            raise PackedEncodersError(f"{type(self.model).__name__}'s forward returned token_embeddings of shape "
+                                      f"{tuple(vectors.shape)} with an attention_mask of shape {tuple(scored.shape)}; "
+                                      "the index reads a vector per position the mask sets")
+        scored = scored.bool()
+        return vectors[scored], scored.sum(1).cpu()
+
+    def check_outputs(self) -> None:
+        """A forward of a model called with a padded batch (:attr:`bare` false) gives what :attr:`output` reads
+        (``sentence_embedding`` / ``token_embeddings``): one call on a one-token item, before anything is written.
+
+        Raises:
+            PackedEncodersError: naming the missing output (e.g. a multi-vector model, which pools nothing).
+        """
+        if self.bare:
+            return
+        from .validation import eval_mode
+
+        key = "sentence_embedding" if self.output == "pooled" else "token_embeddings"
+        ids = torch.full((1, 1), self.pad_id, dtype=torch.long, device=self.device)
+        with eval_mode(self.model), torch.inference_mode():
+            out = self.model({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        if not isinstance(out, dict) or key not in out:
+            other = " (output='tokens' reads its token vectors)" if self.output == "pooled" else ""
+            raise PackedEncodersError(f"output={self.output!r} reads the {key!r} of the model's forward, which a "
+                                      f"{type(self.model).__name__} does not return{other}")
 
 
 def pools_here(model) -> bool:
@@ -400,14 +437,17 @@ def _encode_chunk(encoder: Encoder, items: list[list[int]], batch_tokens: int, o
     device-to-host copy per batch)."""
     lengths = [len(x) for x in items]
     rows: list = [None] * len(items)
+    counts = [0] * len(items)  # vectors per item (tokens): a scoring mask may leave some out
     for batch in token_batches(lengths, batch_tokens):
-        out = encoder([items[i] for i in batch]).to("cpu", out_dtype)
-        parts = out.split([lengths[i] for i in batch]) if encoder.output == "tokens" else out
+        out, kept = encoder([items[i] for i in batch])
+        out = out.to("cpu", out_dtype)
+        parts = out.split(kept.tolist()) if kept is not None else out
         for i, part in zip(batch, parts):
             rows[i] = part
+            counts[i] = part.shape[0]
     if encoder.output == "pooled":
         return {"embeddings": torch.stack(rows)}
-    return {"embeddings": torch.cat(rows), "cu_seqlens": torch.tensor([0] + lengths).cumsum(0)}
+    return {"embeddings": torch.cat(rows), "cu_seqlens": torch.tensor([0] + counts).cumsum(0)}
 
 
 def state_digest(model) -> str:
@@ -643,6 +683,7 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     dist, rank, world = _dist()
     problem = [None]
     encoder = Encoder(model, output, pooling, pad_id)
+    encoder.check_outputs()
     settings = run_settings(model, encoder, output, pooling, out_dtype, pad_id)
     # Every rank's, not rank 0's alone: the plan records rank 0's, and a rank run with another model, pooling or
     # output dtype wrote its chunks into the same index unnoticed (another chunking or output hung rank 0).
@@ -872,12 +913,30 @@ def load_index(out_dir: str) -> dict:
     return out
 
 
-def load_model(path: str, device: torch.device, dtype: torch.dtype):
-    """A local checkpoint (no downloads): a sentence-transformers folder (``modules.json``) or a HF ModernBERT."""
-    if os.path.exists(os.path.join(path, "modules.json")):
-        from sentence_transformers import SentenceTransformer
+# sentence-transformers' model types (config_sentence_transformers.json) the index command loads as they are: the
+# library loads a folder of another type into the class asked for by converting it (a multi-vector model opened as
+# a SentenceTransformer loses its projection and scoring mask and gains a mean pooling)
+ST_CLASSES = ("SentenceTransformer", "MultiVectorEncoder")
 
-        model = SentenceTransformer(path, device=str(device), local_files_only=True)
+
+def load_model(path: str, device: torch.device, dtype: torch.dtype):
+    """A local checkpoint (no downloads): a sentence-transformers folder (``modules.json``) of a model type in
+    :data:`ST_CLASSES`, loaded into its own class, or a HF ModernBERT.
+
+    Raises:
+        PackedEncodersError: a sentence-transformers folder of another model type (a sparse or cross encoder)."""
+    if os.path.exists(os.path.join(path, "modules.json")):
+        import sentence_transformers
+
+        kind = "SentenceTransformer"  # (a folder with no model type: sentence-transformers' default)
+        with contextlib.suppress(FileNotFoundError):
+            with open(os.path.join(path, "config_sentence_transformers.json"), encoding="utf8") as f:
+                kind = json.load(f).get("model_type", kind)
+        if kind not in ST_CLASSES or not hasattr(sentence_transformers, kind):
+            raise PackedEncodersError(f"{path} holds a sentence-transformers {kind} (config_sentence_transformers."
+                                      f"json); the index command encodes {' and '.join(ST_CLASSES)} folders and HF "
+                                      "ModernBERT checkpoints")
+        model = getattr(sentence_transformers, kind)(path, device=str(device), local_files_only=True)
         return model.to(dtype).eval()
     from transformers import AutoModel
 
@@ -926,7 +985,10 @@ def main(argv=None) -> int:
     if distributed:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    model = load_model(args.model, device, dtype)
+    try:
+        model = load_model(args.model, device, dtype)
+    except PackedEncodersError as exc:
+        ap.error(str(exc))
     why = pooling_problem(model, args.output, args.pooling)
     if why is not None:  # (before pack() and the corpus scan)
         ap.error(f"--pooling {args.pooling} has no effect here: {why}; leave --pooling out")

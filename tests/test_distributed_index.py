@@ -348,8 +348,9 @@ def test_encoder_reads_sentence_transformer_outputs(setup):
                                         device="cpu"))
     with open(corpus) as f:
         items = [json.loads(line)["input_ids"] for line in f][:5]
-    pooled = Encoder(model)(items)
-    flat = Encoder(model, output="tokens")(items)
+    pooled, none = Encoder(model)(items)
+    flat, counts = Encoder(model, output="tokens")(items)
+    assert none is None and counts.tolist() == list(map(len, items))
     assert not Encoder(model).bare and flat.shape[0] == sum(map(len, items))
     for i, item in enumerate(items):
         out = model({"input_ids": torch.tensor([item]), "attention_mask": torch.ones(1, len(item), dtype=torch.long)})
@@ -983,3 +984,74 @@ def test_load_index_names_a_path_that_is_not_a_directory(tmp_path):
             path.write_text("{}\n")
         with pytest.raises(pe.PackedEncodersError, match="no such directory"):
             load_index(str(path))
+
+
+def _multi_vector_model(model_dir, skiplist=()):
+    """A sentence-transformers v6 multi-vector model (Transformer, a Dense to 16, MultiVectorMask), or a skip."""
+    st = pytest.importorskip("sentence_transformers")
+    if not hasattr(st, "MultiVectorEncoder"):
+        pytest.skip("sentence-transformers has no MultiVectorEncoder (v6)")
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    torch.manual_seed(0)
+    transformer = Transformer(model_dir)
+    dense = Dense(transformer.get_embedding_dimension(), 16, bias=False, activation_function=torch.nn.Identity(),
+                  module_input_name="token_embeddings", module_output_name="token_embeddings")
+    return st.MultiVectorEncoder(modules=[transformer, dense, MultiVectorMask(skiplist_words=list(skiplist))],
+                                 device="cpu")
+
+
+def test_a_multi_vector_model_indexes_the_vectors_it_scores(setup, tmp_path, capsys):
+    """Its folder loads as the multi-vector model it is (not converted to a SentenceTransformer, which drops the
+    projection and scoring mask and adds a mean pooling); its token index holds, per item, the vectors
+    ``encode_document`` returns (its skiplist left out); a pooled index, which it cannot give, is refused before
+    anything is written."""
+    from packed_encoders.index import main
+    from tests.tiny_tokenizer import TEXTS
+
+    import packed_encoders as pe
+
+    _, model_dir, _ = setup
+    model = _multi_vector_model(model_dir, skiplist=["the", "a", "of"])
+    folder = str(tmp_path / "mv")
+    model.save(folder)
+    loaded = load_model(folder, torch.device("cpu"), torch.float32)
+    assert type(loaded) is type(model) and [type(m) for m in loaded] == [type(m) for m in model]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "input_ids": model.tokenizer(t)["input_ids"]}) + "\n"
+                              for i, t in enumerate(TEXTS[:4])))
+    want = model.encode_document(TEXTS[:4])
+    assert sum(map(len, want)) < sum(len(model.tokenizer(t)["input_ids"]) for t in TEXTS[:4])  # some skipped
+    out = str(tmp_path / "tokens")
+    assert main(["--model", folder, "--corpus", str(corpus), "--out", out, "--output", "tokens"]) == 0
+    got = load_index(out)
+    for i, ref in enumerate(want):
+        torch.testing.assert_close(got["embeddings"][got["cu_seqlens"][i]:got["cu_seqlens"][i + 1]], ref.float(),
+                                   atol=1e-5, rtol=1e-4)
+    pe.pack(loaded)
+    with pytest.raises(pe.PackedEncodersError, match="'sentence_embedding' of the model's forward, which a "
+                                                       "MultiVectorEncoder does not return"):
+        index_corpus(loaded, str(corpus), str(tmp_path / "pooled"), progress=False)
+    assert not (tmp_path / "pooled").exists()
+    assert main(["--model", folder, "--corpus", str(corpus), "--out", str(tmp_path / "pooled")]) == 2
+    assert "does not return" in capsys.readouterr().err and not (tmp_path / "pooled").exists()
+
+
+def test_a_sentence_transformers_folder_of_another_model_type_is_refused(tmp_path, capsys):
+    from packed_encoders.errors import PackedEncodersError
+    from packed_encoders.index import main
+
+    folder = tmp_path / "sparse"
+    folder.mkdir()
+    (folder / "modules.json").write_text("[]")
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"model_type": "SparseEncoder"}))
+    with pytest.raises(PackedEncodersError, match="holds a sentence-transformers SparseEncoder"):
+        load_model(str(folder), torch.device("cpu"), torch.float32)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": 0, "input_ids": [1, 5, 2]}) + "\n")
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(folder), "--corpus", str(corpus), "--out", str(tmp_path / "out")])
+    assert info.value.code == 2 and "SparseEncoder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
