@@ -31,7 +31,7 @@ def _operands(n, k, r, w_dtype, ab_dtype, seed=0):
     return weight, a, b
 
 
-@pytest.mark.parametrize("shape", [(40, 130, 3), (7, 33, 1), (64, 256, 16)])
+@pytest.mark.parametrize("shape", [(40, 130, 3), (7, 33, 1), (64, 256, 16), (20, 150, 17), (18, 140, 100)])
 @pytest.mark.parametrize("w_dtype,ab_dtype,dtype", [(BF16, FP32, BF16), (BF16, BF16, BF16), (FP16, FP32, FP16),
                                                     (FP32, FP32, BF16), (FP32, BF16, FP16)])
 def test_merge_is_the_fp32_formula_rounded_once(fused, shape, w_dtype, ab_dtype, dtype):
@@ -54,7 +54,7 @@ def test_merge_is_the_fp32_formula_rounded_once(fused, shape, w_dtype, ab_dtype,
 
 def test_merge_serves_the_merge_of_one_adapter_and_declines_the_rest(fused, monkeypatch):
     """``_merge`` takes the kernel for one adapter with a number for ``scaling``; the kernel declines fp32 results
-    (plain torch keeps fp32 parity, as every op set op does), ranks beyond its unrolled loop and integer tensors."""
+    (plain torch keeps fp32 parity, as every op set op does), ranks beyond its cap and integer tensors."""
     from packed_encoders.ops.triton import lora_merge
 
     weight, a, b = _operands(24, 40, 4, BF16, FP32)
