@@ -58,17 +58,18 @@ def mean_pool(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         cu_seqlens: int32/int64 ``[N + 1]`` on ``x``'s device.
 
     Returns:
-        ``[N, D]`` in ``x.dtype``, summed in fp32 (sentence-transformers' mean pooling over the real tokens,
-        ``[CLS]`` and ``[SEP]`` included).
+        ``[N, D]`` in ``x.dtype``, summed in fp32 (fp64 for fp64 ``x``) (sentence-transformers' mean pooling over
+        the real tokens, ``[CLS]`` and ``[SEP]`` included).
 
     Raises:
         PackedEncodersError: ``x`` not 2-D floating point, ``cu_seqlens`` not 1-D integer with ``N >= 1`` or on
             another device; on the CPU also ``cu_seqlens`` not starting at 0, ending at ``T`` or strictly increasing.
     """
     _check(x, cu_seqlens, "x")
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.float32)
-    sums = x.new_zeros((lengths.numel(), x.shape[1]), dtype=torch.float32)
-    sums = sums.index_add(0, sequence_ids(cu_seqlens, x.shape[0]), x.float())
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(acc)
+    sums = x.new_zeros((lengths.numel(), x.shape[1]), dtype=acc)
+    sums = sums.index_add(0, sequence_ids(cu_seqlens, x.shape[0]), x.to(acc))
     return (sums / lengths[:, None]).to(x.dtype)
 
 

@@ -46,6 +46,15 @@ def test_mean_pool_matches_padded_with_gradients():
     assert mean_pool(x.detach().bfloat16(), cu).dtype == torch.bfloat16
 
 
+def test_mean_pool_keeps_float64_precision():
+    """fp64 tokens are summed in fp64: gradcheck passes, and large values keep their digits (fp32 sums lost ~1e-4)."""
+    x, cu = _packed([3, 1, 6], 5, seed=1)
+    assert torch.autograd.gradcheck(lambda t: mean_pool(t, cu), (x,))
+    big = (x.detach() * 1e3 + 1e3)
+    want = torch.stack([big[s:e].mean(0) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    torch.testing.assert_close(mean_pool(big, cu), want, atol=1e-10, rtol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_maxsim_matches_padded_with_gradients(dtype):
     q, cu_q = _packed([5, 1, 9], 16, seed=1)
