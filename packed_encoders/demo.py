@@ -210,7 +210,8 @@ def main(argv=None) -> int:
     header = (f"{'endpoint':<10} {'texts':>5} {'tokens':>7} {'stock seq/s':>12} {'packed seq/s':>13} {'speed-up':>9}"
               f" {'cos min':>9} {'cos mean':>9} {'pooled min':>10}")
     if not on_gpu:
-        print("(on a CPU the packed path has no GPU kernels or CUDA graphs: a speed-up below 1x is expected here)")
+        print("(on a CPU the packed path has no GPU kernels or CUDA graphs: the speed-up here, below or above 1x, "
+              "says nothing about a GPU's)")
     print(header)
     print("-" * len(header))
     spread = []

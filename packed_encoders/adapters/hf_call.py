@@ -158,7 +158,8 @@ def _caller_stacklevel() -> int:
                                  for module in map(sys.modules.get, _CALLERS)
                                  if module is not None and getattr(module, "__file__", None))
     frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(dirs):
+    # (abspath: a frame's filename keeps the import path as given, e.g. with ".." in PYTHONPATH; once per warning)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(dirs):
         frame, level = frame.f_back, level + 1
     return level
 
