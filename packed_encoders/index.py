@@ -67,6 +67,7 @@ from typing import Callable
 import torch
 
 from .errors import PackedEncodersError
+from .pooling import mean_pool
 
 PLAN = "plan.json"
 MANIFEST = "manifest.json"
@@ -356,9 +357,7 @@ class Encoder:
                 return flat, lens
             if self.pooling == "cls":
                 return flat[cu[:-1].to(self.device)], None
-            seq = torch.repeat_interleave(torch.arange(len(items), device=self.device), lens.to(self.device))
-            sums = torch.zeros(len(items), flat.shape[-1], device=self.device).index_add_(0, seq, flat.float())
-            return (sums / lens.to(self.device, torch.float32)[:, None]).to(flat.dtype), None
+            return mean_pool(flat, cu.to(self.device)), None
         ids = torch.full((len(items), int(lens.max())), self.pad_id, dtype=torch.long)
         mask = torch.zeros(ids.shape, dtype=torch.long)
         for row, x in enumerate(items):
@@ -368,14 +367,19 @@ class Encoder:
         out = self.model({"input_ids": ids.to(self.device), "attention_mask": mask})
         if self.output == "pooled":
             return out["sentence_embedding"], None
+        vectors, scored = self._scored(out, mask)
+        return vectors[scored], scored.sum(1).cpu()
+
+    def _scored(self, out: dict, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_embeddings`` ``[B, S, D]`` of a forward's output and the bool ``[B, S]`` positions whose vectors
+        the index keeps: the ``attention_mask`` the modules return, else the input's ``mask``."""
         vectors = out["token_embeddings"]
         scored = out.get("attention_mask", mask)
         if scored.shape != vectors.shape[:2]:
             raise PackedEncodersError(f"{type(self.model).__name__}'s forward returned token_embeddings of shape "
                                       f"{tuple(vectors.shape)} with an attention_mask of shape {tuple(scored.shape)}; "
                                       "the index reads a vector per position the mask sets")
-        scored = scored.bool()
-        return vectors[scored], scored.sum(1).cpu()
+        return vectors, scored.bool()
 
     def check_outputs(self) -> None:
         """A forward of a model called with a padded batch (:attr:`bare` false) gives what :attr:`output` reads
@@ -396,6 +400,8 @@ class Encoder:
             other = " (output='tokens' reads its token vectors)" if self.output == "pooled" else ""
             raise PackedEncodersError(f"output={self.output!r} reads the {key!r} of the model's forward, which a "
                                       f"{type(self.model).__name__} does not return{other}")
+        if self.output == "tokens":
+            self._scored(out, torch.ones_like(ids))
 
 
 def pools_here(model) -> bool:
@@ -913,31 +919,40 @@ def load_index(out_dir: str) -> dict:
     return out
 
 
-# sentence-transformers' model types (config_sentence_transformers.json) the index command loads as they are: the
-# library loads a folder of another type into the class asked for by converting it (a multi-vector model opened as
-# a SentenceTransformer loses its projection and scoring mask and gains a mean pooling)
-ST_CLASSES = ("SentenceTransformer", "MultiVectorEncoder")
+# sentence-transformers' model types (config_sentence_transformers.json) the index command loads, and the class each
+# loads into: the library loads a folder of another type into the class asked for by converting it (a multi-vector
+# model opened as a SentenceTransformer loses its projection and scoring mask and gains a mean pooling); a PyLate
+# ColBERT folder is a multi-vector model to sentence-transformers v6, which adds its scoring mask and normalisation
+ST_CLASSES = {"SentenceTransformer": "SentenceTransformer", "MultiVectorEncoder": "MultiVectorEncoder",
+              "ColBERT": "MultiVectorEncoder"}
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype):
     """A local checkpoint (no downloads): a sentence-transformers folder (``modules.json``) of a model type in
-    :data:`ST_CLASSES`, loaded into its own class, or a HF ModernBERT.
+    :data:`ST_CLASSES`, loaded into the class it names, or a HF ModernBERT.
 
     Raises:
-        PackedEncodersError: a sentence-transformers folder of another model type (a sparse or cross encoder)."""
+        PackedEncodersError: a sentence-transformers folder of another model type (a sparse or cross encoder), or
+            whose ``config_sentence_transformers.json`` is not a JSON object."""
     if os.path.exists(os.path.join(path, "modules.json")):
         import sentence_transformers
 
         kind = "SentenceTransformer"  # (a folder with no model type: sentence-transformers' default)
-        with contextlib.suppress(FileNotFoundError):
-            with open(os.path.join(path, "config_sentence_transformers.json"), encoding="utf8") as f:
-                kind = json.load(f).get("model_type", kind)
-        if kind not in ST_CLASSES or not hasattr(sentence_transformers, kind):
-            raise PackedEncodersError(f"{path} holds a sentence-transformers {kind} (config_sentence_transformers."
-                                      f"json); the index command encodes {' and '.join(ST_CLASSES)} folders and HF "
-                                      "ModernBERT checkpoints")
-        model = getattr(sentence_transformers, kind)(path, device=str(device), local_files_only=True)
-        return model.to(dtype).eval()
+        config = os.path.join(path, "config_sentence_transformers.json")
+        if os.path.exists(config):
+            try:
+                with open(config, encoding="utf8") as f:
+                    saved = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise PackedEncodersError(f"{config} cannot be read as JSON ({exc})") from None
+            if not isinstance(saved, dict):
+                raise PackedEncodersError(f"{config} holds a {type(saved).__name__}, not a JSON object")
+            kind = saved.get("model_type", kind)
+        cls = getattr(sentence_transformers, ST_CLASSES.get(kind, "") if isinstance(kind, str) else "", None)
+        if cls is None:
+            raise PackedEncodersError(f"{path} holds a sentence-transformers {kind!r} ({config}); the index command "
+                                      f"encodes {', '.join(ST_CLASSES)} folders and HF ModernBERT checkpoints")
+        return cls(path, device=str(device), local_files_only=True).to(dtype).eval()
     from transformers import AutoModel
 
     return AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa",

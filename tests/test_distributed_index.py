@@ -1047,11 +1047,66 @@ def test_a_sentence_transformers_folder_of_another_model_type_is_refused(tmp_pat
     folder.mkdir()
     (folder / "modules.json").write_text("[]")
     (folder / "config_sentence_transformers.json").write_text(json.dumps({"model_type": "SparseEncoder"}))
-    with pytest.raises(PackedEncodersError, match="holds a sentence-transformers SparseEncoder"):
+    with pytest.raises(PackedEncodersError, match="holds a sentence-transformers 'SparseEncoder'"):
         load_model(str(folder), torch.device("cpu"), torch.float32)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"id": 0, "input_ids": [1, 5, 2]}) + "\n")
     with pytest.raises(SystemExit) as info:
         main(["--model", str(folder), "--corpus", str(corpus), "--out", str(tmp_path / "out")])
     assert info.value.code == 2 and "SparseEncoder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pylate_colbert_folder_loads_as_sentence_transformers_multi_vector_model(setup, tmp_path):
+    """A PyLate ColBERT save (model type ``ColBERT``, PyLate's Dense) is a multi-vector model to
+    sentence-transformers v6, which loads it with its scoring mask and normalisation: the index loads it so."""
+    st = pytest.importorskip("sentence_transformers")
+    _, model_dir, _ = setup
+    model = _multi_vector_model(model_dir)
+    folder = tmp_path / "colbert"
+    st.MultiVectorEncoder(modules=[model[0], model[1]], device="cpu").save(str(folder))
+    config = json.loads((folder / "config_sentence_transformers.json").read_text())
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({**config, "model_type": "ColBERT"}))
+    modules = json.loads((folder / "modules.json").read_text())
+    for m in modules:
+        if m["type"].endswith("Dense"):
+            m["type"] = "pylate.models.Dense.Dense"
+    (folder / "modules.json").write_text(json.dumps(modules))
+    want = st.MultiVectorEncoder(str(folder), device="cpu", local_files_only=True)
+    got = load_model(str(folder), torch.device("cpu"), torch.float32)
+    assert type(got) is type(want) and [type(m) for m in got] == [type(m) for m in want]
+
+
+@pytest.mark.parametrize("text, why", [("{not json", "cannot be read as JSON"), ("[1]", "holds a list"),
+                                       ('{"model_type": null}', "holds a sentence-transformers None")])
+def test_a_malformed_sentence_transformers_config_is_named(tmp_path, capsys, text, why):
+    from packed_encoders.index import main
+
+    folder = tmp_path / "st"
+    folder.mkdir()
+    (folder / "modules.json").write_text("[]")
+    (folder / "config_sentence_transformers.json").write_text(text)
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": 0, "input_ids": [1, 5, 2]}) + "\n")
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(folder), "--corpus", str(corpus), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and why in err and "config_sentence_transformers.json" in err, err
+
+
+def test_token_vectors_and_a_mask_of_other_lengths_are_refused_before_anything_is_written(setup, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Transformer
+
+    import packed_encoders as pe
+
+    class Prefix(torch.nn.Module):  # adds a vector per item but leaves the mask as it was
+        def forward(self, features):
+            t = features["token_embeddings"]
+            return {**features, "token_embeddings": torch.cat([t[:, :1], t], 1)}
+
+    _, model_dir, corpus = setup
+    model = pe.pack(SentenceTransformer(modules=[Transformer(model_dir), Prefix()], device="cpu"))
+    with pytest.raises(pe.PackedEncodersError, match="token_embeddings of shape .* attention_mask of shape"):
+        index_corpus(model, corpus, str(tmp_path / "out"), output="tokens", progress=False)
     assert not (tmp_path / "out").exists()
