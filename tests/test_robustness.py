@@ -97,6 +97,19 @@ def test_causal_attention_is_refused_and_packs_again_when_set_back():
     assert pe.is_packed(model)
 
 
+def test_reordered_layers_get_advice_that_packs_them():
+    model = make_model("base_like")
+    model.layers = torch.nn.ModuleList([model.layers[i] for i in (1, 0, 3, 2)])
+    with pytest.raises(pe.UnsupportedTargetError, match="reordered") as info:
+        pe.pack(model)
+    assert "config.layer_types = [layer.attention_type for layer in model.layers]" in str(info.value)
+    model.config.layer_types = [layer.attention_type for layer in model.layers]
+    pe.pack(model)
+    ids, mask = padded_batch([5, 12])
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(_out(model, ids, mask)[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
+
+
 def test_pruned_layers_get_advice_that_packs_them():
     """The refusal after pruning says what to set; doing just that packs the model, which then matches stock."""
     model = make_model("base_like")

@@ -247,9 +247,11 @@ def _layer_type_problem(model: nn.Module, params) -> str | None:
     of the other type put in), or whose attention is made causal."""
     for i, layer in enumerate(model.layers):
         d, attn = vars(layer), vars(layer.attn)
+        # (a missing one is not read as True, as transformers' sdpa reads it: transformers 5.0's ModernBERT has
+        # none and calls SDPA itself)
         if attn.get("is_causal"):
-            return (f"layers.{i}.attn.is_causal is {attn['is_causal']!r} (transformers' sdpa and flash attention "
-                    "then mask causally on calls without padding); the packed attention is bidirectional, as "
+            return (f"layers.{i}.attn.is_causal is {attn['is_causal']!r}: transformers' sdpa and flash attention then "
+                    "mask causally on calls without padding, where the packed attention is bidirectional, as "
                     "ModernBERT is built")
         if "attention_type" in d:
             name, value, is_global = "attention_type", d["attention_type"], d["attention_type"] == "full_attention"
@@ -260,8 +262,10 @@ def _layer_type_problem(model: nn.Module, params) -> str | None:
             continue
         if is_global != params.layer_is_global[i]:
             kind = "global" if params.layer_is_global[i] else f"local (window {params.window})"
+            fix = ("set config.layer_types = [layer.attention_type for layer in model.layers], then pe.pack(model)"
+                   if name == "attention_type" else "re-pack a model whose layers match its config")
             return (f"layers.{i}.{name} is {value!r} but the packed model runs layer {i} as {kind} (layers "
-                    "reordered or replaced: re-pack a model whose layers match its config)")
+                    f"reordered or replaced: {fix})")
     return None
 
 
