@@ -383,10 +383,12 @@ class Encoder:
 
     def check_outputs(self) -> None:
         """A forward of a model called with a padded batch (:attr:`bare` false) gives what :attr:`output` reads
-        (``sentence_embedding`` / ``token_embeddings``): one call on a one-token item, before anything is written.
+        (``sentence_embedding``; ``token_embeddings`` and a mask of their shape, :meth:`_scored`): one call on a
+        one-token item, before anything is written.
 
         Raises:
-            PackedEncodersError: naming the missing output (e.g. a multi-vector model, which pools nothing).
+            PackedEncodersError: naming the missing output (e.g. a multi-vector model, which pools nothing) or the
+                shapes that differ.
         """
         if self.bare:
             return
