@@ -97,28 +97,19 @@ def test_causal_attention_is_refused_and_packs_again_when_set_back():
     assert pe.is_packed(model)
 
 
-def test_reordered_layers_get_advice_that_packs_them():
+@pytest.mark.parametrize("keep, refusal, advice", [
+    ((1, 0, 3, 2), "reordered", "config.layer_types = [layer.attention_type for layer in model.layers]"),
+    ((1, 2), "model.layers has 2 layers",
+     "config.num_hidden_layers = 2 and config.layer_types = [layer.attention_type"),
+])
+def test_reordered_or_pruned_layers_get_advice_that_packs_them(keep, refusal, advice):
+    """The refusal says what to set; doing just that packs the model, which then matches stock."""
     model = make_model("base_like")
-    model.layers = torch.nn.ModuleList([model.layers[i] for i in (1, 0, 3, 2)])
-    with pytest.raises(pe.UnsupportedTargetError, match="reordered") as info:
+    model.layers = torch.nn.ModuleList([model.layers[i] for i in keep])
+    with pytest.raises(pe.UnsupportedTargetError, match=refusal) as info:
         pe.pack(model)
-    assert "config.layer_types = [layer.attention_type for layer in model.layers]" in str(info.value)
-    model.config.layer_types = [layer.attention_type for layer in model.layers]
-    pe.pack(model)
-    ids, mask = padded_batch([5, 12])
-    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
-    torch.testing.assert_close(_out(model, ids, mask)[mask.bool()], ref[mask.bool()], atol=2e-5, rtol=1e-4)
-
-
-def test_pruned_layers_get_advice_that_packs_them():
-    """The refusal after pruning says what to set; doing just that packs the model, which then matches stock."""
-    model = make_model("base_like")
-    model.layers = model.layers[1:3]
-    with pytest.raises(pe.UnsupportedTargetError, match="model.layers has 2 layers") as info:
-        pe.pack(model)
-    message = str(info.value)
-    assert "config.num_hidden_layers = 2" in message and "config.layer_types = [layer.attention_type" in message
-    model.config.num_hidden_layers = 2
+    assert advice in str(info.value)
+    model.config.num_hidden_layers = len(keep)
     model.config.layer_types = [layer.attention_type for layer in model.layers]
     pe.pack(model)
     ids, mask = padded_batch([5, 12])
