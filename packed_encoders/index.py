@@ -942,13 +942,10 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype):
         kind = "SentenceTransformer"  # (a folder with no model type: sentence-transformers' default)
         config = os.path.join(path, "config_sentence_transformers.json")
         if os.path.exists(config):
-            try:
-                with open(config, encoding="utf8") as f:
-                    saved = json.load(f)
-            except (OSError, ValueError) as exc:
-                raise PackedEncodersError(f"{config} cannot be read as JSON ({exc})") from None
+            advice = "sentence-transformers writes it as a JSON object when it saves a model"
+            saved = _read_json(config, (), advice)
             if not isinstance(saved, dict):
-                raise PackedEncodersError(f"{config} holds a {type(saved).__name__}, not a JSON object")
+                raise PackedEncodersError(f"{config}: holds a {type(saved).__name__}, not a JSON object; {advice}")
             kind = saved.get("model_type", kind)
         cls = getattr(sentence_transformers, ST_CLASSES.get(kind, "") if isinstance(kind, str) else "", None)
         if cls is None:

@@ -1077,7 +1077,7 @@ def test_a_pylate_colbert_folder_loads_as_sentence_transformers_multi_vector_mod
     assert type(got) is type(want) and [type(m) for m in got] == [type(m) for m in want]
 
 
-@pytest.mark.parametrize("text, why", [("{not json", "cannot be read as JSON"), ("[1]", "holds a list"),
+@pytest.mark.parametrize("text, why", [("{not json", "unreadable or not JSON"), ("[1]", "holds a list"),
                                        ('{"model_type": null}', "holds a sentence-transformers None")])
 def test_a_malformed_sentence_transformers_config_is_named(tmp_path, capsys, text, why):
     from packed_encoders.index import main
