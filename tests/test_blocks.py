@@ -269,9 +269,9 @@ def test_stack_steps_aside_where_the_call_needs_layers():
 
     model, params, batch, _, _ = _setup("base_like")
     model.train()
-    assert stack_problem(batch, False, False) is None
-    assert "checkpointing" in stack_problem(batch, True, False)
-    assert "hidden_states" in stack_problem(batch, False, True)
+    assert stack_problem(False, False) is None
+    assert "checkpointing" in stack_problem(True, False)
+    assert "hidden_states" in stack_problem(False, True)
     out_s, g_s = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN))
     out_c, g_c = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa", rules=LEAN,
                                                        gradient_checkpointing=True))
@@ -280,7 +280,7 @@ def test_stack_steps_aside_where_the_call_needs_layers():
     for n in g_s:
         torch.testing.assert_close(g_s[n], g_c[n], atol=1e-6, rtol=1e-5, msg=n)
     with torch.autograd.graph.save_on_cpu():  # offloading sees what the per-block nodes save
-        assert "saved-tensor hooks" in stack_problem(batch, False, False)
+        assert "saved-tensor hooks" in stack_problem(False, False)
         out_o, g_o = _grads(model, lambda: encoder_forward(model, params, batch, attention_backend="sdpa",
                                                            rules=LEAN))
         assert not plan_mod.last_plan().stack and "saved-tensor hooks" in plan_mod.last_plan().stack_off

@@ -177,7 +177,7 @@ def _stock_fallback(model, state, reason: str, args, kwargs):
     return type(model).forward(model, *args, **kwargs)
 
 
-def _note_restarts(model, state) -> None:
+def _note_restarts(state) -> None:
     """A call read as several sequences from its restarting ``position_ids`` (batch 1, no mask, no
     ``cu_seq_lens_q``): counted (``describe()["encoders"][i]["restarting_position_ids_calls"]``) and warned once.
     Stock ModernBERT reads such a call as one sequence whatever its attention implementation (its layers get the
@@ -271,7 +271,7 @@ def hf_forward(model: nn.Module, *args, **kwargs):
         batch, squeeze = _packed_batch(vocab_size, input_ids, inputs_embeds, attention_mask, position_ids,
                                        token_type_ids, packed_kw)
         if not packed_kw and position_ids is not None and batch.num_seqs > 1:
-            _note_restarts(model, state)
+            _note_restarts(state)
         hidden = [] if output_hidden_states else None
         if batch.total_tokens == 0:
             out = empty_output(model, state, src)

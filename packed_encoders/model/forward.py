@@ -207,7 +207,7 @@ def encoder_forward(model: nn.Module, params: ModernBertParams, batch: PackedBat
         if isinstance(flags, bool):
             flags = (flags,) * params.num_hidden_layers
         ckpt = tuple(fn if layer.training else None for fn, layer in zip(flags, model.layers))
-        stack_off = stack_problem(batch, any(ckpt), hidden_states is not None)
+        stack_off = stack_problem(any(ckpt), hidden_states is not None)
     plan = plan_for(params, ops, attention, tokens=total, max_seqlen=batch.max_seqlen, dtype=dtype, device=device,
                     grad=grad, rules=rules, stack_off=stack_off, calls=calls, merged=len(merged or ()))
     if plan.pointers and hidden_states is None and out is None:

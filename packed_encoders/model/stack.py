@@ -57,8 +57,8 @@ def _distributed_world() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def stack_problem(batch: PackedBatch, checkpointed: bool, hidden_states: bool) -> str | None:
-    """Why a training forward of ``batch`` cannot run as one :class:`EncoderStack` node, or ``None``."""
+def stack_problem(checkpointed: bool, hidden_states: bool) -> str | None:
+    """Why a training forward cannot run as one :class:`EncoderStack` node, or ``None``."""
     if checkpointed:
         return "gradient checkpointing (layers recomputed one by one)"
     if hidden_states:
