@@ -23,6 +23,7 @@ import packed_encoders as pe
 from packed_encoders.adapters.locate import find_encoders
 from packed_encoders.data import load_sample
 from packed_encoders.errors import PackedEncodersError, UnsupportedTargetError
+from packed_encoders.pooling import mean_pool_reference
 
 PAD_ID = 50283  # ModernBERT's [PAD]
 
@@ -118,9 +119,8 @@ def _parity(stock_outs, packed_outs, batches):
     for a, b, (_, m) in zip(packed_outs, stock_outs, batches):
         real = m.bool()
         cos_tok.append(torch.nn.functional.cosine_similarity(a[real].float(), b[real].float(), dim=-1))
-        w = m[..., None].float()
-        pa, pb = (a.float() * w).sum(1) / w.sum(1), (b.float() * w).sum(1) / w.sum(1)
-        cos_pool.append(torch.nn.functional.cosine_similarity(pa, pb, dim=-1))
+        cos_pool.append(torch.nn.functional.cosine_similarity(mean_pool_reference(a, m), mean_pool_reference(b, m),
+                                                              dim=-1))
     tok, pool = torch.cat(cos_tok), torch.cat(cos_pool)
     return float(tok.min()), float(tok.mean()), float(pool.min())
 
