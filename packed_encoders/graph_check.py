@@ -21,7 +21,7 @@ from .graphs.buckets import CallFacts, admit, admit_rect, round_seqs
 from .graphs.route import (deferred_checks, graph_forward, graph_keys, module_call_refusal, note_eager, prepare,
                            release_check_graphs, sync_free_forward)
 from .router import Facts
-from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, eval_mode, rel_err
+from .validation import BF16_COS_MIN, FP32_MAX_REL, check_batch, eval_mode, parity
 
 
 def check_lengths(config, window: int, top: int | None = None) -> list[int]:
@@ -132,13 +132,10 @@ def _compare(report, name: str, lengths, graph, eager, dtype, why, padded=None) 
     if graph is None:
         report.failures.append(f"{name}: the check batch (lengths {lengths}) was not served by a graph: {why()}")
         return
-    a, r = graph.float(), eager.float()
-    cos = torch.nn.functional.cosine_similarity(a, r, dim=-1, eps=1e-12)
-    cos_min = float(cos.min())
-    rel = rel_err(a, r)
+    cos_min, _, rel, finite = parity(graph.float(), eager.float())
     report.checks.append(f"{name}: replay vs eager on lengths {lengths}: per-token cosine min {cos_min:.6f}, "
                          f"max rel err {rel:.2e}")
-    if not bool(torch.isfinite(a).all()):
+    if not finite:
         report.failures.append(f"{name}: non-finite values in the replayed output")
     elif padded is not None and bool(padded.any()):
         report.failures.append(f"{name}: non-zero values at padded positions")

@@ -193,7 +193,7 @@ def _stock_forward(model: nn.Module, **kwargs):
     return type(model).forward(model, **kwargs)
 
 
-def _parity(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float, float, bool]:
+def parity(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float, float, bool]:
     """``(cosine min, cosine mean, max relative error, all finite)`` of packed real tokens ``a`` against stock's
     ``r`` (both ``[N, H]`` fp32). The relative error is per token ``||a - r|| / ||r||``, the worst token: one
     large-magnitude feature cannot hide it (as max|diff| / max|stock| would) and one tiny token cannot inflate it."""
@@ -282,9 +282,9 @@ def check_encoder(model: nn.Module, state, path: str = "", lengths=None, seed: i
     report.attention = dict(state.last_plan)
     real = mask.bool()
     r = stock[real].float()
-    report.cos_min, report.cos_mean, report.max_rel_err, finite = _parity(fast[real].float(), r)
+    report.cos_min, report.cos_mean, report.max_rel_err, finite = parity(fast[real].float(), r)
     if forced is not None:  # the worse of the two runs
-        cos_min, cos_mean, max_rel_err, finite_f = _parity(forced[real].float(), r)
+        cos_min, cos_mean, max_rel_err, finite_f = parity(forced[real].float(), r)
         report.cos_min = min(report.cos_min, cos_min)
         report.cos_mean = min(report.cos_mean, cos_mean)
         report.max_rel_err = max(report.max_rel_err, max_rel_err)
