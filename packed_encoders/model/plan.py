@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from ..attention.backends import BACKENDS, FUSED_ROPE_MAX_TOKENS
 from ..ops import TORCH_KERNELS, Kernels, OpSet, quack_gemm
+from ..ops.fused import GLU_LINEAR_MAX_TOKENS
 from .calls import PLAIN, ModuleCalls
 from .params import ModernBertParams
 from .pointers import plan_runs_pointers
@@ -89,7 +90,7 @@ class Rules:
     lean: bool = True
     fused_rope: bool = True
     fused_rope_max_tokens: int = FUSED_ROPE_MAX_TOKENS
-    glu_gemm_max_tokens: int = 256
+    glu_gemm_max_tokens: int = GLU_LINEAR_MAX_TOKENS
     small_linear_max_tokens: int = 4096
     glu_eager_max_tokens: int = 8192
     quack_eager_min_tokens: int = QUACK_EAGER_MIN_TOKENS
