@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 
 import pytest
@@ -95,6 +96,55 @@ def test_causal_attention_is_refused_and_packs_again_when_set_back():
         warnings.simplefilter("error")
         _out(model, ids, mask)
     assert pe.is_packed(model)
+
+
+@pytest.fixture
+def custom_attention():
+    """A function registered in transformers' AttentionInterface (as a user or a hub kernel registers one): it
+    computes sdpa's attention scaled by 2 in its output, so skipping it shows; unregistered after the test."""
+    registry = pytest.importorskip("transformers.modeling_utils").AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def doubled(module, *args, **kwargs):
+        out, weights = sdpa_attention_forward(module, *args, **kwargs)
+        return 2 * out, weights
+
+    registry.register("doubled_test", doubled)
+    yield "doubled_test"
+    registry._global_mapping.pop("doubled_test", None)
+
+
+def test_an_attention_function_of_ones_own_is_refused_and_runs_stock_after_pack(custom_attention):
+    """transformers resolves config._attn_implementation on every call: a registered function other than its own
+    sdpa / flash / flex / eager is what stock runs, so pack() refuses it and a call after pack() runs stock."""
+    model = make_model("base_like")
+    if not hasattr(sys.modules[type(model).__module__], "ALL_ATTENTION_FUNCTIONS"):
+        pytest.skip("this transformers' ModernBERT has no attention registry")
+    model.config._attn_implementation = custom_attention
+    with pytest.raises(pe.UnsupportedTargetError, match=r"_attn_implementation is 'doubled_test', a registered .*"
+                                                        r"doubled.*set_attn_implementation\('sdpa'\)"):
+        pe.pack(model)
+    model.config._attn_implementation = "sdpa"
+    pe.pack(model)
+    ids, mask = padded_batch([5, 12])
+    packed = _out(model, ids, mask)
+    model.config._attn_implementation = custom_attention
+    with pytest.warns(RuntimeWarning, match="doubled_test"):
+        out = _out(model, ids, mask)
+    ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert (out - packed)[mask.bool()].abs().max() > 1e-2  # (the custom function changes the result)
+    model.config._attn_implementation = "not_registered"  # stock fails on its next call: so does the packed model
+    with pytest.raises(KeyError):
+        stock(model, input_ids=ids, attention_mask=mask)
+    with pytest.raises(KeyError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _out(model, ids, mask)
+    for name in ("flash_attention_2", "flex_attention", "eager", "sdpa"):  # transformers' own: the packed forward
+        model.config._attn_implementation = name
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch.testing.assert_close(_out(model, ids, mask), packed, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("keep, refusal, advice", [

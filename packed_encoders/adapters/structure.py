@@ -12,7 +12,7 @@ packed path skips (the rotary embedding included) or calls on its packed rows, l
 reordered or replaced by layers of the other attention type, a changed activation, added or removed layers, attention
 projections of another shape (pruned heads), token embedding options the packed lookup does not apply (``max_norm``,
 ``scale_grad_by_freq``, ``sparse``), and the config values that transformers reads on every call (the sliding window,
-the layer types). :func:`structure_problem` finds those;
+the layer types, the attention function). :func:`structure_problem` finds those;
 the patched forward then runs the stock forward instead and says so (a one-time warning and ``describe()``);
 ``packed_forward`` raises; ``pack()`` refuses them (whatever ``validate`` is).
 """
@@ -278,7 +278,8 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
     ``children`` (each parent's ``_modules``), ``names`` (the attribute), ``modules``, ``types`` and
     ``module_dicts`` (each module's instance ``__dict__``); and the per-layer attention attributes stock reads
     per call (``fact_dicts``, ``fact_names``, ``facts``); the config and what :func:`config_problem` compares its
-    per-call values with (``config``, ``config_dict``, ``layer_types``); ``hook_counter`` (see
+    per-call values with (``config``, ``config_dict``, ``layer_types``, ``hf``: the transformers module, whose
+    attention registry it reads); ``hook_counter`` (see
     :func:`_no_new_hooks`); ``inner``: what lies inside the called projection slots (:func:`_inner`, ``None``
     without called slots); ``dropout``:
     the dropout-applying modules (:func:`~packed_encoders.model.dropout.dropout_modules`) whose modes and rates the
@@ -309,7 +310,7 @@ def snapshot(model: nn.Module, params, previous: dict | None = None) -> dict:
     same = (previous is not None and len(previous["baked"]) == len(baked)
             and all(map(operator.is_, previous["baked"], baked)) and previous["facts"] == facts)
     config = model.config
-    return {"layers": model.layers, "config": config, "config_dict": _config_dict(config),
+    return {"layers": model.layers, "config": config, "config_dict": _config_dict(config), "hf": _hf_module(model),
             "layer_types": _layer_type_names(params),
             "children": tuple(children), "names": tuple(names), "modules": tuple(modules),
             "types": tuple(map(type, modules)), "module_dicts": tuple(vars(m) for m in modules),
@@ -399,13 +400,64 @@ def _layer_type_names(params) -> list[str]:
     return ["full_attention" if is_global else "sliding_attention" for is_global in params.layer_is_global]
 
 
+_OWN_ATTENTION: dict = {}  # transformers module -> its attention functions that compute the packed attention's math
+
+
+def _own_attention(hf) -> frozenset:
+    """transformers' own attention functions, which compute softmax attention over each layer's window as the packed
+    attention does: sdpa, flash attention (2, 3, 4 and the hub's flash kernels, registered through it), flex
+    attention and the model's eager one (read once per transformers module)."""
+    own = _OWN_ATTENTION.get(hf)
+    if own is None:
+        import importlib
+
+        fns = [getattr(hf, "eager_attention_forward", None)]
+        for module, name in (("sdpa_attention", "sdpa_attention_forward"),
+                             ("flash_attention", "flash_attention_forward"),
+                             ("flex_attention", "flex_attention_forward")):
+            try:
+                fns.append(getattr(importlib.import_module(f"transformers.integrations.{module}"), name, None))
+            except ImportError:
+                pass
+        own = _OWN_ATTENTION[hf] = frozenset(fn for fn in fns if fn is not None)
+    return own
+
+
+def attention_problem(hf, implementation) -> str | None:
+    """Why the attention stock's layers call for ``config._attn_implementation`` (``implementation``) is not the
+    packed attention, or ``None``. transformers 5 resolves the name on every call in its ``AttentionInterface``
+    registry (``hf.ALL_ATTENTION_FUNCTIONS``), where anyone may register a function of their own (a block-sparse
+    hub kernel, a user's attention); transformers 4's ModernBERT has a fixed table and fails on other names."""
+    registry = getattr(hf, "ALL_ATTENTION_FUNCTIONS", None)
+    if registry is None:
+        table = getattr(hf, "MODERNBERT_ATTENTION_FUNCTION", None)
+        if table is None or implementation is None or implementation in table:
+            return None
+        return (f"config._attn_implementation is {implementation!r}, which transformers' ModernBERT does not have "
+                f"({', '.join(map(repr, table))}): its next call fails in stock")
+    name = implementation if implementation in (None, "paged|eager") else implementation.removeprefix("paged|")
+    try:
+        fn = registry[name]
+    except KeyError:
+        if name is None or name == "eager":  # (stock's default: the model's eager attention)
+            return None
+        return (f"config._attn_implementation is {implementation!r}, which is not a registered attention function "
+                "(transformers' AttentionInterface): its next call fails in stock")
+    if fn in _own_attention(hf):
+        return None
+    return (f"config._attn_implementation is {implementation!r}, a registered attention function "
+            f"({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}) that the packed forward does not "
+            "run (it computes softmax attention over each layer's window, as transformers' sdpa, flash, flex and "
+            "eager attention do): model.set_attn_implementation('sdpa'), then pe.pack(model)")
+
+
 def config_problem(model: nn.Module, params, snap: dict | None = None) -> str | None:
     """A config change after ``pack`` that stock HF honours on its next call but the packed state does not.
 
-    transformers reads two config values on every call: ``config.sliding_window`` (``= local_attention // 2``),
-    from which it builds the sliding-window mask, and (v5) ``config.layer_types``, whose set of types picks the
+    transformers reads three config values on every call: ``config.sliding_window`` (``= local_attention // 2``),
+    from which it builds the sliding-window mask, (v5) ``config.layer_types``, whose set of types picks the
     rotary tables it computes (a layer keeps the ``attention_type`` it was built with; stock fails on a type no
-    longer listed). RoPE, norms, activation and dropout are read into modules when the model is built (the packed
+    longer listed), and ``config._attn_implementation``, the attention function (:func:`attention_problem`). RoPE, norms, activation and dropout are read into modules when the model is built (the packed
     forward reads those modules live). The packed window, layer kinds, attention plan and any captured graph come
     from :class:`ModernBertParams` read at ``pack()``. With a ``snap`` of this config (:func:`snapshot`) the check
     is a few dict reads and one list comparison.
@@ -415,7 +467,7 @@ def config_problem(model: nn.Module, params, snap: dict | None = None) -> str | 
         d, expected = snap["config_dict"], snap["layer_types"]
         local, types = d.get("local_attention"), d.get("layer_types")
         if (local is None or local == params.local_attention) and (types is None or types == expected):
-            return None
+            return attention_problem(snap["hf"], d.get("_attn_implementation_internal"))
     else:
         local, types = getattr(config, "local_attention", None), getattr(config, "layer_types", None)
         expected = _layer_type_names(params)
@@ -423,11 +475,9 @@ def config_problem(model: nn.Module, params, snap: dict | None = None) -> str | 
         return (f"config.local_attention is {local} (sliding_window {local // 2}) but the model was packed with "
                 f"{params.local_attention} (sliding_window {params.local_attention // 2}); pe.pack(model) again "
                 "packs the new window")
-    if types is None:
-        return None
+    if types is None or list(types) == expected:  # (the same types in another sequence type)
+        return attention_problem(_hf_module(model), getattr(config, "_attn_implementation", None))
     types = list(types)
-    if types == expected:  # (the same types in another sequence type)
-        return None
     if len(types) != len(expected):
         what = f" has {len(types)} entries but the model was packed with {len(expected)}"
     else:
