@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from ..attention.backends import BACKENDS, FUSED_ROPE_MAX_TOKENS
 from ..ops import TORCH_KERNELS, Kernels, OpSet, quack_gemm
-from ..ops.fused import GLU_LINEAR_MAX_TOKENS
+from ..ops.triton import GLU_LINEAR_MAX_TOKENS
 from .calls import PLAIN, ModuleCalls
 from .params import ModernBertParams
 from .pointers import plan_runs_pointers

@@ -27,6 +27,7 @@ from . import FusedOpSet, Kernels, OpSet, RouteLog
 from .geglu import geglu_ref, geglu_torch
 from .layer_norm import layer_norm_ref, layer_norm_torch, residual_layer_norm_torch
 from .rope import rope_qkv_torch
+from .triton import GLU_LINEAR_MAX_TOKENS
 from .triton import glu as _glu
 from .triton import layer_norm as _ln
 from .triton import lora_merge as _lora_merge
@@ -383,14 +384,6 @@ def glu(x: Tensor, activation: str = "gelu") -> Tensor:
     shape = x.shape
     y = (_glu.forward if _direct(x) else _glu_fwd)(x.reshape(-1, shape[-1]), activation)
     return y.view(*shape[:-1], shape[-1] // 2)
-
-
-# Largest token count served by the GLU-fused Wi GEMM. Measured on the H200 (bf16, ModernBERT-base 768 -> 2 x
-# 1152) against cuBLAS + the GLU kernel: alone (benchmarks/gemm_small.py, cold weights) 1.24x at 128 tokens,
-# 1.08x at 256, 1.02x at 512, 0.89x at 1024; inside a graph replay of the whole forward (profiled per kernel)
-# 6.6 vs 6.95 us per layer at 256 tokens but 8.4 vs 8.2 us at 512. PACKED_ENCODERS_FUSED_GLU_GEMM=0 (read at
-# pack() into the plan's Rules, which then never routes Wi here) turns it off for a packed model, for A/B runs.
-GLU_LINEAR_MAX_TOKENS = 256
 
 
 @torch.library.custom_op("packed_encoders::triton_glu_linear", mutates_args=())
