@@ -54,7 +54,7 @@ def test_merge_is_the_fp32_formula_rounded_once(fused, shape, w_dtype, ab_dtype,
 
 def test_merge_serves_the_merge_of_one_adapter_and_declines_the_rest(fused, monkeypatch):
     """``_merge`` takes the kernel for one adapter with a number for ``scaling``; the kernel declines fp32 results
-    (plain torch keeps fp32 parity, as every op set op does), ranks beyond its unrolled loop and integer tensors."""
+    (plain torch keeps fp32 parity, as every op set op does), ranks beyond its cap and integer tensors."""
     from packed_encoders.ops.triton import lora_merge
 
     weight, a, b = _operands(24, 40, 4, BF16, FP32)
