@@ -57,12 +57,22 @@ def module_calls(model: nn.Module, state):
     return read_calls(model) if snap is None else snap["calls"]
 
 
+def autocast_dtype(weight: torch.Tensor) -> torch.dtype | None:
+    """The CUDA autocast dtype a call of the encoder whose embedding weight is ``weight`` runs under, the key of its
+    graphs and weight copies; ``None`` when off, off CUDA, or for a float64 model (autocast casts no float64
+    tensor: such a model runs in float64 under it, as stock does)."""
+    if weight.is_cuda and weight.dtype is not torch.float64 and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
 def mode_facts(model: nn.Module, state) -> dict:
     """The facts every graph route admits on: the encoder's switches, grad / autocast / dropout, its device, its
     called Linear slots (:func:`~packed_encoders.model.calls.graph_refusal`). ``dropout`` reads each module's live
     mode and rate (Monte-Carlo dropout in an eval model, a rate set after ``pack()``): a graph would replay a forward
     without dropout."""
-    on_cuda = _embedding(model)._parameters["weight"].is_cuda
+    weight = _embedding(model)._parameters["weight"]
+    on_cuda = weight.is_cuda
     dropout = applies_dropout(_dropout_modules(model, state), state.params.attention_dropout)
     grad = torch.is_grad_enabled()
     config = state.options.cuda_graph
@@ -72,7 +82,7 @@ def mode_facts(model: nn.Module, state) -> dict:
     facts = dict(module_calls=refusal, adapters=adapters,
                  kill_switch=not state.tuning.graphs, suspended=state.runtime.get("graphs_suspended", 0) > 0,
                  grad=grad, dropout=dropout,
-                 autocast=torch.get_autocast_dtype("cuda") if on_cuda and torch.is_autocast_enabled("cuda") else None,
+                 autocast=autocast_dtype(weight),
                  model_on_cuda=on_cuda)
     if grad and config is not None and config.training:
         facts.update(checkpointing=bool(_gradient_checkpointing(model)),

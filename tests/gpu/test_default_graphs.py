@@ -124,6 +124,23 @@ def test_autocast_is_served_by_graphs_captured_under_it():
     assert (plain - fp32_eager)[mask.bool()].abs().max() <= 1e-3 * fp32_eager.abs().max() + 1e-4
 
 
+def test_a_float64_model_under_autocast_is_served_in_float64():
+    """Autocast casts no float64 tensor: a float64 model runs in float64 under it (as stock does), so its graph is
+    keyed as without autocast and no low-precision weight copies are made."""
+    model, stock = make_model(torch.float64), make_model(torch.float64)
+    pe.pack(model)
+    ids, mask = padded([5, 17, 33, 100])
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fwd(model, ids, mask)
+        graph = fwd(model, ids, mask)
+        want = fwd(stock, ids, mask)
+    state = info(model)
+    assert state["hits"] == 1 and {b["autocast"] for b in state["buckets"]} == {None}, state
+    assert state["memory"]["weight_copy_bytes"] == 0
+    assert graph.dtype == want.dtype == torch.float64
+    assert (graph - want)[mask.bool()].abs().max() <= 1e-9
+
+
 def test_lru_budget_evicts_and_refuses_graphs_too_large():
     model = make_model()
     pe.pack(model, validate=False)
