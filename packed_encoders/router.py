@@ -156,14 +156,16 @@ def _eager(reason: str, refusal: str | None) -> Eager:
 
 
 def _mode_refusal(f: Facts, training: bool = False) -> str | None:
-    """The mode refusals of :func:`~packed_encoders.graphs.buckets.admit`, in its order, then the device, as one
-    chain of tests (this runs on every call: no tuple of checks built per call). ``training``: the refusals of a
-    training graph for a call with gradients instead (gradients are served; checkpointing and inputs that
-    require gradients are not)."""
+    """The mode refusals of :func:`~packed_encoders.graphs.buckets.admit`, in its order, after the switches and the
+    device (a model off CUDA counts every call as such, whatever its mode), as one chain of tests (this runs on
+    every call: no tuple of checks built per call). ``training``: the refusals of a training graph for a call with
+    gradients instead (gradients are served; checkpointing and inputs that require gradients are not)."""
     if f.kill_switch:
         return B.KILL_SWITCH
     if f.suspended:
         return B.SUSPENDED
+    if not f.model_on_cuda:
+        return B.NOT_CUDA
     if f.grad and not training:
         return B.GRAD
     if f.dropout:
@@ -176,8 +178,6 @@ def _mode_refusal(f: Facts, training: bool = False) -> str | None:
         return B.EMBEDS
     if training and f.input_grads:
         return B.INPUT_GRADS
-    if not f.model_on_cuda:
-        return B.NOT_CUDA
     return None
 
 

@@ -67,6 +67,7 @@ def test_every_route_from_synthetic_facts():
         (dict(kill_switch=True, grad=True), B.KILL_SWITCH), (dict(suspended=True, grad=True), B.SUSPENDED),
         (dict(grad=True), B.GRAD), (dict(dropout=True), B.DROPOUT), (dict(hidden_states=True), B.HIDDEN_STATES),
         (dict(inputs_embeds=True), B.EMBEDS), (dict(model_on_cuda=False), B.NOT_CUDA),
+        (dict(model_on_cuda=False, grad=True, dropout=True), B.NOT_CUDA),  # (off CUDA, whatever the mode)
         (dict(same_device=False), B.OTHER_DEVICE), (dict(num_seqs=5), B.TOO_MANY_SEQS),
         (dict(total_tokens=201), B.TOO_MANY_TOKENS), (dict(max_seqlen=65), B.TOO_LONG),
     ]
@@ -220,11 +221,12 @@ def test_default_pack_turns_graphs_on_and_stays_eager_and_quiet_on_cpu():
         pe.pack(model)
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        model(input_ids=ids, attention_mask=mask)  # with gradients: counted as off CUDA too
     state = get_state(model)
     assert state.options.graph_auto and state.options.cuda_graph == GraphConfig()
     info = pe.describe(model)["encoders"][0]["cuda_graph"]
     assert info["enabled"] and info["mode"] == "auto" and "on cpu" in info["idle_reason"]
-    assert info["graphs"] == 0 and info["fallbacks"] == {B.NOT_CUDA: 1}
+    assert info["graphs"] == 0 and info["fallbacks"] == {B.NOT_CUDA: 2}
     torch.testing.assert_close(out[mask.bool()], want, atol=2e-5, rtol=2e-5)
     # an explicit request on a CPU model still warns
     with pytest.warns(UserWarning, match="on cpu"):

@@ -122,8 +122,10 @@ class CallFacts:
 
 
 def _mode_checks(facts: CallFacts | RectFacts) -> tuple:
-    """``(failed, reason)`` for the modes no captured forward honours, shared by both graph paths."""
-    return ((facts.kill_switch, KILL_SWITCH), (facts.suspended, SUSPENDED), (facts.grad, GRAD),
+    """``(failed, reason)`` for the modes no captured forward honours, shared by both graph paths (after the
+    switches, the device: a model off CUDA counts every call as such, whatever its mode)."""
+    return ((facts.kill_switch, KILL_SWITCH), (facts.suspended, SUSPENDED), (not facts.model_on_cuda, NOT_CUDA),
+            (facts.grad, GRAD),
             (facts.dropout, DROPOUT), (facts.hidden_states, HIDDEN_STATES),
             (facts.inputs_embeds, EMBEDS))
 
@@ -134,7 +136,7 @@ def _first_failed(checks) -> str | None:
 
 def admit(config: GraphConfig, facts: CallFacts) -> Bucket | str:
     """The bucket serving this call, or the reason it runs eagerly (first failing check)."""
-    reason = _first_failed(_mode_checks(facts) + ((not facts.model_on_cuda, NOT_CUDA),))
+    reason = _first_failed(_mode_checks(facts))
     return reason or admit_sizes(config, facts.same_device, facts.num_seqs, facts.total_tokens, facts.max_seqlen)
 
 
@@ -224,7 +226,6 @@ def admit_rect(config: GraphConfig, facts: RectFacts, vocab: int) -> RectBucket 
         (facts.query_only, QUERY_ONLY),
         (facts.position_zero, POSITION_ZERO),
         (not facts.integer_inputs, INPUT_DTYPES),
-        (not facts.model_on_cuda, NOT_CUDA),
         (not facts.same_device, OTHER_DEVICE),
         (facts.batch == 0 or facts.width == 0, EMPTY),
         (facts.batch > config.max_seqs, TOO_MANY_SEQS),
