@@ -28,6 +28,7 @@ from .graphs.route import describe_graphs, precapture_encoders
 from .model.calls import read_calls
 from .model.params import ModernBertParams
 from .model.pointers import off_reason as pointers_off
+from .ops.triton import set_fast_launch
 from .tuning import read_tuning, same_switches
 from .validation import ValidationReport, check_encoder
 
@@ -159,6 +160,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         if forward_bypassed(model):  # the class forward set back on the instance since: the packed one again
             install(model, state)
         read_around(model, state, target)
+        # process-wide: the last pack() sets it, a kept state included (make_state sets it for a new one)
+        set_fast_launch(state.tuning.triton_fast_launch)
     packed = [model for _, model in encoders]
     # made before any trace, as install() makes the patched forward's: made inside a fullgraph trace it would fail
     # with dynamo's own error instead of this reason

@@ -338,7 +338,8 @@ def unpad(*, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
 # A reused entry whose tensors were written without a version bump (LengthsMemo: .data, NumPy or DLPack aliases)
 STALE_LENGTHS = ("the inputs of this call with gradients changed since the no-grad call whose lengths it reuses, by "
                  "writes that bump no version counter (through .data, a raw pointer or a NumPy / DLPack alias): edit "
-                 "the tensors themselves (under torch.no_grad()), pass new ones, or set PACKED_ENCODERS_UNPAD_REUSE=0")
+                 "the tensors themselves (under torch.no_grad()), pass new ones, or set PACKED_ENCODERS_UNPAD_REUSE=0 "
+                 "and call pe.pack(model) again (switches are read at pack())")
 
 
 def _in_bounds(host_lens: list, max_position: int, vocab_size: int, slots: int, device, ids, positions, indices,

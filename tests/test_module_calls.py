@@ -1050,3 +1050,26 @@ def test_inside_a_called_sequential_insert_and_instance_forward_run_stock():
                                             r"model on one device"):
         with torch.no_grad():
             _out(encoder, ids, mask)
+
+
+@pytest.mark.parametrize("declared", [dict(in_features=32), dict(out_features=65),
+                                      dict(in_features=32, out_features=64)])
+def test_a_called_module_declaring_any_width_not_the_slots_is_refused(declared):
+    """README: a called module must declare the slot's widths if it declares any: each one it declares is checked,
+    one declared alone included."""
+
+    class Declares(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.__dict__.update(declared)
+
+        def forward(self, x):
+            return x
+
+    encoder = make_model("tiny")
+    encoder.layers[0].attn.Wo = Declares()
+    with pytest.raises(pe.UnsupportedTargetError, match=r"layers.0.attn.Wo .* features, not 64 -> 64"):
+        pe.pack(encoder, validate=False)
+    encoder.layers[0].attn.Wo = type("Right", (Declares,), {})()
+    encoder.layers[0].attn.Wo.__dict__.update(in_features=64, out_features=64)
+    pe.pack(encoder, validate=False)  # the slot's widths: accepted

@@ -183,3 +183,22 @@ def test_default_tuning_is_what_direct_users_get():
 
     assert default_rules() == rules_for(Tuning())
     assert backends.FUSED_ROPE is Tuning().fused_rope
+
+
+def test_the_last_pack_sets_the_fast_launcher_a_kept_state_included(monkeypatch):
+    """PACKED_ENCODERS_TRITON_FAST_LAUNCH is process-wide and the last pack() sets it, also one that keeps the
+    encoder's state (same options and switches as when it was packed)."""
+    import packed_encoders.ops.triton as T
+
+    monkeypatch.setattr(T, "FAST_LAUNCH", T.FAST_LAUNCH)  # restored after the test
+    monkeypatch.setenv("PACKED_ENCODERS_TRITON_FAST_LAUNCH", "0")
+    a = pe.pack(tiny_model(), validate=False)
+    assert T.FAST_LAUNCH is False
+    monkeypatch.delenv("PACKED_ENCODERS_TRITON_FAST_LAUNCH")
+    pe.pack(tiny_model(), validate=False)
+    assert T.FAST_LAUNCH is True
+    monkeypatch.setenv("PACKED_ENCODERS_TRITON_FAST_LAUNCH", "0")
+    state = get_state(a)
+    pe.pack(a, validate=False)
+    assert get_state(a) is state  # kept
+    assert T.FAST_LAUNCH is False

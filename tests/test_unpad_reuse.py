@@ -303,3 +303,28 @@ def test_a_gradcache_loop_on_a_packed_model(syncs, monkeypatch):
     assert grads.keys() == grads_off.keys() and len(grads) > 10
     for name in grads:
         torch.testing.assert_close(grads[name], grads_off[name], rtol=0, atol=0, msg=name)
+
+
+def test_the_stale_lengths_error_advice_works_when_followed(monkeypatch):
+    """The error names the switch and says to pack again: the switch alone changes nothing (read at pack())."""
+    model = pe.pack(tiny_model())
+    model.train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+    def grad_cache_step():
+        ids, mask = padded_batch([5, 9, 3])
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        mask.data[0, 4] = 0  # bumps no version counter
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    with pytest.raises(PackedEncodersError, match=r"PACKED_ENCODERS_UNPAD_REUSE=0 and call pe.pack\(model\) again"):
+        grad_cache_step()
+    monkeypatch.setenv("PACKED_ENCODERS_UNPAD_REUSE", "0")
+    with pytest.raises(PackedEncodersError, match="PACKED_ENCODERS_UNPAD_REUSE=0"):
+        grad_cache_step()  # not packed again: the frozen tuning still reuses
+    pe.pack(model)
+    out = grad_cache_step()
+    assert out[0, 4:].abs().max() == 0  # the edited mask's lengths were read

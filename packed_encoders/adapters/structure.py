@@ -112,9 +112,11 @@ def _called_problem(path: str, m: nn.Module, params) -> str | None:
     width of each call (``model.calls.call``)."""
     want = _slot_widths(params)[path[path.find(".", len("layers.")):]]
     got = tuple(vars(m).get(name) for name in ("out_features", "in_features"))
-    if all(isinstance(n, int) for n in got) and got != want:
-        return (f"{path} ({type_name(m)}) maps {got[1]} -> {got[0]} features, not {want[1]} -> {want[0]}: the packed "
-                "layer runs the config's widths (attention heads pruned?)")
+    # each width it declares is checked: one declared alone (the other left out) is the slot's too
+    if any(isinstance(n, int) and not isinstance(n, bool) and n != w for n, w in zip(got, want)):
+        show = ["?" if not isinstance(n, int) else n for n in got]
+        return (f"{path} ({type_name(m)}) maps {show[1]} -> {show[0]} features, not {want[1]} -> {want[0]}: the "
+                "packed layer runs the config's widths (attention heads pruned?)")
     return None
 
 
