@@ -147,6 +147,40 @@ def test_an_attention_function_of_ones_own_is_refused_and_runs_stock_after_pack(
             torch.testing.assert_close(_out(model, ids, mask), packed, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("name", [None, "paged|sdpa", "paged|flex_attention", "sdpa"])
+def test_an_attention_name_stock_builds_no_mask_for_or_a_registered_mask_function_runs_stock(name):
+    """transformers builds the attention masks per call through its AttentionMaskInterface: for a name outside its
+    global mapping (None, a 'paged|' name) stock builds none (it attends to padding and past the window), and a mask
+    function registered there (under 'sdpa' too) is what stock runs: the packed model runs stock, warned."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    model = make_model("base_like")
+    if not hasattr(sys.modules[type(model).__module__], "ALL_ATTENTION_FUNCTIONS"):
+        pytest.skip("this transformers' ModernBERT has no attention registry")
+    pe.pack(model)
+    ids, mask = padded_batch([5, 40])
+    packed = _out(model, ids, mask)
+    before = dict(mu.AttentionMaskInterface._global_mapping)
+    try:
+        if name == "sdpa":  # a mask function of one's own for sdpa, registered globally
+            mu.AttentionMaskInterface.register("sdpa", lambda *args, **kwargs: None)
+        model.config._attn_implementation = name
+        with pytest.warns(RuntimeWarning, match="_attn_implementation is"):
+            out = _out(model, ids, mask)
+        assert not pe.is_packed(model)
+        with torch.no_grad():
+            ref = stock(model, input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        assert (out - packed)[mask.bool()].abs().max() > 1e-3  # (stock's unmasked attention differs)
+    finally:
+        mu.AttentionMaskInterface._global_mapping.clear()
+        mu.AttentionMaskInterface._global_mapping.update(before)
+    model.config._attn_implementation = "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(_out(model, ids, mask), packed, atol=0, rtol=0)
+    assert pe.is_packed(model)
+
+
 @pytest.mark.parametrize("keep, refusal, advice", [
     ((1, 0, 3, 2), "reordered", "config.layer_types = [layer.attention_type for layer in model.layers]"),
     ((1, 2), "model.layers has 2 layers",

@@ -425,6 +425,42 @@ def _own_attention(hf) -> frozenset:
     return own
 
 
+_MASKS: list = []  # [(transformers' AttentionMaskInterface registry, its own mask functions)], read once
+
+
+def _mask_problem(implementation) -> str | None:
+    """Why the masks stock builds for ``implementation`` are not the packed attention's (padding and each layer's
+    window), or ``None``. transformers 5 builds them per call through ``masking_utils.ALL_MASK_ATTENTION_FUNCTIONS``:
+    a name absent from its global mapping (``None``, a ``paged|`` name, a name registered for attention alone) gets
+    no mask at all (stock attends to padding and past the window), and a mask function registered in it (under
+    ``sdpa`` itself too) is what stock runs. Read as two dict lookups per call."""
+    if not _MASKS:
+        try:
+            from transformers import masking_utils as mu
+        except ImportError:  # (no mask registry: nothing to check)
+            _MASKS.append((None, frozenset()))
+        else:
+            own = (getattr(mu, n, None) for n in ("sdpa_mask", "eager_mask", "flash_attention_mask",
+                                                  "flex_attention_mask"))
+            _MASKS.append((getattr(mu, "ALL_MASK_ATTENTION_FUNCTIONS", None), frozenset(f for f in own if f)))
+    masks, own = _MASKS[0]
+    if masks is None:
+        return None
+    local, glob = masks._local_mapping, masks._global_mapping
+    if implementation not in glob:
+        return (f"config._attn_implementation is {implementation!r}, for which stock builds no attention mask "
+                "(it is not in transformers' AttentionMaskInterface): stock attends to padding and past each layer's "
+                "window, which the packed forward does not: model.set_attn_implementation('sdpa'), then "
+                "pe.pack(model)")
+    fn = local[implementation] if implementation in local else glob[implementation]
+    if fn in own:
+        return None
+    return (f"config._attn_implementation is {implementation!r}, whose attention mask stock builds with a registered "
+            f"mask function ({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}) that the packed "
+            "forward does not run (transformers' AttentionMaskInterface): register transformers' own back, then "
+            "pe.pack(model)")
+
+
 def attention_problem(hf, implementation) -> str | None:
     """Why the attention stock's layers call for ``config._attn_implementation`` (``implementation``) is not the
     packed attention, or ``None``. transformers 5 resolves the name on every call in its ``AttentionInterface``
@@ -442,11 +478,11 @@ def attention_problem(hf, implementation) -> str | None:
         fn = registry[name]
     except KeyError:
         if name is None or name == "eager":  # (stock's default: the model's eager attention)
-            return None
+            return _mask_problem(implementation)
         return (f"config._attn_implementation is {implementation!r}, which is not a registered attention function "
                 "(transformers' AttentionInterface): its next call fails in stock")
     if fn in _own_attention(hf):
-        return None
+        return _mask_problem(implementation)
     return (f"config._attn_implementation is {implementation!r}, a registered attention function "
             f"({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}) that the packed forward does not "
             "run (it computes softmax attention over each layer's window, as transformers' sdpa, flash, flex and "
