@@ -5,8 +5,8 @@
 
 Prints per-token parity (cosine over real tokens, min and mean) and the speed of each path for queries and
 documents, and exits with status 1 when parity fails. On CPU a few documents are used so it finishes in one to
-two minutes on 2 cores (fp32; its speed figures come from one timed pass, each batch timed stock then packed back to back,
-and it prints what they can and cannot show); on a GPU the whole sample runs, in bf16.
+two minutes on 2 cores (fp32; its speed figures come from one timed pass, each batch timed stock then packed back
+to back, and it prints what they can and cannot show); on a GPU the whole sample runs, in bf16.
 """
 
 from __future__ import annotations

@@ -495,10 +495,11 @@ def config_problem(model: nn.Module, params, snap: dict | None = None) -> str | 
     transformers reads three config values on every call: ``config.sliding_window`` (``= local_attention // 2``),
     from which it builds the sliding-window mask, (v5) ``config.layer_types``, whose set of types picks the
     rotary tables it computes (a layer keeps the ``attention_type`` it was built with; stock fails on a type no
-    longer listed), and ``config._attn_implementation``, the attention function (:func:`attention_problem`). RoPE, norms, activation and dropout are read into modules when the model is built (the packed
-    forward reads those modules live). The packed window, layer kinds, attention plan and any captured graph come
-    from :class:`ModernBertParams` read at ``pack()``. With a ``snap`` of this config (:func:`snapshot`) the check
-    is a few dict reads and one list comparison.
+    longer listed), and ``config._attn_implementation``, the attention function (:func:`attention_problem`). RoPE,
+    norms, activation and dropout are read into modules when the model is built (the packed forward reads those
+    modules live). The packed window, layer kinds, attention plan and any captured graph come from
+    :class:`ModernBertParams` read at ``pack()``. With a ``snap`` of this config (:func:`snapshot`) the check is a
+    few dict reads and one list comparison.
     """
     config = model.config
     if snap is not None and snap["config"] is config and snap["config_dict"] is not None:
