@@ -506,7 +506,11 @@ def config_problem(model: nn.Module, params, snap: dict | None = None) -> str | 
         d, expected = snap["config_dict"], snap["layer_types"]
         local, types = d.get("local_attention"), d.get("layer_types")
         if (local is None or local == params.local_attention) and (types is None or types == expected):
-            return attention_problem(snap["hf"], d.get("_attn_implementation_internal"))
+            # (the property's value as stored; None or absent: the property, which some releases map to "eager")
+            implementation = d.get("_attn_implementation_internal")
+            if implementation is None:
+                implementation = getattr(config, "_attn_implementation", None)
+            return attention_problem(snap["hf"], implementation)
     else:
         local, types = getattr(config, "local_attention", None), getattr(config, "layer_types", None)
         expected = _layer_type_names(params)
