@@ -147,6 +147,35 @@ def test_an_attention_function_of_ones_own_is_refused_and_runs_stock_after_pack(
             torch.testing.assert_close(_out(model, ids, mask), packed, atol=0, rtol=0)
 
 
+def test_transformers_4s_fixed_attention_table_is_checked_by_function():
+    """transformers 4's ModernBERT calls MODERNBERT_ATTENTION_FUNCTION[name]: a name outside it fails in stock and
+    an entry replaced by another function is what stock runs (a stand-in module with that table)."""
+    from types import ModuleType
+
+    from packed_encoders.adapters.structure import attention_problem
+
+    def eager_attention_forward(*args):
+        pass
+
+    def sdpa_attention_forward(*args):
+        pass
+
+    def flash_attention_forward(*args):
+        pass
+
+    table = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward,
+             "flash_attention_2": flash_attention_forward}
+    hf = ModuleType("modeling_modernbert_v4")
+    hf.MODERNBERT_ATTENTION_FUNCTION, hf.eager_attention_forward = table, eager_attention_forward
+    hf.sdpa_attention_forward, hf.flash_attention_forward = sdpa_attention_forward, flash_attention_forward
+    assert attention_problem(hf, "sdpa") is None and attention_problem(hf, "eager") is None
+    assert attention_problem(hf, None) is None
+    assert "does not have" in attention_problem(hf, "flex_attention")
+    assert attention_problem(hf, "flash_attention_2") is None
+    table["sdpa"] = lambda *args: None
+    assert "another function" in attention_problem(hf, "sdpa")
+
+
 @pytest.mark.parametrize("name", [None, "paged|sdpa", "paged|flex_attention", "sdpa"])
 def test_an_attention_name_stock_builds_no_mask_for_or_a_registered_mask_function_runs_stock(name):
     """transformers builds the attention masks per call through its AttentionMaskInterface: for a name outside its

@@ -461,6 +461,10 @@ def _mask_problem(implementation) -> str | None:
             "pe.pack(model)")
 
 
+# transformers 4's ModernBERT module defines its table's functions itself
+_V4_OWN = ("eager_attention_forward", "sdpa_attention_forward", "flash_attention_forward")
+
+
 def attention_problem(hf, implementation) -> str | None:
     """Why the attention stock's layers call for ``config._attn_implementation`` (``implementation``) is not the
     packed attention, or ``None``. transformers 5 resolves the name on every call in its ``AttentionInterface``
@@ -469,10 +473,17 @@ def attention_problem(hf, implementation) -> str | None:
     registry = getattr(hf, "ALL_ATTENTION_FUNCTIONS", None)
     if registry is None:
         table = getattr(hf, "MODERNBERT_ATTENTION_FUNCTION", None)
-        if table is None or implementation is None or implementation in table:
+        if table is None or implementation is None:
             return None
-        return (f"config._attn_implementation is {implementation!r}, which transformers' ModernBERT does not have "
-                f"({', '.join(map(repr, table))}): its next call fails in stock")
+        if implementation not in table:
+            return (f"config._attn_implementation is {implementation!r}, which transformers' ModernBERT does not "
+                    f"have ({', '.join(map(repr, table))}): its next call fails in stock")
+        fn = table[implementation]
+        if any(fn is getattr(hf, own, None) for own in _V4_OWN):
+            return None
+        return (f"config._attn_implementation is {implementation!r}, whose entry in transformers' ModernBERT table "
+                f"is another function ({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}) that the "
+                "packed forward does not run: put the module's own back, then pe.pack(model)")
     name = implementation if implementation in (None, "paged|eager") else implementation.removeprefix("paged|")
     try:
         fn = registry[name]
