@@ -19,6 +19,8 @@ the patched forward then runs the stock forward instead and says so (a one-time 
 
 from __future__ import annotations
 
+import functools
+import importlib
 import operator
 import sys
 from itertools import count, repeat
@@ -402,30 +404,34 @@ def _layer_type_names(params) -> list[str]:
     return ["full_attention" if is_global else "sliding_attention" for is_global in params.layer_is_global]
 
 
-_OWN_ATTENTION: dict = {}  # transformers module -> its attention functions that compute the packed attention's math
-
-
+@functools.cache
 def _own_attention(hf) -> frozenset:
     """transformers' own attention functions, which compute softmax attention over each layer's window as the packed
     attention does: sdpa, flash attention (2, 3, 4 and the hub's flash kernels, registered through it), flex
     attention and the model's eager one (read once per transformers module)."""
-    own = _OWN_ATTENTION.get(hf)
-    if own is None:
-        import importlib
-
-        fns = [getattr(hf, "eager_attention_forward", None)]
-        for module, name in (("sdpa_attention", "sdpa_attention_forward"),
-                             ("flash_attention", "flash_attention_forward"),
-                             ("flex_attention", "flex_attention_forward")):
-            try:
-                fns.append(getattr(importlib.import_module(f"transformers.integrations.{module}"), name, None))
-            except ImportError:
-                pass
-        own = _OWN_ATTENTION[hf] = frozenset(fn for fn in fns if fn is not None)
-    return own
+    fns = [getattr(hf, "eager_attention_forward", None)]
+    for module, name in (("sdpa_attention", "sdpa_attention_forward"), ("flash_attention", "flash_attention_forward"),
+                         ("flex_attention", "flex_attention_forward")):
+        try:
+            fns.append(getattr(importlib.import_module(f"transformers.integrations.{module}"), name, None))
+        except ImportError:
+            pass
+    return frozenset(fn for fn in fns if fn is not None)
 
 
-_MASKS: list = []  # [(transformers' AttentionMaskInterface registry, its own mask functions)], read once
+@functools.cache
+def _mask_registry() -> tuple:
+    """``(transformers' AttentionMaskInterface registry, its own mask functions)``; ``(None, ())`` without one."""
+    try:
+        from transformers import masking_utils as mu
+    except ImportError:
+        return None, frozenset()
+    own = (getattr(mu, n, None) for n in ("sdpa_mask", "eager_mask", "flash_attention_mask", "flex_attention_mask"))
+    return getattr(mu, "ALL_MASK_ATTENTION_FUNCTIONS", None), frozenset(f for f in own if f)
+
+
+def _function_name(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
 
 
 def _mask_problem(implementation) -> str | None:
@@ -434,16 +440,7 @@ def _mask_problem(implementation) -> str | None:
     a name absent from its global mapping (``None``, a ``paged|`` name, a name registered for attention alone) gets
     no mask at all (stock attends to padding and past the window), and a mask function registered in it (under
     ``sdpa`` itself too) is what stock runs. Read as two dict lookups per call."""
-    if not _MASKS:
-        try:
-            from transformers import masking_utils as mu
-        except ImportError:  # (no mask registry: nothing to check)
-            _MASKS.append((None, frozenset()))
-        else:
-            own = (getattr(mu, n, None) for n in ("sdpa_mask", "eager_mask", "flash_attention_mask",
-                                                  "flex_attention_mask"))
-            _MASKS.append((getattr(mu, "ALL_MASK_ATTENTION_FUNCTIONS", None), frozenset(f for f in own if f)))
-    masks, own = _MASKS[0]
+    masks, own = _mask_registry()
     if masks is None:
         return None
     local, glob = masks._local_mapping, masks._global_mapping
@@ -456,9 +453,8 @@ def _mask_problem(implementation) -> str | None:
     if fn in own:
         return None
     return (f"config._attn_implementation is {implementation!r}, whose attention mask stock builds with a registered "
-            f"mask function ({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}) that the packed "
-            "forward does not run (transformers' AttentionMaskInterface): register transformers' own back, then "
-            "pe.pack(model)")
+            f"mask function ({_function_name(fn)}) that the packed forward does not run (transformers' "
+            "AttentionMaskInterface): register transformers' own back, then pe.pack(model)")
 
 
 # transformers 4's ModernBERT module defines its table's functions itself
@@ -482,8 +478,8 @@ def attention_problem(hf, implementation) -> str | None:
         if any(fn is getattr(hf, own, None) for own in _V4_OWN):
             return None
         return (f"config._attn_implementation is {implementation!r}, whose entry in transformers' ModernBERT table "
-                f"is another function ({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}) that the "
-                "packed forward does not run: put the module's own back, then pe.pack(model)")
+                f"is another function ({_function_name(fn)}) that the packed forward does not run: put the module's "
+                "own back, then pe.pack(model)")
     name = implementation if implementation in (None, "paged|eager") else implementation.removeprefix("paged|")
     try:
         fn = registry[name]
@@ -495,9 +491,9 @@ def attention_problem(hf, implementation) -> str | None:
     if fn in _own_attention(hf):
         return _mask_problem(implementation)
     return (f"config._attn_implementation is {implementation!r}, a registered attention function "
-            f"({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}) that the packed forward does not "
-            "run (it computes softmax attention over each layer's window, as transformers' sdpa, flash, flex and "
-            "eager attention do): model.set_attn_implementation('sdpa'), then pe.pack(model)")
+            f"({_function_name(fn)}) that the packed forward does not run (it computes softmax attention over each "
+            "layer's window, as transformers' sdpa, flash, flex and eager attention do): "
+            "model.set_attn_implementation('sdpa'), then pe.pack(model)")
 
 
 def config_problem(model: nn.Module, params, snap: dict | None = None) -> str | None:
