@@ -69,7 +69,8 @@ class Tuning:
         graph_memory_fraction: the fraction of free GPU memory the encoder's graphs may hold (their LRU budget).
         free_memory_bytes: free memory on the model's CUDA device at ``pack()`` (``None``: not on CUDA then;
             measured at the first capture instead).
-        env: every ``PACKED_ENCODERS_*`` variable set at ``pack()``, as ``(name, value)`` pairs.
+        env: every ``PACKED_ENCODERS_*`` variable set at ``pack()``, as ``(name, value)`` pairs (``describe()``
+            lists those that name no switch, warned about and ignored, under ``ignored_env``).
     """
 
     graphs: bool = True
@@ -97,6 +98,7 @@ class Tuning:
     def describe(self) -> dict:
         out = asdict(self)
         out["env"] = dict(self.env)
+        out["ignored_env"] = [name for name, _ in self.env if name not in KNOWN]  # (warned at pack())
         out["read"] = "at pack(); pe.pack(model, ...) again re-reads"
         return out
 

@@ -212,7 +212,13 @@ def test_unknown_variables_and_a_missing_policy_file_are_not_ignored(monkeypatch
 
     monkeypatch.setenv("PACKED_ENCODERS_GRAPHS", "0")  # (the switch is PACKED_ENCODERS_GRAPH)
     with pytest.warns(UserWarning, match="PACKED_ENCODERS_GRAPHS is not among"):
-        assert read_tuning().graphs is True
+        tuning = read_tuning()
+    assert tuning.graphs is True
+    assert tuning.describe()["ignored_env"] == ["PACKED_ENCODERS_GRAPHS"]
+    monkeypatch.setenv("PACKED_ENCODERS_GRAPH", "1")
+    with pytest.warns(UserWarning, match="PACKED_ENCODERS_GRAPHS is not among"):
+        assert read_tuning().describe()["ignored_env"] == ["PACKED_ENCODERS_GRAPHS"]
+    monkeypatch.delenv("PACKED_ENCODERS_GRAPH")
     monkeypatch.delenv("PACKED_ENCODERS_GRAPHS")
     monkeypatch.setenv("PACKED_ENCODERS_POLICY", str(tmp_path / "missing.json"))
     with pytest.raises(pe.PackedEncodersError, match="PACKED_ENCODERS_POLICY=.*no such file"):
