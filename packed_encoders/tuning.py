@@ -98,9 +98,14 @@ class Tuning:
     def describe(self) -> dict:
         out = asdict(self)
         out["env"] = dict(self.env)
-        out["ignored_env"] = [name for name, _ in self.env if name not in KNOWN]  # (warned at pack())
+        out["ignored_env"] = _ignored(self.env)  # (warned at pack())
         out["read"] = "at pack(); pe.pack(model, ...) again re-reads"
         return out
+
+
+def _ignored(env: tuple) -> list:
+    """The names among ``env``'s ``(name, value)`` pairs that are none of :data:`KNOWN` (misspellings)."""
+    return [name for name, _ in env if name not in KNOWN]
 
 
 def _fraction(value: str | None) -> float:
@@ -137,7 +142,7 @@ def read_tuning(device=None) -> Tuning:
     except ValueError as exc:
         raise PackedEncodersError(str(exc)) from None
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(PREFIX)))
-    unknown = [k for k, _ in env if k not in KNOWN]
+    unknown = _ignored(env)
     if unknown:
         warnings.warn(f"packed_encoders: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not among its "
                       f"environment variables ({', '.join(KNOWN)}): ignored", UserWarning, stacklevel=3)
