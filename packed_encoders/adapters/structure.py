@@ -421,7 +421,8 @@ def _own_attention(hf) -> frozenset:
 
 @functools.cache
 def _mask_registry() -> tuple:
-    """``(transformers' AttentionMaskInterface registry, its own mask functions)``; ``(None, ())`` without one."""
+    """``(transformers' AttentionMaskInterface registry, its own mask functions)``; ``(None, frozenset())``
+    without one."""
     try:
         from transformers import masking_utils as mu
     except ImportError:

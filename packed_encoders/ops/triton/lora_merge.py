@@ -3,8 +3,9 @@ gradients (:func:`packed_encoders.model.calls.merged_weights`).
 
 The rank-``r`` product is summed in fp32 (one dot per tile) from the stored factors (fp32 in peft on a bf16
 model, or the weight's dtype) and added to ``W`` in fp32; the result is rounded once. One launch reads ``W`` once
-and writes the result once: the torch ops it replaces cast the factors, copy ``W`` and run an ``addmm`` (four launches per slot, three
-passes over ``W``-sized memory), which dominated a short call's GPU time with adapters on every slot.
+and writes the result once: the torch ops it replaces cast the factors, copy ``W`` and run an ``addmm`` (four
+launches per slot, three passes over ``W``-sized memory), which dominated a short call's GPU time with adapters on
+every slot.
 """
 
 from __future__ import annotations
