@@ -248,6 +248,23 @@ def test_a_4d_mask_reason_does_not_vary_with_the_batch_shape():
     assert list(pe.describe(model)["encoders"][0]["stock_forward_calls"].values()) == [len(widths)]
 
 
+@pytest.mark.parametrize("positional", [False, True])
+def test_ids_not_batch_by_width_with_a_per_query_mask_are_named(positional):
+    """3-D ids with a 3-D mask (a stray batch dimension on both): stock fails inside with an IndexError, and the
+    mask alone read as one per query and key ran stock, warned; the ids' shape is named instead, as without a mask,
+    and nothing is counted as a stock call."""
+    model = pe.pack(make_model("tiny"))
+    ids, mask = padded_batch([5, 3])
+    args, kw = (ids[None], mask[None]), {}
+    if not positional:
+        args, kw = (), dict(zip(("input_ids", "attention_mask"), args))
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.filterwarnings("error", message="packed_encoders")
+        with pytest.raises(pe.PackedEncodersError, match=r"input_ids must be \[batch, seq_len\]; got shape \(1, 2, 5"):
+            model(*args, **kw)
+    assert not pe.describe(model)["encoders"][0].get("stock_forward_calls")
+
+
 @pytest.mark.parametrize("ask", ["config", "torch"])
 def test_a_deterministic_request_with_gradients_on_cuda_runs_the_stock_forward(monkeypatch, ask):
     """``config.deterministic_flash_attn`` (which HF passes to FlashAttention-2's backward) and torch's deterministic

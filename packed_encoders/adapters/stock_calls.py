@@ -58,6 +58,15 @@ def deterministic_reason(model: nn.Module) -> str | None:
     return None
 
 
+def _batched(names: tuple[str, ...], args: tuple, kwargs: dict) -> bool:
+    """Whether ``input_ids`` is absent or ``[batch, seq_len]``: ids of another rank with a mask per query and key
+    fail inside stock as an ``IndexError``; the packed path's check names their shape instead."""
+    ids = kwargs.get("input_ids")
+    if ids is None and args and "input_ids" in names[:len(args)]:
+        ids = args[names.index("input_ids")]
+    return not isinstance(ids, torch.Tensor) or ids.dim() == 2
+
+
 def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict) -> str | None:
     """Why this call must run the stock forward, or ``None``. ``names``: the forward's positional parameter names
     (after ``self``), to find ``attention_mask`` passed positionally. A few dict lookups on the hot path."""
@@ -73,7 +82,7 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
     if isinstance(mask, dict):
         return ("attention_mask is a dict of per-layer-type masks (HF's precomputed mask mapping); the packed path "
                 "reads a [batch, seq_len] padding mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() > 2:
+    if isinstance(mask, torch.Tensor) and mask.dim() > 2 and _batched(names, args, kwargs):
         # no shape in the reason: it keys the per-model counts and the once-per-reason warning, which would grow
         # with every batch shape a service sees
         return (f"attention_mask is a {mask.dim()}-D tensor (a mask per query and key); "
