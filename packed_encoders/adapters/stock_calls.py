@@ -58,12 +58,17 @@ def deterministic_reason(model: nn.Module) -> str | None:
     return None
 
 
-def _batched(names: tuple[str, ...], args: tuple, kwargs: dict) -> bool:
+def _argument(name: str, names: tuple[str, ...], args: tuple, kwargs: dict):
+    """The call's ``name`` argument, given by keyword or positionally (``names``: the positional parameters)."""
+    value = kwargs.get(name)
+    if value is None and args and name in names[:len(args)]:
+        value = args[names.index(name)]
+    return value
+
+
+def _batched(ids) -> bool:
     """Whether ``input_ids`` is absent or ``[batch, seq_len]``: ids of another rank with a mask per query and key
     fail inside stock as an ``IndexError``; the packed path's check names their shape instead."""
-    ids = kwargs.get("input_ids")
-    if ids is None and args and "input_ids" in names[:len(args)]:
-        ids = args[names.index("input_ids")]
     return not isinstance(ids, torch.Tensor) or ids.dim() == 2
 
 
@@ -76,13 +81,11 @@ def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwa
         return JIT_TRACE
     if _functorch_level() is not None:
         return FUNCTORCH
-    mask = kwargs.get("attention_mask")
-    if mask is None and args and "attention_mask" in names[:len(args)]:
-        mask = args[names.index("attention_mask")]
+    mask = _argument("attention_mask", names, args, kwargs)
     if isinstance(mask, dict):
         return ("attention_mask is a dict of per-layer-type masks (HF's precomputed mask mapping); the packed path "
                 "reads a [batch, seq_len] padding mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() > 2 and _batched(names, args, kwargs):
+    if isinstance(mask, torch.Tensor) and mask.dim() > 2 and _batched(_argument("input_ids", names, args, kwargs)):
         # no shape in the reason: it keys the per-model counts and the once-per-reason warning, which would grow
         # with every batch shape a service sees
         return (f"attention_mask is a {mask.dim()}-D tensor (a mask per query and key); "
