@@ -74,7 +74,8 @@ def _batched(ids) -> bool:
 
 def stock_call_reason(model: nn.Module, names: tuple[str, ...], args: tuple, kwargs: dict) -> str | None:
     """Why this call must run the stock forward, or ``None``. ``names``: the forward's positional parameter names
-    (after ``self``), to find ``attention_mask`` passed positionally. A few dict lookups on the hot path."""
+    (after ``self``), to find ``attention_mask`` and ``input_ids`` passed positionally. A few dict lookups on the hot
+    path."""
     if torch.compiler.is_exporting():
         return EXPORT
     if torch.jit.is_tracing():
