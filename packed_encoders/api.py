@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -41,8 +42,8 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
     ColBERT, or any ``nn.Module`` holding them. Weights are not copied. The environment switches
     (``PACKED_ENCODERS_*``) are read here, once, into the encoder's frozen tuning (``describe()["encoders"][i]
     ["tuning"]``). Calling ``pack`` again with the same options and switches keeps the encoder's state (its graphs
-    and validation; ``validation_lengths``, or weights moved to another dtype or device since the check, validate it
-    again); with other options (or changed switches) it
+    and validation; ``validate=False`` keeps an earlier validation, and ``validation_lengths``, or weights moved to
+    another dtype or device since the check, validate it again); with other options (or changed switches) it
     reconfigures to exactly those (unset ones take their defaults: ``pack(model)`` after ``pack(model,
     cuda_graph=GraphConfig(...))`` returns to the automatic graphs; use :func:`~packed_encoders.set_cuda_graph` to
     change graphs alone). Either way, with any
@@ -118,7 +119,9 @@ def pack(target, *, attention_backend: str = "auto", kernels: str = "auto", vali
         # a validation in another dtype or device than the weights' now does not cover the kernels they run
         stale = (validate and current is not None
                  and _validated(current.report, model.embeddings.tok_embeddings.weight) is None)
-        if (current is not None and current.options == options and same_switches(current.tuning, tuning)
+        # ``validate`` chooses a check, not the path: ``validate=False`` keeps an earlier validation and graphs
+        if (current is not None and current.options == replace(options, validate=current.options.validate)
+                and same_switches(current.tuning, tuning)
                 and current.params == params and not (validate and validation_lengths is not None)
                 and not stale):
             kept.append((model, current))

@@ -630,3 +630,19 @@ def test_hub_kernels_are_named_in_describe_and_in_a_failed_validation():
     with pytest.raises(pe.ValidationError, match="stock ran transformers hub kernels the packed path replaces: "
                                                  "rotary_pos_emb on"):
         pe.pack(model)
+
+
+def test_pack_again_with_validate_false_keeps_the_state():
+    """``validate`` chooses a check, not the packed path: ``pe.pack(model, validate=False)`` after ``pe.pack(model)``
+    keeps the state (its validation, graphs and counters), and ``pe.pack(model)`` after ``validate=False`` validates
+    it (a new state, as for any pack that validates)."""
+    model = pe.pack(make_model("base_like"))
+    state = model.__dict__[STATE_ATTR]
+    pe.pack(model, validate=False)
+    assert model.__dict__[STATE_ATTR] is state
+    assert pe.describe(model)["encoders"][0]["validated"] is True
+    pe.pack(model, attention_backend="sdpa", validate=False)  # another option: a new state, not validated
+    assert model.__dict__[STATE_ATTR] is not state
+    assert pe.describe(model)["encoders"][0]["validated"] is None
+    pe.pack(model, attention_backend="sdpa")
+    assert pe.describe(model)["encoders"][0]["validated"] is True

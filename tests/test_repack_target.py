@@ -101,15 +101,18 @@ def test_query_expansion_of_a_wrapper_packed_over_its_packed_encoder_is_watched(
     assert _padded_outputs(wrapper) == "zeros"
 
 
-@pytest.mark.parametrize("options", [dict(cuda_graph=False), dict(validate=False), dict(attention_backend="sdpa")])
+@pytest.mark.parametrize("options", [dict(cuda_graph=False), dict(kernels="torch", validate=False),
+                                     dict(attention_backend="sdpa"), dict(validate=False)])
 def test_packing_the_encoder_again_alone_keeps_its_heads_needs(options):
     """``pe.pack(qa); pe.pack(qa.model, <another option>)``: the head around the encoder still reads its trailing
-    positions and still checks its span loss (left padding runs the stock forward)."""
+    positions and still checks its span loss (left padding runs the stock forward); with the state new (another
+    option) or kept (``validate=False`` alone)."""
     qa = _qa()
     stock = copy.deepcopy(qa)
     pe.pack(qa)
+    before = get_state(qa.model)
     pe.pack(qa.model, **options)
-    assert get_state(qa.model).options.validate == options.get("validate", True)  # the new options hold
+    assert (get_state(qa.model) is before) == (options == dict(validate=False))
     assert _padded_outputs(qa) == "trailing masked positions computed"
     torch.testing.assert_close(_qa_loss(qa), _qa_loss(stock), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(_qa_loss(qa, "left"), _qa_loss(stock, "left"), atol=1e-5, rtol=1e-5)
