@@ -66,6 +66,7 @@ from typing import Callable
 
 import torch
 
+from .adapters.fsdp import sharded
 from .errors import PackedEncodersError
 from .pooling import mean_pool
 
@@ -406,6 +407,22 @@ class Encoder:
             self._scored(out, torch.ones_like(ids))
 
 
+def unwrapped(model):
+    """The module inside a ``DistributedDataParallel`` / ``DataParallel`` or ``torch.compile`` wrapper (nested ones
+    too), else ``model``: indexing is a forward without gradient, which needs neither the wrapper's gradient sync
+    nor its compiled frames, and reads the model's own modules and ``state_dict`` (without the wrapper's prefix,
+    so the run's fingerprint is the bare model's)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
 def pools_here(model) -> bool:
     """Whether ``--pooling`` shapes this model's pooled vectors: a bare ``ModernBertModel`` (or the encoder of a HF
     task head), run on the flat batch and pooled here; a sentence-transformers or PyLate model pools (or not) as its
@@ -654,7 +671,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
 
     Args:
         model: a packed (or packable) model on this rank's device: a ``ModernBertModel``, SentenceTransformer,
-            PyLate ColBERT, ...; run in eval mode (no dropout), each module's own mode restored afterwards.
+            PyLate ColBERT, ...; run in eval mode (no dropout), each module's own mode restored afterwards. In a
+            ``DistributedDataParallel`` or ``torch.compile`` wrapper, the module inside it runs (:func:`unwrapped`).
         output: ``"pooled"`` (one vector per item) or ``"tokens"`` (a vector per token, flat, with ``cu_seqlens``).
         pooling: ``"mean"`` or ``"cls"``, for a bare ``ModernBertModel`` with ``output="pooled"`` (``None``: mean
             there; given where it would shape nothing, refused).
@@ -671,7 +689,8 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     Raises:
         PackedEncodersError: a missing, empty or malformed corpus, ``batch_tokens`` / ``chunk_tokens`` below 1, an
             ``out_dtype`` that is not a floating ``torch.dtype``, a ``pooling`` that would shape none of the
-            vectors (:func:`pooling_problem`), ``pad_id`` outside the model's vocabulary, or
+            vectors (:func:`pooling_problem`), ``pad_id`` outside the model's vocabulary, a model whose weights
+            are sharded (FSDP2, tensor parallelism: each rank needs the whole model), or
             ``out_dir`` holding an index of another corpus (its size, modification time or SHA-256 differ) or
             settings (chunking, output, pooling, ``out_dtype``, ``pad_id`` or the model: :func:`model_fingerprint`),
             or ranks called with different ones (or corpus files of different size or modification time), or a
@@ -680,6 +699,13 @@ def index_corpus(model, corpus: str, out_dir: str, *, output: str = "pooled", po
     for name, value in (("batch_tokens", batch_tokens), ("chunk_tokens", chunk_tokens)):
         if type(value) is not int or value < 1:
             raise PackedEncodersError(f"{name}={value!r}: expected a positive number of tokens")
+    model = unwrapped(model)
+    if sharded(model):
+        # every rank encodes its own chunks, a different number of forwards; a sharded forward all-gathers the
+        # weights with every other rank, so ranks would wait on each other (or read shards)
+        raise PackedEncodersError(f"index_corpus: the {type(model).__name__}'s weights are sharded (DTensor "
+                                  "parameters: FSDP2 fully_shard or tensor parallelism), but each rank encodes "
+                                  "its own chunks and needs the whole model; load it unsharded on every rank")
     if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
         raise PackedEncodersError(f"out_dtype={out_dtype!r}: expected a floating torch.dtype (e.g. torch.float16)")
     problem = pooling_problem(model, output, pooling)

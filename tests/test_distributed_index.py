@@ -1110,3 +1110,43 @@ def test_token_vectors_and_a_mask_of_other_lengths_are_refused_before_anything_i
     with pytest.raises(pe.PackedEncodersError, match="token_embeddings of shape .* attention_mask of shape"):
         index_corpus(model, corpus, str(tmp_path / "out"), output="tokens", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _wrapped_worker(rank, world, rendezvous, model_dir, corpus, tmp):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    import packed_encoders as pe
+    from packed_encoders.errors import PackedEncodersError
+
+    init(rank, world, rendezvous)
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    index_corpus(DistributedDataParallel(model), corpus, os.path.join(tmp, "ddp"), chunk_tokens=CHUNK_TOKENS,
+                 batch_tokens=BATCH_TOKENS, progress=False)
+    fully_shard(model)
+    with pytest.raises(PackedEncodersError, match="sharded .*FSDP2.*needs the whole model"):
+        index_corpus(model, corpus, os.path.join(tmp, "fsdp"), progress=False)
+    assert not os.path.exists(os.path.join(tmp, "fsdp"))
+    dist.destroy_process_group()
+
+
+def test_wrapped_models_index_as_the_model_inside_and_sharded_ones_are_refused(setup, tmp_path):
+    """A model in ``DistributedDataParallel``, ``DataParallel`` or ``torch.compile`` indexes as the model inside it
+    (the same vectors and fingerprint: a run with the bare model resumes it as its own); one whose weights are
+    FSDP2 shards is refused, naming why, before anything is written."""
+    import packed_encoders as pe
+
+    _, model_dir, corpus = setup
+    ref = _single(model_dir, corpus, str(tmp_path / "bare"), "pooled")
+    model = pe.pack(load_model(model_dir, torch.device("cpu"), torch.float32))
+    for name, wrapped in (("compiled", torch.compile(model)), ("dp", torch.nn.DataParallel(torch.compile(model)))):
+        out = str(tmp_path / name)
+        index_corpus(wrapped, corpus, out, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+        got = load_index(out)
+        assert got["ids"] == ref["ids"]
+        torch.testing.assert_close(got["embeddings"], ref["embeddings"], atol=1e-5, rtol=1e-5)
+        index_corpus(model, corpus, out, chunk_tokens=CHUNK_TOKENS, batch_tokens=BATCH_TOKENS, progress=False)
+    spawn(_wrapped_worker, 1, tmp_path, model_dir, corpus, str(tmp_path))
+    torch.testing.assert_close(load_index(str(tmp_path / "ddp"))["embeddings"], ref["embeddings"], atol=1e-5,
+                               rtol=1e-5)
