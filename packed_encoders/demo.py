@@ -126,7 +126,8 @@ def _parity(stock_outs, packed_outs, batches):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m packed_encoders.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="local checkpoint path (default: ModernBERT-base config)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
                  "(ModernBERT's vocabulary); save the checkpoint's tokenizer beside it"),
               file=sys.stderr)
         return 2
-    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else PAD_ID
+    # padding is masked, so any id of the vocabulary serves; stock's embedding looks it up, so it must be one
+    pad_id = next(i for i in (model.config.pad_token_id, PAD_ID, 0) if i is not None and 0 <= i < vocab)
     print(f"model: {source} | {str(dtype).replace('torch.', '')} on {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     endpoints = {"queries": _batches(queries, args.batch, pad_id, device),
@@ -234,7 +236,7 @@ def main(argv=None) -> int:
               f"path's own overhead, in {str(dtype).replace('torch.', '')}; it moves with whatever else the CPU runs "
               "and says nothing about the GPU kernels, attention backends or CUDA graphs (time those on a GPU: "
               "benchmarks/).")
-    print(f"attention used (last call): {info['last_attention'] or pe.describe(model)['encoders'][0]['last_attention']}")
+    print(f"attention used (last call): {pe.describe(model)['encoders'][0]['last_attention']}")
     print("parity: ok" if ok else "parity: FAILED")
     return 0 if ok else 1
 

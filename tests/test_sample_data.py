@@ -112,3 +112,16 @@ def test_calibrate_from_a_file_that_is_no_sweep_exits_with_a_message(tmp_path, c
     for name in ("missing.json", "list.json", "text.json"):
         assert calibrate.main(["--from-sweep", str(tmp_path / name), "--out", str(tmp_path / "p.json")]) == 2
         assert f"--from-sweep {tmp_path / name}: " in capsys.readouterr().err
+
+
+def test_demo_pads_with_an_id_of_the_vocabulary_when_the_config_names_none(tmp_path, capsys):
+    """A checkpoint whose config has no ``pad_token_id`` used to be padded with ModernBERT's [PAD] id (50283),
+    past a smaller vocabulary: stock's embedding raised ``IndexError`` (exit 1, the parity failure's code). Padding
+    is masked, so any id of the vocabulary serves."""
+    from packed_encoders import demo
+    from tests.tiny_tokenizer import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "model", pad_token_id=None)
+    assert demo.main(["--model", path, "--device", "cpu", "--documents", "1", "--queries", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "parity: ok" in out and "attention used (last call): {" in out
