@@ -7,6 +7,7 @@ sequences/s and real (non-pad) tokens/s.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -24,6 +25,37 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python benchmarks/x.py` as well as `python -m benchmarks.x`
     sys.path.insert(0, str(ROOT))
+
+
+# ------------------------------------------------------------------------------------ arguments
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An ``argparse`` type: an integer ``>= low`` (argparse names the option in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse
+
+
+DTYPES = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+
+
+def device_of(name: str | None) -> str:
+    """``--device`` (``None``: cuda when available, else cpu), refused here when torch cannot parse it or it names
+    CUDA on a machine without, rather than in every child."""
+    device = name or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        torch.device(device)
+    except RuntimeError as exc:
+        raise SystemExit(f"--device {device}: {exc}") from None
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available")
+    return device
 
 
 # ------------------------------------------------------------------------------------ environment
@@ -433,6 +465,7 @@ def segment_mean(x: torch.Tensor, seq_index: torch.Tensor, lengths: torch.Tensor
 # ------------------------------------------------------------------------------------------- rows
 
 def dtype_of(name: str) -> torch.dtype:
+    """A :data:`DTYPES` name's dtype."""
     return {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
             "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[name]
 

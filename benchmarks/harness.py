@@ -41,13 +41,15 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for JSON rows")
     ap.add_argument("--quick", action="store_true", help="smaller sweep (fewer sequences)")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    ap.add_argument("--dtype", default=None, help="bf16 (CUDA default), fp16 or fp32 (CPU default)")
+    ap.add_argument("--dtype", default=None, choices=common.DTYPES, help="bf16 (CUDA default), fp16 or fp32 (CPU "
+                    "default)")
     ap.add_argument("--config", default="modernbert-base", help="random-init config (see benchmarks/models.py)")
     ap.add_argument("--model", default=None, help="local checkpoint directory instead of a random model")
     ap.add_argument("--families", default="hf", help="comma list of hf, st, colbert (or 'all')")
     ap.add_argument("--variants", default=None, help="comma list (default: all; see benchmarks/variants.py)")
-    ap.add_argument("--trials", type=int, default=5, help="timed passes over the workload (>= 5)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed passes (the first one is reported)")
+    ap.add_argument("--trials", type=common.at_least(1), default=5, help="timed passes over the workload (>= 5)")
+    ap.add_argument("--warmup", type=common.at_least(0), default=1, help="untimed passes (the first one is "
+                    "reported)")
     ap.add_argument("--tokens", default=None, help="token cache (default benchmarks/.cache/tokens.npz)")
     ap.add_argument("--seed", type=int, default=0, help="which sequences are drawn")
     ap.add_argument("--timeout", type=float, default=420, help="seconds per child process")
@@ -59,11 +61,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def resolve_device(args) -> tuple[str, str]:
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but CUDA is not available")
+    device = common.device_of(args.device)
     return device, args.dtype or common.default_dtype(device)
 
 
@@ -171,7 +169,7 @@ def run_parent(args, runner: str, endpoints: list[Endpoint], module: str) -> int
             return PARITY_EXIT
         common.finish_rows(path, partial, rows, t_start)
         print(render.markdown(rows))
-        return 0
+        return 0 if all(r.get("status") != "error" for r in rows) else 1  # (the error rows are published)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -17,6 +17,7 @@ import tempfile
 
 import numpy as np
 
+from benchmarks.common import at_least
 from benchmarks.harness import Endpoint, main
 
 # documents per timed pass: (full, --quick, --quick on CPU)
@@ -33,10 +34,10 @@ def endpoints(args) -> list[Endpoint]:
 
 
 def extra_args(ap) -> None:
-    ap.add_argument("--batch", type=int, default=128, help="documents per call")
+    ap.add_argument("--batch", type=at_least(1), default=128, help="documents per call")
     ap.add_argument("--corpus", default="long", choices=("long", "passages"),
                     help="cached set to index (long: BoolQ 5-shot prompts, p50 ~925 tokens)")
-    ap.add_argument("--num-seqs", type=int, default=None, help="documents per timed pass")
+    ap.add_argument("--num-seqs", type=at_least(1), default=None, help="documents per timed pass")
 
 
 def _file_size(arrays: dict) -> int:

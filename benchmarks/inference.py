@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 
+from benchmarks.common import at_least
 from benchmarks.harness import Endpoint, main
 from benchmarks.workloads import UNTUNED
 
@@ -44,12 +45,12 @@ def endpoints(args) -> list[Endpoint]:
 
 
 def extra_args(ap) -> None:
-    ap.add_argument("--batch", type=int, default=8, help="sequences per call")
+    ap.add_argument("--batch", type=at_least(1), default=8, help="sequences per call")
     ap.add_argument("--endpoints", default="queries,documents",
                     help="comma list of queries, documents, mixed, fixed512, fixed32")
     ap.add_argument("--doc-set", default="long", choices=("long", "passages"),
                     help="cached set used as documents (long: BoolQ 5-shot prompts, p50 ~925 tokens)")
-    ap.add_argument("--num-seqs", type=int, default=None, help="sequences per timed pass (per endpoint)")
+    ap.add_argument("--num-seqs", type=at_least(1), default=None, help="sequences per timed pass (per endpoint)")
 
 
 if __name__ == "__main__":

@@ -686,9 +686,7 @@ def run_parent(args) -> int:
     from benchmarks import render
     from benchmarks.models import model_dir_for
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but CUDA is not available")
+    device = common.device_of(args.device)
     quick_cpu = args.quick and device == "cpu"
     if args.steps is None:
         args.steps = 3 if quick_cpu else 10 if args.quick else 47
@@ -796,10 +794,11 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=None,
                     help=f"comma list (default: all of {', '.join(VARIANTS)}; {', '.join(NAMED_VARIANTS)} only when "
                          "named); NAME@DIR: NAME with the package of the tree DIR")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 47; --quick 10)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 3; --quick 2)")
-    ap.add_argument("--profile-steps", type=int, default=None, help="steps under torch.profiler after the timed "
-                                                                    "ones (default 3)")
+    ap.add_argument("--steps", type=common.at_least(1), default=None, help="timed steps (default 47; --quick 10)")
+    ap.add_argument("--warmup", type=common.at_least(0), default=None,
+                    help="untimed first steps (default 3; --quick 2)")
+    ap.add_argument("--profile-steps", type=common.at_least(0), default=None,
+                    help="steps under torch.profiler after the timed ones (default 3)")
     ap.add_argument("--tokens", default=None, help="token cache (default benchmarks/.cache/tokens.npz)")
     ap.add_argument("--seed", type=int, default=0, help="which texts each step gets")
     ap.add_argument("--run-id", default=None, help="shared by rows of several commands (ratios are taken within a "

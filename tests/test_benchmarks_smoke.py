@@ -182,3 +182,33 @@ def test_harness_modules_leave_the_package_unimported():
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'packed_encoders'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr[-2000:]
+
+
+def test_harness_refuses_bad_arguments_and_exits_1_when_a_variant_fails(tmp_path, monkeypatch, capsys):
+    """Arguments the children could not use are refused up front (they used to end in tracebacks, or in an error
+    row per variant and exit 0); a run whose child fails publishes the error rows and exits 1."""
+    import pytest
+
+    from benchmarks import harness, inference
+    from benchmarks.data import cache_from_sample
+
+    tokens = cache_from_sample(tmp_path / "tokens.npz")
+    base = ["--quick", "--device", "cpu", "--config", "tiny", "--tokens", str(tokens), "--out", str(tmp_path / "r"),
+            "--variants", "packed", "--endpoints", "queries"]
+
+    def run(*extra):
+        return harness.main("inference", "benchmarks.inference", inference.endpoints, "", argv=[*base, *extra],
+                            extra_args=inference.extra_args)
+
+    for bad, says in ((["--dtype", "fp8"], "invalid choice"), (["--batch", "0"], "0 is below 1"),
+                      (["--trials", "0"], "0 is below 1"), (["--num-seqs", "-3"], "-3 is below 1")):
+        with pytest.raises(SystemExit):
+            run(*bad)
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--device foo"):
+        run("--device", "foo")
+    monkeypatch.setattr(harness, "_spawn", lambda *a: ([], 1, "RuntimeError: boom\n"))
+    assert run() == 1
+    (path,) = (tmp_path / "r").glob("inference_*.jsonl")
+    assert [(r["status"], r["reason"]) for r in map(json.loads, path.read_text().splitlines())] == [
+        ("error", "RuntimeError: boom")]
