@@ -996,8 +996,10 @@ def main(argv=None) -> int:
                     help="mean (default) or cls: pools a bare ModernBERT checkpoint's output (--output pooled); "
                          "a sentence-transformers folder pools as its own modules say, and token vectors are not "
                          "pooled, so it is refused there")
-    ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--chunk-tokens", type=int, default=1 << 20)
+    ap.add_argument("--batch-tokens", type=int, default=16384, help="real tokens per forward")
+    ap.add_argument("--chunk-tokens", type=int, default=1 << 20,
+                    help="tokens per chunk file, the unit dealt to ranks and of resumption (default 1,048,576: a "
+                         "corpus of fewer than ranks x chunk tokens leaves ranks idle; lower it for small corpora)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
                     help="model dtype (default bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--out-dtype", choices=("bfloat16", "float16", "float32"), default="float32")
