@@ -301,3 +301,25 @@ def test_a_deterministic_request_with_gradients_on_cuda_runs_the_stock_forward(m
         pe.packed_forward(model, None, flat, cu, 12)
     with torch.no_grad():
         pe.packed_forward(model, None, flat, cu, 12)
+
+
+def test_a_flattened_call_run_by_the_stock_forward_says_its_sequences_attend_to_each_other():
+    """A flattening collator's call (``cu_seq_lens_q``, batch 1) keeps its sequences apart on the packed path;
+    sent to the stock forward (here by ``output_attentions=True``), SDPA reads no ``cu_seq_lens``, so they attend
+    to each other: the warning and describe() say so, and the output is stock's."""
+    model = pe.pack(make_model("tiny"))
+    ids = torch.randint(5, 100, (1, 12))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    kw = dict(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    with torch.no_grad():
+        apart = torch.cat([model(input_ids=ids[:, a:b]).last_hidden_state for a, b in ((0, 5), (5, 12))], 1)
+        torch.testing.assert_close(model(**kw).last_hidden_state, apart, atol=1e-5, rtol=1e-5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model(**kw, output_attentions=True).last_hidden_state
+        ref = stock(model, **kw, output_attentions=True).last_hidden_state
+    torch.testing.assert_close(out, ref)
+    (said,) = [str(w.message) for w in caught if "packed_encoders" in str(w.message)]
+    assert "output_attentions" in said and "sequences attend to each other" in said
+    (reason,) = pe.describe(model)["encoders"][0]["stock_forward_calls"]
+    assert "does not read cu_seq_lens_q" in reason

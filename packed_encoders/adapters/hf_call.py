@@ -167,6 +167,11 @@ def _caller_stacklevel() -> int:
 def _stock_fallback(model, state, reason: str, args, kwargs):
     """Run HF's own forward because the packed one cannot reproduce the live modules or the call (warned once
     per reason; ``describe()["encoders"][i]["stock_forward_calls"]`` counts the calls per reason)."""
+    impl = str(getattr(model.config, "_attn_implementation", None))
+    if kwargs.get("cu_seq_lens_q") is not None and "flash" not in impl:
+        # the packed path keeps the sequences apart; stock's SDPA / eager attention reads no cu_seq_lens
+        reason += (f"; stock's {impl} attention does not read cu_seq_lens_q, so this call's sequences attend to "
+                   "each other there")
     counts = state.runtime.setdefault("stock_forward_calls", {})
     counts[reason] = counts.get(reason, 0) + 1
     if counts[reason] == 1:
