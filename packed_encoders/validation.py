@@ -326,6 +326,11 @@ def validate(target, *, lengths=None, attention_backend: str | None = None, kern
              raise_on_failure: bool = False) -> ValidationReport:
     """Validate every ModernBERT encoder inside ``target`` on the path it runs (or would run after ``pack``).
 
+    The check runs stock HF and the packed path without dropout: ``target`` is in eval mode while it runs, and every
+    module is back in its own mode after (:func:`eval_mode`). Another thread calling ``target`` meanwhile runs in
+    eval mode too, and a ``train()`` / ``eval()`` it makes meanwhile is undone: validate (or ``pack`` with
+    ``validate=True``) before serving or training from other threads.
+
     Args:
         lengths: real-token lengths of the rows of the check batch (default: past the local window, see
             the module docstring).
